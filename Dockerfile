@@ -1,0 +1,36 @@
+# heapscope daemon image: Debian 12, the same Debian packages as `make setup`, heapscope in a venv.
+#
+#   docker build -t heapscope .
+#   docker run --rm --privileged --pid=host heapscope attach PID
+#
+# At run time it needs the host's PID namespace (--pid=host) to see the target, and BPF + uprobes:
+# --privileged, or at least --cap-add=BPF --cap-add=PERFMON --cap-add=SYS_ADMIN --cap-add=SYS_PTRACE
+# with /sys/kernel/tracing reachable. Kernel headers come from the image (Debian's), and the entry point
+# links them for whatever kernel the host runs; uprobes and tracepoints do not need an exact match.
+FROM debian:bookworm-slim
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /opt/heapscope
+
+# System packages first, from the one list that `make setup` uses too, so this layer stays cached
+# while the code changes. Debian's python3 (3.11) keeps venv support in python3-venv.
+COPY scripts/setup.sh scripts/apt-packages.txt scripts/docker-entrypoint.sh scripts/
+RUN bash scripts/setup.sh apt \
+    && apt-get install -y -q --no-install-recommends python3 python3-venv ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+# The package itself (not editable), with bcc linked into the venv by the same setup step as on a
+# developer machine.
+COPY pyproject.toml README.md ./
+COPY agent/ agent/
+COPY api/ api/
+COPY probes/ probes/
+RUN PYTHON=/usr/bin/python3 VENV=/opt/heapscope/venv HEAPSCOPE_EDITABLE=0 bash scripts/setup.sh venv \
+    && rm -rf build ./*.egg-info
+
+ENV PATH=/opt/heapscope/venv/bin:$PATH
+ENTRYPOINT ["/opt/heapscope/scripts/docker-entrypoint.sh"]
+CMD ["--help"]

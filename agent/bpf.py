@@ -1,0 +1,250 @@
+"""The BPF layer: the only module that imports bcc.
+
+It compiles probes/heap.bpf.c with the settings as -D defines, attaches the uprobes chosen by discovery,
+reads the maps, and detaches, all behind a context manager. It hands out plain values (agent.model types and
+the dataclasses below), never bcc objects.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from importlib import resources
+from types import TracebackType
+
+from agent.discovery import ProbePoint
+from agent.errors import EnvironmentProblem, HeapscopeError
+from agent.model import SiteCounts
+
+# Stack key the kernel uses when its stack table is full (heap.bpf.c: HS_STACK_OVERFLOW).
+STACK_OVERFLOW = 1
+# Indexes of the control map (probes/heap.h: enum hs_control).
+CTL_ARMED = 0
+CTL_EXIT_STOP = 1
+
+
+@dataclass(frozen=True)
+class Counters:
+    """A copy of struct hs_global (probes/heap.h)."""
+
+    execs: int = 0
+    heap: int = 0
+    extra: int = 0
+    blocks: int = 0
+    time_b: int = 0
+    peak_total: int = 0
+    peak_heap: int = 0
+    peak_extra: int = 0
+    peak_time_b: int = 0
+    peak_ns: int = 0
+    peak_gen: int = 0
+    n_allocs: int = 0
+    n_frees: int = 0
+    n_reallocs: int = 0
+    alloc_bytes: int = 0
+    freed_bytes: int = 0
+    untracked_frees: int = 0
+    failed_allocs: int = 0
+    nested_calls: int = 0
+    dropped_blocks: int = 0
+    dropped_stacks: int = 0
+    dropped_sites: int = 0
+    dropped_pending: int = 0
+    lost_returns: int = 0
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_blocks + self.dropped_stacks + self.dropped_sites + self.dropped_pending
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    target_tgid: int
+    arm_on_exec: bool  # run: count from the target's exec on; attach: count from now on
+    stop_at_exit: bool = False  # run: stop the target at exit() so that its mappings can be recorded
+    free_stacks: bool = False  # charge freed bytes to the stack of the free call (xtree full)
+    heap_admin: int = 8
+    alignment: int = 16
+    max_depth: int = 40
+    max_blocks: int = 1 << 20
+    max_stacks: int = 1 << 16
+
+
+def _int(value: object) -> int:
+    """A map key as an int: batch lookups give ints, per-entry lookups give ctypes values."""
+    return int(getattr(value, "value", value))  # type: ignore[call-overload]
+
+
+def _load_bcc():  # type: ignore[no-untyped-def]
+    try:
+        import bcc
+    except ImportError as exc:
+        raise EnvironmentProblem("the bcc Python module is not available (python3-bpfcc; run `make setup`)") from exc
+    return bcc
+
+
+class HeapProbes:
+    """Compiled and attached heap probes for one target. Use as a context manager."""
+
+    def __init__(self, settings: ProbeSettings, points: Sequence[ProbePoint]) -> None:
+        self.settings = settings
+        self.points = tuple(points)
+        self._bpf = None
+        self._fds: list[int] = []
+        self._stacks: dict[int, tuple[int, ...]] = {}
+
+    # ---- life cycle -------------------------------------------------------------------------------
+
+    def __enter__(self) -> HeapProbes:
+        bcc = _load_bcc()
+        s = self.settings
+        probes_dir = str(resources.files("probes"))
+        cflags = [
+            f"-I{probes_dir}",
+            f"-DHS_TARGET_TGID={s.target_tgid}",
+            f"-DHS_ARM_ON_EXEC={1 if s.arm_on_exec else 0}",
+            f"-DHS_HEAP_ADMIN={s.heap_admin}",
+            f"-DHS_ALIGNMENT={s.alignment}",
+            f"-DHS_MAX_DEPTH={s.max_depth}",
+            f"-DHS_MAX_BLOCKS={s.max_blocks}",
+            f"-DHS_MAX_STACKS={s.max_stacks}",
+            f"-DHS_STOP_AT_EXIT={int(s.stop_at_exit)}",
+            f"-DHS_FREE_STACKS={int(s.free_stacks)}",
+        ]
+        try:
+            self._bpf = bcc.BPF(src_file=os.path.join(probes_dir, "heap.bpf.c").encode(), cflags=cflags)
+        except Exception as exc:  # bcc raises bare Exception for compile and load failures
+            raise EnvironmentProblem(f"cannot compile or load the BPF program: {exc}") from exc
+        try:
+            if not s.arm_on_exec:
+                self._set_armed(True)
+            for point in self.points:
+                self._attach(point)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def detach(self) -> None:
+        """Remove the uprobes: the target runs on untouched. The maps stay readable until close()."""
+        if self._bpf is None:
+            return
+        if self._fds:
+            self._set_armed(False)
+        lib = _load_bcc().libbcc.lib
+        for fd in self._fds:
+            lib.bpf_close_perf_event_fd(fd)
+        self._fds.clear()
+
+    def close(self) -> None:
+        self.detach()
+        if self._bpf is not None:
+            self._bpf.cleanup()
+            self._bpf = None
+
+    def _attach(self, point: ProbePoint) -> None:
+        bcc = _load_bcc()
+        assert self._bpf is not None
+        lib = bcc.libbcc.lib
+        kind = point.kind
+        entry = self._bpf.load_func(f"{kind}_enter".encode(), bcc.BPF.KPROBE)
+        path = point.path.encode()
+        pid = self.settings.target_tgid
+        ev = f"hs_{pid}_{os.getpid()}_{point.file_offset:x}".encode()
+        fd = lib.bpf_attach_uprobe(entry.fd, 0, b"p_" + ev, path, point.file_offset, pid)
+        if fd < 0:
+            raise EnvironmentProblem(f"cannot attach a uprobe to {point.symbol} in {point.path}")
+        self._fds.append(fd)
+        if kind not in ("free", "exit"):
+            # A return probe at the same emulated instruction: the kernel takes the return address from
+            # [rsp], which is still the caller's there (placement keeps %rsp untouched).
+            ret = self._bpf.load_func(b"alloc_return", bcc.BPF.KPROBE)
+            fd = lib.bpf_attach_uprobe(ret.fd, 1, b"r_" + ev, path, point.file_offset, pid)
+            if fd < 0:
+                raise EnvironmentProblem(f"cannot attach a uretprobe to {point.symbol} in {point.path}")
+            self._fds.append(fd)
+
+    def _set_armed(self, armed: bool) -> None:
+        self._set_control(CTL_ARMED, int(armed))
+
+    def stopped_at_exit(self) -> bool:
+        """The target is stopped at exit() (stop_at_exit) and waits for clear_exit_stop() and SIGCONT."""
+        return self._control(CTL_EXIT_STOP) == 1
+
+    def clear_exit_stop(self) -> None:
+        self._set_control(CTL_EXIT_STOP, 0)
+
+    def _control(self, index: int) -> int:
+        if self._bpf is None:
+            return 0
+        return int(self._bpf["control"][ctypes.c_int(index)].value)
+
+    def _set_control(self, index: int, value: int) -> None:
+        assert self._bpf is not None
+        table = self._bpf["control"]
+        table[ctypes.c_int(index)] = ctypes.c_uint64(value)
+
+    # ---- reading ----------------------------------------------------------------------------------
+
+    def counters(self) -> Counters:
+        if self._bpf is None:
+            raise HeapscopeError("probes are not loaded")
+        raw = self._bpf["globals"][ctypes.c_int(0)]
+        return Counters(**{f.name: int(getattr(raw, f.name)) for f in fields(Counters)})
+
+    def sites(self, peak_gen: int) -> dict[int, SiteCounts]:
+        """Counters per stack key, with peak_bytes resolved against the global peak number `peak_gen`."""
+        if self._bpf is None:
+            raise HeapscopeError("probes are not loaded")
+        out = {}
+        for key, v in self._items("sites"):
+            peak = v.peak_bytes if v.peak_gen == peak_gen else v.cur_bytes
+            out[_int(key)] = SiteCounts(
+                cur_bytes=v.cur_bytes,
+                cur_blocks=v.cur_blocks,
+                tot_bytes=v.tot_bytes,
+                tot_blocks=v.tot_blocks,
+                freed_bytes=v.freed_bytes,
+                freed_blocks=v.freed_blocks,
+                peak_bytes=peak,
+            )
+        return out
+
+    def stacks(self, keys: Iterable[int]) -> dict[int, tuple[int, ...]]:
+        """Return addresses behind stack keys, innermost first. Stacks never change, so they are cached."""
+        if self._bpf is None:
+            raise HeapscopeError("probes are not loaded")
+        table = self._bpf["stacks"]
+        for key in keys:
+            if key in self._stacks:
+                continue
+            if key == STACK_OVERFLOW:
+                self._stacks[key] = ()
+                continue
+            try:
+                value = table[table.Key(key)]
+            except KeyError:
+                self._stacks[key] = ()
+                continue
+            ips = []
+            for ip in value.ip:
+                if not ip:
+                    break
+                ips.append(int(ip))
+            self._stacks[key] = tuple(ips)
+        return {k: self._stacks[k] for k in keys}
+
+    def _items(self, name: str) -> list:  # type: ignore[type-arg]
+        assert self._bpf is not None
+        table = self._bpf[name]
+        try:
+            return list(table.items_lookup_batch())
+        except Exception:  # kernels without batch lookups: one syscall per entry
+            return list(table.items())

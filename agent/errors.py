@@ -1,0 +1,30 @@
+"""The project's one error hierarchy. main() turns these into a message and an exit code."""
+
+
+class HeapscopeError(Exception):
+    """An error the user can act on: printed as one line, never as a traceback."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class UsageError(HeapscopeError):
+    """Bad options or arguments."""
+
+    exit_code = 2
+
+
+class TargetError(HeapscopeError):
+    """The target process does not exist, cannot be read, or went away."""
+
+    exit_code = 3
+
+
+class EnvironmentProblem(HeapscopeError):
+    """The machine lacks something: BPF, uprobes, kernel headers, permission."""
+
+    exit_code = 4

@@ -1,0 +1,442 @@
+"""The profile model: frames, stacks, per-site counters, snapshots and Massif trees.
+
+Pure Python: no bcc, no I/O. Everything here can be tested without root.
+
+The behaviour follows Valgrind 3.19's Massif (massif/ms_main.c, coregrind/m_xtree.c): which stack frames are
+kept, how the tree of a detailed snapshot is grouped, sorted and thresholded, and how the series of snapshots
+is thinned out as a run gets longer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One code location, as Massif prints it.
+
+    `address` is the runtime address shown in the tree (the return address for a caller frame).
+    Inlined calls give several Frames with the same address, innermost first.
+    """
+
+    address: int
+    function: str | None = None  # None: unknown, printed as ???
+    file: str | None = None  # base name of the source file, as Massif shows it
+    line: int | None = None
+    obj: str | None = None  # path of the ELF object holding the address
+    # Directory + file name as DWARF gives it, for the xtree report (Valgrind writes the full name there).
+    # Not part of the frame's identity: the Massif label only shows the base name.
+    path: str | None = field(default=None, compare=False)
+
+    @property
+    def label(self) -> str:
+        """Massif's `0xADDR: fn (file:line)` / `0xADDR: fn (in /obj)` / `0xADDR: ???`."""
+        fn = self.function or "???"
+        if self.file and self.line:
+            return f"0x{self.address:X}: {fn} ({self.file}:{self.line})"
+        if self.obj:
+            return f"0x{self.address:X}: {fn} (in {self.obj})"
+        return f"0x{self.address:X}: {fn}"
+
+
+# A call stack, innermost frame (the allocation's call site) first.
+Stack = tuple[Frame, ...]
+
+
+@dataclass
+class SiteCounts:
+    """Counters of one allocation stack, as kept in the kernel (bytes are requested sizes)."""
+
+    cur_bytes: int = 0  # live bytes now
+    cur_blocks: int = 0  # live blocks now
+    tot_bytes: int = 0  # bytes ever allocated
+    tot_blocks: int = 0  # blocks ever allocated
+    freed_bytes: int = 0  # bytes of this stack's blocks freed
+    freed_blocks: int = 0
+    peak_bytes: int = 0  # live bytes at the global peak (exact)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stack trimming
+# ----------------------------------------------------------------------------------------------------
+
+# Valgrind's "below main" functions (m_debuginfo's get_fnname_kind, plus the name it prints for them).
+BELOW_MAIN_FUNCTIONS: frozenset[str] = frozenset(
+    {"__libc_start_main", "__libc_start_call_main", "generic_start_main", "(below main)"}
+)
+
+
+def ip_groups(frames: Sequence[Frame]) -> list[Stack]:
+    """Split a stack into instruction pointers: consecutive frames at one address are one IP plus its inlined
+    calls (innermost first, the real function last)."""
+    groups: list[Stack] = []
+    start = 0
+    for i in range(1, len(frames) + 1):
+        if i == len(frames) or frames[i].address != frames[start].address:
+            groups.append(tuple(frames[start:i]))
+            start = i
+    return groups
+
+
+def _main_offset(groups: Sequence[Stack]) -> int:
+    """Index of the IP where Massif stops (VG_(XT_offset_main_or_below_main)).
+
+    Scanning from the outermost IP inwards, remember each main/below-main IP and stop at the first `main`.
+    Without either, the whole stack is kept. An IP's kind is that of its real (not inlined) function.
+    """
+    last = len(groups) - 1
+    found = last
+    found_kind = "normal"
+    for i in range(last, -1, -1):
+        fn = groups[i][-1].function
+        if fn == "main":
+            return i
+        if fn in BELOW_MAIN_FUNCTIONS:
+            found, found_kind = i, "below"
+    return found if found_kind == "below" else last
+
+
+def trim_stack(frames: Sequence[Frame], alloc_fns: frozenset[str], depth: int) -> Stack:
+    """Massif's filter_IPs: the part of a raw stack (innermost first) that Massif shows.
+
+    - Drop IPs from the top while they are allocation functions. An IP with inlined frames is dropped only
+      when all its frames are alloc-fns (an alloc-fn inlined into a normal function stays).
+    - Cut everything below `main` (main itself is kept). Without main, cut below the innermost below-main
+      function (__libc_start_main...); with neither, keep everything (thread stacks end in clone).
+    - Keep at most `depth` IPs (Massif's --depth counts addresses; inlined frames come along with their IP).
+    """
+    if depth < 1:
+        raise ValueError(f"depth must be at least 1, got {depth}")
+    groups = ip_groups(frames)
+    top = 0
+    while top < len(groups) and all(f.function is not None and f.function in alloc_fns for f in groups[top]):
+        top += 1
+    n_sel = len(groups) - top
+    if n_sel > 0:
+        mbm = _main_offset(groups)
+        # Massif's special case: main itself is an alloc-fn. It keeps one IP then.
+        n_sel = 1 if mbm < top else mbm - top + 1
+    n_sel = min(n_sel, depth)
+    return tuple(f for g in groups[top : top + n_sel] for f in g)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Heap trees
+# ----------------------------------------------------------------------------------------------------
+
+HEAP_ROOT_LABEL = "(heap allocation functions) malloc/new/new[], --alloc-fns, etc."
+PAGES_ROOT_LABEL = "(page allocation syscalls) mmap/mremap/brk, --alloc-fns, etc."
+
+
+@dataclass
+class HeapNode:
+    """One node of the full (unthresholded) tree: a frame and the useful bytes of all stacks through it."""
+
+    frame: Frame
+    bytes: int = 0
+    children: dict[str, HeapNode] = field(default_factory=dict)  # keyed by Frame.label
+
+
+@dataclass
+class HeapTree:
+    """Useful heap bytes per trimmed stack, merged into a prefix tree.
+
+    The first level under the root is the innermost frame (the allocation's call site), as in Massif. Frames
+    merge when their labels are equal (address, function, file and line). A stack that ends at a node counts
+    in that node but in none of its children, as in Massif.
+    """
+
+    root_label: str = HEAP_ROOT_LABEL
+    total: int = 0
+    children: dict[str, HeapNode] = field(default_factory=dict)
+    n_stacks: int = 0
+
+    @classmethod
+    def from_stacks(cls, stacks: Mapping[Stack, int], root_label: str = HEAP_ROOT_LABEL) -> HeapTree:
+        """Build the tree. Give every stack seen so far, including those at 0 bytes: with --threshold=0
+        Massif shows sites whose blocks were all freed. Empty stacks are ignored, as Massif ignores
+        allocations with no frame left after trimming. Negative counts (a racy read) count as 0."""
+        tree = cls(root_label=root_label)
+        for stack, nbytes in stacks.items():
+            tree.add(stack, nbytes)
+        return tree
+
+    def add(self, stack: Stack, nbytes: int) -> None:
+        if not stack:
+            return
+        nbytes = max(0, int(nbytes))
+        self.total += nbytes
+        self.n_stacks += 1
+        level = self.children
+        for frame in stack:
+            key = frame.label
+            node = level.get(key)
+            if node is None:
+                node = level[key] = HeapNode(frame)
+            node.bytes += nbytes
+            level = node.children
+
+
+@dataclass(frozen=True)
+class MassifNode:
+    """A node as Massif writes it: `n<len(children)>: <bytes> <label>`."""
+
+    bytes: int
+    label: str
+    children: tuple[MassifNode, ...] = ()
+
+
+def threshold_text(n_places: int, threshold: float) -> str:
+    """Massif's label for the children that are each below the threshold, aggregated into one node."""
+    places = "place," if n_places == 1 else "places, all"
+    return f"in {n_places} {places} below massif's threshold ({threshold:.2f}%)"
+
+
+def significance_size(total: int, extra_B: int, stacks_B: int, threshold: float) -> int:
+    """The byte size a node needs to be shown (m_xtree.c): a percentage of the snapshot's whole total
+    (useful + extra + stacks). When nothing is allocated, every node is insignificant unless threshold=0."""
+    if total == 0 and threshold != 0:
+        return 1
+    return int((total + extra_B + stacks_B) * threshold / 100)
+
+
+def _sort_key(item: tuple[int, int, str]) -> tuple[int, int, str]:
+    nbytes, address, label = item
+    # Bigger first; on a tie the lower address first (the aggregated node counts as address 0), as Massif.
+    return (-nbytes, address, label)
+
+
+def _massif_children(level: Mapping[str, HeapNode], sig: int, threshold: float) -> tuple[MassifNode, ...]:
+    shown: list[tuple[tuple[int, int, str], MassifNode]] = []
+    insig_bytes = 0
+    insig_count = 0
+    for key, node in level.items():
+        if node.bytes < sig:
+            insig_bytes += node.bytes
+            insig_count += 1
+            continue
+        mn = MassifNode(node.bytes, key, _massif_children(node.children, sig, threshold))
+        shown.append(((node.bytes, node.frame.address, key), mn))
+    if insig_count:
+        label = threshold_text(insig_count, threshold)
+        shown.append(((insig_bytes, 0, ""), MassifNode(insig_bytes, label)))
+    shown.sort(key=lambda pair: _sort_key(pair[0]))
+    return tuple(mn for _, mn in shown)
+
+
+def massif_tree(tree: HeapTree, *, threshold: float, extra_B: int = 0, stacks_B: int = 0) -> MassifNode:
+    """The tree Massif writes for a detailed snapshot: children sorted by size, and at every level the
+    children below the threshold (percent of useful + extra + stacks bytes) merged into one node,
+    `in N places, all below massif's threshold (T%)`. threshold=0 keeps everything."""
+    if not 0.0 <= threshold <= 100.0:
+        raise ValueError(f"threshold must be between 0.0 and 100.0, got {threshold}")
+    sig = significance_size(tree.total, extra_B, stacks_B, threshold)
+    return MassifNode(tree.total, tree.root_label, _massif_children(tree.children, sig, threshold))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Snapshots
+# ----------------------------------------------------------------------------------------------------
+
+TIME_UNITS: tuple[str, ...] = ("i", "ms", "B")
+
+
+class SnapshotKind(enum.StrEnum):
+    NORMAL = "normal"  # counters only
+    DETAILED = "detailed"  # counters and a heap tree
+    PEAK = "peak"  # the one snapshot at the peak of useful + extra + stacks, with a heap tree
+
+
+@dataclass
+class Snapshot:
+    time: int
+    heap_B: int
+    heap_extra_B: int
+    stacks_B: int
+    tree: HeapTree | None
+    kind: SnapshotKind
+
+    @property
+    def total_B(self) -> int:
+        return self.heap_B + self.heap_extra_B + self.stacks_B
+
+    @property
+    def is_detailed(self) -> bool:
+        return self.tree is not None
+
+
+class SnapshotSeries:
+    """Massif's snapshot array (ms_main.c maybe_take_snapshot / cull_snapshots), fed with samples.
+
+    The caller offers samples in time order. For each one it first asks `next_kind(time)`:
+      - None: too soon after the last snapshot (Massif's minimum time interval), skip the sample;
+      - NORMAL: call `add(...)` with the counters;
+      - DETAILED: build the heap tree too (a map read), then `add(..., tree=...)`.
+    Every `detailed_freq`-th recorded snapshot is detailed. When the array reaches `max_snapshots`, half of
+    them are culled: one at a time, the snapshot whose neighbours are closest in time goes, whatever its
+    kind (detailed ones are not protected). The first, the last and the peak snapshot are never culled.
+    The smallest gap left becomes the new minimum interval, so snapshots get sparser as the run goes on.
+
+    The peak is given out of band (`set_peak`): heapscope knows the exact peak, so it is inserted in time
+    order and replaces the previous peak when higher. It does not count in the detailed frequency.
+    """
+
+    def __init__(self, *, detailed_freq: int = 10, max_snapshots: int = 100) -> None:
+        if detailed_freq < 1:
+            raise ValueError(f"detailed_freq must be at least 1, got {detailed_freq}")
+        if max_snapshots < 10:
+            # Massif's own lower bound; culling needs room beside the three uncullable snapshots.
+            raise ValueError(f"max_snapshots must be at least 10, got {max_snapshots}")
+        self.detailed_freq = detailed_freq
+        self.max_snapshots = max_snapshots
+        self._snapshots: list[Snapshot] = []
+        self._min_interval = 0
+        self._earliest_next = 0  # zero lets the startup sample in
+        self._since_detailed = 0
+        self._last_time: int | None = None
+        self._finished = False
+        self.n_cullings = 0
+        self.n_skipped = 0
+
+    # -- queries
+
+    @property
+    def snapshots(self) -> list[Snapshot]:
+        """The recorded snapshots in time order (a copy of the list; the snapshots themselves are shared)."""
+        return list(self._snapshots)
+
+    def __len__(self) -> int:
+        return len(self._snapshots)
+
+    @property
+    def peak(self) -> Snapshot | None:
+        for s in self._snapshots:
+            if s.kind is SnapshotKind.PEAK:
+                return s
+        return None
+
+    @property
+    def min_time_interval(self) -> int:
+        return self._min_interval
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def next_kind(self, time: int) -> SnapshotKind | None:
+        """What a sample at `time` would be recorded as, or None if it would be skipped. No side effect."""
+        if self._finished or time < self._earliest_next:
+            return None
+        if self._since_detailed == self.detailed_freq - 1:
+            return SnapshotKind.DETAILED
+        return SnapshotKind.NORMAL
+
+    # -- updates
+
+    def add(
+        self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: HeapTree | None = None
+    ) -> Snapshot | None:
+        """Offer a sample. Returns the recorded snapshot, or None when it is skipped (see next_kind).
+        A detailed one needs `tree`; a normal one drops any tree given."""
+        if self._finished:
+            raise ValueError("the series is finished")
+        self._check_time(time)
+        kind = self.next_kind(time)
+        if kind is None:
+            self.n_skipped += 1
+            return None
+        if kind is SnapshotKind.DETAILED:
+            if tree is None:
+                raise ValueError("this sample must be detailed (next_kind said so) but no tree was given")
+            self._since_detailed = 0
+        else:
+            tree = None
+            self._since_detailed += 1
+        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, kind)
+        self._snapshots.append(snap)
+        self._last_time = time
+        self._cull_if_full()
+        self._earliest_next = time + self._min_interval
+        return snap
+
+    def set_peak(
+        self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: HeapTree
+    ) -> Snapshot | None:
+        """Record the state at the peak, if higher (useful + extra + stacks) than the current peak.
+        The old peak snapshot is removed; the new one goes in time order (after snapshots at the same time).
+        Returns the new peak snapshot, or None when it is not higher."""
+        current = self.peak
+        total = heap_B + heap_extra_B + stacks_B
+        if current is not None and total <= current.total_B:
+            return None
+        if current is not None:
+            self._snapshots.remove(current)
+        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, SnapshotKind.PEAK)
+        at = bisect.bisect_right([s.time for s in self._snapshots], time)
+        self._snapshots.insert(at, snap)
+        if self._cull_if_full() and self._last_time is not None:
+            self._earliest_next = self._last_time + self._min_interval
+        return snap
+
+    def finish(
+        self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: HeapTree | None = None
+    ) -> Snapshot:
+        """Record the final state unconditionally (detailed when `tree` is given) and close the series.
+
+        Massif 3.19 takes no extra snapshot at exit: its last one is whatever the last event produced, and
+        is detailed only if the frequency says so. heapscope samples, so it records the end state explicitly;
+        give a tree so that the final state has one."""
+        if self._finished:
+            raise ValueError("the series is already finished")
+        self._check_time(time)
+        kind = SnapshotKind.DETAILED if tree is not None else SnapshotKind.NORMAL
+        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, kind)
+        self._snapshots.append(snap)
+        self._last_time = time
+        self._cull_if_full()
+        self._finished = True
+        return snap
+
+    # -- internals
+
+    def _check_time(self, time: int) -> None:
+        if self._last_time is not None and time < self._last_time:
+            raise ValueError(f"time went backwards: {time} after {self._last_time}")
+
+    def _uncullable(self, i: int) -> bool:
+        return i == 0 or i == len(self._snapshots) - 1 or self._snapshots[i].kind is SnapshotKind.PEAK
+
+    def _cull_if_full(self) -> bool:
+        if len(self._snapshots) < self.max_snapshots:
+            return False
+        self._min_interval = self._cull()
+        return True
+
+    def _cull(self) -> int:
+        """Massif's cull_snapshots: remove max_snapshots/2, return the new minimum time interval."""
+        self.n_cullings += 1
+        snaps = self._snapshots
+        for _ in range(self.max_snapshots // 2):
+            best_j = -1
+            best_span = 0
+            # The span a snapshot covers is from its previous to its next one; first and last never go.
+            for j in range(1, len(snaps) - 1):
+                if snaps[j].kind is SnapshotKind.PEAK:
+                    continue
+                span = snaps[j + 1].time - snaps[j - 1].time
+                if best_j < 0 or span < best_span:
+                    best_j, best_span = j, span
+            if best_j < 0:
+                break
+            del snaps[best_j]
+        # Gaps between two uncullable snapshots never grow, so they would pin the interval: skip them.
+        gaps = [
+            snaps[i].time - snaps[i - 1].time
+            for i in range(1, len(snaps))
+            if not (self._uncullable(i) and self._uncullable(i - 1))
+        ]
+        return min(gaps) if gaps else self._min_interval

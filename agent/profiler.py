@@ -1,0 +1,274 @@
+"""A profiling session: turns the kernel's counters into Massif snapshots.
+
+The kernel aggregates (agent.bpf); this module samples it on a schedule, symbolizes the stacks it finds
+(agent.symbols), and keeps the snapshot series (agent.model) that the exporters write. It does not know
+how the target was started: the CLI hands it a probe set and a way to tell whether the target still runs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from agent.bpf import Counters, HeapProbes
+from agent.massif import render_snapshot, write_massif
+from agent.model import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, SnapshotSeries, Stack, trim_stack
+from agent.options import MassifOptions
+from agent.symbols import Mapping, Symbolizer, parse_maps
+from agent.xtree import write_xtree
+
+# Shown for allocations whose stack the kernel could not store (its stack table was full).
+_OVERFLOW_FRAME = Frame(address=0, function="[stack table full]")
+# The xtree keeps every frame up to main; this stands for "no depth limit".
+_XTREE_DEPTH = 1 << 16
+
+
+class MapsRecorder:
+    """The target's file mappings, recorded while it lives so that it can be symbolized after it exits."""
+
+    def __init__(self, pid: int, proc: str = "/proc") -> None:
+        self.path = f"{proc}/{pid}/maps"
+        self._text = ""
+        self._seen: dict[tuple[int, int, int, str], Mapping] = {}
+        self.mappings: tuple[Mapping, ...] = ()
+
+    def refresh(self) -> bool:
+        """Read the maps again; True when something new was mapped."""
+        try:
+            with open(self.path) as f:
+                text = f.read()
+        except OSError:  # the target is gone: keep what was recorded
+            return False
+        if text == self._text:
+            return False
+        self._text = text
+        fresh = False
+        for m in parse_maps(text):
+            key = (m.start, m.end, m.offset, m.path)
+            if key not in self._seen:
+                self._seen[key] = m
+                fresh = True
+        if fresh:
+            # Newest first, so that an address range reused by a later mapping finds the later one.
+            self.mappings = tuple(reversed(self._seen.values()))
+        return fresh
+
+
+@dataclass
+class SessionInfo:
+    pid: int
+    cmd: str  # the target's command line, for the files' cmd: lines
+    desc: Sequence[str]  # the Massif options as the user gave them, for desc:
+    allocator: str  # one line: which allocator was found
+
+
+class Session:
+    """Sample, symbolize and record one target's heap."""
+
+    def __init__(
+        self,
+        opts: MassifOptions,
+        probes: HeapProbes,
+        info: SessionInfo,
+        symbolizer: Symbolizer | None = None,
+        proc: str = "/proc",
+    ) -> None:
+        self.opts = opts
+        self.probes = probes
+        self.info = info
+        self.maps = MapsRecorder(info.pid, proc)
+        self.symbolizer = symbolizer or Symbolizer()
+        self.series = SnapshotSeries(detailed_freq=opts.detailed_freq, max_snapshots=opts.max_snapshots)
+        self.start_ns = time.monotonic_ns()  # the same clock as bpf_ktime_get_ns
+        self.end_counters: Counters | None = None
+        self._frames: dict[int, list[Frame]] = {}  # stack key -> symbolized raw stack
+        self._trimmed: dict[int, Stack] = {}  # stack key -> Massif's trimmed stack
+        self._lock = threading.Lock()  # readers (HTTP) and the sampler share the model
+        self._alloc_fns = opts.all_alloc_fns
+        self._ignore_fns = frozenset(opts.ignore_fns)
+
+    # ---- time -------------------------------------------------------------------------------------
+
+    def now(self, c: Counters) -> int:
+        """The current time in the session's unit."""
+        if self.opts.time_unit == "B":
+            return c.time_b
+        return (time.monotonic_ns() - self.start_ns) // 1_000_000
+
+    def peak_time(self, c: Counters) -> int:
+        if self.opts.time_unit == "B":
+            return c.peak_time_b
+        return max(0, (c.peak_ns - self.start_ns) // 1_000_000)
+
+    # ---- stacks -----------------------------------------------------------------------------------
+
+    def symbolize_new(self, keys: Sequence[int]) -> None:
+        """Symbolize stacks not seen before, while the target's mappings are still readable."""
+        new = [k for k in keys if k not in self._frames]
+        if not new:
+            return
+        raw = self.probes.stacks(new)
+        if any(ip and not self._mapped(ip) for ips in raw.values() for ip in ips[:1]):
+            self.maps.refresh()
+        for key in new:
+            ips = raw.get(key, ())
+            if not ips:
+                self._frames[key] = [_OVERFLOW_FRAME]
+                continue
+            self._frames[key] = self.symbolizer.symbolize_stack(self.maps.mappings, ips)
+
+    def _mapped(self, ip: int) -> bool:
+        return any(m.start <= ip < m.end for m in self.maps.mappings)
+
+    def trimmed(self, key: int) -> Stack:
+        stack = self._trimmed.get(key)
+        if stack is None:
+            stack = trim_stack(self._frames[key], self._alloc_fns, self.opts.depth)
+            self._trimmed[key] = stack
+        return stack
+
+    def _ignored(self, stack: Stack) -> bool:
+        """--ignore-fn: the allocation was made directly in an ignored function."""
+        return bool(stack) and stack[0].function in self._ignore_fns if self._ignore_fns else False
+
+    def tree(self, sites: dict[int, SiteCounts], at_peak: bool) -> tuple[HeapTree, int]:
+        """The heap tree of live (or at-peak) bytes, and the bytes --ignore-fn left out of it."""
+        self.symbolize_new(list(sites))
+        stacks: dict[Stack, int] = {}
+        ignored = 0
+        for key, s in sites.items():
+            if s.tot_blocks == 0:  # only frees were charged here (xtree full): not an allocation site
+                continue
+            nbytes = s.peak_bytes if at_peak else s.cur_bytes
+            stack = self.trimmed(key)
+            if self._ignored(stack):
+                ignored += nbytes
+                continue
+            stacks[stack] = stacks.get(stack, 0) + nbytes
+        return HeapTree.from_stacks(stacks), ignored
+
+    # ---- sampling ---------------------------------------------------------------------------------
+
+    def sample(self) -> None:
+        """One tick: record a snapshot if Massif's schedule wants one."""
+        with self._lock:
+            c = self.probes.counters()
+            t = self.now(c)
+            if self.series.finished or (self.series.snapshots and t < self.series.snapshots[-1].time):
+                return
+            kind = self.series.next_kind(t)
+            if kind is None:
+                self.series.add(t, c.heap, c.extra, 0)  # counted as skipped
+                return
+            if kind is SnapshotKind.DETAILED:
+                tree, ignored = self.tree(self.probes.sites(c.peak_gen), at_peak=False)
+                self.series.add(t, c.heap - ignored, c.extra, 0, tree)
+            else:
+                self.series.add(t, c.heap, c.extra, 0)
+                # Stacks are symbolized as they appear, while the target's mappings are readable.
+                self.symbolize_new(list(self.probes.sites(c.peak_gen)))
+
+    def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float) -> None:
+        """Sample until the target exits or `stop` is set."""
+        self.maps.refresh()
+        self.sample()
+        while alive() and not stop.is_set():
+            if self.probes.stopped_at_exit():
+                self._record_at_exit()
+            stop.wait(interval)
+            if alive():
+                self.maps.refresh()
+            self.sample()
+
+    def _record_at_exit(self) -> None:
+        """The target is stopped in exit(): record what it has mapped, symbolize everything, let it go."""
+        self.maps.refresh()
+        with self._lock:
+            c = self.probes.counters()
+            self.symbolize_new(list(self.probes.sites(c.peak_gen)))
+        self.probes.clear_exit_stop()
+        os.kill(self.info.pid, 18)  # SIGCONT
+
+    def finish(self) -> None:
+        """The target exited or the profile ends: add the peak and the final state."""
+        with self._lock:
+            if self.series.finished:
+                return
+            c = self.probes.counters()
+            self.end_counters = c
+            sites = self.probes.sites(c.peak_gen)
+            t_end = max(self.now(c), self.series.snapshots[-1].time if self.series.snapshots else 0)
+            if c.peak_total > 0:
+                peak_tree, ignored = self.tree(sites, at_peak=True)
+                self.series.set_peak(self.peak_time(c), c.peak_heap - ignored, c.peak_extra, 0, peak_tree)
+            tree, ignored = self.tree(sites, at_peak=False)
+            self.series.finish(t_end, c.heap - ignored, c.extra, 0, tree)
+
+    # ---- output -----------------------------------------------------------------------------------
+
+    def write_massif(self, path: str) -> None:
+        with self._lock:
+            snapshots = self.series.snapshots
+        with open(path, "w") as out:
+            write_massif(
+                out,
+                snapshots,
+                desc=self.info.desc,
+                cmd=self.info.cmd,
+                time_unit=self.opts.time_unit,
+                threshold=self.opts.threshold,
+            )
+
+    def write_xtree(self, path: str) -> None:
+        with self._lock:
+            c = self.end_counters or self.probes.counters()
+            sites = self.probes.sites(c.peak_gen)
+            self.symbolize_new(list(sites))
+            merged: dict[Stack, SiteCounts] = {}
+            for key, s in sites.items():
+                # Valgrind's xtree drops only the allocation function itself (not in our stacks) and cuts
+                # below main; it keeps other alloc-fns and ignores --depth.
+                stack = trim_stack(self._frames[key], frozenset(), _XTREE_DEPTH)
+                m = merged.setdefault(stack, SiteCounts())
+                for field in ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks"):
+                    setattr(m, field, getattr(m, field) + getattr(s, field))
+        with open(path, "w") as out:
+            kind = "full" if self.opts.xtree_memory == "full" else "allocs"
+            write_xtree(out, merged, cmd=self.info.cmd, pid=self.info.pid, kind=kind)
+
+    def snapshot_now(self, detailed: bool) -> str:
+        """Massif's monitor commands `snapshot` and `detailed_snapshot`: a file with one snapshot, taken now."""
+        with self._lock:
+            c = self.probes.counters()
+            tree = None
+            ignored = 0
+            if detailed:
+                tree, ignored = self.tree(self.probes.sites(c.peak_gen), at_peak=False)
+            kind = SnapshotKind.DETAILED if detailed else SnapshotKind.NORMAL
+            snap = Snapshot(self.now(c), c.heap - ignored, c.extra, 0, tree, kind)
+        return render_snapshot(
+            snap, desc=self.info.desc, cmd=self.info.cmd, time_unit=self.opts.time_unit, threshold=self.opts.threshold
+        )
+
+    def summary(self) -> list[str]:
+        c = self.end_counters or self.probes.counters()
+        lines = [
+            f"{c.n_allocs} allocations, {c.n_frees} frees, {c.n_reallocs} reallocs; "
+            f"peak {c.peak_heap} B useful + {c.peak_extra} B extra; {c.blocks} blocks ({c.heap} B) live at the end"
+        ]
+        if c.untracked_frees:
+            lines.append(f"{c.untracked_frees} frees of blocks allocated before the probes were attached (not counted)")
+        if c.failed_allocs:
+            lines.append(f"{c.failed_allocs} allocation calls returned NULL")
+        if c.dropped:
+            lines.append(
+                f"NOT COUNTED: {c.dropped_blocks} blocks (block table full), {c.dropped_stacks} stacks "
+                f"(stack table full), {c.dropped_sites} sites (site table full), {c.dropped_pending} calls "
+                "(thread table full): raise --max-blocks / --max-stacks"
+            )
+        if c.lost_returns:
+            lines.append(f"{c.lost_returns} allocation calls whose return was not seen")
+        return lines

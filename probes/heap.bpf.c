@@ -1,0 +1,439 @@
+/* heap.bpf.c: heapscope's in-kernel heap accounting, compiled by bcc at run time.
+ *
+ * Uprobes at the allocation functions of the target's allocator record each call's arguments and stack;
+ * the return probe turns the call into Massif-model accounting in BPF maps. Nothing is sent to user space
+ * per call: agent/bpf.py reads the maps.
+ *
+ * Entry probes may sit a few instructions into a function (agent/placement.py picks the first instruction
+ * the kernel emulates); they are always placed before the function touches %rsp, %rbp or the argument
+ * registers they read, so [rsp] is still the caller's return address.
+ */
+#include <uapi/linux/ptrace.h>
+#include "heap.h"
+
+/* blocks: block address -> struct hs_block (live blocks only) */
+BPF_HASH(blocks, u64, struct hs_block, HS_MAX_BLOCKS);
+/* sites: stack key -> struct hs_site (counters per allocation stack) */
+BPF_HASH(sites, u64, struct hs_site, HS_MAX_STACKS);
+/* stacks: stack key -> struct hs_stack (the return addresses behind a key) */
+BPF_HASH(stacks, u64, struct hs_stack, HS_MAX_STACKS);
+/* pending: thread id -> struct hs_pending (an allocation call between entry and return) */
+BPF_HASH(pending, u32, struct hs_pending, HS_MAX_THREADS);
+/* pending_sp: thread id -> stack pointer at the pending call's entry (to spot stale entries) */
+BPF_HASH(pending_sp, u32, u64, HS_MAX_THREADS);
+/* globals: 0 -> struct hs_global */
+BPF_ARRAY(globals, struct hs_global, 1);
+/* control: enum hs_control -> u64, written by user space (kept apart so its writes never race counters) */
+BPF_ARRAY(control, u64, HS_CTL_COUNT);
+/* scratch: 0 -> struct hs_stack being walked (too big for the BPF stack) */
+BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
+
+/* Stack key reserved for allocations whose stack could not be stored (stacks map full). */
+#define HS_STACK_OVERFLOW 1ULL
+
+static __always_inline struct hs_global *get_globals(void)
+{
+    u32 zero = 0;
+    return globals.lookup(&zero);
+}
+
+static __always_inline int is_armed(void)
+{
+    u32 idx = HS_CTL_ARMED;
+    u64 *armed = control.lookup(&idx);
+    return armed && *armed;
+}
+
+static __always_inline u64 mix(u64 h, u64 v)
+{
+    h ^= v;
+    h *= 0x100000001b3ULL;
+    h ^= h >> 29;
+    return h;
+}
+
+/* Walk the user stack by frame pointers. ip[0] is the caller's return address, read from [rsp]: at a
+ * function's entry no frame exists yet, so a walk from %rbp alone would skip the immediate caller. */
+static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *g)
+{
+    u32 zero = 0;
+    struct hs_stack *st = scratch.lookup(&zero);
+    if (!st)
+        return HS_STACK_OVERFLOW;
+
+    u64 sp = PT_REGS_SP(ctx);
+    u64 bp = PT_REGS_FP(ctx);
+    u64 ret = 0;
+    u64 h = 0xcbf29ce484222325ULL;
+    bpf_probe_read_user(&ret, sizeof(ret), (void *)sp);
+    st->ip[0] = ret;
+    h = mix(h, ret);
+
+    int done = (ret == 0);
+    for (int i = 1; i < HS_MAX_DEPTH; i++) {
+        u64 frame[2] = {0, 0}; /* saved %rbp, return address */
+        if (!done) {
+            /* A frame lies above the stack pointer, 8-aligned, and each one above the last. */
+            if (bp <= sp || (bp & 7) || bpf_probe_read_user(frame, sizeof(frame), (void *)bp) ||
+                frame[1] == 0)
+                done = 1;
+        }
+        if (done) {
+            st->ip[i] = 0;
+            continue;
+        }
+        st->ip[i] = frame[1];
+        h = mix(h, frame[1]);
+        sp = bp;
+        bp = frame[0];
+    }
+    if (h <= HS_STACK_OVERFLOW)
+        h += 2;
+    if (!stacks.lookup(&h)) {
+        int err = stacks.insert(&h, st);
+        if (err && err != -17 /* EEXIST: another CPU stored it */) {
+            __sync_fetch_and_add(&g->dropped_stacks, 1);
+            return HS_STACK_OVERFLOW;
+        }
+    }
+    return h;
+}
+
+static __always_inline struct hs_site *get_site(u64 key, struct hs_global *g)
+{
+    struct hs_site *s = sites.lookup(&key);
+    if (s)
+        return s;
+    struct hs_site fresh = {};
+    fresh.peak_gen = g->peak_gen;
+    sites.insert(&key, &fresh);
+    s = sites.lookup(&key);
+    if (!s)
+        __sync_fetch_and_add(&g->dropped_sites, 1);
+    return s;
+}
+
+/* Before a site's live bytes change, keep its value at the last peak (lazy copy: see design.md). */
+static __always_inline void site_touch(struct hs_site *s, struct hs_global *g)
+{
+    u64 gen = g->peak_gen;
+    if (s->peak_gen != gen) {
+        s->peak_bytes = s->cur_bytes;
+        s->peak_gen = gen;
+    }
+}
+
+static __always_inline u64 massif_slop(u64 size)
+{
+    return ((size + HS_ALIGNMENT - 1) / HS_ALIGNMENT) * HS_ALIGNMENT - size;
+}
+
+/* Massif's --time-unit=B clock moves by the change in heap + extra, whichever way. */
+static __always_inline void advance_time(struct hs_global *g, s64 delta)
+{
+    __sync_fetch_and_add(&g->time_b, delta < 0 ? -delta : delta);
+}
+
+/* After the totals grew: a new global peak marks the touched sites with their state at the peak. */
+static __always_inline void check_peak(struct hs_global *g, struct hs_site *a, struct hs_site *b)
+{
+    u64 heap = g->heap, extra = g->extra;
+    u64 total = heap + extra;
+    if (total <= g->peak_total)
+        return;
+    g->peak_total = total;
+    g->peak_heap = heap;
+    g->peak_extra = extra;
+    g->peak_time_b = g->time_b;
+    g->peak_ns = bpf_ktime_get_ns();
+    u64 gen = g->peak_gen + 1;
+    g->peak_gen = gen;
+    if (a) {
+        a->peak_bytes = a->cur_bytes;
+        a->peak_gen = gen;
+    }
+    if (b) {
+        b->peak_bytes = b->cur_bytes;
+        b->peak_gen = gen;
+    }
+}
+
+static __always_inline void record_alloc(struct hs_global *g, u64 addr, u64 size, u64 stack)
+{
+    struct hs_block blk = {.size = size, .slop = massif_slop(size), .stack = stack};
+    if (blocks.update(&addr, &blk)) {
+        __sync_fetch_and_add(&g->dropped_blocks, 1);
+        return;
+    }
+    struct hs_site *s = get_site(stack, g);
+    if (s) {
+        site_touch(s, g);
+        __sync_fetch_and_add(&s->cur_bytes, size);
+        __sync_fetch_and_add(&s->cur_blocks, 1);
+        __sync_fetch_and_add(&s->tot_bytes, size);
+        __sync_fetch_and_add(&s->tot_blocks, 1);
+    }
+    u64 extra = blk.slop + HS_HEAP_ADMIN;
+    __sync_fetch_and_add(&g->heap, size);
+    __sync_fetch_and_add(&g->extra, extra);
+    __sync_fetch_and_add(&g->blocks, 1);
+    __sync_fetch_and_add(&g->n_allocs, 1);
+    __sync_fetch_and_add(&g->alloc_bytes, size);
+    advance_time(g, size + extra);
+    check_peak(g, s, 0);
+}
+
+/* Charge freed bytes to a site: the allocating one, or with HS_FREE_STACKS the freeing call's. */
+static __always_inline void charge_freed(struct hs_global *g, struct hs_site *alloc_site, u64 free_stack, u64 size)
+{
+    struct hs_site *s = alloc_site;
+    if (HS_FREE_STACKS && free_stack)
+        s = get_site(free_stack, g);
+    if (s) {
+        __sync_fetch_and_add(&s->freed_bytes, size);
+        __sync_fetch_and_add(&s->freed_blocks, 1);
+    }
+}
+
+/* Forget a block; returns 0 when it was not tracked. */
+static __always_inline int record_free(struct hs_global *g, u64 addr, u64 free_stack)
+{
+    struct hs_block *bp = blocks.lookup(&addr);
+    if (!bp) {
+        __sync_fetch_and_add(&g->untracked_frees, 1);
+        return 0;
+    }
+    struct hs_block blk = *bp;
+    blocks.delete(&addr);
+    struct hs_site *s = sites.lookup(&blk.stack);
+    if (s) {
+        site_touch(s, g);
+        __sync_fetch_and_add(&s->cur_bytes, -blk.size);
+        __sync_fetch_and_add(&s->cur_blocks, -1);
+    }
+    charge_freed(g, s, free_stack, blk.size);
+    u64 extra = blk.slop + HS_HEAP_ADMIN;
+    __sync_fetch_and_add(&g->heap, -blk.size);
+    __sync_fetch_and_add(&g->extra, -extra);
+    __sync_fetch_and_add(&g->blocks, -1);
+    __sync_fetch_and_add(&g->n_frees, 1);
+    __sync_fetch_and_add(&g->freed_bytes, blk.size);
+    advance_time(g, blk.size + extra);
+    return 1;
+}
+
+/* realloc of a tracked block, as Massif 3.19 counts it: the block stays in place (and its slop grows) when
+ * the new size fits in the old size plus slop; otherwise it is a new block. Either way the bytes move from
+ * the old stack to realloc's stack. */
+static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 addr, u64 size, u64 stack)
+{
+    struct hs_block *bp = blocks.lookup(&old);
+    if (!bp) {
+        __sync_fetch_and_add(&g->untracked_frees, 1);
+        record_alloc(g, addr, size, stack);
+        return;
+    }
+    struct hs_block ob = *bp;
+    struct hs_block nb = {.size = size, .stack = stack};
+    nb.slop = size <= ob.size + ob.slop ? ob.slop + ob.size - size : massif_slop(size);
+    if (addr != old)
+        blocks.delete(&old);
+    if (blocks.update(&addr, &nb))
+        __sync_fetch_and_add(&g->dropped_blocks, 1);
+
+    struct hs_site *os = sites.lookup(&ob.stack);
+    if (os) {
+        site_touch(os, g);
+        __sync_fetch_and_add(&os->cur_bytes, -ob.size);
+        __sync_fetch_and_add(&os->cur_blocks, -1);
+    }
+    charge_freed(g, os, stack, ob.size);
+    struct hs_site *ns = get_site(stack, g);
+    if (ns) {
+        site_touch(ns, g);
+        __sync_fetch_and_add(&ns->cur_bytes, size);
+        __sync_fetch_and_add(&ns->cur_blocks, 1);
+        __sync_fetch_and_add(&ns->tot_bytes, size);
+        __sync_fetch_and_add(&ns->tot_blocks, 1);
+    }
+    s64 dheap = (s64)size - (s64)ob.size;
+    s64 dextra = (s64)nb.slop - (s64)ob.slop;
+    __sync_fetch_and_add(&g->heap, dheap);
+    __sync_fetch_and_add(&g->extra, dextra);
+    __sync_fetch_and_add(&g->n_reallocs, 1);
+    __sync_fetch_and_add(&g->alloc_bytes, size);
+    __sync_fetch_and_add(&g->freed_bytes, ob.size);
+    advance_time(g, dheap + dextra);
+    if (dheap + dextra > 0)
+        check_peak(g, ns, os);
+}
+
+/* ---- entry probes ---------------------------------------------------------------------------------- */
+
+static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
+{
+    struct hs_global *g = get_globals();
+    if (!g || !is_armed())
+        return 0;
+    u32 tid = bpf_get_current_pid_tgid();
+    u64 sp = PT_REGS_SP(ctx);
+    struct hs_pending *p = pending.lookup(&tid);
+    if (p) {
+        u64 *outer_sp = pending_sp.lookup(&tid);
+        /* A call nested in a pending one runs deeper in the stack. Otherwise the pending entry is stale
+         * (its return never came, e.g. a longjmp out of the allocator) and this call replaces it. */
+        if (outer_sp && sp < *outer_sp) {
+            p->nested++;
+            __sync_fetch_and_add(&g->nested_calls, 1);
+            return 0;
+        }
+        __sync_fetch_and_add(&g->lost_returns, 1);
+    }
+    struct hs_pending call = {
+        .arg0 = PT_REGS_PARM1(ctx),
+        .arg1 = PT_REGS_PARM2(ctx),
+        .arg2 = PT_REGS_PARM3(ctx),
+        .fn = fn,
+    };
+    call.stack = capture_stack(ctx, g);
+    if (pending.update(&tid, &call) || pending_sp.update(&tid, &sp))
+        __sync_fetch_and_add(&g->dropped_pending, 1);
+    return 0;
+}
+
+int malloc_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_MALLOC); }
+int calloc_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_CALLOC); }
+int realloc_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_REALLOC); }
+int memalign_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_MEMALIGN); }
+int posix_memalign_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_POSIX_MEMALIGN); }
+int valloc_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_VALLOC); }
+int pvalloc_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_PVALLOC); }
+int reallocarray_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_REALLOCARRAY); }
+
+/* free has no return probe: all it needs is its argument. */
+int free_enter(struct pt_regs *ctx)
+{
+    struct hs_global *g = get_globals();
+    if (!g || !is_armed())
+        return 0;
+    u64 addr = PT_REGS_PARM1(ctx);
+    if (!addr)
+        return 0;
+    u32 tid = bpf_get_current_pid_tgid();
+    if (pending.lookup(&tid)) {
+        /* realloc(p, 0) frees through free: the realloc's return accounts for it. */
+        u64 *outer_sp = pending_sp.lookup(&tid);
+        if (outer_sp && PT_REGS_SP(ctx) < *outer_sp) {
+            __sync_fetch_and_add(&g->nested_calls, 1);
+            return 0;
+        }
+    }
+    record_free(g, addr, HS_FREE_STACKS ? capture_stack(ctx, g) : 0);
+    return 0;
+}
+
+/* ---- return probe, shared by all allocation functions ---------------------------------------------- */
+
+int alloc_return(struct pt_regs *ctx)
+{
+    struct hs_global *g = get_globals();
+    if (!g)
+        return 0;
+    u32 tid = bpf_get_current_pid_tgid();
+    struct hs_pending *p = pending.lookup(&tid);
+    if (!p) {
+        if (is_armed())
+            __sync_fetch_and_add(&g->lost_returns, 1);
+        return 0;
+    }
+    if (p->nested) {
+        p->nested--;
+        return 0;
+    }
+    struct hs_pending call = *p;
+    pending.delete(&tid);
+    pending_sp.delete(&tid);
+    if (!is_armed())
+        return 0;
+
+    u64 ret = PT_REGS_RC(ctx);
+    u64 size = call.arg0;
+    switch (call.fn) {
+    case HS_CALLOC:
+        size = call.arg0 * call.arg1;
+        break;
+    case HS_MEMALIGN:
+        size = call.arg1;
+        break;
+    case HS_POSIX_MEMALIGN:
+        size = call.arg2;
+        if (ret != 0) { /* an error number: nothing allocated */
+            __sync_fetch_and_add(&g->failed_allocs, 1);
+            return 0;
+        }
+        ret = 0;
+        bpf_probe_read_user(&ret, sizeof(ret), (void *)call.arg0);
+        break;
+    case HS_PVALLOC:
+        size = (call.arg0 + 4095) & ~4095ULL;
+        break;
+    case HS_REALLOC:
+    case HS_REALLOCARRAY: {
+        u64 old = call.arg0;
+        size = call.fn == HS_REALLOC ? call.arg1 : call.arg1 * call.arg2;
+        if (old && size == 0) { /* glibc: realloc(p, 0) frees p */
+            record_free(g, old, call.stack);
+            return 0;
+        }
+        if (!ret) {
+            __sync_fetch_and_add(&g->failed_allocs, 1);
+            return 0;
+        }
+        if (old)
+            record_realloc(g, old, ret, size, call.stack);
+        else
+            record_alloc(g, ret, size, call.stack);
+        return 0;
+    }
+    default:
+        break;
+    }
+    if (!ret) {
+        __sync_fetch_and_add(&g->failed_allocs, 1);
+        return 0;
+    }
+    record_alloc(g, ret, size, call.stack);
+    return 0;
+}
+
+/* ---- the target's exec: `run` arms at the first one; any later one (or any, for `attach`) disarms ---- */
+
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    if ((bpf_get_current_pid_tgid() >> 32) != HS_TARGET_TGID)
+        return 0;
+    struct hs_global *g = get_globals();
+    if (!g)
+        return 0;
+    u64 n = __sync_fetch_and_add(&g->execs, 1) + 1;
+    u32 idx = HS_CTL_ARMED;
+    u64 armed = (n == HS_ARM_ON_EXEC);
+    control.update(&idx, &armed);
+    return 0;
+}
+
+/* ---- exit(): with HS_STOP_AT_EXIT the target stops until user space has recorded its mappings ------- */
+
+int exit_enter(struct pt_regs *ctx)
+{
+    if (!HS_STOP_AT_EXIT || (bpf_get_current_pid_tgid() >> 32) != HS_TARGET_TGID)
+        return 0;
+    struct hs_global *g = get_globals();
+    if (!g || !is_armed())
+        return 0;
+    u32 idx = HS_CTL_EXIT_STOP;
+    u64 one = 1;
+    control.update(&idx, &one);
+    bpf_send_signal(19 /* SIGSTOP */);
+    return 0;
+}

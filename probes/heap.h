@@ -1,0 +1,122 @@
+/* heap.h: the contract between heap.bpf.c and agent/bpf.py.
+ *
+ * Only structs, enums and sizes live here. Settings arrive as -D defines at compile time
+ * (see agent/bpf.py: HS_* names); the defaults below are used when a define is missing.
+ */
+#ifndef HEAPSCOPE_HEAP_H
+#define HEAPSCOPE_HEAP_H
+
+#ifndef HS_MAX_DEPTH
+#define HS_MAX_DEPTH 64          /* frames kept per stack, before Massif's trimming */
+#endif
+#ifndef HS_MAX_BLOCKS
+#define HS_MAX_BLOCKS 1048576    /* live blocks tracked at once */
+#endif
+#ifndef HS_MAX_STACKS
+#define HS_MAX_STACKS 65536      /* distinct allocation stacks */
+#endif
+#ifndef HS_MAX_THREADS
+#define HS_MAX_THREADS 16384     /* threads inside an allocation call at once */
+#endif
+#ifndef HS_HEAP_ADMIN
+#define HS_HEAP_ADMIN 8          /* Massif --heap-admin */
+#endif
+#ifndef HS_ALIGNMENT
+#define HS_ALIGNMENT 16          /* Massif --alignment */
+#endif
+#ifndef HS_TARGET_TGID
+#define HS_TARGET_TGID 0         /* the profiled process */
+#endif
+#ifndef HS_FREE_STACKS
+#define HS_FREE_STACKS 0         /* 1: freed bytes are charged to the stack of the free call (xtree full) */
+#endif
+#ifndef HS_STOP_AT_EXIT
+#define HS_STOP_AT_EXIT 0        /* 1: stop the target at exit() until user space has read its mappings */
+#endif
+#ifndef HS_ARM_ON_EXEC
+#define HS_ARM_ON_EXEC 0         /* 1: `run` arms at the target's first exec; 0: `attach` is armed at load */
+#endif
+
+/* Which allocation function a pending call is in: decides how its arguments are read. */
+enum hs_fn {
+    HS_MALLOC = 0,        /* size = arg0 */
+    HS_CALLOC = 1,        /* size = arg0 * arg1 */
+    HS_REALLOC = 2,       /* old = arg0, size = arg1 */
+    HS_MEMALIGN = 3,      /* size = arg1 (aligned_alloc too) */
+    HS_POSIX_MEMALIGN = 4,/* *arg0 = result, size = arg2, returns 0 on success */
+    HS_VALLOC = 5,        /* size = arg0 */
+    HS_PVALLOC = 6,       /* size = arg0 rounded up to a page */
+    HS_REALLOCARRAY = 7,  /* old = arg0, size = arg1 * arg2 */
+    HS_FN_COUNT = 8,
+};
+
+/* A stack: return addresses, innermost first, zero-terminated when shorter than HS_MAX_DEPTH. */
+struct hs_stack {
+    __u64 ip[HS_MAX_DEPTH];
+};
+
+/* One live block, keyed by its address. Sizes follow Massif's accounting, not the allocator's. */
+struct hs_block {
+    __u64 size;   /* requested bytes */
+    __u64 slop;   /* Massif's rounding slop; extra = slop + HS_HEAP_ADMIN */
+    __u64 stack;  /* key into stacks and sites */
+};
+
+/* Counters of one allocation stack. */
+struct hs_site {
+    __u64 cur_bytes;
+    __u64 cur_blocks;
+    __u64 tot_bytes;
+    __u64 tot_blocks;
+    __u64 freed_bytes;
+    __u64 freed_blocks;
+    __u64 peak_bytes;  /* cur_bytes at the global peak numbered peak_gen */
+    __u64 peak_gen;
+};
+
+/* Arguments of an allocation call between its entry and its return, per thread. */
+struct hs_pending {
+    __u64 arg0;
+    __u64 arg1;
+    __u64 arg2;
+    __u64 stack;
+    __u32 fn;     /* enum hs_fn */
+    __u32 nested; /* allocation calls made from inside this one (realloc -> malloc): not counted twice */
+};
+
+/* Global state: one entry. The peak fields describe the exact state at the highest total. */
+/* Indexes of the control map: words user space writes while the probes run. */
+enum hs_control {
+    HS_CTL_ARMED = 0,     /* 0 before the target's exec (run), after a later exec, or at detach */
+    HS_CTL_EXIT_STOP = 1, /* 1 while the target is stopped at exit() for user space (HS_STOP_AT_EXIT) */
+    HS_CTL_COUNT = 2,
+};
+
+struct hs_global {
+    __u64 execs;          /* exec calls seen in the target */
+    __u64 heap;           /* useful bytes live */
+    __u64 extra;          /* Massif's extra bytes live (slop + admin) */
+    __u64 blocks;         /* live blocks */
+    __u64 time_b;         /* Massif --time-unit=B clock */
+    __u64 peak_total;     /* heap + extra at the peak */
+    __u64 peak_heap;
+    __u64 peak_extra;
+    __u64 peak_time_b;
+    __u64 peak_ns;        /* bpf_ktime_get_ns at the peak */
+    __u64 peak_gen;       /* bumped at every new peak */
+    __u64 n_allocs;
+    __u64 n_frees;
+    __u64 n_reallocs;
+    __u64 alloc_bytes;    /* bytes ever allocated */
+    __u64 freed_bytes;
+    __u64 untracked_frees;   /* free/realloc of a block we never saw (allocated before attach) */
+    __u64 failed_allocs;     /* the allocator returned NULL */
+    __u64 nested_calls;      /* allocation calls inside allocation calls, folded into the outer one */
+    __u64 dropped_blocks;    /* blocks map full: block not tracked */
+    __u64 dropped_stacks;    /* stacks map full: allocation charged to the overflow stack */
+    __u64 dropped_sites;     /* sites map full */
+    __u64 dropped_pending;   /* pending map full: a call went unseen */
+    __u64 lost_returns;      /* a return with no pending entry */
+};
+
+#endif

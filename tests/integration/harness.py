@@ -1,0 +1,53 @@
+"""Shared constants and types of the integration tests (imported by conftest.py and the test modules)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+# Massif's options for a comparable run. --time-unit=B makes time deterministic; --threshold=0.0 keeps every
+# site in the tree; --peak-inaccuracy=0.0 makes Massif record a peak on every free that beats the last one;
+# --detailed-freq=1 makes every snapshot detailed, so the last snapshot (the state at exit) carries a tree
+# (with the default of 10, Massif's last detailed tree is some earlier state heapscope has no reason to hit).
+ORACLE_OPTIONS: tuple[str, ...] = (
+    "--time-unit=B",
+    "--threshold=0.0",
+    "--peak-inaccuracy=0.0",
+    "--detailed-freq=1",
+)
+
+DEBUG_FLAGS: tuple[str, ...] = ("-g", "-O0", "-fno-omit-frame-pointer")
+OPTIMIZED_FLAGS: tuple[str, ...] = ("-g", "-O2", "-fomit-frame-pointer")
+
+# Generous: Valgrind on a small program takes about a second; BPF compilation a few tenths.
+RUN_TIMEOUT = 120
+
+
+def unavailable(reason: str) -> None:
+    """Skip locally, fail in CI."""
+    if IN_CI:
+        pytest.fail(f"integration environment unusable in CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@dataclass
+class Completed:
+    """One finished run of a profiler (Valgrind or heapscope) on a program."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    massif_out: Path
+    xtree_out: Path | None
+
+    @property
+    def massif_text(self) -> str:
+        assert self.massif_out.exists(), f"no massif.out written at {self.massif_out}; stderr:\n{self.stderr}"
+        return self.massif_out.read_text()

@@ -1,0 +1,196 @@
+"""`heapscope attach` on a running program: only what happens after the attach is profiled, exactly, and the
+target keeps running unharmed after heapscope detaches.
+
+attach_target.c allocates 3 x 5000 B, says "ready" and waits on stdin. Once released it allocates at three
+known sites (4 x 1111 B in site_loop, 2222 B in site_single, 3333 B in site_freed, freed at once) and frees
+two of its pre-attach blocks: frees of blocks heapscope never saw, which must not make any count negative.
+"""
+
+from __future__ import annotations
+
+import re
+import select
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import PROGRAMS
+from tests.support.massif_reader import parse_massif, paths
+
+pytestmark = pytest.mark.integration
+
+SOURCE = PROGRAMS / "attach_target.c"
+TIMEOUT = 60
+# The known allocations after the release, by allocating function: (bytes per call, calls, freed at once).
+LOOP_BYTES = 4 * 1111
+SINGLE_BYTES = 2222
+FREED_BYTES = 3333
+UNTRACKED_FREES = 2  # free(before[0]), free(before[1])
+
+
+def source_line(text: str) -> int:
+    """The line of attach_target.c holding `text` (so the expected labels follow the source)."""
+    for n, line in enumerate(SOURCE.read_text().splitlines(), 1):
+        if text in line:
+            return n
+    raise AssertionError(f"{text!r} not in {SOURCE}")
+
+
+def label(fn: str, text: str) -> str:
+    return f"{fn} (attach_target.c:{source_line(text)})"
+
+
+def expected_paths(with_freed: bool) -> dict[tuple[str, ...], int]:
+    """The tree heapscope must hold, as bytes per root-to-node path (zero-byte paths left out)."""
+    loop = label("site_loop", "after[i] = malloc(1111)")
+    single = label("site_single", "after[4] = malloc(2222)")
+    freed = label("site_freed", "after[5] = malloc(3333)")
+    out = {
+        (loop,): LOOP_BYTES,
+        (loop, label("main", "site_loop();")): LOOP_BYTES,
+        (single,): SINGLE_BYTES,
+        (single, label("main", "site_single();")): SINGLE_BYTES,
+    }
+    if with_freed:
+        out[(freed,)] = FREED_BYTES
+        out[(freed, label("main", "site_freed();"))] = FREED_BYTES
+    return out
+
+
+def read_line(stream, timeout: float = TIMEOUT) -> str:  # type: ignore[no-untyped-def]
+    ready, _, _ = select.select([stream], [], [], timeout)
+    assert ready, "timed out waiting for output"
+    return stream.readline().decode()
+
+
+# heapscope says on stderr when its probes are in place (agent/cli.py).
+ATTACHED = re.compile(r"attached", re.IGNORECASE)
+
+
+def wait_attached(profiler: subprocess.Popen[bytes]) -> list[str]:
+    """Read heapscope's stderr until it says the probes are attached; returns the lines read."""
+    assert profiler.stderr is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        line = read_line(profiler.stderr, deadline - time.monotonic())
+        if not line:
+            break
+        lines.append(line)
+        if ATTACHED.search(line):
+            return lines
+    raise AssertionError(
+        f"heapscope did not report its attach; exit={profiler.poll()} stderr so far: {lines}"
+    )
+
+
+def start_target(program: Path, *args: str) -> subprocess.Popen[bytes]:
+    target = subprocess.Popen([str(program), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert target.stdout is not None
+    assert read_line(target.stdout) == "ready\n"
+    return target
+
+
+def release(target: subprocess.Popen[bytes]) -> None:
+    assert target.stdin is not None
+    target.stdin.write(b"x")
+    target.stdin.flush()
+
+
+def start_attach(heapscope_cmd: list[str], pid: int, out: Path) -> subprocess.Popen[bytes]:
+    cmd = [
+        *heapscope_cmd,
+        "attach",
+        str(pid),
+        "--time-unit=B",
+        "--threshold=0.0",
+        "--detailed-freq=1",
+        f"--massif-out-file={out}",
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def check_profile(out: Path, stderr: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    assert out.exists(), f"no massif.out; stderr:\n{stderr}"
+    parsed = parse_massif(out.read_text())
+    peak = parsed.peak
+    last = parsed.snapshots[-1]
+    assert peak is not None and peak.tree is not None, "no peak snapshot"
+    assert last.tree is not None, "the last snapshot has no tree"
+
+    def nonzero(tree) -> dict[tuple[str, ...], int]:  # type: ignore[no-untyped-def]
+        return {p: b for p, b in paths(tree).items() if b}
+
+    # The pre-attach blocks are not in the profile, and freeing two of them takes nothing off the total.
+    assert nonzero(peak.tree) == expected_paths(with_freed=True)
+    assert peak.heap_B == LOOP_BYTES + SINGLE_BYTES + FREED_BYTES
+    assert nonzero(last.tree) == expected_paths(with_freed=False)
+    assert last.heap_B == LOOP_BYTES + SINGLE_BYTES
+
+
+def test_attach_until_target_exits(
+    heapscope_cmd: list[str], build: Callable[..., Path], tmp_path: Path
+) -> None:
+    program = build("attach_target.c")
+    out = tmp_path / "attach.out"
+    target = start_target(program)
+    profiler = start_attach(heapscope_cmd, target.pid, out)
+    try:
+        seen = wait_attached(profiler)
+        release(target)
+        target_out, _ = target.communicate(timeout=TIMEOUT)
+        _, err = profiler.communicate(timeout=TIMEOUT)
+    finally:
+        for p in (target, profiler):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    stderr = "".join(seen) + err.decode()
+    assert target.returncode == 7
+    assert target_out.decode() == "allocated\ndone\n"
+    assert profiler.returncode == 0, stderr
+    check_profile(out, stderr)
+    check_untracked_report(stderr)
+
+
+def test_detach_on_sigint_leaves_target_unharmed(
+    heapscope_cmd: list[str], build: Callable[..., Path], tmp_path: Path
+) -> None:
+    program = build("attach_target.c")
+    out = tmp_path / "attach.out"
+    target = start_target(program, "hold")
+    profiler = start_attach(heapscope_cmd, target.pid, out)
+    try:
+        seen = wait_attached(profiler)
+        release(target)
+        assert target.stdout is not None
+        assert read_line(target.stdout) == "allocated\n"
+        profiler.send_signal(signal.SIGINT)
+        _, err = profiler.communicate(timeout=TIMEOUT)
+        stderr = "".join(seen) + err.decode()
+        assert profiler.returncode == 0, stderr
+        assert target.poll() is None, "the target died when heapscope detached"
+        # Released again, it allocates and frees 10,000 blocks with no probe left, then exits normally.
+        release(target)
+        target_out, _ = target.communicate(timeout=TIMEOUT)
+    finally:
+        for p in (target, profiler):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert target.returncode == 7
+    assert target_out.decode() == "done\n"
+    check_profile(out, stderr)
+    check_untracked_report(stderr)
+
+
+def check_untracked_report(stderr: str) -> None:
+    """heapscope reports frees of blocks it never saw allocated (agent/cli.py's summary line)."""
+    m = re.search(r"(\d+) untracked free", stderr)
+    assert m, f"no untracked-free count in heapscope's report:\n{stderr}"
+    assert int(m.group(1)) == UNTRACKED_FREES

@@ -1,0 +1,406 @@
+"""heapscope judged by real Valgrind Massif, ms_print and callgrind_annotate.
+
+Each case compiles one program, runs it under `valgrind --tool=massif` and under `heapscope run` with the
+same options, and compares:
+- the peak tree and the final tree, as bytes per root-to-node path of `function (file:line)` labels
+  (addresses differ: Valgrind loads PIE binaries at 0x108000);
+- the same trees restricted to the stacks made only of the program's own frames (files compiled into the
+  program or its plugin), which must match even where a library without frame pointers is on the stack;
+- mem_heap_B and mem_heap_extra_B of the peak and final snapshots.
+
+Zero-byte paths are dropped on both sides: Massif keeps a node for a site whose blocks were all freed, which
+says nothing about the heap's state.
+
+Which Massif snapshot is "the peak": Massif looks for a peak only when a block is freed. With
+--peak-inaccuracy=0.0 that is the exact maximum whenever a free follows it, but a maximum reached after the
+last free (peak.c) or with no tracked free at all (--ignore-fn case) is never marked; heapscope's is exact.
+So the reference peak is Massif's snapshot with the largest mem_heap_B + mem_heap_extra_B (Massif's own
+criterion); with --detailed-freq=1 every snapshot carries a tree, and with --max-snapshots=1000 (and fewer
+snapshots than that in the file) Massif culled none, so that snapshot is the true maximum.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import DEBUG_FLAGS, OPTIMIZED_FLAGS, PROGRAMS, Completed
+from tests.support.massif_reader import parse_massif, paths
+
+pytestmark = pytest.mark.integration
+
+UNWIND_REASON = "needs .eh_frame unwinding (issue: Correct stacks without frame pointers)"
+# Massif's culling would drop states; with this many slots and fewer snapshots written, none was dropped.
+MAX_SNAPSHOTS = 1000
+NO_CULL = (f"--max-snapshots={MAX_SNAPSHOTS}",)
+
+Paths = dict[tuple[str, ...], int]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading the files
+
+
+@dataclass
+class Snap:
+    heap_B: int
+    extra_B: int
+    kind: str  # empty | detailed | peak
+    tree: Paths  # non-zero paths; empty for an empty snapshot
+
+    @property
+    def total_B(self) -> int:
+        return self.heap_B + self.extra_B
+
+
+def read_snapshots(text: str) -> list[Snap]:
+    parsed = parse_massif(text)
+    out = []
+    for s in parsed.snapshots:
+        tree: Paths = {}
+        if s.tree is not None:
+            tree = {p: b for p, b in paths(s.tree).items() if b != 0}
+        out.append(Snap(s.heap_B, s.heap_extra_B, s.heap_tree, tree))
+    return out
+
+
+def reference_peak(snaps: list[Snap]) -> Snap:
+    """The state with the largest total among Massif's snapshots (see module docstring)."""
+    assert len(snaps) < MAX_SNAPSHOTS, "Massif culled snapshots: the maximum may be missing"
+    best = max(s.total_B for s in snaps)
+    at_best = [s for s in snaps if s.total_B == best]
+    # Consecutive snapshots of one state (Massif writes a peak beside a normal one) carry the same tree.
+    assert all(s.tree == at_best[0].tree for s in at_best), "the test program reaches its maximum twice"
+    assert at_best[0].kind != "empty", "Massif wrote no tree for its maximum (is --detailed-freq=1 passed?)"
+    return at_best[0]
+
+
+def heapscope_peak(snaps: list[Snap]) -> Snap:
+    peaks = [s for s in snaps if s.kind == "peak"]
+    assert len(peaks) == 1, f"heapscope wrote {len(peaks)} peak snapshots"
+    return peaks[0]
+
+
+def final(snaps: list[Snap]) -> Snap:
+    last = snaps[-1]
+    assert last.kind != "empty", "the last snapshot (the state at exit) has no tree"
+    return last
+
+
+_FILE_LINE = re.compile(r"\(([^():]+):\d+\)$")
+
+
+def label_file(label: str) -> str | None:
+    m = _FILE_LINE.search(label)
+    return m.group(1) if m else None
+
+
+def leaf_stacks(tree: Paths) -> Paths:
+    """Bytes held by each full stack (the bytes of a node not passed on to its children)."""
+    out: Paths = {}
+    for p, b in tree.items():
+        children = sum(cb for cp, cb in tree.items() if len(cp) == len(p) + 1 and cp[: len(p)] == p)
+        if b - children:
+            out[p] = b - children
+    return out
+
+
+def own_stacks(tree: Paths, own_files: frozenset[str]) -> Paths:
+    """The full stacks whose every frame is in the program's own source files (root label excepted)."""
+    out: Paths = {}
+    for p, b in leaf_stacks(tree).items():
+        frames = [lab for lab in p if not lab.startswith("(heap allocation functions)")]
+        if frames and all(label_file(lab) in own_files for lab in frames):
+            out[p] = b
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The cases
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    source: str
+    options: tuple[str, ...] = ()
+    flags: tuple[str, ...] = DEBUG_FLAGS
+    plugin: bool = False  # build plugin.c as a shared object and pass its path as the first argument
+    # Comparisons expected to differ because of frames in libraries without frame pointers:
+    # any of "peak_paths", "final_paths", "peak_own", "final_own".
+    unwind_xfail: frozenset[str] = frozenset()
+    # Valgrind runs __libc_freeres and __gnu_cxx::__freeres at exit, which free library memory (the loader's
+    # tables, libstdc++'s emergency exception pool) that stays live in a normal run. So the final state of the
+    # whole heap is not comparable there; only the program's own stacks are.
+    freeres_at_exit: bool = False
+    notes: str = ""
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+CASES = [
+    Case("example", "example.c"),
+    Case("sites", "sites.c"),
+    Case("sites_depth2", "sites.c", options=("--depth=2",)),
+    Case(
+        "sites_O2",
+        "sites.c",
+        flags=OPTIMIZED_FLAGS,
+        unwind_xfail=frozenset({"peak_paths", "final_paths", "peak_own", "final_own"}),
+    ),
+    Case("allocfns", "allocfns.c"),
+    Case("peak", "peak.c"),
+    Case("wrappers", "wrappers.c"),
+    Case("wrappers_alloc_ignore", "wrappers.c", options=("--alloc-fn=xmalloc", "--ignore-fn=quiet_alloc")),
+    # operator new (libstdc++, no frame pointer) calls malloc: a frame-pointer walk from there skips its
+    # caller std::__new_allocator<T>::allocate, which is the program's own (inlined template) code.
+    Case(
+        "cxx",
+        "cxx.cpp",
+        unwind_xfail=frozenset({"peak_paths", "peak_own", "final_own"}),
+        freeres_at_exit=True,
+    ),
+    # strdup (libc) has no frame pointer: the walk from malloc skips strdup's caller `copy`.
+    Case("strdup", "dup.c", unwind_xfail=frozenset({"peak_paths", "final_paths"})),
+    # start_thread and clone end the thread's stack; libc's calloc of the DTV runs inside pthread_create.
+    Case("thread", "threads.c", unwind_xfail=frozenset({"peak_paths", "final_paths"})),
+    # The loader's own allocations and the plugin's constructor run under dl_open_worker, _dl_catch_exception.
+    Case("dlopen", "loader.c", plugin=True, unwind_xfail=frozenset({"peak_paths"}), freeres_at_exit=True),
+]
+
+
+@dataclass
+class Outcome:
+    case: Case
+    ref: list[Snap]
+    got: list[Snap]
+    own_files: frozenset[str]
+    ref_run: Completed
+    got_run: Completed
+
+
+def own_source_files(source: Path, *more: Path) -> frozenset[str]:
+    """Base names of the program's sources and every header compiled into it (gcc -M): template code from
+    libstdc++ headers is the program's own code, built with its flags."""
+    names: set[str] = set()
+    for src in (source, *more):
+        compiler = "g++" if src.suffix == ".cpp" else "gcc"
+        deps = subprocess.run([compiler, "-M", str(src)], capture_output=True, text=True, check=True).stdout
+        for tok in deps.replace("\\\n", " ").split()[1:]:
+            names.add(Path(tok).name)
+    return frozenset(names)
+
+
+@pytest.fixture(scope="session")
+def _outcomes() -> dict[str, Outcome]:
+    return {}
+
+
+@pytest.fixture(params=CASES, ids=[c.name for c in CASES])
+def outcome(
+    request: pytest.FixtureRequest,
+    _outcomes: dict[str, Outcome],
+    build: Callable[..., Path],
+    run_massif: Callable[..., Completed],
+    run_heapscope: Callable[..., Completed],
+) -> Outcome:
+    """Both runs of one case, made once per session and shared by the comparisons."""
+    case: Case = request.param
+    if case.name not in _outcomes:
+        _outcomes[case.name] = _run_case(case, build, run_massif, run_heapscope)
+    return _outcomes[case.name]
+
+
+def _run_case(
+    case: Case,
+    build: Callable[..., Path],
+    run_massif: Callable[..., Completed],
+    run_heapscope: Callable[..., Completed],
+) -> Outcome:
+    program = build(case.source, case.flags)
+    args: tuple[str, ...] = ()
+    own = [PROGRAMS / case.source]
+    if case.plugin:
+        args = (str(build("plugin.c", case.flags, shared=True)),)
+        own.append(PROGRAMS / "plugin.c")
+    options = (*case.options, *NO_CULL)
+    ref_run = run_massif(program, args, options)
+    assert ref_run.returncode == 0, ref_run.stderr
+    got_run = run_heapscope(program, args, options)
+    assert got_run.returncode == ref_run.returncode, got_run.stderr
+    return Outcome(
+        case,
+        read_snapshots(ref_run.massif_text),
+        read_snapshots(got_run.massif_text),
+        own_source_files(*own),
+        ref_run,
+        got_run,
+    )
+
+
+def _xfail_if(request: pytest.FixtureRequest, outcome: Outcome, comparison: str) -> None:
+    if comparison in outcome.case.unwind_xfail:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=UNWIND_REASON))
+
+
+def _diff(ref: Mapping[tuple[str, ...], int], got: Mapping[tuple[str, ...], int]) -> str:
+    lines = []
+    for p in sorted(set(ref) | set(got)):
+        if ref.get(p) != got.get(p):
+            lines.append(f"  massif={ref.get(p)} heapscope={got.get(p)}  {' <- '.join(reversed(p))}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Trees
+
+
+def test_peak_tree(request: pytest.FixtureRequest, outcome: Outcome) -> None:
+    _xfail_if(request, outcome, "peak_paths")
+    ref, got = reference_peak(outcome.ref).tree, heapscope_peak(outcome.got).tree
+    assert got == ref, "peak trees differ (bytes per path):\n" + _diff(ref, got)
+
+
+def test_peak_own_stacks(request: pytest.FixtureRequest, outcome: Outcome) -> None:
+    _xfail_if(request, outcome, "peak_own")
+    ref = own_stacks(reference_peak(outcome.ref).tree, outcome.own_files)
+    got = own_stacks(heapscope_peak(outcome.got).tree, outcome.own_files)
+    assert ref, "the program has no stack of its own at the peak: the comparison would be empty"
+    assert got == ref, "own stacks at the peak differ:\n" + _diff(ref, got)
+
+
+def test_final_tree(request: pytest.FixtureRequest, outcome: Outcome) -> None:
+    if outcome.case.freeres_at_exit:
+        pytest.skip("Valgrind's __libc_freeres/__gnu_cxx::__freeres change the final state: own stacks only")
+    _xfail_if(request, outcome, "final_paths")
+    ref, got = final(outcome.ref).tree, final(outcome.got).tree
+    assert got == ref, "final trees differ (bytes per path):\n" + _diff(ref, got)
+
+
+def test_final_own_stacks(request: pytest.FixtureRequest, outcome: Outcome) -> None:
+    _xfail_if(request, outcome, "final_own")
+    ref = own_stacks(final(outcome.ref).tree, outcome.own_files)
+    got = own_stacks(final(outcome.got).tree, outcome.own_files)
+    assert ref, "the program has no stack of its own at exit: the comparison would be empty"
+    assert got == ref, "own stacks at exit differ:\n" + _diff(ref, got)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Totals
+
+
+def test_peak_totals(outcome: Outcome) -> None:
+    ref, got = reference_peak(outcome.ref), heapscope_peak(outcome.got)
+    assert (got.heap_B, got.extra_B) == (ref.heap_B, ref.extra_B), "peak mem_heap_B, mem_heap_extra_B"
+
+
+def test_final_totals(outcome: Outcome) -> None:
+    ref, got = final(outcome.ref), final(outcome.got)
+    if outcome.case.freeres_at_exit:
+        # Valgrind's freeres only frees: heapscope's end state holds at least Massif's.
+        assert got.heap_B >= ref.heap_B
+        assert got.heap_B > 0
+        return
+    assert (got.heap_B, got.extra_B) == (ref.heap_B, ref.extra_B), "final mem_heap_B, mem_heap_extra_B"
+
+
+def test_peak_after_last_free_is_exact(
+    build: Callable[..., Path], run_massif: Callable[..., Completed], run_heapscope: Callable[..., Completed]
+) -> None:
+    """peak.c: Massif marks the first wave (the last state before a free beat the previous peak); the real
+    maximum is the second wave, never freed. heapscope must report the real one, larger than Massif's."""
+    program = build("peak.c")
+    ref = read_snapshots(run_massif(program, (), NO_CULL).massif_text)
+    got = read_snapshots(run_heapscope(program, (), NO_CULL).massif_text)
+    massif_marked = [s for s in ref if s.kind == "peak"]
+    assert len(massif_marked) == 1
+    hs_peak = heapscope_peak(got)
+    assert hs_peak.total_B > massif_marked[0].total_B
+    assert hs_peak.tree == final(ref).tree == final(got).tree
+    assert hs_peak.heap_B == max(s.heap_B for s in ref)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The readers: ms_print and callgrind_annotate
+
+
+def _grouped(n: int) -> str:
+    return f"{n:,}"
+
+
+def test_ms_print_reads_heapscope_output(
+    build: Callable[..., Path], run_massif: Callable[..., Completed], run_heapscope: Callable[..., Completed]
+) -> None:
+    program = build("example.c")
+    ref = read_snapshots(run_massif(program).massif_text)
+    run = run_heapscope(program)
+    got = read_snapshots(run.massif_text)
+    done = subprocess.run(["ms_print", str(run.massif_out)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    peak = reference_peak(ref)
+    # The graph's y axis tops at the peak's useful bytes, and the peak's tree is printed with its bytes.
+    assert re.search(rf"\b{re.escape(_grouped(peak.heap_B))}B\)? \(heap allocation functions\)", text), text
+    # Every top-level site of the peak appears as an `->` line with its bytes, e.g. main (example.c:20).
+    tops = {p[1]: b for p, b in heapscope_peak(got).tree.items() if len(p) == 2}
+    assert tops
+    for label, nbytes in tops.items():
+        line = rf"->\d+\.\d+% \({re.escape(_grouped(nbytes))}B\) 0x[0-9A-F]+: {re.escape(label)}"
+        assert re.search(line, text), f"{label} with {nbytes} B not in ms_print output"
+
+
+_COUNT = r"([\d,]+)(?: \([\d.]+%\))?\s+"
+# One row of callgrind_annotate's table: six event counts (with optional percentages), then file:function.
+_ANNOTATE_ROW = re.compile(r"^\s*" + _COUNT * 6 + r"(\S.*)$")
+
+
+def annotate_inclusive(xtree: Path) -> dict[tuple[str, str], tuple[int, ...]]:
+    """callgrind_annotate --inclusive=yes: (source base name, function) ->
+    (curB, curBk, totB, totBk, totFdB, totFdBk)."""
+    done = subprocess.run(
+        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", "--auto=no", str(xtree)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    rows: dict[tuple[str, str], tuple[int, ...]] = {}
+    for line in done.stdout.splitlines():
+        m = _ANNOTATE_ROW.match(line)
+        if not m or m.group(7) == "PROGRAM TOTALS" or ":" not in m.group(7):
+            continue
+        where, _, fn = m.group(7).rpartition(":")
+        rows[(Path(where).name, fn)] = tuple(int(m.group(i).replace(",", "")) for i in range(1, 7))
+    assert rows, done.stdout
+    return rows
+
+
+XTREE_CASES = [("example.c", ()), ("sites.c", ()), ("wrappers.c", ("--alloc-fn=xmalloc",)), ("peak.c", ())]
+
+
+@pytest.mark.parametrize(("source", "options"), XTREE_CASES, ids=[s for s, _ in XTREE_CASES])
+def test_xtree_matches_valgrind(
+    source: str,
+    options: tuple[str, ...],
+    build: Callable[..., Path],
+    run_massif: Callable[..., Completed],
+    run_heapscope: Callable[..., Completed],
+) -> None:
+    program = build(source)
+    ref_run = run_massif(program, (), options, xtree=True)
+    got_run = run_heapscope(program, (), options, xtree=True)
+    assert ref_run.xtree_out is not None and got_run.xtree_out is not None
+    assert got_run.xtree_out.exists(), f"heapscope wrote no xtree file; stderr:\n{got_run.stderr}"
+    ref = annotate_inclusive(ref_run.xtree_out)
+    got = annotate_inclusive(got_run.xtree_out)
+    # curB, totB, totFdB per function, inclusive. Valgrind books a free on the stack that frees the block.
+    pick = {k: (v[0], v[2], v[4]) for k, v in ref.items() if k[0] == source}
+    mine = {k: (v[0], v[2], v[4]) for k, v in got.items() if k[0] == source}
+    assert mine == pick, f"(curB, totB, totFdB) per function differ:\nvalgrind  {pick}\nheapscope {mine}"
+    # main's inclusive current bytes are the whole heap at exit: the final snapshot's useful bytes.
+    final_heap = final(read_snapshots(got_run.massif_text)).heap_B
+    assert got[(source, "main")][0] == final_heap
