@@ -7,9 +7,13 @@ the dataclasses below), never bcc objects.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
-from collections.abc import Iterable, Sequence
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
 from types import TracebackType
@@ -72,6 +76,20 @@ class ProbeSettings:
     max_stacks: int = 1 << 16
 
 
+@contextlib.contextmanager
+def _captured_stderr() -> Iterator[Callable[[], list[str]]]:
+    """Hold what clang and libbpf write to fd 2 while compiling, so errors reach the user as one line."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lambda: (tmp.seek(0), tmp.read().decode(errors="replace").splitlines())[1]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def _int(value: object) -> int:
     """A map key as an int: batch lookups give ints, per-entry lookups give ctypes values."""
     return int(getattr(value, "value", value))  # type: ignore[call-overload]
@@ -94,6 +112,7 @@ class HeapProbes:
         self._bpf = None
         self._fds: list[int] = []
         self._stacks: dict[int, tuple[int, ...]] = {}
+        self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
 
     # ---- life cycle -------------------------------------------------------------------------------
 
@@ -113,10 +132,12 @@ class HeapProbes:
             f"-DHS_STOP_AT_EXIT={int(s.stop_at_exit)}",
             f"-DHS_FREE_STACKS={int(s.free_stacks)}",
         ]
-        try:
-            self._bpf = bcc.BPF(src_file=os.path.join(probes_dir, "heap.bpf.c").encode(), cflags=cflags)
-        except Exception as exc:  # bcc raises bare Exception for compile and load failures
-            raise EnvironmentProblem(f"cannot compile or load the BPF program: {exc}") from exc
+        with _captured_stderr() as messages:
+            try:
+                self._bpf = bcc.BPF(src_file=os.path.join(probes_dir, "heap.bpf.c").encode(), cflags=cflags)
+            except Exception as exc:  # bcc raises bare Exception for compile and load failures
+                first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
+                raise EnvironmentProblem(f"cannot compile or load the BPF program: {first.strip()}") from exc
         try:
             if not s.arm_on_exec:
                 self._set_armed(True)
@@ -139,8 +160,10 @@ class HeapProbes:
         if self._fds:
             self._set_armed(False)
         lib = _load_bcc().libbcc.lib
+        started = time.monotonic()
         for fd in self._fds:
             lib.bpf_close_perf_event_fd(fd)
+        self.detach_seconds = time.monotonic() - started
         self._fds.clear()
 
     def close(self) -> None:
@@ -200,46 +223,38 @@ class HeapProbes:
         return Counters(**{f.name: int(getattr(raw, f.name)) for f in fields(Counters)})
 
     def sites(self, peak_gen: int) -> dict[int, SiteCounts]:
-        """Counters per stack key, with peak_bytes resolved against the global peak number `peak_gen`."""
+        """Counters per stack key, with peak_bytes resolved against the global peak number `peak_gen`.
+        The stacks behind new keys are kept for stacks()."""
         if self._bpf is None:
             raise HeapscopeError("probes are not loaded")
         out = {}
-        for key, v in self._items("sites"):
-            peak = v.peak_bytes if v.peak_gen == peak_gen else v.cur_bytes
-            out[_int(key)] = SiteCounts(
+        for raw_key, v in self._items("sites"):
+            key = _int(raw_key)
+            if key not in self._stacks:
+                ips = []
+                for ip in v.ip:
+                    if not ip:
+                        break
+                    ips.append(int(ip))
+                self._stacks[key] = tuple(ips)
+            # Untouched since the last peak: its live values are its values at the peak (lazy copy).
+            at_peak = v.peak_gen == peak_gen
+            out[key] = SiteCounts(
                 cur_bytes=v.cur_bytes,
                 cur_blocks=v.cur_blocks,
                 tot_bytes=v.tot_bytes,
                 tot_blocks=v.tot_blocks,
                 freed_bytes=v.freed_bytes,
                 freed_blocks=v.freed_blocks,
-                peak_bytes=peak,
+                peak_bytes=v.peak_bytes if at_peak else v.cur_bytes,
+                cur_extra=v.cur_extra,
+                peak_extra=v.peak_extra if at_peak else v.cur_extra,
             )
         return out
 
     def stacks(self, keys: Iterable[int]) -> dict[int, tuple[int, ...]]:
-        """Return addresses behind stack keys, innermost first. Stacks never change, so they are cached."""
-        if self._bpf is None:
-            raise HeapscopeError("probes are not loaded")
-        table = self._bpf["stacks"]
-        for key in keys:
-            if key in self._stacks:
-                continue
-            if key == STACK_OVERFLOW:
-                self._stacks[key] = ()
-                continue
-            try:
-                value = table[table.Key(key)]
-            except KeyError:
-                self._stacks[key] = ()
-                continue
-            ips = []
-            for ip in value.ip:
-                if not ip:
-                    break
-                ips.append(int(ip))
-            self._stacks[key] = tuple(ips)
-        return {k: self._stacks[k] for k in keys}
+        """Return addresses behind site keys (innermost first), as read by the last sites() call."""
+        return {k: self._stacks.get(k, ()) for k in keys}
 
     def _items(self, name: str) -> list:  # type: ignore[type-arg]
         assert self._bpf is not None

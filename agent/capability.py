@@ -7,7 +7,9 @@ import os
 import platform
 
 
-def check_environment(proc_root: str = "/proc", sys_root: str = "/sys", modules_root: str = "/lib/modules") -> list[str]:
+def check_environment(
+    proc_root: str = "/proc", sys_root: str = "/sys", modules_root: str = "/lib/modules"
+) -> list[str]:
     """Problems that stop BPF uprobes from working here; empty when all is well."""
     problems = []
     if os.geteuid() != 0:

@@ -105,12 +105,25 @@ def _add_profile_options(p: argparse.ArgumentParser) -> None:
     for name, kwargs in _MASSIF_OPTIONS:
         g.add_argument(name, **kwargs)
     h = p.add_argument_group("heapscope options")
-    h.add_argument("--sample-interval", type=_positive_seconds, default=0.05, metavar="SECONDS",
-                   help="how often the kernel's counters are sampled for snapshots (default 0.05)")
-    h.add_argument("--max-blocks", type=_int_at_least(1024), default=1 << 20,
-                   help="live blocks the kernel can track; more are counted as dropped (default 1048576)")
-    h.add_argument("--max-stacks", type=_int_at_least(1024), default=1 << 16,
-                   help="distinct allocation stacks the kernel can keep (default 65536)")
+    h.add_argument(
+        "--sample-interval",
+        type=_positive_seconds,
+        default=0.05,
+        metavar="SECONDS",
+        help="how often the kernel's counters are sampled for snapshots (default 0.05)",
+    )
+    h.add_argument(
+        "--max-blocks",
+        type=_int_at_least(1024),
+        default=1 << 20,
+        help="live blocks the kernel can track; more are counted as dropped (default 1048576)",
+    )
+    h.add_argument(
+        "--max-stacks",
+        type=_int_at_least(1024),
+        default=1 << 16,
+        help="distinct allocation stacks the kernel can keep (default 65536)",
+    )
     h.add_argument("-q", "--quiet", action="store_true", help="print errors only")
 
 
@@ -118,8 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Heap profiling of running processes with eBPF, Massif-compatible.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    run = sub.add_parser("run", help="launch a program and profile it from its first instruction",
-                         usage=f"{PROG} run [options] -- PROG [ARGS]")
+    run = sub.add_parser(
+        "run",
+        help="launch a program and profile it from its first instruction",
+        usage=f"{PROG} run [options] -- PROG [ARGS]",
+    )
     _add_profile_options(run)
     attach = sub.add_parser("attach", help="profile a running process until Ctrl-C, SIGTERM or its exit")
     attach.add_argument("pid", type=_int_at_least(1), help="the process to profile")
@@ -141,16 +157,30 @@ def _split_program(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def _takes_value(arg: str) -> bool:
     """An option written as `--name VALUE` (rather than `--name=VALUE`)."""
     return arg in _MASSIF_NAMES - {"--heap", "--stacks", "--pages-as-heap"} or arg in (
-        "--sample-interval", "--max-blocks", "--max-stacks")
+        "--sample-interval",
+        "--max-blocks",
+        "--max-stacks",
+    )
 
 
 def options_from(ns: argparse.Namespace) -> MassifOptions:
     opts = MassifOptions(
-        heap=ns.heap, heap_admin=ns.heap_admin, alignment=ns.alignment, stacks=ns.stacks,
-        pages_as_heap=ns.pages_as_heap, depth=ns.depth, alloc_fns=ns.alloc_fns, ignore_fns=ns.ignore_fns,
-        threshold=ns.threshold, peak_inaccuracy=ns.peak_inaccuracy, time_unit=ns.time_unit,
-        detailed_freq=ns.detailed_freq, max_snapshots=ns.max_snapshots, massif_out_file=ns.massif_out_file,
-        xtree_memory=ns.xtree_memory, xtree_memory_file=ns.xtree_memory_file,
+        heap=ns.heap,
+        heap_admin=ns.heap_admin,
+        alignment=ns.alignment,
+        stacks=ns.stacks,
+        pages_as_heap=ns.pages_as_heap,
+        depth=ns.depth,
+        alloc_fns=ns.alloc_fns,
+        ignore_fns=ns.ignore_fns,
+        threshold=ns.threshold,
+        peak_inaccuracy=ns.peak_inaccuracy,
+        time_unit=ns.time_unit,
+        detailed_freq=ns.detailed_freq,
+        max_snapshots=ns.max_snapshots,
+        massif_out_file=ns.massif_out_file,
+        xtree_memory=ns.xtree_memory,
+        xtree_memory_file=ns.xtree_memory_file,
     )
     if opts.stacks and opts.pages_as_heap:
         raise UsageError("--stacks=yes cannot be combined with --pages-as-heap=yes (as in Massif)")
@@ -241,8 +271,16 @@ def _settings(ctx: _Ctx, pid: int, run: bool):  # type: ignore[no-untyped-def]
     )
 
 
-def _profile(ctx: _Ctx, pid: int, cmd: str, allocator: Allocator, run: bool,
-             alive: Callable[[], bool], started: Callable[[], None], stop: threading.Event) -> Session:
+def _profile(
+    ctx: _Ctx,
+    pid: int,
+    cmd: str,
+    allocator: Allocator,
+    run: bool,
+    alive: Callable[[], bool],
+    started: Callable[[], None],
+    stop: threading.Event,
+) -> Session:
     from agent.bpf import HeapProbes
 
     for line in allocator.describe():
@@ -252,6 +290,7 @@ def _profile(ctx: _Ctx, pid: int, cmd: str, allocator: Allocator, run: bool,
         points.append(allocator.exit_probe)
     with HeapProbes(_settings(ctx, pid, run), points) as probes:
         session = Session(ctx.opts, probes, SessionInfo(pid, cmd, ctx.desc, allocator.family))
+        ctx.say(f"probes attached to {pid}")
         started()
         session.run(alive, stop, ctx.ns.sample_interval)
         probes.detach()  # the target runs on untouched from here

@@ -17,10 +17,11 @@ from functools import lru_cache
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.dynamic import DynamicSection
-from elftools.elf.elffile import ELFFile
 
+from agent.elf import ElfError, ElfObject, open_elf
 from agent.errors import TargetError
 from agent.placement import Placement, choose_offset
+from agent.symbols import Mapping, parse_maps
 
 # Allocation functions: symbol -> (probe kind in heap.bpf.c, argument registers the probe reads).
 # Kinds: malloc|calloc|realloc|memalign|posix_memalign|valloc|pvalloc|reallocarray (need a return probe),
@@ -59,55 +60,26 @@ _FAMILIES = (("jemalloc", "jemalloc"), ("tcmalloc", "tcmalloc"), ("mimalloc", "m
 _DEFAULT_LIB_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib")
 
 
-@dataclass(frozen=True)
-class Mapping:
-    """One file-backed line of /proc/PID/maps."""
-
-    start: int
-    end: int
-    offset: int
-    path: str
-    perms: str = "r-xp"
-
-
-_MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) ([0-9a-f]+) \S+ (\d+)\s*(.*)$")
-
-
-def parse_maps(text: str) -> list[Mapping]:
-    """File-backed mappings of a /proc/PID/maps text (pseudo entries like [heap] are left out)."""
-    out = []
-    for line in text.splitlines():
-        m = _MAPS_LINE.match(line)
-        if not m or not m.group(6).startswith("/") or m.group(5) == "0":
-            continue
-        path = m.group(6).removesuffix(" (deleted)")
-        out.append(Mapping(int(m.group(1), 16), int(m.group(2), 16), int(m.group(4), 16), path, m.group(3)))
-    return out
-
-
 @dataclass
 class ElfFacts:
-    """What discovery needs of one ELF object."""
+    """What discovery needs of one ELF object: its dynamic section and the functions it defines."""
 
-    path: str
-    is_dynamic: bool  # has PT_INTERP or a dynamic section
-    soname: str | None
-    needed: list[str]
-    search_dirs: list[str]  # DT_RPATH/DT_RUNPATH with $ORIGIN expanded
-    defined: dict[str, int] = field(default_factory=dict)  # function symbol -> st_value (defined ones only)
+    obj: ElfObject
+    is_dynamic: bool  # has a dynamic section: exports through .dynsym
+    soname: str | None = None
+    needed: list[str] = field(default_factory=list)
+    search_dirs: list[str] = field(default_factory=list)  # DT_RPATH/DT_RUNPATH with $ORIGIN expanded
+    defined: dict[str, int] = field(default_factory=dict)  # wanted function -> st_value (defined ones)
+
+    @property
+    def path(self) -> str:
+        return self.obj.path
 
     def file_offset(self, vaddr: int) -> int:
-        with open(self.path, "rb") as f:
-            elf = ELFFile(f)
-            for seg in elf.iter_segments("PT_LOAD"):
-                if seg["p_vaddr"] <= vaddr < seg["p_vaddr"] + seg["p_filesz"]:
-                    return int(vaddr - seg["p_vaddr"] + seg["p_offset"])
-        raise TargetError(f"address 0x{vaddr:x} is not in a loadable segment of {self.path}")
-
-    def code(self, vaddr: int, size: int = 64) -> bytes:
-        with open(self.path, "rb") as f:
-            f.seek(self.file_offset(vaddr))
-            return f.read(size)
+        try:
+            return self.obj.vaddr_to_file_offset(vaddr)
+        except ValueError as exc:
+            raise TargetError(f"address 0x{vaddr:x} is not in a loadable segment of {self.path}") from exc
 
 
 _WANTED = frozenset(ALLOC_FUNCTIONS) | frozenset(CXX_OPERATORS) | {EXIT_FUNCTION}
@@ -116,38 +88,29 @@ _WANTED = frozenset(ALLOC_FUNCTIONS) | frozenset(CXX_OPERATORS) | {EXIT_FUNCTION
 @lru_cache(maxsize=256)
 def elf_facts(path: str) -> ElfFacts:
     try:
-        with open(path, "rb") as f:
-            elf = ELFFile(f)
-            facts = ElfFacts(path, False, None, [], [])
-            facts.is_dynamic = elf.get_section_by_name(".dynamic") is not None
+        obj = open_elf(path)
+        f, elf = obj.open_elffile()
+        with f:
+            dynamic = elf.get_section_by_name(".dynamic")
+            facts = ElfFacts(obj, isinstance(dynamic, DynamicSection))
             origin = os.path.dirname(path)
-            for sec in elf.iter_sections():
-                if isinstance(sec, DynamicSection):
-                    for tag in sec.iter_tags():
-                        if tag.entry.d_tag == "DT_NEEDED":
-                            facts.needed.append(tag.needed)
-                        elif tag.entry.d_tag == "DT_SONAME":
-                            facts.soname = tag.soname
-                        elif tag.entry.d_tag in ("DT_RPATH", "DT_RUNPATH"):
-                            value = tag.rpath if tag.entry.d_tag == "DT_RPATH" else tag.runpath
-                            facts.search_dirs += [d.replace("$ORIGIN", origin) for d in value.split(":") if d]
-            # A static executable has only .symtab; a dynamic object exports through .dynsym.
-            names = (".dynsym",) if facts.is_dynamic else (".symtab",)
-            for name in names:
-                symtab = elf.get_section_by_name(name)
-                if symtab is None:
-                    continue
-                for sym in symtab.iter_symbols():
-                    if (
-                        sym.name in _WANTED
-                        and sym["st_shndx"] != "SHN_UNDEF"
-                        and sym["st_info"]["type"] in ("STT_FUNC", "STT_GNU_IFUNC")
-                        and sym["st_value"]
-                    ):
-                        facts.defined.setdefault(sym.name, sym["st_value"])
-            return facts
-    except (OSError, ELFError) as exc:
+            if isinstance(dynamic, DynamicSection):
+                for tag in dynamic.iter_tags():
+                    kind, value = tag.entry.d_tag, vars(tag)  # pyelftools sets .needed etc. per tag
+                    if kind == "DT_NEEDED":
+                        facts.needed.append(value["needed"])
+                    elif kind == "DT_SONAME":
+                        facts.soname = value["soname"]
+                    elif kind in ("DT_RPATH", "DT_RUNPATH"):
+                        dirs = value["rpath" if kind == "DT_RPATH" else "runpath"]
+                        facts.search_dirs += [d.replace("$ORIGIN", origin) for d in dirs.split(":") if d]
+    except (OSError, ElfError, ELFError) as exc:
         raise TargetError(f"cannot read {path}: {exc}") from exc
+    # A dynamic object exports through .dynsym only; a static executable has just .symtab.
+    for sym in obj.dynsym if facts.is_dynamic else obj.symtab:
+        if sym.name in _WANTED and sym.is_defined and sym.is_function and sym.value:
+            facts.defined.setdefault(sym.name, sym.value)
+    return facts
 
 
 @lru_cache(maxsize=1)
@@ -297,7 +260,7 @@ def resolve_allocator(order: Sequence[ElfFacts]) -> Allocator:
 
 def _probe_point(owner: ElfFacts, name: str, kind: str, regs: tuple[str, ...]) -> ProbePoint:
     vaddr = owner.defined[name]
-    placement = choose_offset(owner.code(vaddr), regs)
+    placement = choose_offset(owner.obj.code_bytes(vaddr, 64), regs)
     return ProbePoint(name, kind, owner.path, vaddr, owner.file_offset(vaddr + placement.offset), placement)
 
 
@@ -321,9 +284,7 @@ def read_process(pid: int, proc: str = "/proc") -> ProcessInfo:
         with open(f"{base}/cmdline", "rb") as f:
             cmdline = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
         with open(f"{base}/environ", "rb") as f:
-            environ = dict(
-                e.decode(errors="replace").split("=", 1) for e in f.read().split(b"\0") if b"=" in e
-            )
+            environ = dict(e.decode(errors="replace").split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
     except PermissionError as exc:
         raise TargetError(f"no permission to read process {pid} (heapscope needs root): {exc}", 4) from exc
     except FileNotFoundError as exc:

@@ -6,9 +6,9 @@ so not even the dynamic loader's and constructors' allocations are missed (the p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-import signal
 from collections.abc import Sequence
 
 from agent.errors import TargetError
@@ -58,10 +58,8 @@ class HeldChild:
 
     def abandon(self) -> None:
         """Setting up failed before release: end the held child."""
-        try:
+        with contextlib.suppress(OSError):
             os.close(self._go_w)  # the child reads EOF and exits
-        except OSError:
-            pass
         self.wait()
 
     def poll(self) -> int | None:
@@ -82,15 +80,10 @@ class HeldChild:
 
     def forward(self, signum: int) -> None:
         if self._status is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signum)
-            except ProcessLookupError:
-                pass
 
     @staticmethod
     def exit_code(status: int) -> int:
         """Shell convention: a child killed by signal N gives 128 + N."""
         return 128 - status if status < 0 else status
-
-
-__all__ = ["HeldChild", "signal"]

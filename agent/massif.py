@@ -93,9 +93,7 @@ def write_massif(
         write_snapshot(out, snap, i, threshold=threshold)
 
 
-def render_snapshot(
-    snapshot: Snapshot, *, desc: Sequence[str], cmd: str, time_unit: str, threshold: float
-) -> str:
+def render_snapshot(snapshot: Snapshot, *, desc: Sequence[str], cmd: str, time_unit: str, threshold: float) -> str:
     """What Massif's monitor commands `snapshot` / `detailed_snapshot` write: a whole file (header and one
     snapshot numbered 0). Massif takes a fresh normal snapshot there, so it is `detailed` or `empty`, never
     `peak`."""

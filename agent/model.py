@@ -58,6 +58,8 @@ class SiteCounts:
     freed_bytes: int = 0  # bytes of this stack's blocks freed
     freed_blocks: int = 0
     peak_bytes: int = 0  # live bytes at the global peak (exact)
+    cur_extra: int = 0  # Massif's extra bytes (slop + admin) of the live blocks
+    peak_extra: int = 0  # the same at the global peak
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -363,9 +365,7 @@ class SnapshotSeries:
         self._earliest_next = time + self._min_interval
         return snap
 
-    def set_peak(
-        self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: HeapTree
-    ) -> Snapshot | None:
+    def set_peak(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: HeapTree) -> Snapshot | None:
         """Record the state at the peak, if higher (useful + extra + stacks) than the current peak.
         The old peak snapshot is removed; the new one goes in time order (after snapshots at the same time).
         Returns the new peak snapshot, or None when it is not higher."""

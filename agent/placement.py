@@ -63,9 +63,7 @@ def is_emulated(insn: capstone.CsInsn) -> bool:
         return True
     if first == 0x0F and len(op) >= 2 and 0x80 <= op[1] <= 0x8F:  # jcc rel32
         return True
-    if first == 0x90:  # nop, with any prefixes (e.g. 66 90)
-        return True
-    return False
+    return first == 0x90  # nop, with any prefixes (e.g. 66 90)
 
 
 def _registers_written(insn: capstone.CsInsn) -> set[str]:
@@ -108,5 +106,9 @@ def choose_offset(code: bytes, needs: Iterable[str]) -> Placement:
     if first is None:
         return Placement(0, False, "?", "+0: code could not be decoded; single-stepped")
     text = f"{first.mnemonic} {first.op_str}".strip()
-    return Placement(0, False, text, f"+0 `{text}` is single-stepped: no emulated instruction before the "
-                     "arguments, %rsp or %rbp change")
+    return Placement(
+        0,
+        False,
+        text,
+        f"+0 `{text}` is single-stepped: no emulated instruction before the arguments, %rsp or %rbp change",
+    )

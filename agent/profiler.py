@@ -58,6 +58,14 @@ class MapsRecorder:
 
 
 @dataclass
+class Ignored:
+    """Bytes of --ignore-fn allocations, taken off the snapshot totals."""
+
+    heap: int = 0
+    extra: int = 0
+
+
+@dataclass
 class SessionInfo:
     pid: int
     cmd: str  # the target's command line, for the files' cmd: lines
@@ -134,18 +142,19 @@ class Session:
         """--ignore-fn: the allocation was made directly in an ignored function."""
         return bool(stack) and stack[0].function in self._ignore_fns if self._ignore_fns else False
 
-    def tree(self, sites: dict[int, SiteCounts], at_peak: bool) -> tuple[HeapTree, int]:
-        """The heap tree of live (or at-peak) bytes, and the bytes --ignore-fn left out of it."""
+    def tree(self, sites: dict[int, SiteCounts], at_peak: bool) -> tuple[HeapTree, Ignored]:
+        """The heap tree of live (or at-peak) bytes, and what --ignore-fn left out of it."""
         self.symbolize_new(list(sites))
         stacks: dict[Stack, int] = {}
-        ignored = 0
+        ignored = Ignored()
         for key, s in sites.items():
             if s.tot_blocks == 0:  # only frees were charged here (xtree full): not an allocation site
                 continue
             nbytes = s.peak_bytes if at_peak else s.cur_bytes
             stack = self.trimmed(key)
             if self._ignored(stack):
-                ignored += nbytes
+                ignored.heap += nbytes
+                ignored.extra += s.peak_extra if at_peak else s.cur_extra
                 continue
             stacks[stack] = stacks.get(stack, 0) + nbytes
         return HeapTree.from_stacks(stacks), ignored
@@ -165,7 +174,7 @@ class Session:
                 return
             if kind is SnapshotKind.DETAILED:
                 tree, ignored = self.tree(self.probes.sites(c.peak_gen), at_peak=False)
-                self.series.add(t, c.heap - ignored, c.extra, 0, tree)
+                self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, 0, tree)
             else:
                 self.series.add(t, c.heap, c.extra, 0)
                 # Stacks are symbolized as they appear, while the target's mappings are readable.
@@ -202,10 +211,10 @@ class Session:
             sites = self.probes.sites(c.peak_gen)
             t_end = max(self.now(c), self.series.snapshots[-1].time if self.series.snapshots else 0)
             if c.peak_total > 0:
-                peak_tree, ignored = self.tree(sites, at_peak=True)
-                self.series.set_peak(self.peak_time(c), c.peak_heap - ignored, c.peak_extra, 0, peak_tree)
-            tree, ignored = self.tree(sites, at_peak=False)
-            self.series.finish(t_end, c.heap - ignored, c.extra, 0, tree)
+                peak_tree, ign = self.tree(sites, at_peak=True)
+                self.series.set_peak(self.peak_time(c), c.peak_heap - ign.heap, c.peak_extra - ign.extra, 0, peak_tree)
+            tree, ign = self.tree(sites, at_peak=False)
+            self.series.finish(t_end, c.heap - ign.heap, c.extra - ign.extra, 0, tree)
 
     # ---- output -----------------------------------------------------------------------------------
 
@@ -236,19 +245,24 @@ class Session:
                 for field in ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks"):
                     setattr(m, field, getattr(m, field) + getattr(s, field))
         with open(path, "w") as out:
-            kind = "full" if self.opts.xtree_memory == "full" else "allocs"
-            write_xtree(out, merged, cmd=self.info.cmd, pid=self.info.pid, kind=kind)
+            write_xtree(
+                out,
+                merged,
+                cmd=self.info.cmd,
+                pid=self.info.pid,
+                kind="full" if self.opts.xtree_memory == "full" else "allocs",
+            )
 
     def snapshot_now(self, detailed: bool) -> str:
         """Massif's monitor commands `snapshot` and `detailed_snapshot`: a file with one snapshot, taken now."""
         with self._lock:
             c = self.probes.counters()
             tree = None
-            ignored = 0
+            ign = Ignored()
             if detailed:
-                tree, ignored = self.tree(self.probes.sites(c.peak_gen), at_peak=False)
+                tree, ign = self.tree(self.probes.sites(c.peak_gen), at_peak=False)
             kind = SnapshotKind.DETAILED if detailed else SnapshotKind.NORMAL
-            snap = Snapshot(self.now(c), c.heap - ignored, c.extra, 0, tree, kind)
+            snap = Snapshot(self.now(c), c.heap - ign.heap, c.extra - ign.extra, 0, tree, kind)
         return render_snapshot(
             snap, desc=self.info.desc, cmd=self.info.cmd, time_unit=self.opts.time_unit, threshold=self.opts.threshold
         )

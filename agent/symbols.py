@@ -261,14 +261,10 @@ class SourceInfo:
     inlined: tuple[InlinedCall, ...] = ()
 
 
-_SCOPE_TAGS = frozenset(
-    {"DW_TAG_lexical_block", "DW_TAG_subprogram", "DW_TAG_try_block", "DW_TAG_catch_block"}
-)
+_SCOPE_TAGS = frozenset({"DW_TAG_lexical_block", "DW_TAG_subprogram", "DW_TAG_try_block", "DW_TAG_catch_block"})
 _UNKNOWN_INLINED = "UnknownInlinedFun"  # Valgrind's text for an origin in another unit
 _ORIGIN_NOT_FOUND = "AbsOriFnNameNotFound"
-_LOCAL_REF_FORMS = frozenset(
-    {"DW_FORM_ref1", "DW_FORM_ref2", "DW_FORM_ref4", "DW_FORM_ref8", "DW_FORM_ref_udata"}
-)
+_LOCAL_REF_FORMS = frozenset({"DW_FORM_ref1", "DW_FORM_ref2", "DW_FORM_ref4", "DW_FORM_ref8", "DW_FORM_ref_udata"})
 
 
 class _CuInfo:
@@ -739,9 +735,7 @@ class Symbolizer:
                 return m
         return None
 
-    def symbolize(
-        self, mappings: Sequence[Mapping], address: int, *, is_return_address: bool = True
-    ) -> list[Frame]:
+    def symbolize(self, mappings: Sequence[Mapping], address: int, *, is_return_address: bool = True) -> list[Frame]:
         """Frames for one address, innermost inlined function first, all at the same address.
 
         For a return address the call instruction (address - 1) is looked up, and that is also the
@@ -758,8 +752,7 @@ class Symbolizer:
         if vaddr is None:
             return [Frame(address=look, obj=m.path)]
         return [
-            Frame(address=look, function=fn, file=file, line=line, obj=m.path)
-            for fn, file, line in info.levels(vaddr)
+            Frame(address=look, function=fn, file=file, line=line, obj=m.path) for fn, file, line in info.levels(vaddr)
         ]
 
     def symbolize_stack(

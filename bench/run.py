@@ -329,8 +329,7 @@ def bench(workload: Workload, tools: list[Tool], calls: int, repeats: int) -> li
                 m = res.tool.run(binary, [str(calls)], env, scratch)
                 res.runs.append(m)
                 print(
-                    f"  [{rep + 1}/{repeats}] {res.tool.name:<10}"
-                    f" wall {m.wall_s:8.3f} s  loop {m.loop_s:8.3f} s",
+                    f"  [{rep + 1}/{repeats}] {res.tool.name:<10} wall {m.wall_s:8.3f} s  loop {m.loop_s:8.3f} s",
                     flush=True,
                 )
             except ToolFailed as e:

@@ -13,22 +13,22 @@
 
 /* blocks: block address -> struct hs_block (live blocks only) */
 BPF_HASH(blocks, u64, struct hs_block, HS_MAX_BLOCKS);
-/* sites: stack key -> struct hs_site (counters per allocation stack) */
+/* sites: stack key -> struct hs_site (counters and return addresses of one allocation stack) */
 BPF_HASH(sites, u64, struct hs_site, HS_MAX_STACKS);
-/* stacks: stack key -> struct hs_stack (the return addresses behind a key) */
-BPF_HASH(stacks, u64, struct hs_stack, HS_MAX_STACKS);
-/* pending: thread id -> struct hs_pending (an allocation call between entry and return) */
+/* slots: tid mod HS_PENDING_SLOTS -> struct hs_pending (the thread's call between entry and return).
+ * An array: its lookups are inlined and take no lock, unlike a hash map's. */
+BPF_ARRAY(slots, struct hs_pending, HS_PENDING_SLOTS);
+/* pending: thread id -> struct hs_pending, for a thread whose slot another thread holds */
 BPF_HASH(pending, u32, struct hs_pending, HS_MAX_THREADS);
-/* pending_sp: thread id -> stack pointer at the pending call's entry (to spot stale entries) */
-BPF_HASH(pending_sp, u32, u64, HS_MAX_THREADS);
 /* globals: 0 -> struct hs_global */
 BPF_ARRAY(globals, struct hs_global, 1);
 /* control: enum hs_control -> u64, written by user space (kept apart so its writes never race counters) */
 BPF_ARRAY(control, u64, HS_CTL_COUNT);
-/* scratch: 0 -> struct hs_stack being walked (too big for the BPF stack) */
-BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
+/* scratch: 0 -> the site being built from a stack walk (too big for the BPF stack); its peak_gen field
+ * holds the key of the last stack stored from this CPU, so a hot loop skips the sites lookup. */
+BPF_PERCPU_ARRAY(scratch, struct hs_site, 1);
 
-/* Stack key reserved for allocations whose stack could not be stored (stacks map full). */
+/* Site key reserved for allocations whose stack could not be stored (sites map full). */
 #define HS_STACK_OVERFLOW 1ULL
 
 static __always_inline struct hs_global *get_globals(void)
@@ -52,12 +52,13 @@ static __always_inline u64 mix(u64 h, u64 v)
     return h;
 }
 
-/* Walk the user stack by frame pointers. ip[0] is the caller's return address, read from [rsp]: at a
- * function's entry no frame exists yet, so a walk from %rbp alone would skip the immediate caller. */
+/* Walk the user stack by frame pointers and make sure its site exists; returns the site key.
+ * ip[0] is the caller's return address, read from [rsp]: at a function's entry no frame exists yet, so a
+ * walk from %rbp alone would skip the immediate caller. */
 static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *g)
 {
     u32 zero = 0;
-    struct hs_stack *st = scratch.lookup(&zero);
+    struct hs_site *st = scratch.lookup(&zero);
     if (!st)
         return HS_STACK_OVERFLOW;
 
@@ -69,33 +70,39 @@ static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *
     st->ip[0] = ret;
     h = mix(h, ret);
 
-    int done = (ret == 0);
-    for (int i = 1; i < HS_MAX_DEPTH; i++) {
+    int n = 1;
+    for (int i = 1; i < HS_MAX_DEPTH && ret; i++) {
         u64 frame[2] = {0, 0}; /* saved %rbp, return address */
-        if (!done) {
-            /* A frame lies above the stack pointer, 8-aligned, and each one above the last. */
-            if (bp <= sp || (bp & 7) || bpf_probe_read_user(frame, sizeof(frame), (void *)bp) ||
-                frame[1] == 0)
-                done = 1;
-        }
-        if (done) {
-            st->ip[i] = 0;
-            continue;
-        }
+        /* A frame lies above the stack pointer, 8-aligned, and each one above the last. */
+        if (bp <= sp || (bp & 7) || bpf_probe_read_user(frame, sizeof(frame), (void *)bp) || frame[1] == 0)
+            break;
         st->ip[i] = frame[1];
         h = mix(h, frame[1]);
         sp = bp;
         bp = frame[0];
+        n = i + 1;
     }
     if (h <= HS_STACK_OVERFLOW)
         h += 2;
-    if (!stacks.lookup(&h)) {
-        int err = stacks.insert(&h, st);
+    if (st->peak_gen == h) /* this CPU stored this very stack last time: the site exists */
+        return h;
+    if (!sites.lookup(&h)) {
+        u64 last = h;
+        for (int i = 1; i < HS_MAX_DEPTH; i++) /* a stored stack ends at its first zero */
+            if (i >= n)
+                st->ip[i] = 0;
+        st->cur_bytes = st->cur_blocks = st->tot_bytes = st->tot_blocks = 0;
+        st->freed_bytes = st->freed_blocks = st->peak_bytes = st->cur_extra = st->peak_extra = 0;
+        st->peak_gen = g->peak_gen;
+        int err = sites.insert(&h, st);
+        st->peak_gen = last;
         if (err && err != -17 /* EEXIST: another CPU stored it */) {
             __sync_fetch_and_add(&g->dropped_stacks, 1);
+            st->peak_gen = 0;
             return HS_STACK_OVERFLOW;
         }
     }
+    st->peak_gen = h;
     return h;
 }
 
@@ -104,10 +111,20 @@ static __always_inline struct hs_site *get_site(u64 key, struct hs_global *g)
     struct hs_site *s = sites.lookup(&key);
     if (s)
         return s;
-    struct hs_site fresh = {};
-    fresh.peak_gen = g->peak_gen;
-    sites.insert(&key, &fresh);
-    s = sites.lookup(&key);
+    if (key == HS_STACK_OVERFLOW) { /* made on first use, with no stack */
+        u32 zero = 0;
+        struct hs_site *st = scratch.lookup(&zero);
+        if (st) {
+            u64 last = st->peak_gen;
+            st->cur_bytes = st->cur_blocks = st->tot_bytes = st->tot_blocks = 0;
+            st->freed_bytes = st->freed_blocks = st->peak_bytes = st->cur_extra = st->peak_extra = 0;
+            st->peak_gen = g->peak_gen;
+            st->ip[0] = 0;
+            sites.insert(&key, st);
+            st->peak_gen = last;
+            s = sites.lookup(&key);
+        }
+    }
     if (!s)
         __sync_fetch_and_add(&g->dropped_sites, 1);
     return s;
@@ -119,6 +136,7 @@ static __always_inline void site_touch(struct hs_site *s, struct hs_global *g)
     u64 gen = g->peak_gen;
     if (s->peak_gen != gen) {
         s->peak_bytes = s->cur_bytes;
+        s->peak_extra = s->cur_extra;
         s->peak_gen = gen;
     }
 }
@@ -150,10 +168,12 @@ static __always_inline void check_peak(struct hs_global *g, struct hs_site *a, s
     g->peak_gen = gen;
     if (a) {
         a->peak_bytes = a->cur_bytes;
+        a->peak_extra = a->cur_extra;
         a->peak_gen = gen;
     }
     if (b) {
         b->peak_bytes = b->cur_bytes;
+        b->peak_extra = b->cur_extra;
         b->peak_gen = gen;
     }
 }
@@ -165,15 +185,16 @@ static __always_inline void record_alloc(struct hs_global *g, u64 addr, u64 size
         __sync_fetch_and_add(&g->dropped_blocks, 1);
         return;
     }
+    u64 extra = blk.slop + HS_HEAP_ADMIN;
     struct hs_site *s = get_site(stack, g);
     if (s) {
         site_touch(s, g);
         __sync_fetch_and_add(&s->cur_bytes, size);
+        __sync_fetch_and_add(&s->cur_extra, extra);
         __sync_fetch_and_add(&s->cur_blocks, 1);
         __sync_fetch_and_add(&s->tot_bytes, size);
         __sync_fetch_and_add(&s->tot_blocks, 1);
     }
-    u64 extra = blk.slop + HS_HEAP_ADMIN;
     __sync_fetch_and_add(&g->heap, size);
     __sync_fetch_and_add(&g->extra, extra);
     __sync_fetch_and_add(&g->blocks, 1);
@@ -205,14 +226,15 @@ static __always_inline int record_free(struct hs_global *g, u64 addr, u64 free_s
     }
     struct hs_block blk = *bp;
     blocks.delete(&addr);
+    u64 extra = blk.slop + HS_HEAP_ADMIN;
     struct hs_site *s = sites.lookup(&blk.stack);
     if (s) {
         site_touch(s, g);
         __sync_fetch_and_add(&s->cur_bytes, -blk.size);
+        __sync_fetch_and_add(&s->cur_extra, -extra);
         __sync_fetch_and_add(&s->cur_blocks, -1);
     }
     charge_freed(g, s, free_stack, blk.size);
-    u64 extra = blk.slop + HS_HEAP_ADMIN;
     __sync_fetch_and_add(&g->heap, -blk.size);
     __sync_fetch_and_add(&g->extra, -extra);
     __sync_fetch_and_add(&g->blocks, -1);
@@ -245,6 +267,7 @@ static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 add
     if (os) {
         site_touch(os, g);
         __sync_fetch_and_add(&os->cur_bytes, -ob.size);
+        __sync_fetch_and_add(&os->cur_extra, -(ob.slop + HS_HEAP_ADMIN));
         __sync_fetch_and_add(&os->cur_blocks, -1);
     }
     charge_freed(g, os, stack, ob.size);
@@ -252,6 +275,7 @@ static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 add
     if (ns) {
         site_touch(ns, g);
         __sync_fetch_and_add(&ns->cur_bytes, size);
+        __sync_fetch_and_add(&ns->cur_extra, nb.slop + HS_HEAP_ADMIN);
         __sync_fetch_and_add(&ns->cur_blocks, 1);
         __sync_fetch_and_add(&ns->tot_bytes, size);
         __sync_fetch_and_add(&ns->tot_blocks, 1);
@@ -268,6 +292,53 @@ static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 add
         check_peak(g, ns, os);
 }
 
+/* ---- the pending call of each thread ------------------------------------------------------------- */
+
+/* The thread's call between entry and return: in its slot, or in the overflow table. */
+static __always_inline struct hs_pending *find_pending(u32 tid, struct hs_global *g)
+{
+    u32 idx = tid & (HS_PENDING_SLOTS - 1);
+    struct hs_pending *p = slots.lookup(&idx);
+    if (p && p->tid == tid)
+        return p;
+    if (g->overflow_pending == 0) /* the common case: no hash lookup at all */
+        return 0;
+    return pending.lookup(&tid);
+}
+
+static __always_inline void store_pending(u32 tid, struct hs_pending *call, struct hs_global *g)
+{
+    u32 idx = tid & (HS_PENDING_SLOTS - 1);
+    struct hs_pending *p = slots.lookup(&idx);
+    call->tid = tid;
+    if (p && __sync_val_compare_and_swap(&p->tid, 0, (u64)tid) == 0) {
+        p->arg0 = call->arg0;
+        p->arg1 = call->arg1;
+        p->arg2 = call->arg2;
+        p->stack = call->stack;
+        p->sp = call->sp;
+        p->fn = call->fn;
+        p->nested = 0;
+        return;
+    }
+    if (pending.update(&tid, call) == 0)
+        __sync_fetch_and_add(&g->overflow_pending, 1);
+    else
+        __sync_fetch_and_add(&g->dropped_pending, 1);
+}
+
+static __always_inline void release_pending(u32 tid, struct hs_pending *p, struct hs_global *g)
+{
+    u32 idx = tid & (HS_PENDING_SLOTS - 1);
+    struct hs_pending *slot = slots.lookup(&idx);
+    if (slot == p) {
+        p->tid = 0;
+        return;
+    }
+    if (pending.delete(&tid) == 0)
+        __sync_fetch_and_add(&g->overflow_pending, -1);
+}
+
 /* ---- entry probes ---------------------------------------------------------------------------------- */
 
 static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
@@ -277,27 +348,29 @@ static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
         return 0;
     u32 tid = bpf_get_current_pid_tgid();
     u64 sp = PT_REGS_SP(ctx);
-    struct hs_pending *p = pending.lookup(&tid);
+    struct hs_pending *p = find_pending(tid, g);
     if (p) {
-        u64 *outer_sp = pending_sp.lookup(&tid);
-        /* A call nested in a pending one runs deeper in the stack. Otherwise the pending entry is stale
-         * (its return never came, e.g. a longjmp out of the allocator) and this call replaces it. */
-        if (outer_sp && sp < *outer_sp) {
+        /* A call nested in a pending one runs deeper in the stack, or at the same depth when the outer
+         * function tail-calls it (reallocarray -> jmp realloc): then [rsp] already holds the return
+         * probe's trampoline, so the outer call's record is the one to keep. Otherwise the pending entry
+         * is stale (its return never came, e.g. a longjmp out of the allocator) and this call replaces it. */
+        if (sp <= p->sp) {
             p->nested++;
             __sync_fetch_and_add(&g->nested_calls, 1);
             return 0;
         }
         __sync_fetch_and_add(&g->lost_returns, 1);
+        release_pending(tid, p, g);
     }
     struct hs_pending call = {
         .arg0 = PT_REGS_PARM1(ctx),
         .arg1 = PT_REGS_PARM2(ctx),
         .arg2 = PT_REGS_PARM3(ctx),
+        .sp = sp,
         .fn = fn,
     };
     call.stack = capture_stack(ctx, g);
-    if (pending.update(&tid, &call) || pending_sp.update(&tid, &sp))
-        __sync_fetch_and_add(&g->dropped_pending, 1);
+    store_pending(tid, &call, g);
     return 0;
 }
 
@@ -320,13 +393,11 @@ int free_enter(struct pt_regs *ctx)
     if (!addr)
         return 0;
     u32 tid = bpf_get_current_pid_tgid();
-    if (pending.lookup(&tid)) {
+    struct hs_pending *p = find_pending(tid, g);
+    if (p && PT_REGS_SP(ctx) <= p->sp) {
         /* realloc(p, 0) frees through free: the realloc's return accounts for it. */
-        u64 *outer_sp = pending_sp.lookup(&tid);
-        if (outer_sp && PT_REGS_SP(ctx) < *outer_sp) {
-            __sync_fetch_and_add(&g->nested_calls, 1);
-            return 0;
-        }
+        __sync_fetch_and_add(&g->nested_calls, 1);
+        return 0;
     }
     record_free(g, addr, HS_FREE_STACKS ? capture_stack(ctx, g) : 0);
     return 0;
@@ -340,7 +411,7 @@ int alloc_return(struct pt_regs *ctx)
     if (!g)
         return 0;
     u32 tid = bpf_get_current_pid_tgid();
-    struct hs_pending *p = pending.lookup(&tid);
+    struct hs_pending *p = find_pending(tid, g);
     if (!p) {
         if (is_armed())
             __sync_fetch_and_add(&g->lost_returns, 1);
@@ -351,8 +422,7 @@ int alloc_return(struct pt_regs *ctx)
         return 0;
     }
     struct hs_pending call = *p;
-    pending.delete(&tid);
-    pending_sp.delete(&tid);
+    release_pending(tid, p, g);
     if (!is_armed())
         return 0;
 

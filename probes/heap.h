@@ -16,8 +16,9 @@
 #define HS_MAX_STACKS 65536      /* distinct allocation stacks */
 #endif
 #ifndef HS_MAX_THREADS
-#define HS_MAX_THREADS 16384     /* threads inside an allocation call at once */
+#define HS_MAX_THREADS 16384     /* overflow table: threads in an allocation call whose slot is taken */
 #endif
+#define HS_PENDING_SLOTS 65536   /* per-thread call slots, indexed by tid mod this (a power of two) */
 #ifndef HS_HEAP_ADMIN
 #define HS_HEAP_ADMIN 8          /* Massif --heap-admin */
 #endif
@@ -50,19 +51,16 @@ enum hs_fn {
     HS_FN_COUNT = 8,
 };
 
-/* A stack: return addresses, innermost first, zero-terminated when shorter than HS_MAX_DEPTH. */
-struct hs_stack {
-    __u64 ip[HS_MAX_DEPTH];
-};
 
 /* One live block, keyed by its address. Sizes follow Massif's accounting, not the allocator's. */
 struct hs_block {
     __u64 size;   /* requested bytes */
     __u64 slop;   /* Massif's rounding slop; extra = slop + HS_HEAP_ADMIN */
-    __u64 stack;  /* key into stacks and sites */
+    __u64 stack;  /* key into sites */
 };
 
-/* Counters of one allocation stack. */
+/* One allocation stack: its counters and its return addresses (innermost first, zero-terminated when
+ * shorter than HS_MAX_DEPTH). The stack is written once, when the site is created at a call's entry. */
 struct hs_site {
     __u64 cur_bytes;
     __u64 cur_blocks;
@@ -72,6 +70,9 @@ struct hs_site {
     __u64 freed_blocks;
     __u64 peak_bytes;  /* cur_bytes at the global peak numbered peak_gen */
     __u64 peak_gen;
+    __u64 cur_extra;   /* Massif's extra bytes of the live blocks (--ignore-fn takes them off the total) */
+    __u64 peak_extra;  /* cur_extra at the global peak numbered peak_gen */
+    __u64 ip[HS_MAX_DEPTH];
 };
 
 /* Arguments of an allocation call between its entry and its return, per thread. */
@@ -80,6 +81,8 @@ struct hs_pending {
     __u64 arg1;
     __u64 arg2;
     __u64 stack;
+    __u64 sp;     /* stack pointer at entry: a nested call runs below it */
+    __u64 tid;    /* owner of a slot; 0 when the slot is free (64 bits: BPF's cmpxchg wants them) */
     __u32 fn;     /* enum hs_fn */
     __u32 nested; /* allocation calls made from inside this one (realloc -> malloc): not counted twice */
 };
@@ -113,9 +116,10 @@ struct hs_global {
     __u64 failed_allocs;     /* the allocator returned NULL */
     __u64 nested_calls;      /* allocation calls inside allocation calls, folded into the outer one */
     __u64 dropped_blocks;    /* blocks map full: block not tracked */
-    __u64 dropped_stacks;    /* stacks map full: allocation charged to the overflow stack */
-    __u64 dropped_sites;     /* sites map full */
-    __u64 dropped_pending;   /* pending map full: a call went unseen */
+    __u64 dropped_stacks;    /* sites map full at a new stack: charged to the overflow site */
+    __u64 dropped_sites;     /* not even the overflow site could be stored */
+    __u64 dropped_pending;   /* pending tables full: a call went unseen */
+    __u64 overflow_pending;  /* calls now held in the overflow table (their slot was taken) */
     __u64 lost_returns;      /* a return with no pending entry */
 };
 

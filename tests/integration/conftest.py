@@ -104,9 +104,7 @@ def run_massif(valgrind_tools: None, tmp_path_factory: pytest.TempPathFactory) -
     """run_massif(program, args=(), options=(), xtree=False) -> Completed, under valgrind --tool=massif.
     Each run gets its own directory (session scope: the oracle's cases share one run per program)."""
 
-    def _run(
-        program: Path, args: Sequence[str] = (), options: Sequence[str] = (), xtree: bool = False
-    ) -> Completed:
+    def _run(program: Path, args: Sequence[str] = (), options: Sequence[str] = (), xtree: bool = False) -> Completed:
         tmp_path = tmp_path_factory.mktemp("massif")
         out = tmp_path / "ref.out"
         xt = tmp_path / "ref.xtree" if xtree else None
@@ -127,14 +125,10 @@ def run_massif(valgrind_tools: None, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="session")
-def run_heapscope(
-    heapscope_cmd: list[str], tmp_path_factory: pytest.TempPathFactory
-) -> Callable[..., Completed]:
+def run_heapscope(heapscope_cmd: list[str], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Completed]:
     """run_heapscope(program, args=(), options=(), xtree=False) -> Completed, under `heapscope run`."""
 
-    def _run(
-        program: Path, args: Sequence[str] = (), options: Sequence[str] = (), xtree: bool = False
-    ) -> Completed:
+    def _run(program: Path, args: Sequence[str] = (), options: Sequence[str] = (), xtree: bool = False) -> Completed:
         tmp_path = tmp_path_factory.mktemp("heapscope")
         out = tmp_path / "heapscope.out"
         xt = tmp_path / "heapscope.xtree" if xtree else None

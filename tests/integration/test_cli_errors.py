@@ -115,9 +115,7 @@ def test_time_unit_instructions_without_counters(cli_cmd: list[str], tmp_path: P
     if _hardware_instruction_counter():
         pytest.skip("this machine has hardware instruction counters: --time-unit=i may be supported")
     marker = tmp_path / "ran"
-    line = assert_one_line_error(
-        run_cli([*cli_cmd, "run", "--time-unit=i", "--", "touch", str(marker)], tmp_path)
-    )
+    line = assert_one_line_error(run_cli([*cli_cmd, "run", "--time-unit=i", "--", "touch", str(marker)], tmp_path))
     assert not marker.exists()
     assert "time-unit" in line, f"the message should name the option: {line}"
 
@@ -144,9 +142,7 @@ def test_attach_to_a_process_that_has_exited(heapscope_cmd: list[str], tmp_path:
 
 def test_run_program_that_does_not_exist(heapscope_cmd: list[str], tmp_path: Path) -> None:
     missing = tmp_path / "no-such-program"
-    line = assert_one_line_error(
-        run_cli([*heapscope_cmd, "run", "--time-unit=B", "--", str(missing)], tmp_path)
-    )
+    line = assert_one_line_error(run_cli([*heapscope_cmd, "run", "--time-unit=B", "--", str(missing)], tmp_path))
     assert "no-such-program" in line, line
 
 

@@ -134,10 +134,13 @@ class Case:
     # Comparisons expected to differ because of frames in libraries without frame pointers:
     # any of "peak_paths", "final_paths", "peak_own", "final_own".
     unwind_xfail: frozenset[str] = frozenset()
-    # Valgrind runs __libc_freeres and __gnu_cxx::__freeres at exit, which free library memory (the loader's
-    # tables, libstdc++'s emergency exception pool) that stays live in a normal run. So the final state of the
-    # whole heap is not comparable there; only the program's own stacks are.
+    # Valgrind runs __libc_freeres and __gnu_cxx::__freeres at exit, which free library memory (the
+    # loader's tables, cached thread stacks' TLS, libstdc++'s emergency exception pool) that stays live in a
+    # normal run. So the final state of the whole heap is not comparable there; only the program's own
+    # stacks are.
     freeres_at_exit: bool = False
+    # Massif's extra bytes for an aligned block depend on where Valgrind's own arena put it (aligned.c).
+    extra_comparable: bool = True
     notes: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -153,6 +156,7 @@ CASES = [
         unwind_xfail=frozenset({"peak_paths", "final_paths", "peak_own", "final_own"}),
     ),
     Case("allocfns", "allocfns.c"),
+    Case("aligned", "aligned.c", extra_comparable=False),
     Case("peak", "peak.c"),
     Case("wrappers", "wrappers.c"),
     Case("wrappers_alloc_ignore", "wrappers.c", options=("--alloc-fn=xmalloc", "--ignore-fn=quiet_alloc")),
@@ -167,7 +171,8 @@ CASES = [
     # strdup (libc) has no frame pointer: the walk from malloc skips strdup's caller `copy`.
     Case("strdup", "dup.c", unwind_xfail=frozenset({"peak_paths", "final_paths"})),
     # start_thread and clone end the thread's stack; libc's calloc of the DTV runs inside pthread_create.
-    Case("thread", "threads.c", unwind_xfail=frozenset({"peak_paths", "final_paths"})),
+    # That DTV stays with glibc's cache of thread stacks after the join; Valgrind's freeres frees it.
+    Case("thread", "threads.c", unwind_xfail=frozenset({"peak_paths"}), freeres_at_exit=True),
     # The loader's own allocations and the plugin's constructor run under dl_open_worker, _dl_catch_exception.
     Case("dlopen", "loader.c", plugin=True, unwind_xfail=frozenset({"peak_paths"}), freeres_at_exit=True),
 ]
@@ -295,6 +300,9 @@ def test_final_own_stacks(request: pytest.FixtureRequest, outcome: Outcome) -> N
 
 def test_peak_totals(outcome: Outcome) -> None:
     ref, got = reference_peak(outcome.ref), heapscope_peak(outcome.got)
+    if not outcome.case.extra_comparable:
+        assert got.heap_B == ref.heap_B, "peak mem_heap_B"
+        return
     assert (got.heap_B, got.extra_B) == (ref.heap_B, ref.extra_B), "peak mem_heap_B, mem_heap_extra_B"
 
 
@@ -304,6 +312,9 @@ def test_final_totals(outcome: Outcome) -> None:
         # Valgrind's freeres only frees: heapscope's end state holds at least Massif's.
         assert got.heap_B >= ref.heap_B
         assert got.heap_B > 0
+        return
+    if not outcome.case.extra_comparable:
+        assert got.heap_B == ref.heap_B, "final mem_heap_B"
         return
     assert (got.heap_B, got.extra_B) == (ref.heap_B, ref.extra_B), "final mem_heap_B, mem_heap_extra_B"
 

@@ -136,9 +136,7 @@ def _node(lines: _Lines, depth: int, total: int, strict: bool) -> Node:
         if not label.strip():
             raise lines.fail(f"node without a label: {line!r}")
         if nbytes > total:
-            raise lines.fail(
-                f"node of {nbytes} B is bigger than the snapshot total {total} B (ms_print dies)"
-            )
+            raise lines.fail(f"node of {nbytes} B is bigger than the snapshot total {total} B (ms_print dies)")
     else:
         n, nbytes, label = int(m.group(1)), int(m.group(2)), m.group(3)
     node = Node(nbytes, label, depth)

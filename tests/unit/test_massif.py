@@ -220,9 +220,7 @@ def test_ms_print_time_units(tmp_path: Path, unit: str, column: str) -> None:
 @needs_ms_print
 def test_ms_print_threshold_aggregation_line(tmp_path: Path) -> None:
     main = Frame(0x99, "main", "t.c", 1)
-    stacks: dict[Stack, int] = {
-        (Frame(0x10 + i, f"s{i}", "t.c", i + 2), main): b for i, b in enumerate([9000, 80, 60])
-    }
+    stacks: dict[Stack, int] = {(Frame(0x10 + i, f"s{i}", "t.c", i + 2), main): b for i, b in enumerate([9000, 80, 60])}
     snap = Snapshot(1, 9140, 860, 0, HeapTree.from_stacks(stacks), SnapshotKind.DETAILED)
     path = tmp_path / "massif.out"
     path.write_text(write([snap], threshold=1.0))

@@ -169,9 +169,7 @@ def test_tree_merges_by_label_and_orders_children() -> None:
 
 def test_threshold_aggregation_rule() -> None:
     main = fr(0x99, "main", "t.c", 1)
-    stacks: dict[Stack, int] = {
-        (fr(0x10 + i, f"s{i}", "t.c", i + 2), main): b for i, b in enumerate([9000, 80, 60, 0])
-    }
+    stacks: dict[Stack, int] = {(fr(0x10 + i, f"s{i}", "t.c", i + 2), main): b for i, b in enumerate([9000, 80, 60, 0])}
     tree = HeapTree.from_stacks(stacks, root_label=PAGES_ROOT_LABEL)
     # sig = (9140 + 860 extra) * 1% = 100: 80, 60 and 0 go; the 0-byte site counts as a place.
     got = massif_tree(tree, threshold=1.0, extra_B=860)
@@ -445,9 +443,7 @@ int main(void)
    return 0;
 }
 """
-    ref = read_massif(
-        run_massif(tmp_path, program, "--time-unit=B", "--threshold=0.0", "--peak-inaccuracy=0.0")
-    )
+    ref = read_massif(run_massif(tmp_path, program, "--time-unit=B", "--threshold=0.0", "--peak-inaccuracy=0.0"))
     peak = ref.peak
     assert peak is not None and peak.tree is not None
     series = SnapshotSeries()

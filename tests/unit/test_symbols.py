@@ -360,10 +360,7 @@ def test_labels_match_massif(tools: Toolbox, symbolizer: Symbolizer, name: str) 
 
 def _identity_maps(obj: ElfObject) -> list[Mapping]:
     """Mappings that load an object at its link addresses (bias 0)."""
-    return [
-        Mapping(seg.vaddr & ~0xFFF, seg.vaddr + seg.filesz, seg.offset & ~0xFFF, obj.path)
-        for seg in obj.segments
-    ]
+    return [Mapping(seg.vaddr & ~0xFFF, seg.vaddr + seg.filesz, seg.offset & ~0xFFF, obj.path) for seg in obj.segments]
 
 
 def _call_return_addresses(exe: str) -> list[int]:

@@ -20,9 +20,7 @@ from agent.xtree import UNKNOWN_FILE, UNKNOWN_FN, write_xtree
 needs_valgrind = pytest.mark.skipif(
     shutil.which("valgrind") is None or shutil.which("gcc") is None, reason="needs valgrind and gcc"
 )
-needs_annotate = pytest.mark.skipif(
-    shutil.which("callgrind_annotate") is None, reason="needs callgrind_annotate"
-)
+needs_annotate = pytest.mark.skipif(shutil.which("callgrind_annotate") is None, reason="needs callgrind_annotate")
 
 FULL_NAMES = ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks")
 
@@ -119,9 +117,7 @@ def valgrind_xtree(tmp: Path, mode: str) -> str:
     src = tmp / "x.c"
     src.write_text(PROGRAM)
     exe = tmp / "x"
-    subprocess.run(
-        ["gcc", "-g", "-O0", "-o", str(exe), str(src), "-lpthread"], check=True, capture_output=True
-    )
+    subprocess.run(["gcc", "-g", "-O0", "-o", str(exe), str(src), "-lpthread"], check=True, capture_output=True)
     out = tmp / f"xt.{mode}.kcg"
     subprocess.run(
         [
@@ -212,10 +208,7 @@ def test_inlined_frames_are_one_ip_and_unknowns() -> None:
     )
     text = buf.getvalue()
     assert "fl=(1) /s/ex3.c\nfn=(1) main\n5 1000 1\n\n" in text
-    assert (
-        f"fl=(2) {UNKNOWN_FILE}\nfn=(2) {UNKNOWN_FN}\n0\ncfi=(2)\ncfn=(3) nodbg_alloc\ncalls=0 0\n0 500 1\n"
-        in text
-    )
+    assert f"fl=(2) {UNKNOWN_FILE}\nfn=(2) {UNKNOWN_FN}\n0\ncfi=(2)\ncfn=(3) nodbg_alloc\ncalls=0 0\n0 500 1\n" in text
     with pytest.raises(ValueError):
         write_xtree(io.StringIO(), {}, cmd="x", pid=1, kind="peak")  # type: ignore[arg-type]
 
@@ -223,9 +216,7 @@ def test_inlined_frames_are_one_ip_and_unknowns() -> None:
 def test_nothing_to_report_still_has_totals() -> None:
     buf = io.StringIO()
     write_xtree(buf, {}, cmd="x", pid=1, kind="full")
-    assert buf.getvalue().endswith(
-        "events: curB  curBk  totB  totBk  totFdB  totFdBk \ntotals: 0 0 0 0 0 0\n"
-    )
+    assert buf.getvalue().endswith("events: curB  curBk  totB  totBk  totFdB  totFdBk \ntotals: 0 0 0 0 0 0\n")
 
 
 @needs_annotate
