@@ -302,16 +302,21 @@ def _profile(
 def _write_outputs(ctx: _Ctx, session: Session, pid: int) -> None:
     path = expand_filename(ctx.opts.massif_out_file, pid)
     try:
-        session.write_massif(path)
+        _write_file(path, session.massif_text())
         ctx.say(f"wrote {path}")
         if ctx.opts.xtree_memory != "none":
             xpath = expand_filename(ctx.opts.xtree_memory_file, pid)
-            session.write_xtree(xpath)
+            _write_file(xpath, session.xtree_text())
             ctx.say(f"wrote {xpath}")
     except OSError as exc:
         raise HeapscopeError(f"cannot write the profile: {exc}") from exc
     for line in session.summary():
         ctx.say(line)
+
+
+def _write_file(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def _stop_on_signals(stop: threading.Event, forward: Callable[[int], None] | None = None) -> None:

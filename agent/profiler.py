@@ -7,6 +7,7 @@ how the target was started: the CLI hands it a probe set and a way to tell wheth
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 import time
@@ -218,20 +219,23 @@ class Session:
 
     # ---- output -----------------------------------------------------------------------------------
 
-    def write_massif(self, path: str) -> None:
+    def massif_text(self) -> str:
+        """The whole massif.out so far (Massif's monitor command all_snapshots)."""
         with self._lock:
             snapshots = self.series.snapshots
-        with open(path, "w") as out:
-            write_massif(
-                out,
-                snapshots,
-                desc=self.info.desc,
-                cmd=self.info.cmd,
-                time_unit=self.opts.time_unit,
-                threshold=self.opts.threshold,
-            )
+        out = io.StringIO()
+        write_massif(
+            out,
+            snapshots,
+            desc=self.info.desc,
+            cmd=self.info.cmd,
+            time_unit=self.opts.time_unit,
+            threshold=self.opts.threshold,
+        )
+        return out.getvalue()
 
-    def write_xtree(self, path: str) -> None:
+    def xtree_text(self) -> str:
+        """The xtree memory report in callgrind format (Massif's monitor command xtmemory)."""
         with self._lock:
             c = self.end_counters or self.probes.counters()
             sites = self.probes.sites(c.peak_gen)
@@ -242,16 +246,17 @@ class Session:
                 # below main; it keeps other alloc-fns and ignores --depth.
                 stack = trim_stack(self._frames[key], frozenset(), _XTREE_DEPTH)
                 m = merged.setdefault(stack, SiteCounts())
-                for field in ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks"):
-                    setattr(m, field, getattr(m, field) + getattr(s, field))
-        with open(path, "w") as out:
-            write_xtree(
-                out,
-                merged,
-                cmd=self.info.cmd,
-                pid=self.info.pid,
-                kind="full" if self.opts.xtree_memory == "full" else "allocs",
-            )
+                for name in ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks"):
+                    setattr(m, name, getattr(m, name) + getattr(s, name))
+        out = io.StringIO()
+        write_xtree(
+            out,
+            merged,
+            cmd=self.info.cmd,
+            pid=self.info.pid,
+            kind="full" if self.opts.xtree_memory == "full" else "allocs",
+        )
+        return out.getvalue()
 
     def snapshot_now(self, detailed: bool) -> str:
         """Massif's monitor commands `snapshot` and `detailed_snapshot`: a file with one snapshot, taken now."""
