@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -26,7 +27,25 @@ from agent.model import SiteCounts
 STACK_OVERFLOW = 1
 # Indexes of the control map (probes/heap.h: enum hs_control).
 CTL_ARMED = 0
-CTL_EXIT_STOP = 1
+CTL_STOPPED = 1
+CTL_UMAPS = 2
+# Events (probes/heap.h: enum hs_event).
+EV_EXEC = 1
+EV_LOADER = 2
+EV_EXIT = 3
+MAX_UMAPS = 512  # probes/heap.h: HS_MAX_UMAPS
+
+
+@dataclass(frozen=True)
+class UnwindMapping:
+    """An executable mapping of the target and the unwind table of its object."""
+
+    start: int
+    end: int
+    bias: int  # runtime address = ELF virtual address + bias
+    key: str  # the object's identity (build-id or path): its rows are loaded once
+    rows: bytes  # agent.unwind ROW-packed, sorted
+    n_rows: int
 
 
 @dataclass(frozen=True)
@@ -67,7 +86,9 @@ class Counters:
 class ProbeSettings:
     target_tgid: int
     arm_on_exec: bool  # run: count from the target's exec on; attach: count from now on
-    stop_at_exit: bool = False  # run: stop the target at exit() so that its mappings can be recorded
+    stop_events: bool = False  # run: stop the target at exec, loader changes and exit() for user space
+    unwind: bool = True  # walk stacks with .eh_frame tables; False: frame pointers only
+    max_rows: int = 1 << 21  # unwind table rows, all objects together
     free_stacks: bool = False  # charge freed bytes to the stack of the free call (xtree full)
     heap_admin: int = 8
     alignment: int = 16
@@ -112,6 +133,11 @@ class HeapProbes:
         self._bpf = None
         self._fds: list[int] = []
         self._stacks: dict[int, tuple[int, ...]] = {}
+        self._events: list[int] = []
+        self._rows_used = 0
+        self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count)
+        self._umap_half = 0
+        self.rows_dropped = 0  # rows that did not fit in the table (their objects fall back to frame pointers)
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
 
     # ---- life cycle -------------------------------------------------------------------------------
@@ -129,12 +155,14 @@ class HeapProbes:
             f"-DHS_MAX_DEPTH={s.max_depth}",
             f"-DHS_MAX_BLOCKS={s.max_blocks}",
             f"-DHS_MAX_STACKS={s.max_stacks}",
-            f"-DHS_STOP_AT_EXIT={int(s.stop_at_exit)}",
+            f"-DHS_STOP_EVENTS={int(s.stop_events)}",
+            f"-DHS_UNWIND={int(s.unwind)}",
+            f"-DHS_MAX_ROWS={s.max_rows}",
             f"-DHS_FREE_STACKS={int(s.free_stacks)}",
         ]
         with _captured_stderr() as messages:
             try:
-                self._bpf = bcc.BPF(src_file=os.path.join(probes_dir, "heap.bpf.c").encode(), cflags=cflags)
+                bpf = self._bpf = bcc.BPF(src_file=os.path.join(probes_dir, "heap.bpf.c").encode(), cflags=cflags)
             except Exception as exc:  # bcc raises bare Exception for compile and load failures
                 first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
                 raise EnvironmentProblem(f"cannot compile or load the BPF program: {first.strip()}") from exc
@@ -143,6 +171,7 @@ class HeapProbes:
                 self._set_armed(True)
             for point in self.points:
                 self._attach(point)
+            bpf["events"].open_perf_buffer(self._on_event, page_cnt=8)
         except BaseException:
             self.close()
             raise
@@ -185,7 +214,7 @@ class HeapProbes:
         if fd < 0:
             raise EnvironmentProblem(f"cannot attach a uprobe to {point.symbol} in {point.path}")
         self._fds.append(fd)
-        if kind not in ("free", "exit"):
+        if kind not in ("free", "exit", "loader"):
             # A return probe at the same emulated instruction: the kernel takes the return address from
             # [rsp], which is still the caller's there (placement keeps %rsp untouched).
             ret = self._bpf.load_func(b"alloc_return", bcc.BPF.KPROBE)
@@ -197,12 +226,62 @@ class HeapProbes:
     def _set_armed(self, armed: bool) -> None:
         self._set_control(CTL_ARMED, int(armed))
 
-    def stopped_at_exit(self) -> bool:
-        """The target is stopped at exit() (stop_at_exit) and waits for clear_exit_stop() and SIGCONT."""
-        return self._control(CTL_EXIT_STOP) == 1
+    # ---- events and stops -------------------------------------------------------------------------
 
-    def clear_exit_stop(self) -> None:
-        self._set_control(CTL_EXIT_STOP, 0)
+    def _on_event(self, cpu: int, data: int, size: int) -> None:
+        self._events.append(ctypes.cast(data, ctypes.POINTER(ctypes.c_uint64)).contents.value)
+
+    def wait_events(self, timeout: float) -> list[int]:
+        """Events (EV_*) that came within `timeout` seconds; returns at the first one."""
+        assert self._bpf is not None
+        self._bpf.perf_buffer_poll(timeout=max(1, int(timeout * 1000)))
+        events, self._events = self._events, []
+        return events
+
+    def stopped(self) -> int:
+        """The event the target is stopped at (stop_events), or 0."""
+        return self._control(CTL_STOPPED)
+
+    def resume(self) -> None:
+        """Let a target stopped at an event go on."""
+        self._set_control(CTL_STOPPED, 0)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.settings.target_tgid, signal.SIGCONT)
+
+    # ---- unwind tables ----------------------------------------------------------------------------
+
+    def publish_unwind(self, mappings: Sequence[UnwindMapping]) -> None:
+        """Make these mappings (all of the target's, not just new ones) the ones the stack walk uses.
+
+        Each object's rows are written once, into free space of unwind_rows; the mapping index is written
+        into the half the kernel is not reading, then one control word flips to it."""
+        assert self._bpf is not None
+        rows = self._bpf["unwind_rows"]
+        entries = []
+        for m in sorted(mappings, key=lambda m: m.start):
+            placed = self._objects.get(m.key)
+            if placed is None:
+                if self._rows_used + m.n_rows > self.settings.max_rows:
+                    self.rows_dropped += m.n_rows
+                    continue
+                placed = (self._rows_used, m.n_rows)
+                if m.n_rows:
+                    keys = (rows.Key * m.n_rows)(*range(self._rows_used, self._rows_used + m.n_rows))
+                    values = (rows.Leaf * m.n_rows).from_buffer_copy(m.rows)
+                    rows.items_update_batch(keys, values)
+                self._rows_used += m.n_rows
+                self._objects[m.key] = placed
+            if placed[1]:
+                entries.append((m, placed))
+        entries = entries[:MAX_UMAPS]
+        umaps = self._bpf["unwind_maps"]
+        half = 1 - self._umap_half
+        first = half * MAX_UMAPS
+        for i, (m, (row_begin, row_count)) in enumerate(entries):
+            leaf = umaps.Leaf(m.start, m.end, m.bias & 0xFFFFFFFFFFFFFFFF, row_begin, row_count)
+            umaps[ctypes.c_int(first + i)] = leaf
+        self._set_control(CTL_UMAPS, (first << 32) | len(entries))
+        self._umap_half = half
 
     def _control(self, index: int) -> int:
         if self._bpf is None:

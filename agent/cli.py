@@ -124,6 +124,8 @@ def _add_profile_options(p: argparse.ArgumentParser) -> None:
         default=1 << 16,
         help="distinct allocation stacks the kernel can keep (default 65536)",
     )
+    h.add_argument("--unwind", choices=("cfi", "fp"), default="fp",
+                   help="walk stacks with .eh_frame tables (cfi, default) or frame pointers only (fp)")
     h.add_argument("-q", "--quiet", action="store_true", help="print errors only")
 
 
@@ -160,6 +162,7 @@ def _takes_value(arg: str) -> bool:
         "--sample-interval",
         "--max-blocks",
         "--max-stacks",
+        "--unwind",
     )
 
 
@@ -261,7 +264,8 @@ def _settings(ctx: _Ctx, pid: int, run: bool):  # type: ignore[no-untyped-def]
     return ProbeSettings(
         target_tgid=pid,
         arm_on_exec=run,
-        stop_at_exit=run,
+        stop_events=run,
+        unwind=ctx.ns.unwind == "cfi",
         free_stacks=ctx.opts.xtree_memory == "full",
         heap_admin=ctx.opts.heap_admin,
         alignment=ctx.opts.alignment,
@@ -288,8 +292,15 @@ def _profile(
     points = list(allocator.probes)
     if run and allocator.exit_probe is not None:
         points.append(allocator.exit_probe)
+    if allocator.loader_probe is not None:
+        points.append(allocator.loader_probe)
     with HeapProbes(_settings(ctx, pid, run), points) as probes:
-        session = Session(ctx.opts, probes, SessionInfo(pid, cmd, ctx.desc, allocator.family))
+        tables = None
+        if ctx.ns.unwind == "cfi":
+            from agent.unwind import load_table
+
+            tables = load_table
+        session = Session(ctx.opts, probes, SessionInfo(pid, cmd, ctx.desc, allocator.family), tables=tables)
         ctx.say(f"probes attached to {pid}")
         started()
         session.run(alive, stop, ctx.ns.sample_interval)

@@ -52,8 +52,10 @@ CXX_OPERATORS: dict[str, tuple[str, tuple[str, ...]]] = {
     "_ZdaPvm": ("free", ("rdi",)),
 }
 
-# Not an allocation function: `run` stops the target at exit() to record its mappings before they go.
+# Not allocation functions: `run` stops the target at exit() to record its mappings before they go, and
+# the loader calls its debugger hook after every change to the loaded objects (new unwind tables).
 EXIT_FUNCTION = "exit"
+LOADER_HOOK = "_dl_debug_state"
 
 _FAMILIES = (("jemalloc", "jemalloc"), ("tcmalloc", "tcmalloc"), ("mimalloc", "mimalloc"), ("libc.so", "glibc"))
 
@@ -82,7 +84,7 @@ class ElfFacts:
             raise TargetError(f"address 0x{vaddr:x} is not in a loadable segment of {self.path}") from exc
 
 
-_WANTED = frozenset(ALLOC_FUNCTIONS) | frozenset(CXX_OPERATORS) | {EXIT_FUNCTION}
+_WANTED = frozenset(ALLOC_FUNCTIONS) | frozenset(CXX_OPERATORS) | {EXIT_FUNCTION, LOADER_HOOK}
 
 
 @lru_cache(maxsize=256)
@@ -210,6 +212,7 @@ class Allocator:
     path: str  # the object that provides malloc
     probes: tuple[ProbePoint, ...]
     exit_probe: ProbePoint | None = None  # libc's exit(), for `run`
+    loader_probe: ProbePoint | None = None  # the dynamic loader's _dl_debug_state
 
     def describe(self) -> list[str]:
         lines = [f"allocator: {self.family} ({self.path})"]
@@ -252,10 +255,12 @@ def resolve_allocator(order: Sequence[ElfFacts]) -> Allocator:
             continue
         seen_addresses.add(key)
         probes.append(_probe_point(owner, name, kind, regs))
-    exit_owner = next((o for o in order if EXIT_FUNCTION in o.defined), None)
-    exit_probe = _probe_point(exit_owner, EXIT_FUNCTION, "exit", ()) if exit_owner else None
+    hooks = []
+    for name, kind in ((EXIT_FUNCTION, "exit"), (LOADER_HOOK, "loader")):
+        owner = next((o for o in order if name in o.defined), None)
+        hooks.append(_probe_point(owner, name, kind, ()) if owner else None)
     family = _family(provider.path, provider is order[0], provider.is_dynamic)
-    return Allocator(family, provider.path, tuple(probes), exit_probe)
+    return Allocator(family, provider.path, tuple(probes), hooks[0], hooks[1])
 
 
 def _probe_point(owner: ElfFacts, name: str, kind: str, regs: tuple[str, ...]) -> ProbePoint:

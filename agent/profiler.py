@@ -13,12 +13,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from agent.bpf import Counters, HeapProbes
+from agent.bpf import EV_EXIT, Counters, HeapProbes, UnwindMapping
+from agent.elf import ElfError, open_elf
 from agent.massif import render_snapshot, write_massif
 from agent.model import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, SnapshotSeries, Stack, trim_stack
 from agent.options import MassifOptions
 from agent.symbols import Mapping, Symbolizer, parse_maps
+
+if TYPE_CHECKING:
+    from agent.unwind import UnwindTable
 from agent.xtree import write_xtree
 
 # Shown for allocations whose stack the kernel could not store (its stack table was full).
@@ -34,7 +39,8 @@ class MapsRecorder:
         self.path = f"{proc}/{pid}/maps"
         self._text = ""
         self._seen: dict[tuple[int, int, int, str], Mapping] = {}
-        self.mappings: tuple[Mapping, ...] = ()
+        self.mappings: tuple[Mapping, ...] = ()  # every mapping ever seen, newest first
+        self.current: tuple[Mapping, ...] = ()  # the mappings at the last refresh
 
     def refresh(self) -> bool:
         """Read the maps again; True when something new was mapped."""
@@ -47,12 +53,14 @@ class MapsRecorder:
             return False
         self._text = text
         fresh = False
-        for m in parse_maps(text):
+        self.current = tuple(parse_maps(text))
+        for m in self.current:
             key = (m.start, m.end, m.offset, m.path)
             if key not in self._seen:
                 self._seen[key] = m
                 fresh = True
-        if fresh:
+        if fresh or len(self.current) != len(self._seen):
+            fresh = True
             # Newest first, so that an address range reused by a later mapping finds the later one.
             self.mappings = tuple(reversed(self._seen.values()))
         return fresh
@@ -84,11 +92,14 @@ class Session:
         info: SessionInfo,
         symbolizer: Symbolizer | None = None,
         proc: str = "/proc",
+        tables: Callable[[str], UnwindTable | None] | None = None,
     ) -> None:
         self.opts = opts
         self.probes = probes
         self.info = info
         self.maps = MapsRecorder(info.pid, proc)
+        self.tables = tables  # unwind tables per object path (None: frame-pointer stacks)
+        self.unwind_problems: dict[str, str] = {}  # objects whose table could not be built, and why
         self.symbolizer = symbolizer or Symbolizer()
         self.series = SnapshotSeries(detailed_freq=opts.detailed_freq, max_snapshots=opts.max_snapshots)
         self.start_ns = time.monotonic_ns()  # the same clock as bpf_ktime_get_ns
@@ -182,25 +193,59 @@ class Session:
                 self.symbolize_new(list(self.probes.sites(c.peak_gen)))
 
     def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float) -> None:
-        """Sample until the target exits or `stop` is set."""
-        self.maps.refresh()
+        """Sample every `interval` seconds until the target exits or `stop` is set; between samples, catch up
+        at once with the target's exec, loader changes and exit (agent.bpf EV_*)."""
+        self.sync_mappings()
         self.sample()
+        next_sample = time.monotonic() + interval
         while alive() and not stop.is_set():
-            if self.probes.stopped_at_exit():
-                self._record_at_exit()
-            stop.wait(interval)
-            if alive():
-                self.maps.refresh()
-            self.sample()
+            events = self.probes.wait_events(max(0.001, next_sample - time.monotonic()))
+            if events or self.probes.stopped():
+                self._catch_up()
+            if time.monotonic() >= next_sample:
+                next_sample += interval
+                if alive():
+                    self.sync_mappings()
+                self.sample()
 
-    def _record_at_exit(self) -> None:
-        """The target is stopped in exit(): record what it has mapped, symbolize everything, let it go."""
-        self.maps.refresh()
-        with self._lock:
-            c = self.probes.counters()
-            self.symbolize_new(list(self.probes.sites(c.peak_gen)))
-        self.probes.clear_exit_stop()
-        os.kill(self.info.pid, 18)  # SIGCONT
+    def _catch_up(self) -> None:
+        """New objects mapped, or the target is about to exit: record mappings, load unwind tables,
+        symbolize while the mappings are still there; then let a stopped target go on."""
+        self.sync_mappings()
+        stopped = self.probes.stopped()
+        if stopped == EV_EXIT:
+            with self._lock:
+                c = self.probes.counters()
+                self.symbolize_new(list(self.probes.sites(c.peak_gen)))
+        if stopped:
+            self.probes.resume()
+
+    def sync_mappings(self) -> None:
+        """Read the target's mappings; give the stack walk the unwind tables of new executable ones."""
+        if not self.maps.refresh() or self.tables is None:
+            return
+        published = []
+        for m in self.maps.current:
+            if "x" not in m.perms:
+                continue
+            entry = self._unwind_entry(m)
+            if entry is not None:
+                published.append(entry)
+        self.probes.publish_unwind(published)
+
+    def _unwind_entry(self, m: Mapping) -> UnwindMapping | None:
+        assert self.tables is not None
+        try:
+            table = self.tables(m.path)
+            obj = open_elf(m.path)
+        except (OSError, ElfError, ValueError) as exc:
+            self.unwind_problems[m.path] = str(exc)
+            return None
+        vaddr = obj.file_offset_to_vaddr(m.offset)
+        if table is None or vaddr is None:
+            return None
+        key = table.build_id or f"{m.path}:{os.stat(m.path).st_mtime_ns}"
+        return UnwindMapping(m.start, m.end, m.start - vaddr, key, table.rows, table.n_rows)
 
     def finish(self) -> None:
         """The target exited or the profile ends: add the peak and the final state."""
@@ -291,3 +336,39 @@ class Session:
         if c.lost_returns:
             lines.append(f"{c.lost_returns} allocation calls whose return was not seen")
         return lines
+
+    # ---- read-only views for the daemon (added for the HTTP API) ------------------------------------
+
+    def snapshot_model(self, detailed: bool) -> Snapshot:
+        """The snapshot that snapshot_now() renders, as a model object (for the API's JSON form)."""
+        with self._lock:
+            c = self.probes.counters()
+            tree = None
+            ign = Ignored()
+            if detailed:
+                tree, ign = self.tree(self.probes.sites(c.peak_gen), at_peak=False)
+            kind = SnapshotKind.DETAILED if detailed else SnapshotKind.NORMAL
+            return Snapshot(self.now(c), c.heap - ign.heap, c.extra - ign.extra, 0, tree, kind)
+
+    def snapshot_list(self) -> list[Snapshot]:
+        """The snapshots recorded so far, in time order (what massif_text() writes)."""
+        with self._lock:
+            return list(self.series.snapshots)
+
+    def merged_sites(self, massif_trim: bool) -> dict[Stack, SiteCounts]:
+        """Counters per stack, merged over kernel keys whose stacks are equal once trimmed: with Massif's
+        trimming (alloc-fns, --depth) when `massif_trim`, else the xtree's (cut below main only)."""
+        with self._lock:
+            c = self.end_counters or self.probes.counters()
+            sites = self.probes.sites(c.peak_gen)
+            self.symbolize_new(list(sites))
+            merged: dict[Stack, SiteCounts] = {}
+            for key, s in sites.items():
+                if massif_trim:
+                    stack = self.trimmed(key)
+                else:
+                    stack = trim_stack(self._frames[key], frozenset(), _XTREE_DEPTH)
+                m = merged.setdefault(stack, SiteCounts())
+                for name in ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks"):
+                    setattr(m, name, getattr(m, name) + getattr(s, name))
+            return merged

@@ -24,9 +24,17 @@ BPF_HASH(pending, u32, struct hs_pending, HS_MAX_THREADS);
 BPF_ARRAY(globals, struct hs_global, 1);
 /* control: enum hs_control -> u64, written by user space (kept apart so its writes never race counters) */
 BPF_ARRAY(control, u64, HS_CTL_COUNT);
+/* events: enum hs_event, to wake user space at once */
+BPF_PERF_OUTPUT(events);
 /* scratch: 0 -> the site being built from a stack walk (too big for the BPF stack); its peak_gen field
  * holds the key of the last stack stored from this CPU, so a hot loop skips the sites lookup. */
 BPF_PERCPU_ARRAY(scratch, struct hs_site, 1);
+
+/* unwind_rows: row index -> struct hs_row (the unwind tables of all objects, each a sorted run) */
+BPF_ARRAY(unwind_rows, struct hs_row, HS_MAX_ROWS);
+/* unwind_maps: index -> struct hs_umap, two halves of HS_MAX_UMAPS sorted by start; control[HS_CTL_UMAPS]
+ * says which half and how many are published, so user space rewrites the other half and flips. */
+BPF_ARRAY(unwind_maps, struct hs_umap, 2 * HS_MAX_UMAPS);
 
 /* Site key reserved for allocations whose stack could not be stored (sites map full). */
 #define HS_STACK_OVERFLOW 1ULL
@@ -52,6 +60,118 @@ static __always_inline u64 mix(u64 h, u64 v)
     return h;
 }
 
+#if HS_UNWIND
+/* State of a stack walk with unwind tables: the registers of the frame being left. */
+struct walk {
+    struct hs_site *st;
+    struct hs_global *g;
+    u64 sp;   /* the caller's %rsp once the current frame returns */
+    u64 bp;   /* the caller's %rbp */
+    u64 ret;  /* the current frame's return address (ip[n - 1]) */
+    u64 h;
+    u32 n;
+    u32 umap_first;
+    u32 umap_count;
+};
+
+/* The published mapping holding pc, or 0. */
+static __always_inline struct hs_umap *find_umap(struct walk *w, u64 pc)
+{
+    u32 lo = 0, hi = w->umap_count;
+    if (hi > HS_MAX_UMAPS)
+        return 0;
+    for (int i = 0; i < 10 && lo < hi; i++) { /* 2^10 > HS_MAX_UMAPS */
+        u32 mid = (lo + hi) / 2;
+        u32 idx = w->umap_first + mid;
+        struct hs_umap *m = unwind_maps.lookup(&idx);
+        if (!m)
+            return 0;
+        if (pc < m->start)
+            hi = mid;
+        else if (pc >= m->end)
+            lo = mid + 1;
+        else
+            return m;
+    }
+    return 0;
+}
+
+/* The last row of the mapping's table whose pc is <= vaddr, or 0. */
+static __always_inline struct hs_row *find_row(struct hs_umap *m, u64 vaddr)
+{
+    u32 lo = m->row_begin, hi = m->row_begin + m->row_count;
+    struct hs_row *best = 0;
+    for (int i = 0; i < 24 && lo < hi; i++) { /* 2^24 > HS_MAX_ROWS */
+        u32 mid = lo + (hi - lo) / 2;
+        struct hs_row *r = unwind_rows.lookup(&mid);
+        if (!r)
+            return best;
+        if (r->pc <= vaddr) {
+            best = r;
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return best;
+}
+
+/* One frame: from the return address w->ret, find the caller's registers and its return address. */
+static __always_inline long walk_step(struct walk *w)
+{
+    u64 pc = w->ret - 1; /* inside the call instruction: the return address may start another function */
+    u64 cfa = 0, ret = 0, bp = w->bp;
+    struct hs_umap *m = find_umap(w, pc);
+    struct hs_row *r = m ? find_row(m, pc - m->bias) : 0;
+    int type = r ? r->cfa_type : HS_CFA_NONE;
+    if (type == HS_CFA_END)
+        return 1;
+    if (type == HS_CFA_NONE) {
+        if (m)
+            __sync_fetch_and_add(&w->g->unwind_no_rule, 1);
+        else
+            __sync_fetch_and_add(&w->g->unwind_fp, 1);
+        /* No rule: trust a frame pointer if it looks like one (above the stack pointer, aligned). */
+        u64 frame[2] = {0, 0};
+        if (bp < w->sp || (bp & 7) || bpf_probe_read_user(frame, sizeof(frame), (void *)bp))
+            return 1;
+        cfa = bp + 16;
+        bp = frame[0];
+        ret = frame[1];
+    } else {
+        if (type == HS_CFA_RSP)
+            cfa = w->sp + r->cfa_offset;
+        else if (type == HS_CFA_RBP)
+            cfa = w->bp + r->cfa_offset;
+        else /* HS_CFA_PLT */
+            cfa = w->sp + 8 + (((pc - m->bias) & 15) >= 11 ? 8 : 0);
+        if (bpf_probe_read_user(&ret, sizeof(ret), (void *)(cfa - 8))) {
+            __sync_fetch_and_add(&w->g->unwind_bad_read, 1);
+            return 1;
+        }
+        if ((r->flags & HS_RBP_SAVED) && bpf_probe_read_user(&bp, sizeof(bp), (void *)(cfa + r->rbp_offset))) {
+            __sync_fetch_and_add(&w->g->unwind_bad_read, 1);
+            return 1;
+        }
+        __sync_fetch_and_add(&w->g->unwind_frames, 1);
+    }
+    if (ret == 0 || cfa <= w->sp - 8)
+        return 1;
+    u32 n = w->n;
+    if (n >= HS_MAX_DEPTH) {
+        __sync_fetch_and_add(&w->g->unwind_depth_cut, 1);
+        return 1;
+    }
+    w->st->ip[n] = ret;
+    w->n = n + 1;
+    w->h = mix(w->h, ret);
+    w->sp = cfa;
+    w->bp = bp;
+    w->ret = ret;
+    return 0;
+}
+#endif
+
 /* Walk the user stack by frame pointers and make sure its site exists; returns the site key.
  * ip[0] is the caller's return address, read from [rsp]: at a function's entry no frame exists yet, so a
  * walk from %rbp alone would skip the immediate caller. */
@@ -71,6 +191,20 @@ static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *
     h = mix(h, ret);
 
     int n = 1;
+#if HS_UNWIND
+    struct walk w = {.st = st, .sp = sp + 8, .bp = bp, .ret = ret, .h = h, .n = 1, .g = g};
+    u32 idx = HS_CTL_UMAPS;
+    u64 *published = control.lookup(&idx);
+    if (published) {
+        w.umap_first = *published >> 32;
+        w.umap_count = (u32)*published;
+    }
+    for (int i = 1; i < HS_MAX_DEPTH && ret; i++)
+        if (walk_step(&w))
+            break;
+    h = w.h;
+    n = w.n;
+#else
     for (int i = 1; i < HS_MAX_DEPTH && ret; i++) {
         u64 frame[2] = {0, 0}; /* saved %rbp, return address */
         /* A frame lies above the stack pointer, 8-aligned, and each one above the last. */
@@ -82,6 +216,7 @@ static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *
         bp = frame[0];
         n = i + 1;
     }
+#endif
     if (h <= HS_STACK_OVERFLOW)
         h += 2;
     if (st->peak_gen == h) /* this CPU stored this very stack last time: the site exists */
@@ -476,8 +611,21 @@ int alloc_return(struct pt_regs *ctx)
     return 0;
 }
 
-/* ---- the target's exec: `run` arms at the first one; any later one (or any, for `attach`) disarms ---- */
+/* ---- events: exec, loader changes and exit -------------------------------------------------------- */
 
+/* Tell user space; with HS_STOP_EVENTS also stop the target until user space has caught up (it clears
+ * control[HS_CTL_STOPPED] and sends SIGCONT). */
+static __always_inline void signal_event(void *ctx, u64 event)
+{
+    if (HS_STOP_EVENTS) {
+        u32 idx = HS_CTL_STOPPED;
+        control.update(&idx, &event);
+        bpf_send_signal(19 /* SIGSTOP */);
+    }
+    events.perf_submit(ctx, &event, sizeof(event));
+}
+
+/* The target's exec: `run` arms at the first one; any later one (or any, for `attach`) disarms. */
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     if ((bpf_get_current_pid_tgid() >> 32) != HS_TARGET_TGID)
@@ -489,21 +637,24 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     u32 idx = HS_CTL_ARMED;
     u64 armed = (n == HS_ARM_ON_EXEC);
     control.update(&idx, &armed);
+    if (armed)
+        signal_event(args, HS_EV_EXEC);
     return 0;
 }
 
-/* ---- exit(): with HS_STOP_AT_EXIT the target stops until user space has recorded its mappings ------- */
+/* _dl_debug_state: the loader's hook for debuggers, called after it maps or unmaps objects. */
+int loader_enter(struct pt_regs *ctx)
+{
+    if ((bpf_get_current_pid_tgid() >> 32) != HS_TARGET_TGID || !is_armed())
+        return 0;
+    signal_event(ctx, HS_EV_LOADER);
+    return 0;
+}
 
 int exit_enter(struct pt_regs *ctx)
 {
-    if (!HS_STOP_AT_EXIT || (bpf_get_current_pid_tgid() >> 32) != HS_TARGET_TGID)
+    if ((bpf_get_current_pid_tgid() >> 32) != HS_TARGET_TGID || !is_armed())
         return 0;
-    struct hs_global *g = get_globals();
-    if (!g || !is_armed())
-        return 0;
-    u32 idx = HS_CTL_EXIT_STOP;
-    u64 one = 1;
-    control.update(&idx, &one);
-    bpf_send_signal(19 /* SIGSTOP */);
+    signal_event(ctx, HS_EV_EXIT);
     return 0;
 }

@@ -31,12 +31,22 @@
 #ifndef HS_FREE_STACKS
 #define HS_FREE_STACKS 0         /* 1: freed bytes are charged to the stack of the free call (xtree full) */
 #endif
-#ifndef HS_STOP_AT_EXIT
-#define HS_STOP_AT_EXIT 0        /* 1: stop the target at exit() until user space has read its mappings */
+#ifndef HS_STOP_EVENTS
+#define HS_STOP_EVENTS 0         /* 1 (run): stop the target at its exec, at each change of its loaded objects
+                                  * and at exit(), until user space has read its mappings and loaded their
+                                  * unwind tables; 0 (attach): only tell user space, never stop the target */
 #endif
 #ifndef HS_ARM_ON_EXEC
 #define HS_ARM_ON_EXEC 0         /* 1: `run` arms at the target's first exec; 0: `attach` is armed at load */
 #endif
+
+#ifndef HS_UNWIND
+#define HS_UNWIND 1              /* 1: walk stacks with .eh_frame tables (agent/unwind.py); 0: frame pointers */
+#endif
+#ifndef HS_MAX_ROWS
+#define HS_MAX_ROWS 2097152      /* unwind table rows, all objects together */
+#endif
+#define HS_MAX_UMAPS 512         /* executable mappings with unwind tables (twice: double-buffered) */
 
 /* Which allocation function a pending call is in: decides how its arguments are read. */
 enum hs_fn {
@@ -91,8 +101,43 @@ struct hs_pending {
 /* Indexes of the control map: words user space writes while the probes run. */
 enum hs_control {
     HS_CTL_ARMED = 0,     /* 0 before the target's exec (run), after a later exec, or at detach */
-    HS_CTL_EXIT_STOP = 1, /* 1 while the target is stopped at exit() for user space (HS_STOP_AT_EXIT) */
-    HS_CTL_COUNT = 2,
+    HS_CTL_STOPPED = 1,   /* enum hs_event while the target is stopped for user space (HS_STOP_EVENTS) */
+    HS_CTL_UMAPS = 2,     /* published unwind mappings: first index << 32 | count (in unwind_maps) */
+    HS_CTL_COUNT = 3,
+};
+
+/* Events sent to user space (perf buffer `events`), and the reasons the target is stopped. */
+enum hs_event {
+    HS_EV_EXEC = 1,       /* the target exec'ed: the new image's executable and loader are mapped */
+    HS_EV_LOADER = 2,     /* the dynamic loader changed the list of loaded objects (_dl_debug_state) */
+    HS_EV_EXIT = 3,       /* the target called exit(): its mappings are about to go */
+};
+
+/* One row of an unwind table: agent/unwind.py's ROW ("<IbBhhH"). It covers [pc, next row's pc). */
+enum hs_cfa_type {
+    HS_CFA_RSP = 0,       /* CFA = rsp + cfa_offset */
+    HS_CFA_RBP = 1,       /* CFA = rbp + cfa_offset */
+    HS_CFA_PLT = 2,       /* CFA = rsp + 8, plus 8 when (pc & 15) >= 11 (the standard .plt rule) */
+    HS_CFA_NONE = 3,      /* no rule: fall back to frame pointers */
+    HS_CFA_END = 4,       /* outermost frame */
+};
+#define HS_RBP_SAVED 1       /* rbp is saved at CFA + rbp_offset */
+struct hs_row {
+    __u32 pc;             /* ELF virtual address in the object */
+    __s8 cfa_type;
+    __u8 flags;
+    __s16 cfa_offset;
+    __s16 rbp_offset;
+    __u16 pad;
+};
+
+/* An executable mapping with a table: runtime address = ELF vaddr + bias. */
+struct hs_umap {
+    __u64 start;
+    __u64 end;
+    __u64 bias;
+    __u32 row_begin;      /* first row in unwind_rows */
+    __u32 row_count;
 };
 
 struct hs_global {
@@ -121,6 +166,11 @@ struct hs_global {
     __u64 dropped_pending;   /* pending tables full: a call went unseen */
     __u64 overflow_pending;  /* calls now held in the overflow table (their slot was taken) */
     __u64 lost_returns;      /* a return with no pending entry */
+    __u64 unwind_frames;     /* frames unwound with a table rule */
+    __u64 unwind_fp;         /* frames unwound by frame pointer: no table covers the code */
+    __u64 unwind_no_rule;    /* a table covers the code but has no rule there (falls back to frame pointers) */
+    __u64 unwind_bad_read;   /* a stack read failed: the stack ends there */
+    __u64 unwind_depth_cut;  /* stacks cut at HS_MAX_DEPTH */
 };
 
 #endif
