@@ -124,8 +124,12 @@ def _add_profile_options(p: argparse.ArgumentParser) -> None:
         default=1 << 16,
         help="distinct allocation stacks the kernel can keep (default 65536)",
     )
-    h.add_argument("--unwind", choices=("cfi", "fp"), default="fp",
-                   help="walk stacks with .eh_frame tables (cfi, default) or frame pointers only (fp)")
+    h.add_argument(
+        "--unwind",
+        choices=("cfi", "fp"),
+        default="fp",
+        help="walk stacks with .eh_frame tables (cfi, default) or frame pointers only (fp)",
+    )
     h.add_argument("-q", "--quiet", action="store_true", help="print errors only")
 
 
@@ -300,11 +304,15 @@ def _profile(
             from agent.unwind import load_table
 
             tables = load_table
-        session = Session(ctx.opts, probes, SessionInfo(pid, cmd, ctx.desc, allocator.family), tables=tables)
+        session = Session(
+            ctx.opts, probes, SessionInfo(pid, cmd, ctx.desc, allocator.family), tables=tables, exec_limit=int(run)
+        )
         ctx.say(f"probes attached to {pid}")
         started()
         session.run(alive, stop, ctx.ns.sample_interval)
         probes.detach()  # the target runs on untouched from here
+        if session.exec_ended():
+            ctx.say(f"process {pid} exec'ed another program: the profile ends there")
         session.finish()
         _write_outputs(ctx, session, pid)
     return session

@@ -93,12 +93,14 @@ class Session:
         symbolizer: Symbolizer | None = None,
         proc: str = "/proc",
         tables: Callable[[str], UnwindTable | None] | None = None,
+        exec_limit: int = 0,
     ) -> None:
         self.opts = opts
         self.probes = probes
         self.info = info
         self.maps = MapsRecorder(info.pid, proc)
         self.tables = tables  # unwind tables per object path (None: frame-pointer stacks)
+        self.exec_limit = exec_limit  # execs the target may make (run: its first one) before the profile ends
         self.unwind_problems: dict[str, str] = {}  # objects whose table could not be built, and why
         self.symbolizer = symbolizer or Symbolizer()
         self.series = SnapshotSeries(detailed_freq=opts.detailed_freq, max_snapshots=opts.max_snapshots)
@@ -198,7 +200,7 @@ class Session:
         self.sync_mappings()
         self.sample()
         next_sample = time.monotonic() + interval
-        while alive() and not stop.is_set():
+        while alive() and not stop.is_set() and not self.exec_ended():
             events = self.probes.wait_events(max(0.001, next_sample - time.monotonic()))
             if events or self.probes.stopped():
                 self._catch_up()
@@ -207,6 +209,10 @@ class Session:
                 if alive():
                     self.sync_mappings()
                 self.sample()
+
+    def exec_ended(self) -> bool:
+        """The target exec'ed another program: the kernel disarmed the probes and this profile is over."""
+        return self.probes.counters().execs > self.exec_limit
 
     def _catch_up(self) -> None:
         """New objects mapped, or the target is about to exit: record mappings, load unwind tables,
