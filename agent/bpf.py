@@ -24,7 +24,7 @@ from agent.errors import EnvironmentProblem, HeapscopeError
 from agent.model import SiteCounts
 
 # Stack key the kernel uses when its stack table is full (heap.bpf.c: HS_STACK_OVERFLOW).
-STACK_OVERFLOW = 1
+STACK_OVERFLOW = 0
 # Indexes of the control map (probes/heap.h: enum hs_control).
 CTL_ARMED = 0
 CTL_STOPPED = 1
@@ -53,6 +53,7 @@ class Counters:
     """A copy of struct hs_global (probes/heap.h)."""
 
     execs: int = 0
+    n_sites: int = 0
     heap: int = 0
     extra: int = 0
     blocks: int = 0
@@ -307,8 +308,10 @@ class HeapProbes:
         if self._bpf is None:
             raise HeapscopeError("probes are not loaded")
         out = {}
-        for raw_key, v in self._items("sites"):
-            key = _int(raw_key)
+        n_sites = self.counters().n_sites
+        for key, v in enumerate(self._array_prefix("sites", min(n_sites + 1, self.settings.max_stacks))):
+            if v.tot_blocks == 0 and v.freed_blocks == 0:
+                continue  # an id handed out but unused (another CPU published the same stack first)
             if key not in self._stacks:
                 ips = []
                 for ip in v.ip:
@@ -334,6 +337,23 @@ class HeapProbes:
     def stacks(self, keys: Iterable[int]) -> dict[int, tuple[int, ...]]:
         """Return addresses behind site keys (innermost first), as read by the last sites() call."""
         return {k: self._stacks.get(k, ()) for k in keys}
+
+    def _array_prefix(self, name: str, count: int) -> list:  # type: ignore[type-arg]
+        """Entries 0..count-1 of an array map, in one batch syscall where the kernel has it."""
+        assert self._bpf is not None
+        table = self._bpf[name]
+        if count <= 0:
+            return []
+        keys = (table.Key * count)()
+        values = (table.Leaf * count)()
+        n = ctypes.c_uint32(count)
+        lib = _load_bcc().libbcc.lib
+        if lib.bpf_lookup_batch(table.map_fd, None, ctypes.byref(ctypes.c_uint32()), keys, values, ctypes.byref(n)) in (
+            0,
+            -2,  # ENOENT: the end of the map came first
+        ):
+            return list(values[: n.value])
+        return [table[table.Key(i)] for i in range(count)]
 
     def _items(self, name: str) -> list:  # type: ignore[type-arg]
         assert self._bpf is not None

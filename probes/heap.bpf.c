@@ -13,8 +13,13 @@
 
 /* blocks: block address -> struct hs_block (live blocks only) */
 BPF_HASH(blocks, u64, struct hs_block, HS_MAX_BLOCKS);
-/* sites: stack key -> struct hs_site (counters and return addresses of one allocation stack) */
-BPF_HASH(sites, u64, struct hs_site, HS_MAX_STACKS);
+/* sites: site id -> struct hs_site (counters and return addresses of one allocation stack). An array, so
+ * the return and free paths reach a block's site without hashing. */
+BPF_ARRAY(sites, struct hs_site, HS_MAX_STACKS);
+/* stack_ids: stack hash -> site id (u64), consulted only when a CPU meets a stack it did not store last */
+BPF_HASH(stack_ids, u64, u64, HS_MAX_STACKS);
+/* last_stack: 0 -> struct hs_last_stack, per CPU */
+BPF_PERCPU_ARRAY(last_stack, struct hs_last_stack, 1);
 /* slots: tid mod HS_PENDING_SLOTS -> struct hs_pending (the thread's call between entry and return).
  * An array: its lookups are inlined and take no lock, unlike a hash map's. */
 BPF_ARRAY(slots, struct hs_pending, HS_PENDING_SLOTS);
@@ -26,8 +31,7 @@ BPF_ARRAY(globals, struct hs_global, 1);
 BPF_ARRAY(control, u64, HS_CTL_COUNT);
 /* events: enum hs_event, to wake user space at once */
 BPF_PERF_OUTPUT(events);
-/* scratch: 0 -> the site being built from a stack walk (too big for the BPF stack); its peak_gen field
- * holds the key of the last stack stored from this CPU, so a hot loop skips the sites lookup. */
+/* scratch: 0 -> the site being built from a stack walk (too big for the BPF stack) */
 BPF_PERCPU_ARRAY(scratch, struct hs_site, 1);
 
 /* unwind_rows: row index -> struct hs_row (the unwind tables of all objects, each a sorted run) */
@@ -36,8 +40,8 @@ BPF_ARRAY(unwind_rows, struct hs_row, HS_MAX_ROWS);
  * says which half and how many are published, so user space rewrites the other half and flips. */
 BPF_ARRAY(unwind_maps, struct hs_umap, 2 * HS_MAX_UMAPS);
 
-/* Site key reserved for allocations whose stack could not be stored (sites map full). */
-#define HS_STACK_OVERFLOW 1ULL
+/* Site id of allocations whose stack could not be stored (site ids used up). */
+#define HS_STACK_OVERFLOW 0ULL
 
 static __always_inline struct hs_global *get_globals(void)
 {
@@ -217,49 +221,47 @@ static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *
         n = i + 1;
     }
 #endif
-    if (h <= HS_STACK_OVERFLOW)
-        h += 2;
-    if (st->peak_gen == h) /* this CPU stored this very stack last time: the site exists */
-        return h;
-    if (!sites.lookup(&h)) {
-        u64 last = h;
+    struct hs_last_stack *last = last_stack.lookup(&zero);
+    if (last && last->hash == h && h)
+        return last->id;
+    u64 id;
+    u64 *known = stack_ids.lookup(&h);
+    if (known) {
+        id = *known;
+    } else {
+        /* A new stack: write its site first, then publish the id, so no CPU sees an id without a site. */
+        id = __sync_fetch_and_add(&g->n_sites, 1) + 1; /* ids from 1: 0 is the overflow site */
+        if (id >= HS_MAX_STACKS) {
+            __sync_fetch_and_add(&g->dropped_stacks, 1);
+            return HS_STACK_OVERFLOW;
+        }
         for (int i = 1; i < HS_MAX_DEPTH; i++) /* a stored stack ends at its first zero */
             if (i >= n)
                 st->ip[i] = 0;
         st->cur_bytes = st->cur_blocks = st->tot_bytes = st->tot_blocks = 0;
         st->freed_bytes = st->freed_blocks = st->peak_bytes = st->cur_extra = st->peak_extra = 0;
         st->peak_gen = g->peak_gen;
-        int err = sites.insert(&h, st);
-        st->peak_gen = last;
-        if (err && err != -17 /* EEXIST: another CPU stored it */) {
-            __sync_fetch_and_add(&g->dropped_stacks, 1);
-            st->peak_gen = 0;
-            return HS_STACK_OVERFLOW;
+        u32 slot = id;
+        sites.update(&slot, st);
+        if (stack_ids.insert(&h, &id)) {
+            /* Another CPU published this stack first (its id wins; ours stays an empty site), or the
+             * table is full (the site stays, reachable only through this CPU's cache). */
+            known = stack_ids.lookup(&h);
+            if (known)
+                id = *known;
         }
     }
-    st->peak_gen = h;
-    return h;
+    if (last) {
+        last->hash = h;
+        last->id = id;
+    }
+    return id;
 }
 
-static __always_inline struct hs_site *get_site(u64 key, struct hs_global *g)
+static __always_inline struct hs_site *get_site(u64 id, struct hs_global *g)
 {
-    struct hs_site *s = sites.lookup(&key);
-    if (s)
-        return s;
-    if (key == HS_STACK_OVERFLOW) { /* made on first use, with no stack */
-        u32 zero = 0;
-        struct hs_site *st = scratch.lookup(&zero);
-        if (st) {
-            u64 last = st->peak_gen;
-            st->cur_bytes = st->cur_blocks = st->tot_bytes = st->tot_blocks = 0;
-            st->freed_bytes = st->freed_blocks = st->peak_bytes = st->cur_extra = st->peak_extra = 0;
-            st->peak_gen = g->peak_gen;
-            st->ip[0] = 0;
-            sites.insert(&key, st);
-            st->peak_gen = last;
-            s = sites.lookup(&key);
-        }
-    }
+    u32 slot = id;
+    struct hs_site *s = sites.lookup(&slot);
     if (!s)
         __sync_fetch_and_add(&g->dropped_sites, 1);
     return s;
@@ -362,7 +364,7 @@ static __always_inline int record_free(struct hs_global *g, u64 addr, u64 free_s
     struct hs_block blk = *bp;
     blocks.delete(&addr);
     u64 extra = blk.slop + HS_HEAP_ADMIN;
-    struct hs_site *s = sites.lookup(&blk.stack);
+    struct hs_site *s = get_site(blk.stack, g);
     if (s) {
         site_touch(s, g);
         __sync_fetch_and_add(&s->cur_bytes, -blk.size);
@@ -398,7 +400,7 @@ static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 add
     if (blocks.update(&addr, &nb))
         __sync_fetch_and_add(&g->dropped_blocks, 1);
 
-    struct hs_site *os = sites.lookup(&ob.stack);
+    struct hs_site *os = get_site(ob.stack, g);
     if (os) {
         site_touch(os, g);
         __sync_fetch_and_add(&os->cur_bytes, -ob.size);

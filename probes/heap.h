@@ -13,7 +13,7 @@
 #define HS_MAX_BLOCKS 1048576    /* live blocks tracked at once */
 #endif
 #ifndef HS_MAX_STACKS
-#define HS_MAX_STACKS 65536      /* distinct allocation stacks */
+#define HS_MAX_STACKS 65536      /* distinct allocation stacks (site ids); site 0 is the overflow site */
 #endif
 #ifndef HS_MAX_THREADS
 #define HS_MAX_THREADS 16384     /* overflow table: threads in an allocation call whose slot is taken */
@@ -66,7 +66,7 @@ enum hs_fn {
 struct hs_block {
     __u64 size;   /* requested bytes */
     __u64 slop;   /* Massif's rounding slop; extra = slop + HS_HEAP_ADMIN */
-    __u64 stack;  /* key into sites */
+    __u64 stack;  /* site id: index into sites */
 };
 
 /* One allocation stack: its counters and its return addresses (innermost first, zero-terminated when
@@ -85,12 +85,18 @@ struct hs_site {
     __u64 ip[HS_MAX_DEPTH];
 };
 
+/* The last stack stored from a CPU: a hot loop allocating from one stack skips the stack_ids lookup. */
+struct hs_last_stack {
+    __u64 hash;
+    __u64 id;
+};
+
 /* Arguments of an allocation call between its entry and its return, per thread. */
 struct hs_pending {
     __u64 arg0;
     __u64 arg1;
     __u64 arg2;
-    __u64 stack;
+    __u64 stack;  /* site id of the call's stack */
     __u64 sp;     /* stack pointer at entry: a nested call runs below it */
     __u64 tid;    /* owner of a slot; 0 when the slot is free (64 bits: BPF's cmpxchg wants them) */
     __u32 fn;     /* enum hs_fn */
@@ -142,6 +148,7 @@ struct hs_umap {
 
 struct hs_global {
     __u64 execs;          /* exec calls seen in the target */
+    __u64 n_sites;        /* site ids handed out: sites 1..n_sites are in use (0 is the overflow site) */
     __u64 heap;           /* useful bytes live */
     __u64 extra;          /* Massif's extra bytes live (slop + admin) */
     __u64 blocks;         /* live blocks */
@@ -161,8 +168,8 @@ struct hs_global {
     __u64 failed_allocs;     /* the allocator returned NULL */
     __u64 nested_calls;      /* allocation calls inside allocation calls, folded into the outer one */
     __u64 dropped_blocks;    /* blocks map full: block not tracked */
-    __u64 dropped_stacks;    /* sites map full at a new stack: charged to the overflow site */
-    __u64 dropped_sites;     /* not even the overflow site could be stored */
+    __u64 dropped_stacks;    /* site ids used up at a new stack: charged to the overflow site 0 */
+    __u64 dropped_sites;     /* a site id without its site (cannot happen with an array; kept for the ABI) */
     __u64 dropped_pending;   /* pending tables full: a call went unseen */
     __u64 overflow_pending;  /* calls now held in the overflow table (their slot was taken) */
     __u64 lost_returns;      /* a return with no pending entry */
