@@ -77,6 +77,11 @@ class Counters:
     dropped_sites: int = 0
     dropped_pending: int = 0
     lost_returns: int = 0
+    unwind_frames: int = 0
+    unwind_fp: int = 0
+    unwind_no_rule: int = 0
+    unwind_bad_read: int = 0
+    unwind_depth_cut: int = 0
 
     @property
     def dropped(self) -> int:
@@ -139,6 +144,7 @@ class HeapProbes:
         self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count)
         self._umap_half = 0
         self.rows_dropped = 0  # rows that did not fit in the table (their objects fall back to frame pointers)
+        self.rows_used = 0  # rows loaded into the kernel, all objects together
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
 
     # ---- life cycle -------------------------------------------------------------------------------
@@ -197,6 +203,8 @@ class HeapProbes:
         self._fds.clear()
 
     def close(self) -> None:
+        if self._bpf is not None and self.stopped():
+            self.resume()  # never leave the target held at an event, whatever went wrong
         self.detach()
         if self._bpf is not None:
             self._bpf.cleanup()
@@ -271,6 +279,7 @@ class HeapProbes:
                     values = (rows.Leaf * m.n_rows).from_buffer_copy(m.rows)
                     rows.items_update_batch(keys, values)
                 self._rows_used += m.n_rows
+                self.rows_used = self._rows_used
                 self._objects[m.key] = placed
             if placed[1]:
                 entries.append((m, placed))

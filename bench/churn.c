@@ -12,6 +12,8 @@
  *                    attach and its teardown are not part of it)
  *   CHURN_GATE       path of a FIFO: block on it before the loop, until someone writes a byte.
  *                    This lets a tool that attaches to a running PID (memleak -p) attach first.
+ *   CHURN_DEPTH      run the loop this many calls deep (default 0): every malloc and free then has a
+ *                    stack of about CHURN_DEPTH + 3 frames, to measure what a profiler's stack walk costs.
  *
  * Prints nothing; no stdio (its buffers would be allocations outside the loop).
  */
@@ -81,16 +83,8 @@ static void write_seconds(const char *path, double seconds)
     close(fd);
 }
 
-int main(int argc, char **argv)
+static void churn(long pairs)
 {
-    long pairs = argc > 1 ? atol(argv[1]) : 2000000L;
-    const char *time_file = getenv("CHURN_TIME_FILE");
-    const char *gate = getenv("CHURN_GATE");
-
-    if (gate && *gate)
-        wait_for_gate(gate);
-
-    double start = now_seconds();
     for (long i = 0; i < pairs; i++) {
         uint64_t r = next_random();
         size_t slot = (size_t)(r >> 32) % SLOTS;
@@ -104,6 +98,30 @@ int main(int argc, char **argv)
     for (size_t s = 0; s < SLOTS; s++)
         if (slots[s])
             free(slots[s]);
+}
+
+/* Recursion the compiler may not flatten: the volatile depth keeps every level a real call. */
+__attribute__((noinline)) static void descend(volatile int depth, long pairs)
+{
+    if (depth > 0)
+        descend(depth - 1, pairs);
+    else
+        churn(pairs);
+    __asm__ volatile("" ::: "memory"); /* no tail call: each level keeps its frame */
+}
+
+int main(int argc, char **argv)
+{
+    long pairs = argc > 1 ? atol(argv[1]) : 2000000L;
+    const char *time_file = getenv("CHURN_TIME_FILE");
+    const char *gate = getenv("CHURN_GATE");
+    const char *depth = getenv("CHURN_DEPTH");
+
+    if (gate && *gate)
+        wait_for_gate(gate);
+
+    double start = now_seconds();
+    descend(depth ? atoi(depth) : 0, pairs);
     double elapsed = now_seconds() - start;
 
     if (time_file && *time_file)

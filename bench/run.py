@@ -57,9 +57,10 @@ class Workload:
     calls: int  # default number of calls (argv[1])
     quick_calls: int
     unit: str  # what one call is, for the table header
+    env: tuple[tuple[str, str], ...] = ()  # set for the workload's runs (e.g. CHURN_DEPTH)
 
     def binary(self) -> Path:
-        return BUILD_DIR / self.name
+        return BUILD_DIR / self.source.removesuffix(".c")
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -72,6 +73,16 @@ WORKLOADS: dict[str, Workload] = {
             calls=2_000_000,
             quick_calls=200_000,
             unit="malloc+free pair",
+        ),
+        # The same loop 20 calls deep: what the stack walk costs per allocation (cfi against fp).
+        Workload(
+            name="churn-deep20",
+            source="churn.c",
+            cflags=("-O2", "-g", "-fno-omit-frame-pointer"),
+            calls=1_000_000,
+            quick_calls=100_000,
+            unit="malloc+free pair, 20 frames deep",
+            env=(("CHURN_DEPTH", "17"),),
         ),
     )
 }
@@ -142,12 +153,18 @@ def run_native(binary: Path, args: list[str], env: dict[str, str], scratch: Path
     return Measurement(wall, read_loop_time(scratch / "loop_time"))
 
 
-def run_heapscope(binary: Path, args: list[str], env: dict[str, str], scratch: Path) -> Measurement:
-    out = scratch / "massif.out.heapscope"
-    cmd = [str(HEAPSCOPE), "run", "--time-unit=B", f"--massif-out-file={out}", "--", str(binary), *args]
-    wall = timed_command(cmd, env, scratch)
-    require_output(scratch, out.name, "heapscope")
-    return Measurement(wall, read_loop_time(scratch / "loop_time"))
+def _heapscope(unwind: str) -> ToolFn:
+    def run(binary: Path, args: list[str], env: dict[str, str], scratch: Path) -> Measurement:
+        out = scratch / "massif.out.heapscope"
+        cmd = [
+            str(HEAPSCOPE), "run", "-q", "--time-unit=B", f"--unwind={unwind}", f"--massif-out-file={out}",
+            "--", str(binary), *args,
+        ]  # fmt: skip
+        wall = timed_command(cmd, env, scratch)
+        require_output(scratch, out.name, "heapscope")
+        return Measurement(wall, read_loop_time(scratch / "loop_time"))
+
+    return run
 
 
 def run_massif(binary: Path, args: list[str], env: dict[str, str], scratch: Path) -> Measurement:
@@ -260,7 +277,8 @@ class Tool:
 
 TOOLS: list[Tool] = [
     Tool("native", run_native, "no profiler"),
-    Tool("heapscope", run_heapscope, "heapscope run --time-unit=B (wall includes BPF compile + attach)"),
+    Tool("heapscope", _heapscope("cfi"), "heapscope run --time-unit=B: .eh_frame walk (wall: + compile, attach)"),
+    Tool("heapscope-fp", _heapscope("fp"), "heapscope run --unwind=fp: frame-pointer walk"),
     Tool("massif", run_massif, "valgrind --tool=massif --time-unit=B"),
     Tool("heaptrack", run_heaptrack, "heaptrack (LD_PRELOAD)"),
     Tool("memleak", run_memleak, "memleak-bpfcc -p PID (wall from release; attach not counted)"),
@@ -324,7 +342,7 @@ def bench(workload: Workload, tools: list[Tool], calls: int, repeats: int) -> li
             if res.errors:  # a tool that failed once is not retried: its row says why
                 continue
             scratch = Path(tempfile.mkdtemp(prefix=f"heapscope-bench-{res.tool.name}-"))
-            env = {**os.environ, "CHURN_TIME_FILE": str(scratch / "loop_time")}
+            env = {**os.environ, **dict(workload.env), "CHURN_TIME_FILE": str(scratch / "loop_time")}
             try:
                 m = res.tool.run(binary, [str(calls)], env, scratch)
                 res.runs.append(m)

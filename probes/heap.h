@@ -130,7 +130,7 @@ enum hs_cfa_type {
 #define HS_RBP_SAVED 1       /* rbp is saved at CFA + rbp_offset */
 struct hs_row {
     __u32 pc;             /* ELF virtual address in the object */
-    __s8 cfa_type;
+    __u8 cfa_type;        /* enum hs_cfa_type (unsigned: bcc cannot describe a signed char field) */
     __u8 flags;
     __s16 cfa_offset;
     __s16 rbp_offset;

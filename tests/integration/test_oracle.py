@@ -5,8 +5,11 @@ same options, and compares:
 - the peak tree and the final tree, as bytes per root-to-node path of `function (file:line)` labels
   (addresses differ: Valgrind loads PIE binaries at 0x108000);
 - the same trees restricted to the stacks made only of the program's own frames (files compiled into the
-  program or its plugin), which must match even where a library without frame pointers is on the stack;
+  program or its plugin);
 - mem_heap_B and mem_heap_extra_B of the peak and final snapshots.
+
+Every comparison is strict, also through libraries built without frame pointers (libc, libstdc++, the
+loader): heapscope walks stacks with .eh_frame tables in the kernel.
 
 Zero-byte paths are dropped on both sides: Massif keeps a node for a site whose blocks were all freed, which
 says nothing about the heap's state.
@@ -34,7 +37,6 @@ from tests.support.massif_reader import parse_massif, paths
 
 pytestmark = pytest.mark.integration
 
-UNWIND_REASON = "needs .eh_frame unwinding (issue: Correct stacks without frame pointers)"
 # Massif's culling would drop states; with this many slots and fewer snapshots written, none was dropped.
 MAX_SNAPSHOTS = 1000
 NO_CULL = (f"--max-snapshots={MAX_SNAPSHOTS}",)
@@ -58,13 +60,25 @@ class Snap:
         return self.heap_B + self.extra_B
 
 
+# Valgrind does not implement clone3, so under it glibc starts threads with clone instead: the bottom frame
+# of a thread's stack is the one place where the program itself runs differently under Massif.
+_VALGRIND_RUNS_CLONE = {"clone3 (clone3.S:81)": "clone (clone.S:100)"}
+
+
+def _as_under_valgrind(path: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(_VALGRIND_RUNS_CLONE.get(label, label) for label in path)
+
+
 def read_snapshots(text: str) -> list[Snap]:
     parsed = parse_massif(text)
     out = []
     for s in parsed.snapshots:
         tree: Paths = {}
         if s.tree is not None:
-            tree = {p: b for p, b in paths(s.tree).items() if b != 0}
+            for p, b in paths(s.tree).items():
+                if b != 0:
+                    key = _as_under_valgrind(p)
+                    tree[key] = tree.get(key, 0) + b
         out.append(Snap(s.heap_B, s.heap_extra_B, s.heap_tree, tree))
     return out
 
@@ -131,9 +145,6 @@ class Case:
     options: tuple[str, ...] = ()
     flags: tuple[str, ...] = DEBUG_FLAGS
     plugin: bool = False  # build plugin.c as a shared object and pass its path as the first argument
-    # Comparisons expected to differ because of frames in libraries without frame pointers:
-    # any of "peak_paths", "final_paths", "peak_own", "final_own".
-    unwind_xfail: frozenset[str] = frozenset()
     # Valgrind runs __libc_freeres and __gnu_cxx::__freeres at exit, which free library memory (the
     # loader's tables, cached thread stacks' TLS, libstdc++'s emergency exception pool) that stays live in a
     # normal run. So the final state of the whole heap is not comparable there; only the program's own
@@ -149,12 +160,8 @@ CASES = [
     Case("example", "example.c"),
     Case("sites", "sites.c"),
     Case("sites_depth2", "sites.c", options=("--depth=2",)),
-    Case(
-        "sites_O2",
-        "sites.c",
-        flags=OPTIMIZED_FLAGS,
-        unwind_xfail=frozenset({"peak_paths", "final_paths", "peak_own", "final_own"}),
-    ),
+    # -O2 -fomit-frame-pointer: only the kernel's .eh_frame walk finds the callers.
+    Case("sites_O2", "sites.c", flags=OPTIMIZED_FLAGS),
     Case("allocfns", "allocfns.c"),
     Case("aligned", "aligned.c", extra_comparable=False),
     Case("peak", "peak.c"),
@@ -165,16 +172,15 @@ CASES = [
     Case(
         "cxx",
         "cxx.cpp",
-        unwind_xfail=frozenset({"peak_paths", "peak_own", "final_own"}),
         freeres_at_exit=True,
     ),
     # strdup (libc) has no frame pointer: the walk from malloc skips strdup's caller `copy`.
-    Case("strdup", "dup.c", unwind_xfail=frozenset({"peak_paths", "final_paths"})),
+    Case("strdup", "dup.c"),
     # start_thread and clone end the thread's stack; libc's calloc of the DTV runs inside pthread_create.
     # That DTV stays with glibc's cache of thread stacks after the join; Valgrind's freeres frees it.
-    Case("thread", "threads.c", unwind_xfail=frozenset({"peak_paths"}), freeres_at_exit=True),
+    Case("thread", "threads.c", freeres_at_exit=True),
     # The loader's own allocations and the plugin's constructor run under dl_open_worker, _dl_catch_exception.
-    Case("dlopen", "loader.c", plugin=True, unwind_xfail=frozenset({"peak_paths"}), freeres_at_exit=True),
+    Case("dlopen", "loader.c", plugin=True, freeres_at_exit=True),
 ]
 
 
@@ -247,11 +253,6 @@ def _run_case(
     )
 
 
-def _xfail_if(request: pytest.FixtureRequest, outcome: Outcome, comparison: str) -> None:
-    if comparison in outcome.case.unwind_xfail:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=UNWIND_REASON))
-
-
 def _diff(ref: Mapping[tuple[str, ...], int], got: Mapping[tuple[str, ...], int]) -> str:
     lines = []
     for p in sorted(set(ref) | set(got)):
@@ -264,30 +265,26 @@ def _diff(ref: Mapping[tuple[str, ...], int], got: Mapping[tuple[str, ...], int]
 # Trees
 
 
-def test_peak_tree(request: pytest.FixtureRequest, outcome: Outcome) -> None:
-    _xfail_if(request, outcome, "peak_paths")
+def test_peak_tree(outcome: Outcome) -> None:
     ref, got = reference_peak(outcome.ref).tree, heapscope_peak(outcome.got).tree
     assert got == ref, "peak trees differ (bytes per path):\n" + _diff(ref, got)
 
 
-def test_peak_own_stacks(request: pytest.FixtureRequest, outcome: Outcome) -> None:
-    _xfail_if(request, outcome, "peak_own")
+def test_peak_own_stacks(outcome: Outcome) -> None:
     ref = own_stacks(reference_peak(outcome.ref).tree, outcome.own_files)
     got = own_stacks(heapscope_peak(outcome.got).tree, outcome.own_files)
     assert ref, "the program has no stack of its own at the peak: the comparison would be empty"
     assert got == ref, "own stacks at the peak differ:\n" + _diff(ref, got)
 
 
-def test_final_tree(request: pytest.FixtureRequest, outcome: Outcome) -> None:
+def test_final_tree(outcome: Outcome) -> None:
     if outcome.case.freeres_at_exit:
         pytest.skip("Valgrind's __libc_freeres/__gnu_cxx::__freeres change the final state: own stacks only")
-    _xfail_if(request, outcome, "final_paths")
     ref, got = final(outcome.ref).tree, final(outcome.got).tree
     assert got == ref, "final trees differ (bytes per path):\n" + _diff(ref, got)
 
 
-def test_final_own_stacks(request: pytest.FixtureRequest, outcome: Outcome) -> None:
-    _xfail_if(request, outcome, "final_own")
+def test_final_own_stacks(outcome: Outcome) -> None:
     ref = own_stacks(final(outcome.ref).tree, outcome.own_files)
     got = own_stacks(final(outcome.got).tree, outcome.own_files)
     assert ref, "the program has no stack of its own at exit: the comparison would be empty"
