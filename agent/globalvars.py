@@ -1,0 +1,104 @@
+"""Global variables of the target's ELF objects, for MALT's `memStats.globalVariables`.
+
+MALT lists, per binary file, the data objects that live for the whole run: object symbols of the symbol table
+(`.symtab`, else `.dynsym` for a stripped object) with a size, placed in `.data`, `.bss` (initialised and
+zeroed globals) or `.tdata`, `.tbss` (thread-local: one copy per thread, flagged `tls`). Names are shown
+without their symbol version and demangled, as MALT does; the raw name is kept as `symbol`.
+
+Reads files only, through agent.elf (symbols decoded in bulk) and pyelftools (section headers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from agent.elf import ElfError, ElfSymbol, open_elf
+from agent.symbols import demangle
+
+# st_info types (ELF gABI).
+STT_OBJECT = 1
+STT_TLS = 6
+
+# The sections whose objects MALT counts as global variables (issue 5, memStats.globalVariables).
+GLOBAL_SECTIONS: frozenset[str] = frozenset({".data", ".bss", ".tdata", ".tbss"})
+TLS_SECTIONS: frozenset[str] = frozenset({".tdata", ".tbss"})
+
+
+@dataclass(frozen=True)
+class GlobalVariable:
+    """One global or thread-local variable of an ELF object."""
+
+    name: str  # demangled, without `@VERSION`
+    size: int  # bytes (one copy; a TLS variable has one per thread)
+    tls: bool
+    section: str  # .data, .bss, .tdata or .tbss
+    symbol: str  # the symbol name as stored
+    offset: int  # st_value: the link-time address (for TLS: the offset in the TLS block)
+    section_offset: int  # sh_offset of the section in the file (MALT 1.6's `secOffset`)
+    binary: str  # path of the ELF object
+
+
+def _section_table(path: str) -> list[tuple[str, int]]:
+    """(name, sh_offset) of every section, by index."""
+    obj = open_elf(path)
+    fh, elf = obj.open_elffile()
+    with fh:
+        return [(sec.name, sec["sh_offset"]) for sec in elf.iter_sections()]
+
+
+def _display_name(symbol: str) -> str:
+    return demangle(symbol.split("@", 1)[0])
+
+
+def _object_symbols(symbols: Sequence[ElfSymbol]) -> list[ElfSymbol]:
+    return [s for s in symbols if s.type in (STT_OBJECT, STT_TLS) and s.name and s.size > 0 and s.is_defined]
+
+
+def variables_of(path: str) -> list[GlobalVariable]:
+    """The global variables of one ELF file, in symbol-table order. Raises ElfError when it is not ELF."""
+    obj = open_elf(path)
+    symbols = _object_symbols(obj.symtab) or _object_symbols(obj.dynsym)
+    sections = _section_table(path)
+    out: list[GlobalVariable] = []
+    seen: set[tuple[str, int]] = set()
+    for sym in symbols:
+        if sym.section_index >= len(sections):  # SHN_ABS, SHN_COMMON and other special indices
+            continue
+        sec_name, sec_offset = sections[sym.section_index]
+        if sec_name not in GLOBAL_SECTIONS:
+            continue
+        key = (sym.name, sym.value)
+        if key in seen:  # a symbol listed twice (local copies in .symtab) is one variable
+            continue
+        seen.add(key)
+        out.append(
+            GlobalVariable(
+                name=_display_name(sym.name),
+                size=sym.size,
+                tls=sym.type == STT_TLS or sec_name in TLS_SECTIONS,
+                section=sec_name,
+                symbol=sym.name,
+                offset=sym.value,
+                section_offset=sec_offset,
+                binary=path,
+            )
+        )
+    return out
+
+
+def global_variables(objects: Sequence[str]) -> dict[str, list[GlobalVariable]]:
+    """Global variables per object path (the executable and its libraries), in the given order.
+
+    An object that cannot be read (gone, not ELF) is left out rather than failing the whole profile; an object
+    without any global variable maps to an empty list, as in MALT's own files.
+    """
+    out: dict[str, list[GlobalVariable]] = {}
+    for path in objects:
+        if path in out:
+            continue
+        try:
+            out[path] = variables_of(path)
+        except (ElfError, OSError):
+            continue
+    return out

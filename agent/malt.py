@@ -1,0 +1,903 @@
+"""MALT profile: the model of MALT's per-stack allocator statistics, and its JSON writer.
+
+The format is MALT's JSON profile (seed 002: sections `run`, `config`, `stacks`, `sites`, `timeline`,
+`scatter`, `threads`, `memStats`, `globals`, `leaks`). `formatVersion` 1.1 is what the seed documents;
+1.6 is what the reader of current MALT (libreader, MALT 1.5/1.6) requires: it refuses any other
+`formatVersion`, needs a top-level `domains`, `mmap`/`munmap` in each stack's infos, `stacks.count`, `fields`
+and `callsite` in every timeline, `aslrOffset` in each map entry, its own `config` keys, the extra fields of
+each global variable (`symbol`, `usedSize`, `binaryFile`, `offset`, `secOffset`) and the thread
+`stackMem.timeprofiler` block (whose `peakTimesteamp` key is spelled that way in the reader).
+
+What MALT means by the per-stack numbers (its CallStackInfo), which the profiler must follow when it fills
+this model from the kernel's maps:
+- `alloc`: count/min/max/sum of the non-zero sizes requested from this stack; a zero-size request only
+  increments `countZeros`.
+- `free`: count/min/max/sum of the sizes freed *by calls made from this stack* (MALT keys a free by the
+  stack of the free() call, not by the stack that allocated the block); zero sizes are not counted.
+- `lifetime`: ticks from allocation to free of the blocks *allocated* from this stack (0 is not counted).
+- `aliveReq`: bytes allocated from this stack still alive; `maxAliveReq`: the largest aliveReq seen;
+  `globalPeak`: aliveReq at the moment of the global peak of requested memory.
+- `reallocCount`, `reallocSumDelta`: realloc calls from this stack and the sum of (new size - old size).
+MALT keeps one entry per stack *and* allocation function: a stack's innermost frame is an address inside
+the allocation function itself (the seed's leaf frame lies in MALT's malloc wrapper), so malloc() and free()
+called from one line are two stacks. heapscope writes the allocation function's runtime address (given in
+`MaltProfile.function_addresses`) as that leaf frame, and names it in `sites`.
+
+Pure: no bcc, no I/O except writing to the given text stream. Symbols are resolved through a callback.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TextIO
+
+from agent import __version__
+from agent.globalvars import GlobalVariable
+from agent.model import Frame, Stack, ip_groups
+from agent.symbols import Mapping as ProcMapping
+from agent.symbols import Symbolizer
+
+FormatVersion = Literal["1.1", "1.6"]
+FORMAT_VERSIONS: tuple[str, ...] = ("1.1", "1.6")
+
+# The allocation functions MALT tracks, in the order of the seed's `threads[].stats`.
+ALLOC_FUNCTIONS: tuple[str, ...] = (
+    "malloc",
+    "posix_memalign",
+    "aligned_alloc",
+    "memalign",
+    "valloc",
+    "pvalloc",
+    "free",
+    "calloc",
+    "realloc",
+)
+
+UNKNOWN_STRING = "??"  # sites.strings[0]: unknown values
+ROOT_STRING = "[0x1]"  # sites.strings[1]: the root of all call stacks
+ROOT_ADDRESS = 0x1
+# aslrOffset MALT writes when it did not compute one ((size_t)-1).
+UNKNOWN_ASLR_OFFSET = 2**64 - 1
+
+MEMORY_FIELDS: tuple[str, ...] = ("requestedMem", "physicalMem", "virtualMem", "internalMem", "segments")
+SYSTEM_FIELDS: tuple[str, ...] = ("freeMemory", "cachedMemory", "swapMemory")
+BANDWIDTH_FIELDS: tuple[str, ...] = ("allocMem", "allocCount", "freeMem", "freeCount")
+
+DEFAULT_POINTS = 512  # MALT's time.points
+DEFAULT_SCATTER_SIZE = 64  # MALT's scatter charts are 64 x 64
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per-stack statistics
+
+
+@dataclass
+class CountMinMaxSum:
+    """count/min/max/sum of a quantity (MALT's SimpleQuantityHistory). All zero when nothing was counted."""
+
+    count: int = 0
+    min: int = 0
+    max: int = 0
+    sum: int = 0
+
+    def add(self, value: int, times: int = 1) -> None:
+        if times <= 0:
+            return
+        if self.count == 0:
+            self.min = self.max = value
+        else:
+            self.min = min(self.min, value)
+            self.max = max(self.max, value)
+        self.count += times
+        self.sum += value * times
+
+    def merge(self, other: CountMinMaxSum) -> None:
+        if other.count == 0:
+            return
+        if self.count == 0:
+            self.min, self.max = other.min, other.max
+        else:
+            self.min = min(self.min, other.min)
+            self.max = max(self.max, other.max)
+        self.count += other.count
+        self.sum += other.sum
+
+    def to_json(self) -> dict[str, int]:
+        return {"count": self.count, "min": self.min, "max": self.max, "sum": self.sum}
+
+    def problems(self, what: str) -> list[str]:
+        """Internal contradictions (e.g. a racy read of the kernel's counters)."""
+        out: list[str] = []
+        if self.count < 0 or self.sum < 0 or self.min < 0:
+            out.append(f"{what}: negative value {self.to_json()}")
+        elif self.count == 0:
+            if self.min or self.max or self.sum:
+                out.append(f"{what}: count is 0 but min/max/sum are not {self.to_json()}")
+        elif not (self.min <= self.max and self.min * self.count <= self.sum <= self.max * self.count):
+            out.append(f"{what}: min/max/sum do not fit count {self.to_json()}")
+        return out
+
+
+@dataclass
+class MaltStackStats:
+    """MALT's `infos` of one stack. Sizes in bytes, lifetimes in ticks (globals.ticksPerSecond)."""
+
+    alloc: CountMinMaxSum = field(default_factory=CountMinMaxSum)
+    free: CountMinMaxSum = field(default_factory=CountMinMaxSum)
+    lifetime: CountMinMaxSum = field(default_factory=CountMinMaxSum)
+    mmap: CountMinMaxSum = field(default_factory=CountMinMaxSum)  # written in format 1.6 only
+    munmap: CountMinMaxSum = field(default_factory=CountMinMaxSum)  # written in format 1.6 only
+    count_zeros: int = 0
+    max_alive_req: int = 0
+    alive_req: int = 0
+    global_peak: int = 0
+    realloc_count: int = 0
+    realloc_sum_delta: int = 0  # may be negative: realloc shrinks count too
+
+    def to_json(self, version: FormatVersion) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "countZeros": self.count_zeros,
+            "maxAliveReq": self.max_alive_req,
+            "aliveReq": self.alive_req,
+            "alloc": self.alloc.to_json(),
+            "free": self.free.to_json(),
+        }
+        if version == "1.6":
+            out["mmap"] = self.mmap.to_json()
+            out["munmap"] = self.munmap.to_json()
+        out["lifetime"] = self.lifetime.to_json()
+        out["globalPeak"] = self.global_peak
+        out["reallocCount"] = self.realloc_count
+        out["reallocSumDelta"] = self.realloc_sum_delta
+        return out
+
+
+@dataclass(frozen=True)
+class StackKey:
+    """What MALT keys its statistics by: a call stack and the allocation function called from it.
+
+    `addresses` are the raw return addresses of the stack, innermost first (the first one is in the
+    function that called `function`)."""
+
+    addresses: tuple[int, ...]
+    function: str = "malloc"
+
+    def __post_init__(self) -> None:
+        if self.function not in ALLOC_FUNCTIONS:
+            raise ValueError(f"unknown allocation function {self.function!r}; MALT knows {', '.join(ALLOC_FUNCTIONS)}")
+
+
+@dataclass
+class MaltStack:
+    """One entry of `stacks.stats`. `frames` (optional) are the symbolized frames of `key.addresses`, as
+    agent.symbols gives them (inlined calls as extra frames at one address); without them the writer asks
+    its resolver. `stack_id` (optional, e.g. the kernel's stack id) becomes `stackId`; by default the
+    entry's position is used."""
+
+    key: StackKey
+    stats: MaltStackStats = field(default_factory=MaltStackStats)
+    frames: Stack = ()
+    stack_id: int | None = None
+
+
+@dataclass(frozen=True)
+class MaltLeak:
+    """Blocks allocated from one stack and still alive at exit."""
+
+    key: StackKey
+    count: int
+    memory: int
+
+
+def group_leaks(blocks: Iterable[tuple[StackKey, int]]) -> list[MaltLeak]:
+    """Leaks from the blocks still alive at exit, given as (allocating stack, requested size): grouped by
+    stack, largest memory first (ties: more blocks first, then the stack's addresses)."""
+    counts: dict[StackKey, list[int]] = {}
+    for key, size in blocks:
+        acc = counts.setdefault(key, [0, 0])
+        acc[0] += 1
+        acc[1] += size
+    leaks = [MaltLeak(key, n, mem) for key, (n, mem) in counts.items()]
+    leaks.sort(key=lambda lk: (-lk.memory, -lk.count, lk.key.addresses, lk.key.function))
+    return leaks
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Timelines
+
+
+@dataclass
+class TimelineSeries:
+    """One binned timeline as MALT writes it: `values[i]` covers ticks [start + i*perPoints, start +
+    (i+1)*perPoints). `callsites[i]` is the stack (or address) that set interval i's maximum, or None."""
+
+    fields: tuple[str, ...]
+    start: int = 0
+    per_points: int = 0
+    peak: tuple[int, ...] = ()
+    values: list[tuple[int, ...]] = field(default_factory=list)
+    callsites: list[StackKey | int | None] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, fields: Sequence[str]) -> TimelineSeries:
+        return cls(tuple(fields), peak=tuple(0 for _ in fields))
+
+
+class TimelineBinner:
+    """Samples over time -> at most `points` intervals, for a run of any length (MALT's ProfiledValue).
+
+    The first sample sets `start`. Intervals are `per_points` ticks wide; when a sample falls beyond the
+    last interval, the width doubles and neighbouring intervals merge pairwise, as often as needed. So after
+    a run of D ticks, per_points is the initial width times the smallest power of two that fits D into
+    `points` intervals.
+
+    State timelines (memory, system) keep, per interval, the maximum of each field (the seed: "on each
+    interval we kept the max observed values"), plus the callsite of the sample that set the maximum of the
+    first field; an interval without samples repeats the previous one. Bandwidth timelines
+    (`bandwidth=True`) sum each field over the interval; an interval without samples is zero.
+    """
+
+    def __init__(
+        self,
+        fields: Sequence[str],
+        *,
+        points: int = DEFAULT_POINTS,
+        bandwidth: bool = False,
+        start: int | None = None,
+        per_points: int = 1,
+    ) -> None:
+        if not fields:
+            raise ValueError("a timeline needs at least one field")
+        if points < 2:
+            raise ValueError(f"points must be at least 2, got {points}")
+        if per_points < 1:
+            raise ValueError(f"per_points must be at least 1, got {per_points}")
+        self.fields = tuple(fields)
+        self.points = points
+        self.bandwidth = bandwidth
+        self.start = start
+        self.per_points = per_points
+        self.n_samples = 0
+        self._bins: list[list[int] | None] = [None] * points
+        self._callsites: list[StackKey | int | None] = [None] * points
+        self._peak = [0] * len(self.fields)
+        self._last_time: int | None = None
+
+    def push(self, time: int, values: Sequence[int], callsite: StackKey | int | None = None) -> None:
+        """Add one sample (ticks, one value per field). Samples must come in time order."""
+        if len(values) != len(self.fields):
+            raise ValueError(f"expected {len(self.fields)} values ({', '.join(self.fields)}), got {len(values)}")
+        if self.start is None:
+            self.start = time
+        if time < self.start or (self._last_time is not None and time < self._last_time):
+            raise ValueError(f"sample at {time} is before the previous one or the start")
+        self._last_time = time
+        index = (time - self.start) // self.per_points
+        while index >= self.points:
+            self._double()
+            index = (time - self.start) // self.per_points
+        self._merge_into(index, list(values), callsite)
+        if not self.bandwidth:
+            self._peak = [max(p, v) for p, v in zip(self._peak, values, strict=True)]
+        self.n_samples += 1
+
+    def _merge_into(self, index: int, values: list[int], callsite: StackKey | int | None) -> None:
+        cur = self._bins[index]
+        if cur is None:
+            self._bins[index] = values
+            self._callsites[index] = callsite
+            return
+        if self.bandwidth:
+            self._bins[index] = [a + b for a, b in zip(cur, values, strict=True)]
+            return
+        # The callsite is the one that raised the first field's maximum (the earlier one on a tie).
+        if values[0] > cur[0] or self._callsites[index] is None:
+            self._callsites[index] = callsite
+        self._bins[index] = [max(a, b) for a, b in zip(cur, values, strict=True)]
+
+    def _double(self) -> None:
+        old_bins, old_sites = self._bins, self._callsites
+        self._bins = [None] * self.points
+        self._callsites = [None] * self.points
+        self.per_points *= 2
+        for i, values in enumerate(old_bins):
+            if values is not None:
+                self._merge_into(i // 2, values, old_sites[i])
+
+    def series(self) -> TimelineSeries:
+        """The timeline up to its last interval with a sample."""
+        last = max((i for i, b in enumerate(self._bins) if b is not None), default=-1)
+        values: list[tuple[int, ...]] = []
+        callsites: list[StackKey | int | None] = []
+        previous = tuple(0 for _ in self.fields)
+        for i in range(last + 1):
+            b = self._bins[i]
+            if b is None:
+                values.append(previous if not self.bandwidth else tuple(0 for _ in self.fields))
+                callsites.append(None)
+                continue
+            previous = tuple(b)
+            values.append(previous)
+            callsites.append(self._callsites[i])
+        if self.bandwidth:
+            peak = tuple(max((v[f] for v in values), default=0) for f in range(len(self.fields)))
+        else:
+            peak = tuple(self._peak)
+        return TimelineSeries(self.fields, self.start or 0, self.per_points, peak, values, callsites)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Scatter charts
+
+
+def log2_bin(value: int) -> int:
+    """The log2 bin of a value: bin i holds [2**i, 2**(i+1)); 0 and 1 are both in bin 0."""
+    return max(int(value), 1).bit_length() - 1
+
+
+@dataclass
+class ScatterAxis:
+    """One axis of a scatter chart. Log axes: bin i is log2_bin's i, written as 2**i, `max` is 2**(highest
+    bin + 1). Linear axes: `size` bins of max/size each over [0, max), bin i written as i*max/size; `max`
+    doubles (bins merging pairwise) when a larger value comes."""
+
+    log: bool
+    size: int = DEFAULT_SCATTER_SIZE
+    max: int = 0  # 0: set from the data
+
+    def __post_init__(self) -> None:
+        if self.size < 2:
+            raise ValueError(f"a scatter axis needs at least 2 bins, got {self.size}")
+        if not self.log:
+            if self.max == 0:
+                self.max = self.size
+            if self.max % self.size:
+                raise ValueError(f"a linear axis max ({self.max}) must be a multiple of its size ({self.size})")
+
+    def value_of(self, index: int) -> int:
+        return 2**index if self.log else index * (self.max // self.size)
+
+
+class ScatterChart:
+    """A 2-D histogram over (x, y) bins with counts, as MALT's `sizeOverTime` / `lifetimeOverSize`."""
+
+    def __init__(self, x: ScatterAxis, y: ScatterAxis) -> None:
+        self.x = x
+        self.y = y
+        self.points: dict[tuple[int, int], int] = {}
+
+    @classmethod
+    def size_over_time(cls) -> ScatterChart:
+        """x: time since start in ticks (linear), y: requested size (log2), as MALT's chart."""
+        return cls(ScatterAxis(log=False), ScatterAxis(log=True))
+
+    @classmethod
+    def lifetime_over_size(cls) -> ScatterChart:
+        """x: requested size (log2), y: lifetime in ticks (log2), as MALT's chart."""
+        return cls(ScatterAxis(log=True), ScatterAxis(log=True))
+
+    def _linear_index(self, axis: ScatterAxis, value: int, which: int) -> int:
+        if value < 0:
+            raise ValueError(f"scatter values are not negative, got {value}")
+        while value >= axis.max:
+            axis.max *= 2
+            merged: dict[tuple[int, int], int] = {}
+            for (bx, by), v in self.points.items():
+                k = (bx // 2, by) if which == 0 else (bx, by // 2)
+                merged[k] = merged.get(k, 0) + v
+            self.points = merged
+        return value // (axis.max // axis.size)
+
+    def _log_index(self, axis: ScatterAxis, index: int) -> int:
+        index = min(index, axis.size - 1)
+        axis.max = max(axis.max, 2 ** (index + 1))
+        return index
+
+    def add(self, x: int, y: int, count: int = 1) -> None:
+        """Count `count` events at raw values (x, y)."""
+        bx = self._log_index(self.x, log2_bin(x)) if self.x.log else self._linear_index(self.x, x, 0)
+        by = self._log_index(self.y, log2_bin(y)) if self.y.log else self._linear_index(self.y, y, 1)
+        self.points[(bx, by)] = self.points.get((bx, by), 0) + count
+
+    def add_log2_bins(self, x: int, y: int, count: int) -> None:
+        """Count events already binned by the kernel: a log axis takes its log2 bin, a linear axis the raw
+        value."""
+        bx = self._log_index(self.x, x) if self.x.log else self._linear_index(self.x, x, 0)
+        by = self._log_index(self.y, y) if self.y.log else self._linear_index(self.y, y, 1)
+        self.points[(bx, by)] = self.points.get((bx, by), 0) + count
+
+    def to_json(self) -> dict[str, Any]:
+        def axis(a: ScatterAxis) -> dict[str, Any]:
+            return {"max": a.max, "size": a.size, "log": a.log}
+
+        return {
+            "infos": {"xAxis": axis(self.x), "yAxis": axis(self.y)},
+            "points": [
+                {"x": self.x.value_of(bx), "y": self.y.value_of(by), "v": v}
+                for (bx, by), v in sorted(self.points.items())
+                if v > 0
+            ],
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Run-level data
+
+
+@dataclass
+class ThreadFunctionStats:
+    count: int = 0
+    sum: int = 0  # bytes (0 for free, as MALT writes it)
+    time: int = 0  # ticks spent inside the function, entry to return
+
+
+@dataclass
+class MaltThread:
+    tid: int
+    stats: dict[str, ThreadFunctionStats] = field(default_factory=dict)  # by ALLOC_FUNCTIONS name
+    cnt_mem_ops: int | None = None  # None: the sum of the functions' counts
+
+    @property
+    def mem_ops(self) -> int:
+        return self.cnt_mem_ops if self.cnt_mem_ops is not None else sum(s.count for s in self.stats.values())
+
+
+@dataclass
+class MaltRun:
+    exe: str
+    command: str
+    hostname: str
+    allocator: str  # path of the object whose malloc the target uses
+    date: str  # profile generation time, "YYYY-MM-DD HH:MM"
+    runtime: int  # ticks from start to profile dump
+    tool: str = f"heapscope-{__version__}"
+
+
+@dataclass
+class MaltConfig:
+    """What heapscope was asked to do, in MALT's config sections."""
+
+    points: int = DEFAULT_POINTS
+    time_enabled: bool = True
+    stack_enabled: bool = True
+    stack_mode: str = "ebpf"
+    output_name: str = ""
+
+
+@dataclass
+class MaltGlobals:
+    ticks_per_second: int
+    total_memory: int = 0
+    free_memory_at_start: int = 0
+    cached_memory_at_start: int = 0
+    max_thread_count: int = 0
+
+
+@dataclass
+class MaltTotals:
+    """Run totals from the kernel's global counters (kept apart from the per-stack maps, so that the two can
+    be cross-checked). Allocations count every call that returned a block, zero sizes included."""
+
+    alloc_count: int = 0
+    alloc_bytes: int = 0
+    free_count: int = 0
+    free_bytes: int = 0
+    peak_bytes: int = 0  # the global peak of requested (live) bytes
+    mmap_count: int = 0
+    mmap_bytes: int = 0
+
+
+@dataclass
+class MaltProfile:
+    run: MaltRun
+    globals: MaltGlobals
+    totals: MaltTotals = field(default_factory=MaltTotals)
+    config: MaltConfig = field(default_factory=MaltConfig)
+    stacks: list[MaltStack] = field(default_factory=list)
+    # Runtime address of each allocation function in the target: the leaf frame of its stacks.
+    function_addresses: dict[str, int] = field(default_factory=dict)
+    mappings: Sequence[ProcMapping] = ()
+    size_map: dict[int, int] = field(default_factory=dict)  # requested size -> number of allocations
+    realloc_jump: dict[tuple[int, int], int] = field(default_factory=dict)  # (old, new) -> count
+    global_variables: Mapping[str, Sequence[GlobalVariable]] = field(default_factory=dict)
+    threads: list[MaltThread] = field(default_factory=list)
+    memory_timeline: TimelineSeries = field(default_factory=lambda: TimelineSeries.empty(MEMORY_FIELDS))
+    system_timeline: TimelineSeries = field(default_factory=lambda: TimelineSeries.empty(SYSTEM_FIELDS))
+    memory_bandwidth: TimelineSeries = field(default_factory=lambda: TimelineSeries.empty(BANDWIDTH_FIELDS))
+    size_over_time: ScatterChart = field(default_factory=ScatterChart.size_over_time)
+    lifetime_over_size: ScatterChart = field(default_factory=ScatterChart.lifetime_over_size)
+    leaks: list[MaltLeak] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cross-checks
+
+
+def check_consistency(profile: MaltProfile) -> list[str]:
+    """What does not add up in a profile; empty when consistent.
+
+    - the stacks' alloc.sum add up to the allocated bytes, and alloc.count + countZeros to the allocations;
+    - sizeMap's counts add up to the number of allocations;
+    - every count/min/max/sum is coherent, 0 <= aliveReq <= maxAliveReq;
+    - the leaks add up to the stacks' aliveReq.
+    """
+    problems: list[str] = []
+    totals = profile.totals
+    alloc_sum = sum(s.stats.alloc.sum for s in profile.stacks)
+    if alloc_sum != totals.alloc_bytes:
+        problems.append(f"the stacks' alloc.sum add up to {alloc_sum}, the allocated bytes are {totals.alloc_bytes}")
+    n_allocs = sum(s.stats.alloc.count + s.stats.count_zeros for s in profile.stacks)
+    if n_allocs != totals.alloc_count:
+        problems.append(
+            f"the stacks' alloc.count + countZeros add up to {n_allocs}, the allocations are {totals.alloc_count}"
+        )
+    size_map_count = sum(profile.size_map.values())
+    if size_map_count != totals.alloc_count:
+        problems.append(f"sizeMap counts add up to {size_map_count}, the allocations are {totals.alloc_count}")
+    if any(size < 0 or n < 0 for size, n in profile.size_map.items()):
+        problems.append("sizeMap has a negative size or count")
+    for i, s in enumerate(profile.stacks):
+        what = f"stack {i} ({s.key.function})"
+        st = s.stats
+        for name in ("alloc", "free", "lifetime", "mmap", "munmap"):
+            problems.extend(getattr(st, name).problems(f"{what} {name}"))
+        if st.alloc.count and st.alloc.min == 0:
+            problems.append(f"{what}: alloc counts a zero size (zero sizes belong in countZeros)")
+        if not 0 <= st.alive_req <= st.max_alive_req:
+            problems.append(f"{what}: aliveReq {st.alive_req} is not within [0, maxAliveReq {st.max_alive_req}]")
+        if st.max_alive_req > st.alloc.sum:
+            problems.append(f"{what}: maxAliveReq {st.max_alive_req} exceeds alloc.sum {st.alloc.sum}")
+        if st.global_peak < 0 or st.global_peak > st.max_alive_req:
+            problems.append(f"{what}: globalPeak {st.global_peak} is not within [0, maxAliveReq]")
+    alive = sum(s.stats.alive_req for s in profile.stacks)
+    leaked = sum(lk.memory for lk in profile.leaks)
+    if alive != leaked:
+        problems.append(f"the leaks add up to {leaked} bytes, the stacks' aliveReq to {alive}")
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sites
+
+
+# A resolver gives the frames of one raw return address (innermost inlined function first).
+SiteResolver = Callable[[int], Sequence[Frame]]
+
+
+def symbolizer_resolver(symbolizer: Symbolizer, mappings: Sequence[ProcMapping]) -> SiteResolver:
+    """A resolver over heapscope's Symbolizer and the target's recorded mappings."""
+    maps = tuple(mappings)
+
+    def resolve(address: int) -> Sequence[Frame]:
+        return symbolizer.symbolize(maps, address, is_return_address=True)
+
+    return resolve
+
+
+def _hex(address: int) -> str:
+    return f"0x{address:x}"
+
+
+class _Strings:
+    def __init__(self) -> None:
+        self.items: list[str] = [UNKNOWN_STRING, ROOT_STRING]
+        self._index = {s: i for i, s in enumerate(self.items)}
+
+    def id(self, text: str | None) -> int:
+        if not text:
+            return 0
+        i = self._index.get(text)
+        if i is None:
+            i = self._index[text] = len(self.items)
+            self.items.append(text)
+        return i
+
+
+def _instr_entry(strings: _Strings, frames: Sequence[Frame]) -> dict[str, int]:
+    """One address as MALT's addr2line gives it: the innermost (inlined) function and its file:line."""
+    if not frames:
+        return {"function": 0}
+    inner = frames[0]
+    entry: dict[str, int] = {}
+    path = inner.path or inner.file
+    if path:
+        entry["file"] = strings.id(path)
+    entry["function"] = strings.id(inner.function)
+    if inner.line:
+        entry["line"] = inner.line
+    obj = next((f.obj for f in frames if f.obj), None)
+    if obj:
+        entry["binary"] = strings.id(obj)
+    return entry
+
+
+def _stack_json(profile: MaltProfile, key: StackKey, function_frame: bool) -> list[int]:
+    fn_addr = profile.function_addresses.get(key.function) if function_frame else None
+    return ([fn_addr] if fn_addr is not None else []) + list(key.addresses)
+
+
+def build_sites(
+    profile: MaltProfile, resolve: SiteResolver | None, *, version: FormatVersion, function_frame: bool = True
+) -> dict[str, Any]:
+    """The `sites` section: the mappings, the string table and one `instr` entry per address used."""
+    strings = _Strings()
+    instr: dict[int, dict[str, int]] = {ROOT_ADDRESS: {"function": strings.id(ROOT_STRING)}}
+    if function_frame:
+        for fn, addr in profile.function_addresses.items():
+            entry = {"function": strings.id(fn)}
+            if profile.run.allocator:
+                entry["binary"] = strings.id(profile.run.allocator)
+            instr[addr] = entry
+    known: dict[int, Sequence[Frame]] = {}
+    for s in profile.stacks:  # frames the profiler already has
+        if s.frames:
+            groups = ip_groups(s.frames)
+            if len(groups) == len(s.key.addresses):
+                known.update(zip(s.key.addresses, groups, strict=True))
+    wanted = {a for s in profile.stacks for a in s.key.addresses}
+    wanted.update(a for lk in profile.leaks for a in lk.key.addresses)
+    for addr in sorted(wanted):
+        if addr in instr:
+            continue
+        frames = known.get(addr)
+        if frames is None:
+            frames = resolve(addr) if resolve is not None else ()
+        instr[addr] = _instr_entry(strings, frames)
+    maps = []
+    for m in profile.mappings:
+        row: dict[str, Any] = {"lower": _hex(m.start), "upper": _hex(m.end), "offset": _hex(m.offset)}
+        if version == "1.6":
+            row["aslrOffset"] = UNKNOWN_ASLR_OFFSET
+        row["file"] = m.path
+        maps.append(row)
+    return {"map": maps, "strings": strings.items, "instr": {_hex(a): e for a, e in sorted(instr.items())}}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The writer
+
+
+def _config_json(cfg: MaltConfig, version: FormatVersion) -> dict[str, Any]:
+    if version == "1.1":
+        return {
+            "time": {"enabled": cfg.time_enabled, "points": cfg.points, "linear": False},
+            "stack": {"enabled": cfg.stack_enabled, "mode": cfg.stack_mode, "resolve": True},
+            "output": {"name": cfg.output_name, "json": True},
+        }
+    # Every key MALT 1.6's reader loads (format/Config.cpp), with heapscope's meaning where one exists.
+    return {
+        "time": {"enabled": cfg.time_enabled, "points": cfg.points, "linear": False},
+        "stack": {"enabled": cfg.stack_enabled, "mode": cfg.stack_mode, "resolve": True, "libunwind": False, "skip": 0},
+        "addr2line": {"bucket": 0, "threads": 1, "huge": 0},
+        "sampling": {"enabled": False, "volume": 0, "count": 0},
+        "python": {
+            "instru": False,
+            "mix": False,
+            "stack": "none",
+            "obj": False,
+            "mem": False,
+            "raw": False,
+            "hide-imports": False,
+            "mode": "none",
+        },
+        "c": {"gpu-malloc": False, "malloc": True, "mmap": False},
+        "output": {
+            "callgrind": False,
+            "config": False,
+            "indent": True,
+            "json": True,
+            "lua": False,
+            "name": cfg.output_name,
+            "verbosity": "default",
+            "stack-tree": False,
+            "loop-suppress": False,
+        },
+        "max-stack": {"enabled": False},
+        "distr": {"alloc-size": True, "realloc-jump": True},
+        "info": {"hidden": False},
+        "trace": {"enabled": False},
+        "filter": {"exe": "", "childs": False, "enabled": False, "ranks": ""},
+        "dump": {
+            "on-signal": "",
+            "after-seconds": 0,
+            "on-sys-full-at": "",
+            "on-app-using-rss": "",
+            "on-app-using-virt": "",
+            "on-app-using-req": "",
+            "on-thread-stack-using": "",
+            "on-alloc-count": "",
+            "watch-dog": False,
+        },
+        "tools": {"nm": False, "nm-max-size": ""},
+    }
+
+
+def _callsite_text(site: StackKey | int | None, stack_ids: Mapping[StackKey, str], version: FormatVersion) -> str:
+    if isinstance(site, StackKey):
+        found = stack_ids.get(site)
+        if found is not None:
+            return found
+    elif isinstance(site, int) and site:
+        return _hex(site)
+    # MALT 1.1 prints a null pointer as glibc's %p does; 1.6's reader writes and parses 0x0.
+    return "0x0" if version == "1.6" else "(nil)"
+
+
+def _timeline_json(
+    series: TimelineSeries,
+    stack_ids: Mapping[StackKey, str],
+    version: FormatVersion,
+    *,
+    with_callsite: bool,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"start": series.start}
+    if version == "1.6":
+        out["fields"] = list(series.fields)
+    out["perPoints"] = series.per_points
+    out["peak"] = list(series.peak) if series.peak else [0] * len(series.fields)
+    out["values"] = [list(v) for v in series.values]
+    if with_callsite or version == "1.6":
+        sites = list(series.callsites) + [None] * (len(series.values) - len(series.callsites))
+        out["callsite"] = [_callsite_text(c, stack_ids, version) for c in sites[: len(series.values)]]
+    return out
+
+
+def _thread_json(thread: MaltThread, version: FormatVersion) -> dict[str, Any]:
+    stats = {}
+    for fn in ALLOC_FUNCTIONS:
+        s = thread.stats.get(fn, ThreadFunctionStats())
+        stats[fn] = {"count": s.count, "sum": s.sum, "time": s.time}
+    # heapscope does not follow thread stacks: the stack-memory block is there, empty, for the readers.
+    timeprofiler: dict[str, Any] = {
+        "min": [],
+        "max": [],
+        "index": [],
+        "location": [],
+        "timestamp": [],
+        "peakTimestamp": 0,
+        "peakMemory": 0,
+        "peakIndex": 0,
+        "linearIndex": True,
+    }
+    if version == "1.6":
+        timeprofiler["peakTimesteamp"] = 0  # the reader's spelling
+    stack_mem = {"size": 0, "stack": [], "mem": [], "total": 0, "timeprofiler": timeprofiler}
+    return {"stackMem": stack_mem, "cntMemOps": thread.mem_ops, "stats": stats}
+
+
+def _global_variable_json(var: GlobalVariable, version: FormatVersion) -> dict[str, Any]:
+    if version == "1.1":
+        return {"name": var.name, "size": var.size, "tls": var.tls}
+    return {
+        "symbol": var.symbol,
+        "name": var.name,
+        "size": var.size,
+        "offset": var.offset,
+        "secOffset": var.section_offset,
+        "tls": var.tls,
+        # Resident size is not measured: the declared size (0 for TLS, as MALT writes for thread-locals).
+        "usedSize": 0 if var.tls else var.size,
+        "binaryFile": var.binary,
+    }
+
+
+def _domains_json(profile: MaltProfile) -> dict[str, Any]:
+    def counters(c: int, mmap: int) -> dict[str, int]:
+        return {"c": c, "pyObj": 0, "pyMem": 0, "pyRaw": 0, "mmap": mmap}
+
+    t = profile.totals
+    at_peak = sum(s.stats.global_peak for s in profile.stacks)
+    return {
+        "counters": counters(t.alloc_count, t.mmap_count),
+        "mem": counters(t.alloc_bytes, t.mmap_bytes),
+        "localPeak": counters(t.peak_bytes, 0),
+        "atGlobalPeak": counters(at_peak, 0),
+    }
+
+
+def profile_to_json(
+    profile: MaltProfile,
+    *,
+    format_version: FormatVersion = "1.1",
+    resolve: SiteResolver | None = None,
+    function_frame: bool = True,
+) -> dict[str, Any]:
+    """The whole profile as MALT's JSON document (a dict, in MALT's key order)."""
+    if format_version not in FORMAT_VERSIONS:
+        raise ValueError(f"format_version must be one of {', '.join(FORMAT_VERSIONS)}, got {format_version!r}")
+    version: FormatVersion = format_version
+    r = profile.run
+    run: dict[str, Any] = {
+        "formatVersion": version,
+        "tool": r.tool,
+        "date": r.date,
+        "runtime": r.runtime,
+        "exe": r.exe,
+        "command": r.command,
+        "hostname": r.hostname,
+        "allocator": r.allocator,
+    }
+    if version == "1.6":
+        run["allocatorWrappers"] = []
+
+    stack_ids: dict[StackKey, str] = {}
+    stats = []
+    for i, s in enumerate(profile.stacks):
+        sid = _hex(s.stack_id if s.stack_id is not None else i + 1)
+        stack_ids.setdefault(s.key, sid)
+        stats.append(
+            {
+                "stack": [_hex(a) for a in _stack_json(profile, s.key, function_frame)],
+                "stackId": sid,
+                "infos": s.stats.to_json(version),
+            }
+        )
+    stacks: dict[str, Any] = {"stats": stats}
+    if version == "1.6":
+        stacks["count"] = len(stats)
+
+    g = profile.globals
+    doc: dict[str, Any] = {
+        "run": run,
+        "config": _config_json(profile.config, version),
+        "stacks": stacks,
+        "sites": build_sites(profile, resolve, version=version, function_frame=function_frame),
+        "timeline": {
+            "memoryTimeline": _timeline_json(profile.memory_timeline, stack_ids, version, with_callsite=True),
+            "systemTimeline": _timeline_json(profile.system_timeline, stack_ids, version, with_callsite=False),
+            "memoryBandwidth": _timeline_json(profile.memory_bandwidth, stack_ids, version, with_callsite=False),
+        },
+        "scatter": {
+            "sizeOverTime": profile.size_over_time.to_json(),
+            "lifetimeOverSize": profile.lifetime_over_size.to_json(),
+        },
+        "threads": [_thread_json(t, version) for t in profile.threads],
+        "memStats": {
+            "sizeMap": {str(size): n for size, n in sorted(profile.size_map.items())},
+            "reallocJump": [
+                {"oldSize": old, "newSize": new, "count": n} for (old, new), n in sorted(profile.realloc_jump.items())
+            ],
+            "globalVariables": {
+                path: [_global_variable_json(v, version) for v in variables]
+                for path, variables in profile.global_variables.items()
+            },
+        },
+        "globals": {
+            "ticksPerSecond": g.ticks_per_second,
+            "totalMemory": g.total_memory,
+            "freeMemoryAtStart": g.free_memory_at_start,
+            "cachedMemoryAtStart": g.cached_memory_at_start,
+            "maxThreadCount": g.max_thread_count,
+        },
+        "leaks": [
+            {
+                "stack": [_hex(a) for a in _stack_json(profile, lk.key, function_frame)],
+                "count": lk.count,
+                "memory": lk.memory,
+            }
+            for lk in profile.leaks
+        ],
+    }
+    if version == "1.6":
+        doc["domains"] = _domains_json(profile)
+    return doc
+
+
+def write_malt(
+    out: TextIO,
+    profile: MaltProfile,
+    *,
+    format_version: FormatVersion = "1.1",
+    resolve: SiteResolver | None = None,
+    function_frame: bool = True,
+    indent: bool = True,
+) -> None:
+    """Write the profile as MALT JSON (`formatVersion` 1.1 by default; 1.6 for MALT's current reader).
+
+    `resolve` names the stacks' addresses that have no frames in the model (see symbolizer_resolver);
+    `function_frame=False` leaves out the allocation function's own frame at the top of each stack."""
+    doc = profile_to_json(profile, format_version=format_version, resolve=resolve, function_frame=function_frame)
+    json.dump(doc, out, indent="\t" if indent else None, separators=None if indent else (",", ":"))
+    out.write("\n")
