@@ -82,10 +82,45 @@ class Counters:
     unwind_no_rule: int = 0
     unwind_bad_read: int = 0
     unwind_depth_cut: int = 0
+    dropped_sizes: int = 0
+    dropped_threads: int = 0
+    zero_allocs: int = 0
 
     @property
     def dropped(self) -> int:
         return self.dropped_blocks + self.dropped_stacks + self.dropped_sites + self.dropped_pending
+
+
+@dataclass(frozen=True)
+class MaltSiteFields:
+    """MALT's statistics of one site (probes/heap.h struct hs_site, HS_MALT fields)."""
+
+    fn: int = 0  # FN_NAMES index
+    tot_bytes: int = 0
+    tot_blocks: int = 0
+    cur_bytes: int = 0
+    cur_blocks: int = 0
+    peak_bytes: int = 0
+    peak_gen: int = 0
+    alloc_min: int = 0
+    alloc_max: int = 0
+    count_zeros: int = 0
+    max_alive: int = 0
+    free_count: int = 0
+    free_min: int = 0
+    free_max: int = 0
+    free_sum: int = 0
+    life_count: int = 0
+    life_min: int = 0
+    life_max: int = 0
+    life_sum: int = 0
+    realloc_count: int = 0
+    realloc_delta: int = 0
+
+
+# enum hs_fn (probes/heap.h), by MALT's function names.
+FN_NAMES = ("malloc", "calloc", "realloc", "memalign", "posix_memalign", "valloc", "pvalloc", "realloc", "free")
+LOG2_BINS = 64  # probes/heap.h HS_LOG2_BINS
 
 
 @dataclass(frozen=True)
@@ -96,6 +131,7 @@ class ProbeSettings:
     unwind: bool = True  # walk stacks with .eh_frame tables; False: frame pointers only
     max_rows: int = 1 << 21  # unwind table rows, all objects together
     free_stacks: bool = False  # charge freed bytes to the stack of the free call (xtree full)
+    malt: bool = False  # keep MALT's statistics too (sizes, lifetimes, threads, scatter)
     heap_admin: int = 8
     alignment: int = 16
     max_depth: int = 40
@@ -166,6 +202,7 @@ class HeapProbes:
             f"-DHS_UNWIND={int(s.unwind)}",
             f"-DHS_MAX_ROWS={s.max_rows}",
             f"-DHS_FREE_STACKS={int(s.free_stacks)}",
+            f"-DHS_MALT={int(s.malt)}",
         ]
         with _captured_stderr() as messages:
             try:
@@ -321,13 +358,7 @@ class HeapProbes:
         for key, v in enumerate(self._array_prefix("sites", min(n_sites + 1, self.settings.max_stacks))):
             if v.tot_blocks == 0 and v.freed_blocks == 0:
                 continue  # an id handed out but unused (another CPU published the same stack first)
-            if key not in self._stacks:
-                ips = []
-                for ip in v.ip:
-                    if not ip:
-                        break
-                    ips.append(int(ip))
-                self._stacks[key] = tuple(ips)
+            self._remember_stack(key, v)
             # Untouched since the last peak: its live values are its values at the peak (lazy copy).
             at_peak = v.peak_gen == peak_gen
             out[key] = SiteCounts(
@@ -342,6 +373,58 @@ class HeapProbes:
                 peak_extra=v.peak_extra if at_peak else v.cur_extra,
             )
         return out
+
+    def malt_sites(self) -> dict[int, MaltSiteFields]:
+        """MALT's per-stack statistics (settings.malt), by site id."""
+        n_sites = self.counters().n_sites
+        out = {}
+        for key, v in enumerate(self._array_prefix("sites", min(n_sites + 1, self.settings.max_stacks))):
+            if v.tot_blocks == 0 and v.free_count == 0:
+                continue
+            self._remember_stack(key, v)
+            out[key] = MaltSiteFields(**{f.name: int(getattr(v, f.name)) for f in fields(MaltSiteFields)})
+        return out
+
+    def size_map(self) -> dict[int, int]:
+        return {_int(k): _int(v) for k, v in self._items("size_map")}
+
+    def realloc_jumps(self) -> dict[tuple[int, int], int]:
+        return {(int(k.old_size), int(k.new_size)): _int(v) for k, v in self._items("realloc_jump")}
+
+    def thread_stats(self) -> dict[tuple[int, int], tuple[int, int, int]]:
+        """(tid, enum hs_fn) -> (count, bytes, ns inside the function)."""
+        out = {}
+        for k, v in self._items("thread_stats"):
+            key = _int(k)
+            out[(key >> 8, key & 0xFF)] = (int(v.count), int(v.bytes), int(v.ns))
+        return out
+
+    def log2_histograms(self) -> tuple[list[int], list[int]]:
+        """Cumulative allocations per log2(size), and frees per (log2 size, log2 lifetime) flattened."""
+        return (
+            [_int(v) for v in self._array_prefix("size_hist", LOG2_BINS)],
+            [_int(v) for v in self._array_prefix("life_hist", LOG2_BINS * LOG2_BINS)],
+        )
+
+    def take_window(self, heap_now: int) -> tuple[int, int]:
+        """The heap's maximum since the last call and the site that set it; starts a new window."""
+        assert self._bpf is not None
+        table = self._bpf["window"]
+        w = table[ctypes.c_int(0)]
+        result = (int(w.max_heap), int(w.site))
+        w.max_heap, w.site = heap_now, 0
+        table[ctypes.c_int(0)] = w
+        return result
+
+    def _remember_stack(self, key: int, site: ctypes.Structure) -> None:
+        """Keep a site's return addresses (written once, at the site's creation) for stacks()."""
+        if key not in self._stacks:
+            ips = []
+            for ip in site.ip:  # type: ignore[attr-defined]
+                if not ip:
+                    break
+                ips.append(int(ip))
+            self._stacks[key] = tuple(ips)
 
     def stacks(self, keys: Iterable[int]) -> dict[int, tuple[int, ...]]:
         """Return addresses behind site keys (innermost first), as read by the last sites() call."""

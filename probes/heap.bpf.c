@@ -29,6 +29,18 @@ BPF_HASH(pending, u32, struct hs_pending, HS_MAX_THREADS);
 BPF_ARRAY(globals, struct hs_global, 1);
 /* control: enum hs_control -> u64, written by user space (kept apart so its writes never race counters) */
 BPF_ARRAY(control, u64, HS_CTL_COUNT);
+/* MALT (HS_MALT): size_map: request size -> count; realloc_jump: struct hs_jump -> count;
+ * thread_stats: tid << 8 | enum hs_fn -> struct hs_thread_stat */
+BPF_HASH(size_map, u64, u64, HS_MAX_SIZES);
+BPF_HASH(realloc_jump, struct hs_jump, u64, HS_MAX_SIZES);
+BPF_HASH(thread_stats, u64, struct hs_thread_stat, HS_MAX_THREADS);
+/* size_hist: log2(size) -> allocations so far; life_hist: log2(size) * 64 + log2(lifetime ns) -> frees so
+ * far. Cumulative: user space takes the difference between two samples, so nothing is ever reset. */
+BPF_ARRAY(size_hist, u64, HS_LOG2_BINS);
+BPF_ARRAY(life_hist, u64, HS_LOG2_BINS * HS_LOG2_BINS);
+/* window: 0 -> struct hs_window (the timeline's maximum since the last sample) */
+BPF_ARRAY(window, struct hs_window, 1);
+
 /* events: enum hs_event, to wake user space at once */
 BPF_PERF_OUTPUT(events);
 /* scratch: 0 -> the site being built from a stack walk (too big for the BPF stack) */
@@ -179,7 +191,7 @@ static __always_inline long walk_step(struct walk *w)
 /* Walk the user stack by frame pointers and make sure its site exists; returns the site key.
  * ip[0] is the caller's return address, read from [rsp]: at a function's entry no frame exists yet, so a
  * walk from %rbp alone would skip the immediate caller. */
-static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *g)
+static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *g, u32 fn)
 {
     u32 zero = 0;
     struct hs_site *st = scratch.lookup(&zero);
@@ -240,6 +252,12 @@ static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *
                 st->ip[i] = 0;
         st->cur_bytes = st->cur_blocks = st->tot_bytes = st->tot_blocks = 0;
         st->freed_bytes = st->freed_blocks = st->peak_bytes = st->cur_extra = st->peak_extra = 0;
+        st->alloc_min = st->alloc_max = st->count_zeros = st->max_alive = 0;
+        st->free_count = st->free_min = st->free_max = st->free_sum = 0;
+        st->life_count = st->life_min = st->life_max = st->life_sum = 0;
+        st->realloc_count = 0;
+        st->realloc_delta = 0;
+        st->fn = fn;
         st->peak_gen = g->peak_gen;
         u32 slot = id;
         sites.update(&slot, st);
@@ -315,9 +333,109 @@ static __always_inline void check_peak(struct hs_global *g, struct hs_site *a, s
     }
 }
 
+/* ---- MALT's statistics (HS_MALT) ------------------------------------------------------------------- */
+
+static __always_inline u64 log2_bin(u64 v)
+{
+    u64 r = 0;
+    if (v >= (1ULL << 32)) { v >>= 32; r += 32; }
+    if (v >= (1ULL << 16)) { v >>= 16; r += 16; }
+    if (v >= (1ULL << 8)) { v >>= 8; r += 8; }
+    if (v >= (1ULL << 4)) { v >>= 4; r += 4; }
+    if (v >= (1ULL << 2)) { v >>= 2; r += 2; }
+    if (v >= (1ULL << 1)) { r += 1; }
+    return r;
+}
+
+static __always_inline void count_in(u64 *slot)
+{
+    if (slot)
+        __sync_fetch_and_add(slot, 1);
+}
+
+/* Min/max are updated without atomics: two threads racing on one stack may keep a slightly wrong
+ * extreme, never a wrong count or sum. */
+static __always_inline void min_max(u64 *mn, u64 *mx, u64 v)
+{
+    if (*mn == 0 || v < *mn)
+        *mn = v;
+    if (v > *mx)
+        *mx = v;
+}
+
+static __always_inline void thread_stat(u32 fn, u64 bytes, u64 ns)
+{
+    u64 key = (bpf_get_current_pid_tgid() << 32 >> 24) | fn; /* tid << 8 | fn */
+    struct hs_thread_stat *t = thread_stats.lookup(&key);
+    if (!t) {
+        struct hs_thread_stat fresh = {};
+        thread_stats.insert(&key, &fresh);
+        t = thread_stats.lookup(&key);
+        if (!t) {
+            struct hs_global *g = get_globals();
+            if (g)
+                __sync_fetch_and_add(&g->dropped_threads, 1);
+            return;
+        }
+    }
+    __sync_fetch_and_add(&t->count, 1);
+    __sync_fetch_and_add(&t->bytes, bytes);
+    __sync_fetch_and_add(&t->ns, ns);
+}
+
+static __always_inline void malt_alloc(struct hs_global *g, struct hs_site *s, u64 site, u64 size)
+{
+    if (size == 0) {
+        __sync_fetch_and_add(&g->zero_allocs, 1);
+        if (s)
+            __sync_fetch_and_add(&s->count_zeros, 1);
+    } else if (s) {
+        min_max(&s->alloc_min, &s->alloc_max, size);
+    }
+    if (s && s->cur_bytes > s->max_alive)
+        s->max_alive = s->cur_bytes;
+    u64 *n = size_map.lookup(&size);
+    if (n) {
+        __sync_fetch_and_add(n, 1);
+    } else {
+        u64 one = 1;
+        if (size_map.insert(&size, &one) == -17 /* EEXIST: another CPU inserted it */)
+            count_in(size_map.lookup(&size));
+        else if (!size_map.lookup(&size))
+            __sync_fetch_and_add(&g->dropped_sizes, 1);
+    }
+    u32 bin = log2_bin(size);
+    count_in(size_hist.lookup(&bin));
+    u32 zero = 0;
+    struct hs_window *w = window.lookup(&zero);
+    if (w && g->heap > w->max_heap) {
+        w->max_heap = g->heap;
+        w->site = site;
+    }
+}
+
+static __always_inline void malt_free(struct hs_site *alloc_site, struct hs_site *free_site, u64 size, u64 alloc_ns)
+{
+    if (free_site) {
+        __sync_fetch_and_add(&free_site->free_count, 1);
+        __sync_fetch_and_add(&free_site->free_sum, size);
+        min_max(&free_site->free_min, &free_site->free_max, size);
+    }
+    u64 life = bpf_ktime_get_ns() - alloc_ns;
+    if (alloc_site && life) {
+        __sync_fetch_and_add(&alloc_site->life_count, 1);
+        __sync_fetch_and_add(&alloc_site->life_sum, life);
+        min_max(&alloc_site->life_min, &alloc_site->life_max, life);
+    }
+    u32 bin = log2_bin(size) * HS_LOG2_BINS + log2_bin(life);
+    count_in(life_hist.lookup(&bin));
+}
+
 static __always_inline void record_alloc(struct hs_global *g, u64 addr, u64 size, u64 stack)
 {
     struct hs_block blk = {.size = size, .slop = massif_slop(size), .stack = stack};
+    if (HS_MALT)
+        blk.alloc_ns = bpf_ktime_get_ns();
     if (blocks.update(&addr, &blk)) {
         __sync_fetch_and_add(&g->dropped_blocks, 1);
         return;
@@ -339,6 +457,8 @@ static __always_inline void record_alloc(struct hs_global *g, u64 addr, u64 size
     __sync_fetch_and_add(&g->alloc_bytes, size);
     advance_time(g, size + extra);
     check_peak(g, s, 0);
+    if (HS_MALT)
+        malt_alloc(g, s, stack, size);
 }
 
 /* Charge freed bytes to a site: the allocating one, or with HS_FREE_STACKS the freeing call's. */
@@ -353,8 +473,8 @@ static __always_inline void charge_freed(struct hs_global *g, struct hs_site *al
     }
 }
 
-/* Forget a block; returns 0 when it was not tracked. */
-static __always_inline int record_free(struct hs_global *g, u64 addr, u64 free_stack)
+/* Forget a block; returns its size (0 when it was not tracked). */
+static __always_inline u64 record_free(struct hs_global *g, u64 addr, u64 free_stack)
 {
     struct hs_block *bp = blocks.lookup(&addr);
     if (!bp) {
@@ -372,13 +492,15 @@ static __always_inline int record_free(struct hs_global *g, u64 addr, u64 free_s
         __sync_fetch_and_add(&s->cur_blocks, -1);
     }
     charge_freed(g, s, free_stack, blk.size);
+    if (HS_MALT)
+        malt_free(s, free_stack ? get_site(free_stack, g) : 0, blk.size, blk.alloc_ns);
     __sync_fetch_and_add(&g->heap, -blk.size);
     __sync_fetch_and_add(&g->extra, -extra);
     __sync_fetch_and_add(&g->blocks, -1);
     __sync_fetch_and_add(&g->n_frees, 1);
     __sync_fetch_and_add(&g->freed_bytes, blk.size);
     advance_time(g, blk.size + extra);
-    return 1;
+    return blk.size;
 }
 
 /* realloc of a tracked block, as Massif 3.19 counts it: the block stays in place (and its slop grows) when
@@ -394,6 +516,8 @@ static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 add
     }
     struct hs_block ob = *bp;
     struct hs_block nb = {.size = size, .stack = stack};
+    if (HS_MALT)
+        nb.alloc_ns = bpf_ktime_get_ns();
     nb.slop = size <= ob.size + ob.slop ? ob.slop + ob.size - size : massif_slop(size);
     if (addr != old)
         blocks.delete(&old);
@@ -427,6 +551,26 @@ static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 add
     advance_time(g, dheap + dextra);
     if (dheap + dextra > 0)
         check_peak(g, ns, os);
+    if (HS_MALT) {
+        /* MALT: the old block's life ends here; the new one is an allocation of realloc's stack. */
+        malt_free(os, 0, ob.size, ob.alloc_ns);
+        malt_alloc(g, ns, stack, size);
+        if (ns) {
+            __sync_fetch_and_add(&ns->realloc_count, 1);
+            __sync_fetch_and_add(&ns->realloc_delta, dheap);
+        }
+        struct hs_jump jump = {.old_size = ob.size, .new_size = size};
+        u64 *n = realloc_jump.lookup(&jump);
+        if (n) {
+            __sync_fetch_and_add(n, 1);
+        } else {
+            u64 one = 1;
+            if (realloc_jump.insert(&jump, &one) == -17)
+                count_in(realloc_jump.lookup(&jump));
+            else if (!realloc_jump.lookup(&jump))
+                __sync_fetch_and_add(&g->dropped_sizes, 1);
+        }
+    }
 }
 
 /* ---- the pending call of each thread ------------------------------------------------------------- */
@@ -454,6 +598,7 @@ static __always_inline void store_pending(u32 tid, struct hs_pending *call, stru
         p->arg2 = call->arg2;
         p->stack = call->stack;
         p->sp = call->sp;
+        p->entry_ns = call->entry_ns;
         p->fn = call->fn;
         p->nested = 0;
         return;
@@ -506,7 +651,9 @@ static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
         .sp = sp,
         .fn = fn,
     };
-    call.stack = capture_stack(ctx, g);
+    call.stack = capture_stack(ctx, g, fn);
+    if (HS_MALT)
+        call.entry_ns = bpf_ktime_get_ns();
     store_pending(tid, &call, g);
     return 0;
 }
@@ -536,7 +683,10 @@ int free_enter(struct pt_regs *ctx)
         __sync_fetch_and_add(&g->nested_calls, 1);
         return 0;
     }
-    record_free(g, addr, HS_FREE_STACKS ? capture_stack(ctx, g) : 0);
+    u64 free_site = (HS_FREE_STACKS || HS_MALT) ? capture_stack(ctx, g, HS_FREE) : 0;
+    u64 size = record_free(g, addr, free_site);
+    if (HS_MALT)
+        thread_stat(HS_FREE, size, 0);
     return 0;
 }
 
@@ -565,6 +715,10 @@ int alloc_return(struct pt_regs *ctx)
 
     u64 ret = PT_REGS_RC(ctx);
     u64 size = call.arg0;
+    if (HS_MALT)
+        thread_stat(call.fn, call.fn == HS_CALLOC ? call.arg0 * call.arg1 : call.fn == HS_MEMALIGN ||
+                    call.fn == HS_REALLOC ? call.arg1 : call.fn == HS_POSIX_MEMALIGN ? call.arg2 : call.arg0,
+                    bpf_ktime_get_ns() - call.entry_ns);
     switch (call.fn) {
     case HS_CALLOC:
         size = call.arg0 * call.arg1;

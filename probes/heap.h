@@ -36,6 +36,14 @@
                                   * and at exit(), until user space has read its mappings and loaded their
                                   * unwind tables; 0 (attach): only tell user space, never stop the target */
 #endif
+#ifndef HS_MALT
+#define HS_MALT 0                /* 1: also keep MALT's statistics (implies free stacks) */
+#endif
+#ifndef HS_MAX_SIZES
+#define HS_MAX_SIZES 65536       /* distinct request sizes in MALT's sizeMap */
+#endif
+#define HS_LOG2_BINS 64          /* log2 bins of the scatter histograms */
+
 #ifndef HS_ARM_ON_EXEC
 #define HS_ARM_ON_EXEC 0         /* 1: `run` arms at the target's first exec; 0: `attach` is armed at load */
 #endif
@@ -58,7 +66,8 @@ enum hs_fn {
     HS_VALLOC = 5,        /* size = arg0 */
     HS_PVALLOC = 6,       /* size = arg0 rounded up to a page */
     HS_REALLOCARRAY = 7,  /* old = arg0, size = arg1 * arg2 */
-    HS_FN_COUNT = 8,
+    HS_FREE = 8,          /* the site of a free call (MALT's free statistics) */
+    HS_FN_COUNT = 9,
 };
 
 
@@ -67,6 +76,7 @@ struct hs_block {
     __u64 size;   /* requested bytes */
     __u64 slop;   /* Massif's rounding slop; extra = slop + HS_HEAP_ADMIN */
     __u64 stack;  /* site id: index into sites */
+    __u64 alloc_ns; /* when it was allocated (HS_MALT: lifetimes) */
 };
 
 /* One allocation stack: its counters and its return addresses (innermost first, zero-terminated when
@@ -82,7 +92,43 @@ struct hs_site {
     __u64 peak_gen;
     __u64 cur_extra;   /* Massif's extra bytes of the live blocks (--ignore-fn takes them off the total) */
     __u64 peak_extra;  /* cur_extra at the global peak numbered peak_gen */
+    /* MALT's statistics (HS_MALT): sizes exclude zero-size requests, which only count in count_zeros. */
+    __u64 fn;          /* enum hs_fn of the call that created the site */
+    __u64 alloc_min;
+    __u64 alloc_max;
+    __u64 count_zeros;
+    __u64 max_alive;   /* highest cur_bytes ever */
+    __u64 free_count;  /* frees made from this stack */
+    __u64 free_min;
+    __u64 free_max;
+    __u64 free_sum;
+    __u64 life_count;  /* lifetimes (ns) of this stack's blocks, counted at their free; 0 is not counted */
+    __u64 life_min;
+    __u64 life_max;
+    __u64 life_sum;
+    __u64 realloc_count;
+    __s64 realloc_delta; /* sum of new size - old size over this stack's reallocs */
     __u64 ip[HS_MAX_DEPTH];
+};
+
+/* MALT: one thread's use of one allocation function, keyed by tid << 8 | enum hs_fn. */
+struct hs_thread_stat {
+    __u64 count;
+    __u64 bytes;
+    __u64 ns;     /* time inside the function, entry to return (free: not measured, it has no return probe) */
+};
+
+/* MALT's reallocJump key. */
+struct hs_jump {
+    __u64 old_size;
+    __u64 new_size;
+};
+
+/* MALT's memory timeline: the heap's highest point since user space last looked, and the site that set it.
+ * User space resets it to the current heap at each sample. */
+struct hs_window {
+    __u64 max_heap;
+    __u64 site;
 };
 
 /* The last stack stored from a CPU: a hot loop allocating from one stack skips the stack_ids lookup. */
@@ -98,6 +144,7 @@ struct hs_pending {
     __u64 arg2;
     __u64 stack;  /* site id of the call's stack */
     __u64 sp;     /* stack pointer at entry: a nested call runs below it */
+    __u64 entry_ns; /* HS_MALT: time inside the allocator */
     __u64 tid;    /* owner of a slot; 0 when the slot is free (64 bits: BPF's cmpxchg wants them) */
     __u32 fn;     /* enum hs_fn */
     __u32 nested; /* allocation calls made from inside this one (realloc -> malloc): not counted twice */
@@ -178,6 +225,9 @@ struct hs_global {
     __u64 unwind_no_rule;    /* a table covers the code but has no rule there (falls back to frame pointers) */
     __u64 unwind_bad_read;   /* a stack read failed: the stack ends there */
     __u64 unwind_depth_cut;  /* stacks cut at HS_MAX_DEPTH */
+    __u64 dropped_sizes;     /* MALT sizeMap or reallocJump full: those entries not counted */
+    __u64 dropped_threads;   /* MALT per-thread table full */
+    __u64 zero_allocs;       /* zero-size requests (MALT's countZeros, all stacks) */
 };
 
 #endif

@@ -1,0 +1,209 @@
+"""MALT profile recording: samples the timelines while the target runs, and builds the profile from the
+kernel's statistics (agent.bpf, HS_MALT) when it is asked for.
+
+The kernel keeps everything exact that is per call (per-stack counts, sizes, lifetimes, sizeMap,
+reallocJump, per-thread counts and time, log2 histograms); only the timelines are sampled, at the session's
+sampling interval, and binned the way MALT bins them (agent.malt.TimelineBinner).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import psutil
+
+from agent.bpf import FN_NAMES, LOG2_BINS, Counters, HeapProbes
+from agent.discovery import ProbePoint
+from agent.globalvars import global_variables
+from agent.malt import (
+    BANDWIDTH_FIELDS,
+    MEMORY_FIELDS,
+    SYSTEM_FIELDS,
+    CountMinMaxSum,
+    MaltConfig,
+    MaltGlobals,
+    MaltLeak,
+    MaltProfile,
+    MaltRun,
+    MaltStack,
+    MaltStackStats,
+    MaltThread,
+    MaltTotals,
+    ScatterChart,
+    StackKey,
+    ThreadFunctionStats,
+    TimelineBinner,
+)
+
+if TYPE_CHECKING:
+    from agent.profiler import Session
+
+TICKS_PER_SECOND = 1_000_000_000  # the kernel's clock: nanoseconds
+
+
+class MaltRecorder:
+    def __init__(self, probes: HeapProbes, pid: int, points: int = 512) -> None:
+        self.probes = probes
+        self.pid = pid
+        self.points = points
+        self.start_ns = time.monotonic_ns()
+        self.memory = TimelineBinner(MEMORY_FIELDS, points=points, start=0)
+        self.system = TimelineBinner(SYSTEM_FIELDS, points=points, start=0)
+        self.bandwidth = TimelineBinner(BANDWIDTH_FIELDS, points=points, bandwidth=True, start=0)
+        self.size_over_time = ScatterChart.size_over_time()
+        self._prev: Counters | None = None
+        self._prev_sizes = [0] * LOG2_BINS
+        self._last_mem = (0, 0)
+        vm = psutil.virtual_memory()
+        self.total_memory = vm.total
+        self.free_at_start = vm.free
+        self.cached_at_start = getattr(vm, "cached", 0)
+        try:
+            self._proc: psutil.Process | None = psutil.Process(pid)
+        except psutil.Error:
+            self._proc = None
+        self._me = psutil.Process()
+
+    def sample(self, c: Counters) -> None:
+        """One point of the memory, system and bandwidth timelines, and the sizes allocated since the last."""
+        t = time.monotonic_ns() - self.start_ns
+        window_max, window_site = self.probes.take_window(c.heap)
+        if self._proc is not None:
+            try:
+                info = self._proc.memory_info()
+                self._last_mem = (info.rss, info.vms)
+            except psutil.Error:
+                self._proc = None  # exited: the last reading stands
+        rss, vms = self._last_mem
+        internal = self._me.memory_info().rss
+        self.memory.push(t, (max(window_max, c.heap), rss, vms, internal, c.blocks), callsite=window_site or None)
+        vm, swap = psutil.virtual_memory(), psutil.swap_memory()
+        self.system.push(t, (vm.free, getattr(vm, "cached", 0), swap.used))
+        prev = self._prev
+        if prev is not None:
+            self.bandwidth.push(
+                t,
+                (
+                    c.alloc_bytes - prev.alloc_bytes,
+                    (c.n_allocs + c.n_reallocs) - (prev.n_allocs + prev.n_reallocs),
+                    c.freed_bytes - prev.freed_bytes,
+                    c.n_frees - prev.n_frees,
+                ),
+            )
+        self._prev = c
+        sizes, _ = self.probes.log2_histograms()
+        for b, (now, before) in enumerate(zip(sizes, self._prev_sizes, strict=True)):
+            if now > before:
+                self.size_over_time.add_log2_bins(t, b, now - before)
+        self._prev_sizes = sizes
+
+    def build(self, session: Session, c: Counters, probe_points: Sequence[ProbePoint], allocator: str) -> MaltProfile:
+        probes = self.probes
+        sites = probes.malt_sites()
+        raw = probes.stacks(list(sites))
+        session.symbolize_new(list(sites))
+        keys: dict[int, StackKey] = {}
+        stacks = []
+        leaks = []
+        for site_id, f in sorted(sites.items()):
+            key = StackKey(raw.get(site_id, ()), FN_NAMES[f.fn] if f.fn < len(FN_NAMES) else "malloc")
+            keys[site_id] = key
+            n_sized = f.tot_blocks - f.count_zeros
+            stats = MaltStackStats(
+                alloc=CountMinMaxSum(n_sized, f.alloc_min, f.alloc_max, f.tot_bytes) if n_sized else CountMinMaxSum(),
+                free=CountMinMaxSum(f.free_count, f.free_min, f.free_max, f.free_sum),
+                lifetime=CountMinMaxSum(f.life_count, f.life_min, f.life_max, f.life_sum),
+                count_zeros=f.count_zeros,
+                max_alive_req=max(f.max_alive, f.cur_bytes),
+                alive_req=f.cur_bytes,
+                global_peak=f.peak_bytes if f.peak_gen == c.peak_gen else f.cur_bytes,
+                realloc_count=f.realloc_count,
+                realloc_sum_delta=f.realloc_delta,
+            )
+            stacks.append(MaltStack(key, stats, tuple(session.frames_of(site_id)), stack_id=site_id))
+            if f.cur_blocks:
+                leaks.append(MaltLeak(key, f.cur_blocks, f.cur_bytes))
+        leaks.sort(key=lambda lk: (-lk.memory, -lk.count))
+
+        threads: dict[int, MaltThread] = {}
+        for (tid, fn), (count, nbytes, ns) in sorted(probes.thread_stats().items()):
+            name = FN_NAMES[fn] if fn < len(FN_NAMES) else "malloc"
+            thread = threads.setdefault(tid, MaltThread(tid))
+            acc = thread.stats.setdefault(name, ThreadFunctionStats())
+            acc.count += count
+            acc.sum += 0 if name == "free" else nbytes
+            acc.time += ns
+
+        _, life = probes.log2_histograms()
+        lifetime_over_size = ScatterChart.lifetime_over_size()
+        for i, n in enumerate(life):
+            if n:
+                lifetime_over_size.add_log2_bins(i // LOG2_BINS, i % LOG2_BINS, n)
+
+        memory = self.memory.series()
+        # The kernel names the site that set each interval's maximum by id; MALT by its stack.
+        memory.callsites = [keys.get(cs, cs) if isinstance(cs, int) else cs for cs in memory.callsites]
+        mappings = session.maps.mappings
+        objects = sorted({m.path for m in mappings if os.path.isfile(m.path)})
+        runtime = time.monotonic_ns() - self.start_ns
+        return MaltProfile(
+            run=MaltRun(
+                exe=_exe_of(session),
+                command=session.info.cmd,
+                hostname=socket.gethostname(),
+                allocator=allocator,
+                date=time.strftime("%Y-%m-%d %H:%M"),
+                runtime=runtime,
+            ),
+            globals=MaltGlobals(
+                ticks_per_second=TICKS_PER_SECOND,
+                total_memory=self.total_memory,
+                free_memory_at_start=self.free_at_start,
+                cached_memory_at_start=self.cached_at_start,
+                max_thread_count=len(threads),
+            ),
+            totals=MaltTotals(
+                alloc_count=c.n_allocs + c.n_reallocs,
+                alloc_bytes=c.alloc_bytes,
+                free_count=c.n_frees,
+                free_bytes=c.freed_bytes,
+                peak_bytes=c.peak_heap,
+            ),
+            config=MaltConfig(points=self.points),
+            stacks=stacks,
+            function_addresses=_function_addresses(probe_points, mappings),
+            mappings=mappings,
+            size_map=probes.size_map(),
+            realloc_jump=probes.realloc_jumps(),
+            global_variables=global_variables(objects),
+            threads=list(threads.values()),
+            memory_timeline=memory,
+            system_timeline=self.system.series(),
+            memory_bandwidth=self.bandwidth.series(),
+            size_over_time=self.size_over_time,
+            lifetime_over_size=lifetime_over_size,
+            leaks=leaks,
+        )
+
+
+def _exe_of(session: Session) -> str:
+    cmd = session.info.cmd.split()
+    return cmd[0] if cmd else ""
+
+
+def _function_addresses(points: Sequence[ProbePoint], mappings: Sequence) -> dict[str, int]:  # type: ignore[type-arg]
+    """Where each allocation function sits in the target: the leaf frame of MALT's stacks."""
+    out: dict[str, int] = {}
+    for p in points:
+        for m in mappings:
+            if os.path.realpath(m.path) == os.path.realpath(p.path) and m.offset <= p.file_offset < m.offset + (
+                m.end - m.start
+            ):
+                name = {"cfree": "free"}.get(p.symbol, p.symbol)
+                out.setdefault(name, m.start + p.file_offset - p.placement.offset - m.offset)
+                break
+    return out
