@@ -153,12 +153,13 @@ def run_native(binary: Path, args: list[str], env: dict[str, str], scratch: Path
     return Measurement(wall, read_loop_time(scratch / "loop_time"))
 
 
-def _heapscope(unwind: str) -> ToolFn:
+def _heapscope(unwind: str, malt: bool = False) -> ToolFn:
     def run(binary: Path, args: list[str], env: dict[str, str], scratch: Path) -> Measurement:
         out = scratch / "massif.out.heapscope"
+        extra = [f"--malt-out-file={scratch / 'malt.json'}"] if malt else []
         cmd = [
             str(HEAPSCOPE), "run", "-q", "--time-unit=B", f"--unwind={unwind}", f"--massif-out-file={out}",
-            "--", str(binary), *args,
+            *extra, "--", str(binary), *args,
         ]  # fmt: skip
         wall = timed_command(cmd, env, scratch)
         require_output(scratch, out.name, "heapscope")
@@ -279,6 +280,7 @@ TOOLS: list[Tool] = [
     Tool("native", run_native, "no profiler"),
     Tool("heapscope", _heapscope("cfi"), "heapscope run --time-unit=B: .eh_frame walk (wall: + compile, attach)"),
     Tool("heapscope-fp", _heapscope("fp"), "heapscope run --unwind=fp: frame-pointer walk"),
+    Tool("heapscope-malt", _heapscope("cfi", malt=True), "heapscope run --malt-out-file: + MALT's statistics"),
     Tool("massif", run_massif, "valgrind --tool=massif --time-unit=B"),
     Tool("heaptrack", run_heaptrack, "heaptrack (LD_PRELOAD)"),
     Tool("memleak", run_memleak, "memleak-bpfcc -p PID (wall from release; attach not counted)"),
