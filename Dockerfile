@@ -1,7 +1,12 @@
 # heapscope daemon image: Debian 12, the same Debian packages as `make setup`, heapscope in a venv.
 #
 #   docker build -t heapscope .
-#   docker run --rm --privileged --pid=host heapscope attach PID
+#   docker run -d --privileged --pid=host -p 127.0.0.1:7411:7411 -e HEAPSCOPE_TOKEN=... heapscope   # the daemon
+#   docker run --rm --privileged --pid=host heapscope attach PID                                    # one profile
+#
+# Without arguments it runs `heapscope serve` on 0.0.0.0:7411: reachable from outside the container, so the
+# daemon refuses to start without a token (HEAPSCOPE_TOKEN). Files go to /var/lib/heapscope (a volume).
+# Kubernetes: deploy/kubernetes/heapscope.yaml.
 #
 # At run time it needs the host's PID namespace (--pid=host) to see the target, and BPF + uprobes:
 # --privileged, or at least --cap-add=BPF --cap-add=PERFMON --cap-add=SYS_ADMIN --cap-add=SYS_PTRACE
@@ -32,5 +37,11 @@ RUN PYTHON=/usr/bin/python3 VENV=/opt/heapscope/venv HEAPSCOPE_EDITABLE=0 bash s
     && rm -rf build ./*.egg-info
 
 ENV PATH=/opt/heapscope/venv/bin:$PATH
+RUN mkdir -p /var/lib/heapscope
+VOLUME ["/var/lib/heapscope"]
+EXPOSE 7411
+# /healthz needs no token.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=20s \
+    CMD ["/opt/heapscope/venv/bin/python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:7411/healthz', timeout=4)"]
 ENTRYPOINT ["/opt/heapscope/scripts/docker-entrypoint.sh"]
-CMD ["--help"]
+CMD ["serve", "--http", "0.0.0.0:7411", "--output-dir", "/var/lib/heapscope"]

@@ -7,7 +7,7 @@ HEAPSCOPE := $(VENV)/bin/heapscope
 CC        := gcc
 OUT       := out
 
-.PHONY: setup demo test lint bench bench-quick clean
+.PHONY: setup demo test lint bench bench-quick bench-latency clean
 
 setup:
 	bash scripts/setup.sh
@@ -17,9 +17,17 @@ demo/build/phases: demo/phases.c | setup
 	mkdir -p demo/build
 	$(CC) -g -O1 -fno-omit-frame-pointer -o $@ $<
 
+# The daemon, attached to the demo workload from its first instruction: it prints the curl lines to try while
+# the workload runs (DEMO_SECONDS), then ms_print's report of the whole run.
+DEMO_SECONDS ?= 60
+DEMO_HTTP    ?= 127.0.0.1:7411
+
 demo: setup demo/build/phases
 	mkdir -p $(OUT)
-	$(HEAPSCOPE) run --time-unit=ms --massif-out-file=$(OUT)/massif.out.phases -- demo/build/phases
+	@echo "make demo: heapscope serves the profile of demo/build/phases on http://$(DEMO_HTTP) for $(DEMO_SECONDS) s;"
+	@echo "make demo: run the curl lines below in another terminal (Ctrl-C ends early, writing the profile)."
+	$(HEAPSCOPE) run --http $(DEMO_HTTP) --output-dir $(OUT) --time-unit=ms --massif-out-file=massif.out.phases \
+		-- demo/build/phases $(DEMO_SECONDS)
 	ms_print $(OUT)/massif.out.phases
 
 lint: setup
@@ -40,6 +48,9 @@ bench: setup
 
 bench-quick: setup
 	$(PY) bench/run.py --quick
+
+bench-latency: setup
+	$(PY) bench/latency.py
 
 clean:
 	rm -rf $(OUT) demo/build bench/build

@@ -2,6 +2,8 @@
 
     heapscope run [options] -- PROG [ARGS]    launch PROG held until the probes are attached
     heapscope attach PID [options]            profile a running process until Ctrl-C, SIGTERM or its exit
+    heapscope serve [--pid PID]... [options]  the daemon: targets, monitor commands and metrics over HTTP
+    (run and attach take --http HOST:PORT to serve their one profile over HTTP while it runs)
 
 Every error the user can act on is a HeapscopeError: main() prints it as one line and exits with its code.
 """
@@ -23,7 +25,7 @@ import psutil
 
 from agent import __version__
 from agent.capability import check_environment
-from agent.discovery import Allocator, allocator_of_process, allocator_of_program, read_process
+from agent.discovery import Allocator, ProbePoint, allocator_of_process, allocator_of_program, read_process
 from agent.errors import EnvironmentProblem, HeapscopeError, TargetError, UsageError
 from agent.launch import HeldChild
 from agent.options import MassifOptions
@@ -104,6 +106,19 @@ def _add_profile_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Massif options (Valgrind's names, defaults and meanings)")
     for name, kwargs in _MASSIF_OPTIONS:
         g.add_argument(name, **kwargs)
+    m = p.add_argument_group("MALT profile (per-stack statistics, lifetimes, timelines, leaks)")
+    m.add_argument(
+        "--malt-out-file",
+        default=None,
+        metavar="FILE",
+        help="write a MALT JSON profile there at the end (%%p: the PID); off by default",
+    )
+    m.add_argument(
+        "--malt-format",
+        choices=("1.1", "1.6"),
+        default="1.1",
+        help="1.1 (the documented format, default) or 1.6 (what current MALT's reader requires)",
+    )
     h = p.add_argument_group("heapscope options")
     h.add_argument(
         "--sample-interval",
@@ -127,7 +142,7 @@ def _add_profile_options(p: argparse.ArgumentParser) -> None:
     h.add_argument(
         "--unwind",
         choices=("cfi", "fp"),
-        default="fp",
+        default="cfi",
         help="walk stacks with .eh_frame tables (cfi, default) or frame pointers only (fp)",
     )
     h.add_argument("-q", "--quiet", action="store_true", help="print errors only")
@@ -146,7 +161,45 @@ def build_parser() -> argparse.ArgumentParser:
     attach = sub.add_parser("attach", help="profile a running process until Ctrl-C, SIGTERM or its exit")
     attach.add_argument("pid", type=_int_at_least(1), help="the process to profile")
     _add_profile_options(attach)
+    _add_http_options(run, serve=False)
+    _add_http_options(attach, serve=False)
+    serve = sub.add_parser(
+        "serve",
+        help="the daemon: profile processes attached over HTTP (POST /targets) or with --pid, until SIGTERM",
+    )
+    serve.add_argument(
+        "--pid", type=_int_at_least(1), action="append", default=[], dest="pids", help="attach to PID at start"
+    )
+    _add_profile_options(serve)
+    _add_http_options(serve, serve=True)
     return parser
+
+
+def _add_http_options(p: argparse.ArgumentParser, serve: bool) -> None:
+    """The daemon's HTTP options. Left unset, they come from HEAPSCOPE_* variables (api.settings)."""
+    g = p.add_argument_group("HTTP daemon (Massif's monitor commands, targets and Prometheus metrics over HTTP)")
+    g.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        default=None,
+        help="listen there (default 127.0.0.1:7411)" if serve else "serve the profile over HTTP while it runs",
+    )
+    g.add_argument(
+        "--token",
+        default=None,
+        help="bearer token every endpoint but /healthz requires; needed to listen beyond loopback "
+        "(or HEAPSCOPE_TOKEN, which keeps it out of the process list)",
+    )
+    g.add_argument(
+        "--output-dir", default=None, metavar="DIR", help="where files are written (default: the current directory)"
+    )
+    g.add_argument(
+        "--metrics-top-stacks",
+        type=_int_at_least(0),
+        default=None,
+        metavar="N",
+        help="per-target allocation sites in /metrics, the rest summed into one series (default 10)",
+    )
 
 
 def _split_program(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -167,6 +220,12 @@ def _takes_value(arg: str) -> bool:
         "--max-blocks",
         "--max-stacks",
         "--unwind",
+        "--malt-out-file",
+        "--malt-format",
+        "--http",
+        "--token",
+        "--output-dir",
+        "--metrics-top-stacks",
     )
 
 
@@ -271,6 +330,7 @@ def _settings(ctx: _Ctx, pid: int, run: bool):  # type: ignore[no-untyped-def]
         stop_events=run,
         unwind=ctx.ns.unwind == "cfi",
         free_stacks=ctx.opts.xtree_memory == "full",
+        malt=bool(ctx.ns.malt_out_file),
         heap_admin=ctx.opts.heap_admin,
         alignment=ctx.opts.alignment,
         max_depth=min(ctx.opts.depth + 12, 128),
@@ -307,6 +367,10 @@ def _profile(
         session = Session(
             ctx.opts, probes, SessionInfo(pid, cmd, ctx.desc, allocator.family), tables=tables, exec_limit=int(run)
         )
+        if ctx.ns.malt_out_file:
+            from agent.maltrec import MaltRecorder
+
+            session.recorder = MaltRecorder(probes, pid)
         ctx.say(f"probes attached to {pid}")
         started()
         session.run(alive, stop, ctx.ns.sample_interval)
@@ -315,7 +379,26 @@ def _profile(
             ctx.say(f"process {pid} exec'ed another program: the profile ends there")
         session.finish()
         _write_outputs(ctx, session, pid)
+        if session.recorder is not None:
+            _write_malt(ctx, session, points, allocator.path, pid)
     return session
+
+
+def _write_malt(ctx: _Ctx, session: Session, points: Sequence[ProbePoint], allocator: str, pid: int) -> None:
+    from agent.malt import check_consistency, symbolizer_resolver, write_malt
+
+    assert session.recorder is not None and session.end_counters is not None
+    profile = session.recorder.build(session, session.end_counters, points, allocator)
+    path = expand_filename(ctx.ns.malt_out_file, pid)
+    try:
+        with open(path, "w") as out:
+            resolve = symbolizer_resolver(session.symbolizer, session.maps.mappings)
+            write_malt(out, profile, format_version=ctx.ns.malt_format, resolve=resolve)
+    except OSError as exc:
+        raise HeapscopeError(f"cannot write the MALT profile: {exc}") from exc
+    ctx.say(f"wrote {path}")
+    for problem in check_consistency(profile):
+        ctx.say(f"MALT profile inconsistent (concurrent updates in the kernel?): {problem}")
 
 
 def _write_outputs(ctx: _Ctx, session: Session, pid: int) -> None:
@@ -409,6 +492,105 @@ def cmd_attach(ctx: _Ctx) -> int:
     return 0
 
 
+# ---- the daemon: serve, and run/attach --http ----------------------------------------------------------
+
+
+def _api_settings(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pydantic import ValidationError
+
+    from api.server import parse_listen
+    from api.settings import ApiSettings, check_exposure
+
+    given: dict[str, object] = {}
+    if ns.http is not None:
+        given["host"], given["port"] = parse_listen(ns.http)
+    if ns.token is not None:
+        given["token"] = ns.token
+    if ns.output_dir is not None:
+        given["output_dir"] = ns.output_dir
+    if ns.metrics_top_stacks is not None:
+        given["metrics_top_stacks"] = ns.metrics_top_stacks
+    try:
+        settings = ApiSettings(**given)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise UsageError(f"bad setting {'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+    check_exposure(settings)
+    return settings
+
+
+def _try_lines(host: str, port: int, token: bool, pid: int | None) -> list[str]:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    base = f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+    auth = ' -H "Authorization: Bearer $HEAPSCOPE_TOKEN"' if token else ""
+    q = f"?pid={pid}" if pid is not None else ""
+    return [
+        f"  curl -s{auth} {base}/targets",
+        f"  curl -s{auth} {base}/snapshot{q}",
+        f"  curl -s{auth} '{base}/detailed_snapshot{q}' -o ds.out && ms_print ds.out",
+        f"  curl -s{auth} '{base}/all_snapshots{q}' -o massif.out && ms_print massif.out",
+        f"  curl -s{auth} '{base}/xtmemory{q}' -o xt.kcg && callgrind_annotate --inclusive=yes xt.kcg",
+        f"  curl -s{auth} '{base}/detailed_snapshot{q}{'&' if q else '?'}format=json'",
+        f"  curl -s{auth} {base}/monitor -H 'Content-Type: application/json' -d '{{\"command\": \"help\"}}'",
+        f"  curl -s{auth} {base}/metrics",
+    ]
+
+
+def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | None = None) -> int:
+    """`serve` (until SIGTERM), or `run`/`attach` with --http (until the target ends, as without --http)."""
+    from agent.daemon import DaemonConfig, TargetManager
+    from api.app import create_app
+    from api.server import bind, serve
+
+    settings = _api_settings(ctx.ns)
+    _require_environment()
+    sock = bind(settings.host, settings.port)  # first: a bad address fails before anything is attached
+    host, port = sock.getsockname()[:2]
+    config = DaemonConfig(
+        opts=ctx.opts,
+        desc=ctx.desc,
+        output_dir=settings.output_dir,
+        expand=expand_filename,
+        sample_interval=ctx.ns.sample_interval,
+        unwind=ctx.ns.unwind,
+        max_blocks=ctx.ns.max_blocks,
+        max_stacks=ctx.ns.max_stacks,
+        say=ctx.say,
+    )
+    manager = TargetManager(config)
+    app = create_app(settings, manager)
+    until = None
+    child = None
+    try:
+        manager.start()
+        if program is not None:
+            target, child = manager.launch(program)
+            until = target.done
+        for pid in pids:
+            target = manager.attach(pid)
+            if ctx.ns.command == "attach":
+                until = target.done
+    except BaseException:
+        sock.close()
+        manager.shutdown()
+        raise
+    shown_pid = child.pid if child is not None else (pids[0] if len(pids) == 1 else None)
+    ctx.say(f"serving http://{host}:{port}" + ("" if until is None else " while the target runs"))
+    ctx.say("try:")
+    for line in _try_lines(host, port, settings.token is not None, shown_pid):
+        ctx.say(line)
+
+    def on_signal(signum: int) -> None:
+        # As `run` without --http: SIGTERM is passed on (Ctrl-C reaches the child through the terminal).
+        if child is not None and signum == signal.SIGTERM:
+            child.forward(signum)
+
+    serve(app, sock, until=until, on_signal=on_signal)  # the app's shutdown writes every target's files
+    if child is not None:
+        return HeldChild.exit_code(child.wait())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -417,9 +599,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             own, program = _split_program(args[1:])
             ns = parser.parse_args(["run", *own])
             ctx = _Ctx(options_from(ns), ns, massif_desc(own))
+            if ns.http is not None:
+                return cmd_daemon(ctx, program=program)
             return cmd_run(ctx, program)
         ns = parser.parse_args(args)
+        if ns.command == "serve":
+            ctx = _Ctx(options_from(ns), ns, massif_desc(args[1:]))
+            return cmd_daemon(ctx, pids=ns.pids)
         ctx = _Ctx(options_from(ns), ns, massif_desc(args[2:]))
+        if ns.http is not None:
+            return cmd_daemon(ctx, pids=[ns.pid])
         return cmd_attach(ctx)
     except HeapscopeError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
@@ -427,6 +616,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug of ours: one line, and the probes were detached on the way out
+        print(f"{PROG}: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 70
 
 
 if __name__ == "__main__":

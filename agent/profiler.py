@@ -23,6 +23,7 @@ from agent.options import MassifOptions
 from agent.symbols import Mapping, Symbolizer, parse_maps
 
 if TYPE_CHECKING:
+    from agent.maltrec import MaltRecorder
     from agent.unwind import UnwindTable
 from agent.xtree import write_xtree
 
@@ -101,7 +102,10 @@ class Session:
         self.maps = MapsRecorder(info.pid, proc)
         self.tables = tables  # unwind tables per object path (None: frame-pointer stacks)
         self.exec_limit = exec_limit  # execs the target may make (run: its first one) before the profile ends
+        self.recorder: MaltRecorder | None = None  # MALT's timelines, when a MALT profile is wanted
         self.unwind_problems: dict[str, str] = {}  # objects whose table could not be built, and why
+        self._table_seconds: dict[str, float] = {}  # object path -> time to build or load its table
+        self._loaded_tables: dict[str, UnwindTable | None] = {}
         self.symbolizer = symbolizer or Symbolizer()
         self.series = SnapshotSeries(detailed_freq=opts.detailed_freq, max_snapshots=opts.max_snapshots)
         self.start_ns = time.monotonic_ns()  # the same clock as bpf_ktime_get_ns
@@ -142,6 +146,10 @@ class Session:
                 continue
             self._frames[key] = self.symbolizer.symbolize_stack(self.maps.mappings, ips)
 
+    def frames_of(self, key: int) -> list[Frame]:
+        """The symbolized raw stack of a site (symbolize_new first)."""
+        return self._frames.get(key, [])
+
     def _mapped(self, ip: int) -> bool:
         return any(m.start <= ip < m.end for m in self.maps.mappings)
 
@@ -179,6 +187,8 @@ class Session:
         """One tick: record a snapshot if Massif's schedule wants one."""
         with self._lock:
             c = self.probes.counters()
+            if self.recorder is not None:
+                self.recorder.sample(c)
             t = self.now(c)
             if self.series.finished or (self.series.snapshots and t < self.series.snapshots[-1].time):
                 return
@@ -242,7 +252,11 @@ class Session:
     def _unwind_entry(self, m: Mapping) -> UnwindMapping | None:
         assert self.tables is not None
         try:
-            table = self.tables(m.path)
+            if m.path not in self._loaded_tables:  # each object's table is read once per session
+                started = time.monotonic()
+                self._loaded_tables[m.path] = self.tables(m.path)
+                self._table_seconds[m.path] = time.monotonic() - started
+            table = self._loaded_tables[m.path]
             obj = open_elf(m.path)
         except (OSError, ElfError, ValueError) as exc:
             self.unwind_problems[m.path] = str(exc)
@@ -341,6 +355,18 @@ class Session:
             )
         if c.lost_returns:
             lines.append(f"{c.lost_returns} allocation calls whose return was not seen")
+        if self.tables is not None:
+            lines.append(
+                f"unwind: {self.probes.rows_used} table rows ({self.probes.rows_used * 12 // 1024} KiB) for "
+                f"{len(self._table_seconds)} objects, built or loaded in {sum(self._table_seconds.values()):.2f} s; "
+                f"frames: {c.unwind_frames} by table, {c.unwind_fp} by frame pointer (no table), "
+                f"{c.unwind_no_rule} with no rule, {c.unwind_bad_read} bad reads, {c.unwind_depth_cut} stacks cut "
+                "at the depth limit"
+            )
+            if self.probes.rows_dropped:
+                lines.append(f"unwind: {self.probes.rows_dropped} rows did not fit in the kernel table")
+            for path, problem in self.unwind_problems.items():
+                lines.append(f"unwind: no table for {path}: {problem}")
         return lines
 
     # ---- read-only views for the daemon (added for the HTTP API) ------------------------------------
@@ -370,10 +396,7 @@ class Session:
             self.symbolize_new(list(sites))
             merged: dict[Stack, SiteCounts] = {}
             for key, s in sites.items():
-                if massif_trim:
-                    stack = self.trimmed(key)
-                else:
-                    stack = trim_stack(self._frames[key], frozenset(), _XTREE_DEPTH)
+                stack = self.trimmed(key) if massif_trim else trim_stack(self._frames[key], frozenset(), _XTREE_DEPTH)
                 m = merged.setdefault(stack, SiteCounts())
                 for name in ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks"):
                     setattr(m, name, getattr(m, name) + getattr(s, name))

@@ -1,0 +1,132 @@
+"""Prometheus metrics: a prometheus_client custom Collector that builds its families fresh at each scrape from
+the targets the daemon holds. Nothing is cached between scrapes and no global registry is used: the caller
+registers the collector in the registry it serves.
+
+Names follow Prometheus's conventions: a `heapscope_` prefix, base units in the name (`_bytes`), `_total` on
+counters (prometheus_client adds it to counter families). Every per-target series carries `pid` and `command`.
+The per-site series are bounded: the top N sites by live bytes plus one `(other sites)` series per target, so
+a target with a million allocation sites still makes N + 1 series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from agent.bpf import Counters
+from agent.daemon import SiteTotal
+from agent.errors import HeapscopeError
+
+TARGET_LABELS = ("pid", "command")
+
+
+class MetricsTarget(Protocol):
+    pid: int
+    command: str
+    allocator: str
+
+    @property
+    def state(self) -> str: ...
+
+    def counters(self) -> Counters: ...
+
+    def top_sites(self, n: int) -> tuple[list[SiteTotal], SiteTotal]: ...
+
+
+class MetricsSource(Protocol):
+    def targets(self) -> Sequence[MetricsTarget]: ...
+
+
+# (metric name without _total, help, Counters field)
+_GAUGES = (
+    ("heapscope_heap_useful_bytes", "Live heap bytes requested by the program (Massif's mem_heap_B).", "heap"),
+    (
+        "heapscope_heap_extra_bytes",
+        "Live heap bytes lost to alignment and allocator headers (Massif's mem_heap_extra_B).",
+        "extra",
+    ),
+    ("heapscope_heap_peak_useful_bytes", "Useful heap bytes at the peak of useful + extra.", "peak_heap"),
+    ("heapscope_heap_peak_extra_bytes", "Extra heap bytes at the peak of useful + extra.", "peak_extra"),
+    ("heapscope_heap_live_blocks", "Heap blocks allocated and not yet freed.", "blocks"),
+)
+_COUNTERS = (
+    ("heapscope_allocated_bytes", "Bytes requested by allocation calls since the probes were attached.", "alloc_bytes"),
+    ("heapscope_freed_bytes", "Bytes of tracked blocks freed since the probes were attached.", "freed_bytes"),
+    ("heapscope_allocation_calls", "Allocation calls (malloc, calloc, realloc, new, ...) seen.", "n_allocs"),
+    ("heapscope_free_calls", "Free calls seen.", "n_frees"),
+    ("heapscope_untracked_frees", "Frees of blocks allocated before the probes were attached (not counted).",
+     "untracked_frees"),
+)
+# Full kernel tables: what was not counted because a map had no room ("map" label -> Counters field).
+_DROPS = (
+    ("blocks", "dropped_blocks"),
+    ("stacks", "dropped_stacks"),
+    ("sites", "dropped_sites"),
+    ("threads", "dropped_pending"),
+)
+
+
+class HeapscopeCollector(Collector):
+    def __init__(self, source: MetricsSource, top_stacks: int = 10) -> None:
+        if top_stacks < 0:
+            raise ValueError(f"top_stacks must be at least 0, got {top_stacks}")
+        self.source = source
+        self.top_stacks = top_stacks
+
+    def describe(self) -> list[Metric]:
+        # No families at registration: collect() reads the maps and must only run at scrape time.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        info = InfoMetricFamily("heapscope_target", "A profiled process.", labels=TARGET_LABELS)
+        exited = GaugeMetricFamily(
+            "heapscope_target_exited", "1 once the process has exited (its last state stays).", labels=TARGET_LABELS
+        )
+        gauges = [GaugeMetricFamily(name, doc, labels=TARGET_LABELS) for name, doc, _ in _GAUGES]
+        counters = [CounterMetricFamily(name, doc, labels=TARGET_LABELS) for name, doc, _ in _COUNTERS]
+        drops = CounterMetricFamily(
+            "heapscope_map_full_drops",
+            "Events not counted because a kernel table was full (raise --max-blocks / --max-stacks).",
+            labels=(*TARGET_LABELS, "map"),
+        )
+        site_bytes = GaugeMetricFamily(
+            "heapscope_site_live_bytes",
+            f"Live heap bytes of the top {self.top_stacks} allocation sites, and of all other sites together.",
+            labels=(*TARGET_LABELS, "site"),
+        )
+        site_blocks = GaugeMetricFamily(
+            "heapscope_site_live_blocks",
+            f"Live heap blocks of the top {self.top_stacks} allocation sites, and of all other sites together.",
+            labels=(*TARGET_LABELS, "site"),
+        )
+        n_targets = 0
+        for t in self.source.targets():
+            try:
+                c = t.counters()
+                top, other = t.top_sites(self.top_stacks)
+            except HeapscopeError:  # detached or gone between the listing and the read: leave it out
+                continue
+            n_targets += 1
+            labels = [str(t.pid), t.command]
+            info.add_metric(labels, {"state": t.state, "allocator": t.allocator})
+            exited.add_metric(labels, 1.0 if t.state == "exited" else 0.0)
+            for fam, (_, _, fld) in zip(gauges, _GAUGES, strict=True):
+                fam.add_metric(labels, max(getattr(c, fld), 0))
+            for cfam, (_, _, fld) in zip(counters, _COUNTERS, strict=True):
+                cfam.add_metric(labels, max(getattr(c, fld), 0))
+            for name, fld in _DROPS:
+                drops.add_metric([*labels, name], getattr(c, fld))
+            for s in [*top, other]:
+                site_bytes.add_metric([*labels, s.site], s.bytes)
+                site_blocks.add_metric([*labels, s.site], s.blocks)
+        yield GaugeMetricFamily("heapscope_targets", "Processes the daemon holds a profile of.", value=n_targets)
+        yield info
+        yield exited
+        yield from gauges
+        yield from counters
+        yield drops
+        yield site_bytes
+        yield site_blocks

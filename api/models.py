@@ -1,0 +1,254 @@
+"""The API's JSON schemas (pydantic), separate from the profile model so that the API schema never leaks into
+the core. `?format=json` gives the same data as the text bodies: the converters below apply the same Massif
+thresholding and the same xtree rules as the writers in agent.massif and agent.xtree."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agent.daemon import PID_MAX, MonitorResult, ProfileHeader, TargetStatus
+from agent.model import MassifNode, SiteCounts, Snapshot, SnapshotKind, Stack, massif_tree
+from agent.xtree import ALLOCS_EVENTS, FULL_EVENTS
+
+# ---- requests -------------------------------------------------------------------------------------------
+
+
+class MonitorRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"command": "detailed_snapshot ds.out"}]})
+
+    command: str = Field(
+        max_length=4096,
+        description="A Massif monitor command: snapshot, detailed_snapshot, all_snapshots or xtmemory, each with "
+        "an optional file name (relative to the daemon's output directory), or help.",
+    )
+
+
+class AttachRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pid: int = Field(ge=1, le=PID_MAX, description="The process to profile from now on.")
+
+
+# ---- errors ---------------------------------------------------------------------------------------------
+
+
+class ErrorBody(BaseModel):
+    detail: str = Field(description="What went wrong, in one line.")
+    error: str | None = Field(None, description="The kind of error.")
+
+
+# ---- massif.out as JSON ---------------------------------------------------------------------------------
+
+
+class TreeNode(BaseModel):
+    """One node of a detailed snapshot's tree, as ms_print shows it: `n<children>: <bytes> <label>`."""
+
+    bytes: int
+    label: str
+    children: list[TreeNode] = Field(default_factory=list)
+
+
+class SnapshotOut(BaseModel):
+    snapshot: int = Field(description="The snapshot's number in its file.")
+    time: int = Field(description="In the profile's time_unit.")
+    mem_heap_B: int
+    mem_heap_extra_B: int
+    mem_stacks_B: int
+    heap_tree: Literal["empty", "detailed", "peak"]
+    tree: TreeNode | None = Field(None, description="The heap tree, thresholded as in the text (detailed/peak only).")
+
+
+class MassifOut(BaseModel):
+    """The same data as a massif.out file."""
+
+    desc: str
+    cmd: str
+    time_unit: Literal["i", "ms", "B"]
+    threshold: float = Field(description="--threshold: tree nodes below this percentage are merged.")
+    snapshots: list[SnapshotOut]
+
+
+def _node(node: MassifNode, cap: int) -> TreeNode:
+    nbytes = min(max(node.bytes, 0), cap)  # as the writer: a child never exceeds its parent
+    return TreeNode(bytes=nbytes, label=node.label, children=[_node(c, nbytes) for c in node.children])
+
+
+def snapshot_out(snap: Snapshot, number: int, threshold: float, kind: SnapshotKind | None = None) -> SnapshotOut:
+    kind = kind or snap.kind
+    extra = max(snap.heap_extra_B, 0)
+    stacks = max(snap.stacks_B, 0)
+    if snap.tree is None:
+        return SnapshotOut(
+            snapshot=number,
+            time=int(snap.time),
+            mem_heap_B=max(snap.heap_B, 0),
+            mem_heap_extra_B=extra,
+            mem_stacks_B=stacks,
+            heap_tree="empty",
+            tree=None,
+        )
+    root = massif_tree(snap.tree, threshold=threshold, extra_B=extra, stacks_B=stacks)
+    return SnapshotOut(
+        snapshot=number,
+        time=int(snap.time),
+        mem_heap_B=root.bytes,
+        mem_heap_extra_B=extra,
+        mem_stacks_B=stacks,
+        heap_tree="peak" if kind is SnapshotKind.PEAK else "detailed",
+        tree=_node(root, root.bytes),
+    )
+
+
+def _desc(desc: tuple[str, ...]) -> str:
+    args = [" ".join(a.splitlines()) for a in desc if a.strip()]
+    return " ".join(args) if args else "(none)"
+
+
+def massif_out(header: ProfileHeader, snapshots: list[Snapshot], single: bool = False) -> MassifOut:
+    """`single`: the file of the snapshot/detailed_snapshot monitor commands (one fresh snapshot, never a peak)."""
+    kind = SnapshotKind.DETAILED if single else None
+    return MassifOut(
+        desc=_desc(header.desc),
+        cmd=header.cmd,
+        time_unit=header.time_unit,  # type: ignore[arg-type]
+        threshold=header.threshold,
+        snapshots=[snapshot_out(s, i, header.threshold, kind) for i, s in enumerate(snapshots)],
+    )
+
+
+# ---- xtree as JSON --------------------------------------------------------------------------------------
+
+
+class FrameOut(BaseModel):
+    address: int
+    function: str | None
+    file: str | None
+    line: int | None
+    obj: str | None
+    label: str = Field(description="Massif's label: `0xADDR: fn (file:line)`.")
+
+
+class XtreeStackOut(BaseModel):
+    frames: list[FrameOut] = Field(description="Innermost frame (the allocation's call site) first.")
+    values: dict[str, int] = Field(description="Event name -> value (curB, curBk, and with full: totB ...).")
+
+
+class XtreeOut(BaseModel):
+    """The same data as the xtree report (callgrind format)."""
+
+    pid: int
+    cmd: str
+    kind: Literal["allocs", "full"]
+    events: list[str]
+    stacks: list[XtreeStackOut]
+    totals: dict[str, int]
+
+
+_EVENT_FIELDS = {
+    "curB": "cur_bytes",
+    "curBk": "cur_blocks",
+    "totB": "tot_bytes",
+    "totBk": "tot_blocks",
+    "totFdB": "freed_bytes",
+    "totFdBk": "freed_blocks",
+}
+
+
+def xtree_out(header: ProfileHeader, sites: Mapping[Stack, SiteCounts]) -> XtreeOut:
+    events = [name for name, _ in (ALLOCS_EVENTS if header.xtree_kind == "allocs" else FULL_EVENTS)]
+    totals = dict.fromkeys(events, 0)
+    stacks = []
+    for stack, counts in sites.items():
+        values = {e: max(getattr(counts, _EVENT_FIELDS[e]), 0) for e in events}
+        if not stack or not any(values.values()):  # left out of the report, as the writer does
+            continue
+        for e in events:
+            totals[e] += values[e]
+        frames = [FrameOut(address=f.address, function=f.function, file=f.file, line=f.line, obj=f.obj,
+                           label=f.label) for f in stack]
+        stacks.append(XtreeStackOut(frames=frames, values=values))
+    return XtreeOut(pid=header.pid, cmd=header.cmd, kind=header.xtree_kind, events=events, stacks=stacks,
+                    totals=totals)
+
+
+# ---- targets and monitor --------------------------------------------------------------------------------
+
+
+class HeapCounters(BaseModel):
+    useful_bytes: int
+    extra_bytes: int
+    live_blocks: int
+    peak_useful_bytes: int
+    peak_extra_bytes: int
+    allocated_bytes: int
+    freed_bytes: int
+    allocation_calls: int
+    free_calls: int
+    untracked_frees: int
+    dropped: int = Field(description="Events not counted because a kernel table was full.")
+
+
+class TargetOut(BaseModel):
+    pid: int
+    command: str = Field(description="The process name.")
+    cmdline: str
+    allocator: str
+    state: Literal["profiling", "exited", "detached"]
+    exited: bool
+    started_at: datetime
+    ended_at: datetime | None
+    files: list[str] = Field(description="Files written when profiling ended.")
+    heap: HeapCounters
+
+
+def _time(t: float | None) -> datetime | None:
+    return None if t is None else datetime.fromtimestamp(t, UTC)
+
+
+def target_out(s: TargetStatus) -> TargetOut:
+    c = s.counters
+    return TargetOut(
+        pid=s.pid,
+        command=s.command,
+        cmdline=s.cmdline,
+        allocator=s.allocator,
+        state=s.state,
+        exited=s.state == "exited",
+        started_at=_time(s.started_at),  # type: ignore[arg-type]
+        ended_at=_time(s.ended_at),
+        files=list(s.files),
+        heap=HeapCounters(
+            useful_bytes=c.heap,
+            extra_bytes=c.extra,
+            live_blocks=c.blocks,
+            peak_useful_bytes=c.peak_heap,
+            peak_extra_bytes=c.peak_extra,
+            allocated_bytes=c.alloc_bytes,
+            freed_bytes=c.freed_bytes,
+            allocation_calls=c.n_allocs,
+            free_calls=c.n_frees,
+            untracked_frees=c.untracked_frees,
+            dropped=c.dropped,
+        ),
+    )
+
+
+class MonitorOut(BaseModel):
+    command: str
+    pid: int | None = Field(description="The target the command ran on (none for help).")
+    file: str | None = Field(description="The file written, under the daemon's output directory.")
+    bytes: int = Field(description="Bytes written to the file.")
+    output: str = Field(description="What the monitor command prints.")
+
+
+def monitor_out(r: MonitorResult) -> MonitorOut:
+    return MonitorOut(command=r.command, pid=r.pid, file=r.file, bytes=r.bytes, output=r.output)
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    targets: int

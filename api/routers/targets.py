@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path
+
+from agent.daemon import PID_MAX
+from api.deps import Manager
+from api.models import AttachRequest, TargetOut, target_out
+from api.routers import ERRORS
+
+router = APIRouter(prefix="/targets", tags=["targets"])
+
+
+@router.get("", summary="The targets: profiled now, or exited (their last state stays queryable)", responses=ERRORS)
+def list_targets(manager: Manager) -> list[TargetOut]:
+    return [target_out(t.status()) for t in manager.targets()]
+
+
+@router.post("", status_code=201, summary="Attach to a running process", responses=ERRORS)
+def attach(body: AttachRequest, manager: Manager) -> TargetOut:
+    return target_out(manager.attach(body.pid).status())
+
+
+@router.delete(
+    "/{pid}",
+    summary="Detach (the process runs on unharmed), write its files, and forget it",
+    responses=ERRORS,
+)
+def detach(pid: Annotated[int, Path(ge=1, le=PID_MAX)], manager: Manager) -> TargetOut:
+    return target_out(manager.detach(pid))

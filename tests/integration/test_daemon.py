@@ -1,0 +1,498 @@
+"""The daemon for real: `heapscope serve` profiling compiled C programs, queried with a real HTTP client.
+
+The readers are the real ones: ms_print reads /all_snapshots and /detailed_snapshot, callgrind_annotate reads
+/xtmemory, promtool checks /metrics and a real Prometheus server on loopback scrapes it. schemathesis fuzzes
+the OpenAPI schema and no request may get a server error.
+
+daemon_target.c allocates 5 x 1000 B (site_small) and 3 x 4000 B (site_big) when told to, frees the small
+ones when told again, and exits at EOF on stdin.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.harness import PROGRAMS, REPO
+from tests.support.massif_reader import parse_massif, paths
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "integration-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SOURCE = PROGRAMS / "daemon_target.c"
+START_TIMEOUT = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def source_line(text: str) -> int:
+    for n, line in enumerate(SOURCE.read_text().splitlines(), 1):
+        if text in line:
+            return n
+    raise AssertionError(f"{text!r} not in {SOURCE}")
+
+
+SMALL = f"site_small (daemon_target.c:{source_line('small[i] = malloc(1000)')})"
+BIG = f"site_big (daemon_target.c:{source_line('big[i] = malloc(4000)')})"
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen[bytes]
+    url: str
+    out_dir: Path
+    log: Path
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=AUTH, timeout=30.0)
+
+    def stderr(self) -> str:
+        return self.log.read_text()
+
+
+def start_daemon(heapscope_cmd: list[str], tmp: Path, *extra: str, token: str | None = TOKEN) -> Daemon:
+    port = free_port()
+    out_dir = tmp / "out"
+    log = tmp / "daemon.log"
+    env = {k: v for k, v in os.environ.items() if k != "HEAPSCOPE_TOKEN"}
+    if token is not None:
+        env["HEAPSCOPE_TOKEN"] = token
+    cmd = [*heapscope_cmd, "serve", "--http", f"127.0.0.1:{port}", "--output-dir", str(out_dir), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("wb"), env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the daemon exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return Daemon(proc, url, out_dir, log)
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"the daemon did not answer within {START_TIMEOUT} s:\n{log.read_text()}")
+
+
+def stop_daemon(d: Daemon) -> int:
+    if d.proc.poll() is None:
+        d.proc.send_signal(signal.SIGTERM)
+        try:
+            d.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            d.proc.kill()
+            d.proc.wait()
+    assert "Traceback" not in d.stderr(), d.stderr()
+    return d.proc.returncode
+
+
+@pytest.fixture
+def daemon(heapscope_cmd: list[str], tmp_path: Path) -> Iterator[Daemon]:
+    d = start_daemon(heapscope_cmd, tmp_path)
+    yield d
+    stop_daemon(d)
+
+
+class Target:
+    """daemon_target, driven line by line."""
+
+    def __init__(self, program: Path) -> None:
+        self.proc = subprocess.Popen([str(program)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.read() == "ready"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def read(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().decode().strip()
+
+    def step(self, expect: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"\n")
+        self.proc.stdin.flush()
+        assert self.read() == expect
+
+    def end(self) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        return self.proc.wait(30)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def target_program(build: Callable[..., Path]) -> Path:
+    return build("daemon_target.c")
+
+
+@pytest.fixture
+def target(target_program: Path) -> Iterator[Target]:
+    t = Target(target_program)
+    yield t
+    t.kill()
+
+
+def attach(client: httpx.Client, pid: int) -> dict:  # type: ignore[type-arg]
+    r = client.post("/targets", json={"pid": pid})
+    assert r.status_code == 201, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def run_tool(args: list[str], text: str, tmp: Path, name: str) -> str:
+    f = tmp / name
+    f.write_text(text)
+    done = subprocess.run([*args, str(f)], capture_output=True, text=True, check=False, timeout=60)
+    assert done.returncode == 0, f"{args[0]} failed on {name}:\n{done.stderr}\n--- input:\n{text}"
+    return done.stdout
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ---- the profile over HTTP, read by the real readers ------------------------------------------------------
+
+
+def test_monitor_bodies_are_read_by_ms_print_and_callgrind_annotate(
+    daemon: Daemon, target: Target, tmp_path: Path
+) -> None:
+    with daemon.client() as client:
+        body = attach(client, target.pid)
+        assert body["state"] == "profiling" and body["command"] == "daemon_target"
+        target.step("allocated")
+
+        ds = client.get("/detailed_snapshot")
+        assert ds.status_code == 200 and ds.headers["content-type"].startswith("text/plain")
+        [snap] = parse_massif(ds.text).snapshots
+        assert snap.heap_B == 17000 and snap.tree is not None
+        got = paths(snap.tree)
+        assert got[(BIG,)] == 12000 and got[(SMALL,)] == 5000
+        report = run_tool(["ms_print"], ds.text, tmp_path, "ds.out")
+        assert "site_big (daemon_target.c:" in report
+
+        # The same data as JSON.
+        js = client.get("/detailed_snapshot", params={"format": "json"}).json()
+        assert js["snapshots"][0]["mem_heap_B"] == 17000
+        labels = {c["label"].split(": ", 1)[1]: c["bytes"] for c in js["snapshots"][0]["tree"]["children"]}
+        assert labels == {BIG: 12000, SMALL: 5000}
+
+        snap_text = client.get("/snapshot").text
+        [normal] = parse_massif(snap_text).snapshots
+        assert normal.heap_tree == "empty" and normal.heap_B == 17000
+
+        allsnap = client.get("/all_snapshots").text
+        parsed = parse_massif(allsnap)
+        assert parsed.cmd.endswith("daemon_target") and len(parsed.snapshots) >= 1
+        run_tool(["ms_print"], allsnap, tmp_path, "all.out")
+
+        xt = client.get("/xtmemory").text
+        assert xt.startswith("# callgrind format")
+        annotated = run_tool(["callgrind_annotate", "--inclusive=yes"], xt, tmp_path, "xt.kcg")
+        assert "17,000" in annotated and "site_big" in annotated
+        xj = client.get("/xtmemory", params={"format": "json"}).json()
+        assert xj["totals"]["curB"] == 17000
+
+        target.step("freed")
+        [after] = parse_massif(client.get("/snapshot").text).snapshots
+        assert after.heap_B == 12000
+
+        # Monitor commands write under the output directory.
+        r = client.post("/monitor", json={"command": "detailed_snapshot named.out"})
+        assert r.status_code == 200, r.text
+        assert Path(r.json()["file"]) == daemon.out_dir / "named.out"
+        run_tool(["ms_print"], (daemon.out_dir / "named.out").read_text(), tmp_path, "named.out")
+
+        # The target exits: its last state stays queryable, marked exited, and its file is written.
+        assert target.end() == 0
+        wait_for(lambda: client.get("/targets").json()[0]["exited"], what="the target to be marked exited")
+        [t] = client.get("/targets").json()
+        assert t["state"] == "exited" and t["heap"]["useful_bytes"] == 12000
+        [final] = parse_massif(client.get("/detailed_snapshot").text).snapshots
+        assert final.heap_B == 12000 and final.tree is not None and paths(final.tree)[(BIG,)] == 12000
+        written = daemon.out_dir / f"massif.out.{target.pid}"
+        wait_for(written.exists, what=str(written))
+        run_tool(["ms_print"], written.read_text(), tmp_path, "final.out")
+
+
+def test_several_targets_and_detach(daemon: Daemon, target_program: Path) -> None:
+    a, b = Target(target_program), Target(target_program)
+    try:
+        with daemon.client() as client:
+            attach(client, a.pid)
+            attach(client, b.pid)
+            assert client.post("/targets", json={"pid": a.pid}).status_code == 409
+            a.step("allocated")
+            r = client.get("/snapshot")
+            assert r.status_code == 400 and "pid" in r.json()["detail"]
+            assert parse_massif(client.get("/snapshot", params={"pid": a.pid}).text).snapshots[0].heap_B == 17000
+            assert parse_massif(client.get("/snapshot", params={"pid": b.pid}).text).snapshots[0].heap_B == 0
+            # Detach: the target runs on unharmed, and the daemon forgets it.
+            r = client.delete(f"/targets/{a.pid}")
+            assert r.status_code == 200 and r.json()["state"] == "detached"
+            assert [t["pid"] for t in client.get("/targets").json()] == [b.pid]
+            a.step("freed")
+            assert a.end() == 0
+            assert (daemon.out_dir / f"massif.out.{a.pid}").exists()
+            assert client.get("/snapshot", params={"pid": a.pid}).status_code == 404
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_sigterm_writes_every_targets_files(heapscope_cmd: list[str], tmp_path: Path, target_program: Path) -> None:
+    d = start_daemon(heapscope_cmd, tmp_path, "--xtree-memory=full")
+    a, b = Target(target_program), Target(target_program)
+    try:
+        with d.client() as client:
+            attach(client, a.pid)
+            attach(client, b.pid)
+            a.step("allocated")
+        assert stop_daemon(d) == 0
+        for t, heap in ((a, 17000), (b, 0)):
+            massif = d.out_dir / f"massif.out.{t.pid}"
+            assert massif.exists(), d.stderr()
+            assert parse_massif(massif.read_text()).snapshots[-1].heap_B == heap
+            run_tool(["ms_print"], massif.read_text(), tmp_path, f"m{t.pid}")
+            assert (d.out_dir / f"xtmemory.kcg.{t.pid}").exists()
+        a.step("freed")  # both run on after the daemon is gone
+        assert a.end() == 0 and b.end() == 0
+    finally:
+        a.kill()
+        b.kill()
+
+
+# ---- metrics ------------------------------------------------------------------------------------------------
+
+
+def test_metrics_pass_promtool_and_reach_prometheus(daemon: Daemon, target: Target, tmp_path: Path) -> None:
+    with daemon.client() as client:
+        attach(client, target.pid)
+        target.step("allocated")
+        text = client.get("/metrics").text
+    done = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), done.stdout + done.stderr
+    assert f'heapscope_heap_useful_bytes{{command="daemon_target",pid="{target.pid}"}} 17000.0' in text
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    prom_port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        f"""global:
+  scrape_interval: 1s
+scrape_configs:
+  - job_name: heapscope
+    authorization:
+      type: Bearer
+      credentials_file: {token_file}
+    static_configs:
+      - targets: ["{daemon.url.removeprefix('http://')}"]
+"""
+    )
+    prom = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "prometheus.log").open("wb"),
+    )
+    try:
+        api = f"http://127.0.0.1:{prom_port}/api/v1/query"
+
+        def query(q: str) -> list[dict]:  # type: ignore[type-arg]
+            try:
+                r = httpx.get(api, params={"query": q}, timeout=5)
+            except httpx.TransportError:
+                return []
+            return r.json()["data"]["result"] if r.status_code == 200 else []  # type: ignore[no-any-return]
+
+        sel = f'{{pid="{target.pid}",command="daemon_target"}}'
+        wait_for(lambda: bool(query(f"heapscope_heap_useful_bytes{sel}")), 60, "Prometheus to scrape the daemon")
+        assert float(query(f"heapscope_heap_useful_bytes{sel}")[0]["value"][1]) == 17000
+        assert float(query(f"heapscope_heap_live_blocks{sel}")[0]["value"][1]) == 8
+        assert float(query(f"heapscope_allocated_bytes_total{sel}")[0]["value"][1]) == 17000
+        site = query(f'heapscope_site_live_bytes{{pid="{target.pid}",site="{BIG}"}}')
+        assert float(site[0]["value"][1]) == 12000
+        [up] = query('up{job="heapscope"}')
+        assert up["value"][1] == "1"
+    finally:
+        prom.terminate()
+        prom.wait(30)
+
+
+# ---- security ---------------------------------------------------------------------------------------------
+
+
+def test_path_traversal_is_refused(daemon: Daemon, target: Target, tmp_path: Path) -> None:
+    outside = Path(tempfile.mkdtemp(dir=tmp_path))
+    (daemon.out_dir / "escape").symlink_to(outside)
+    with daemon.client() as client:
+        attach(client, target.pid)
+        for name in ("../evil.out", f"{outside}/evil.out", "escape/evil.out", "a/../../evil.out"):
+            r = client.post("/monitor", json={"command": f"all_snapshots {name}"})
+            assert 400 <= r.status_code < 500, (name, r.text)
+            assert r.json()["detail"]
+    assert list(outside.iterdir()) == []
+    assert not (daemon.out_dir.parent / "evil.out").exists()
+
+
+def test_token_is_required(daemon: Daemon) -> None:
+    assert httpx.get(f"{daemon.url}/healthz").status_code == 200
+    r = httpx.get(f"{daemon.url}/targets")
+    assert r.status_code == 401 and r.json()["detail"]
+    assert httpx.get(f"{daemon.url}/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
+
+
+def test_non_loopback_without_token_refuses_to_start(cli_cmd: list[str], tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "HEAPSCOPE_TOKEN"}
+    port = free_port()
+    done = subprocess.run(
+        [*cli_cmd, "serve", "--http", f"0.0.0.0:{port}", "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "token" in done.stderr and "Traceback" not in done.stderr
+    with socket.socket() as s:  # nothing was left listening
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+# ---- schemathesis ----------------------------------------------------------------------------------------
+
+
+def test_schemathesis_finds_no_server_error(daemon: Daemon, target: Target, tmp_path: Path) -> None:
+    st = Path(sys.executable).parent / "st"
+    if not st.exists():
+        pytest.skip("schemathesis is not installed")
+    with daemon.client() as client:
+        attach(client, target.pid)
+        target.step("allocated")
+    common = [
+        str(st),
+        "run",
+        f"{daemon.url}/openapi.json",
+        "-H",
+        f"Authorization: Bearer {TOKEN}",
+        "--checks",
+        "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance",
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--max-examples",
+        "30",
+        "--seed",
+        "1",
+        "--request-timeout",
+        "20",
+    ]
+    # Valid POST /targets bodies would attach to whatever processes the fuzzer's PIDs name: that operation is
+    # fuzzed with invalid data only, everything else with both.
+    runs = [
+        [*common, "--exclude-operation-id", "attach_targets_post"],
+        [*common, "--include-operation-id", "attach_targets_post", "--mode", "negative"],
+    ]
+    for cmd in runs:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False)
+        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert "Traceback" not in daemon.stderr()
+    with daemon.client() as client:  # still serving (the fuzzer may well have detached the target)
+        assert client.get("/targets").status_code == 200
+
+
+# ---- never in the target's way -------------------------------------------------------------------------------
+
+
+def test_snapshot_load_does_not_stall_the_target(daemon: Daemon, tmp_path: Path) -> None:
+    """The target's allocation rate while a client hammers /detailed_snapshot, against the rate without."""
+    program = tmp_path / "sites"
+    done = subprocess.run(
+        ["gcc", "-g", "-O0", "-fno-omit-frame-pointer", "-o", str(program), str(REPO / "bench" / "sites.c")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    proc = subprocess.Popen(
+        [str(program), "2000", "60"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "SITES_WAIT": "1"},
+    )
+    lines: list[tuple[float, int, float]] = []  # (when read, allocations in 100 ms, max gap in us)
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            _, n, gap = raw.split()
+            lines.append((time.monotonic(), int(n), float(gap)))
+
+    try:
+        with daemon.client() as client:
+            attach(client, proc.pid)
+            assert proc.stdin is not None
+            proc.stdin.write(b"g")
+            proc.stdin.flush()
+            threading.Thread(target=reader, daemon=True).start()
+            time.sleep(3)  # every site seen once, the sampler settled
+
+            def window(seconds: float, load: bool) -> tuple[float, float, int]:
+                start = time.monotonic()
+                requests = 0
+                while time.monotonic() - start < seconds:
+                    if load:
+                        assert client.get("/detailed_snapshot").status_code == 200
+                        requests += 1
+                    else:
+                        time.sleep(0.05)
+                end = time.monotonic()
+                seen = [(n, gap) for when, n, gap in lines if start + 0.15 <= when <= end]
+                assert len(seen) >= 10, "the target stopped reporting"
+                return sum(n for n, _ in seen) / len(seen), max(gap for _, gap in seen), requests
+
+            quiet_rate, quiet_gap, _ = window(4, load=False)
+            busy_rate, busy_gap, n_requests = window(4, load=True)
+            quiet_again, _, _ = window(4, load=False)
+        print(
+            f"\nallocations per 100 ms: {quiet_rate:.0f} quiet, {busy_rate:.0f} under {n_requests} detailed "
+            f"snapshots ({busy_rate / quiet_rate:.2f}x), {quiet_again:.0f} quiet again; longest gap between "
+            f"progress checks: {quiet_gap / 1000:.1f} ms quiet, {busy_gap / 1000:.1f} ms under load"
+        )
+        assert n_requests >= 5
+        # Shared CPUs slow it a little (2 cores here: the daemon's reads take one); a stopped target would
+        # show as a collapsed rate and a long gap.
+        assert busy_rate >= 0.5 * min(quiet_rate, quiet_again)
+        assert busy_gap < 200_000, f"the target went {busy_gap / 1000:.0f} ms without progress"
+    finally:
+        proc.kill()
+        proc.wait()

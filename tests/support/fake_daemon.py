@@ -1,0 +1,192 @@
+"""A typed fake of the daemon for the API's pure-logic tests: targets with synthetic profiles built from the real
+model, rendered by the real writers. Calls the API should never make (attach of an unknown PID, ...) fail loudly.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.bpf import Counters
+from agent.daemon import (
+    MonitorResult,
+    NoSuchTarget,
+    ProfileHeader,
+    SiteTotal,
+    TargetConflict,
+    TargetStatus,
+    run_monitor,
+    top_sites,
+)
+from agent.errors import UsageError
+from agent.massif import render_snapshot, write_massif
+from agent.model import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
+from agent.xtree import write_xtree
+
+
+def frame(address: int, function: str, line: int, file: str = "prog.c") -> Frame:
+    return Frame(address=address, function=function, file=file, line=line, path=f"/src/{file}")
+
+
+def stack(*frames: Frame) -> Stack:
+    return tuple(frames)
+
+
+MAIN = frame(0x401000, "main", 40)
+
+
+def sample_sites(n_small: int = 3) -> dict[Stack, SiteCounts]:
+    """A big site, a medium one, and `n_small` tiny ones (below Massif's 1% threshold)."""
+    sites = {
+        stack(frame(0x401100, "make_big", 10), MAIN): SiteCounts(
+            cur_bytes=60_000, cur_blocks=6, tot_bytes=80_000, tot_blocks=8, freed_bytes=20_000, freed_blocks=2
+        ),
+        stack(frame(0x401200, "make_medium", 20), MAIN): SiteCounts(
+            cur_bytes=30_000, cur_blocks=3, tot_bytes=30_000, tot_blocks=3
+        ),
+    }
+    for i in range(n_small):
+        sites[stack(frame(0x402000 + 16 * i, f"tiny{i}", 100 + i), MAIN)] = SiteCounts(
+            cur_bytes=10 + i, cur_blocks=1, tot_bytes=10 + i, tot_blocks=1
+        )
+    return sites
+
+
+@dataclass
+class FakeTarget:
+    pid: int
+    command: str = "prog"
+    allocator: str = "glibc"
+    state: str = "profiling"
+    sites: dict[Stack, SiteCounts] = field(default_factory=sample_sites)
+    time: int = 1234
+    fail_with: BaseException | None = None  # raised by every read: an unexpected error in the daemon
+    _xt_seq: int = 0
+
+    def header(self) -> ProfileHeader:
+        return ProfileHeader(
+            desc=("--threshold=1.0",), cmd=f"/bin/{self.command} --serve", pid=self.pid, time_unit="ms",
+            threshold=1.0, xtree_kind="full",
+        )
+
+    def _check(self) -> None:
+        if self.fail_with is not None:
+            raise self.fail_with
+
+    def counters(self) -> Counters:
+        self._check()
+        heap = sum(s.cur_bytes for s in self.sites.values())
+        blocks = sum(s.cur_blocks for s in self.sites.values())
+        return Counters(
+            heap=heap, extra=8 * blocks, blocks=blocks, peak_heap=heap + 5000, peak_extra=8 * blocks + 8,
+            n_allocs=sum(s.tot_blocks for s in self.sites.values()),
+            n_frees=sum(s.freed_blocks for s in self.sites.values()),
+            alloc_bytes=sum(s.tot_bytes for s in self.sites.values()),
+            freed_bytes=sum(s.freed_bytes for s in self.sites.values()),
+            untracked_frees=2, dropped_blocks=1,
+        )
+
+    def status(self) -> TargetStatus:
+        return TargetStatus(
+            pid=self.pid, command=self.command, cmdline=f"/bin/{self.command} --serve", allocator=self.allocator,
+            state=self.state, started_at=1_700_000_000.0,
+            ended_at=None if self.state == "profiling" else 1_700_000_060.0, files=(), counters=self.counters(),
+        )
+
+    def _tree(self) -> HeapTree:
+        return HeapTree.from_stacks({s: c.cur_bytes for s, c in self.sites.items()})
+
+    def snapshot(self, detailed: bool) -> Snapshot:
+        self._check()
+        c = self.counters()
+        if detailed:
+            return Snapshot(self.time, c.heap, c.extra, 0, self._tree(), SnapshotKind.DETAILED)
+        return Snapshot(self.time, c.heap, c.extra, 0, None, SnapshotKind.NORMAL)
+
+    def snapshot_text(self, detailed: bool) -> str:
+        h = self.header()
+        return render_snapshot(
+            self.snapshot(detailed), desc=h.desc, cmd=h.cmd, time_unit=h.time_unit, threshold=h.threshold
+        )
+
+    def snapshots(self) -> list[Snapshot]:
+        self._check()
+        c = self.counters()
+        return [
+            Snapshot(0, 0, 0, 0, None, SnapshotKind.NORMAL),
+            Snapshot(500, c.heap // 2, c.extra // 2, 0, None, SnapshotKind.NORMAL),
+            Snapshot(self.time, c.heap, c.extra, 0, self._tree(), SnapshotKind.PEAK),
+        ]
+
+    def massif_text(self) -> str:
+        h = self.header()
+        out = io.StringIO()
+        write_massif(out, self.snapshots(), desc=h.desc, cmd=h.cmd, time_unit=h.time_unit, threshold=h.threshold)
+        return out.getvalue()
+
+    def xtree_sites(self) -> dict[Stack, SiteCounts]:
+        self._check()
+        return dict(self.sites)
+
+    def xtree_text(self) -> str:
+        out = io.StringIO()
+        write_xtree(out, self.xtree_sites(), cmd=self.header().cmd, pid=self.pid, kind="full")
+        return out.getvalue()
+
+    def top_sites(self, n: int) -> tuple[list[SiteTotal], SiteTotal]:
+        self._check()
+        return top_sites(self.sites, n)
+
+    def next_xtmemory_seq(self) -> int:
+        self._xt_seq += 1
+        return self._xt_seq
+
+
+class FakeManager:
+    """The ManagerPort, over FakeTargets. Records life-cycle calls."""
+
+    def __init__(self, targets: Sequence[FakeTarget] = (), output_dir: Path | None = None) -> None:
+        self.output_dir = output_dir
+        self.by_pid = {t.pid: t for t in targets}
+        self.attachable: dict[int, FakeTarget] = {}  # what attach(pid) may find
+        self.calls: list[str] = []
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+    def targets(self) -> list[FakeTarget]:
+        return sorted(self.by_pid.values(), key=lambda t: t.pid)
+
+    def get(self, pid: int | None) -> FakeTarget:
+        if pid is not None:
+            if pid not in self.by_pid:
+                raise NoSuchTarget(f"no target with PID {pid}")
+            return self.by_pid[pid]
+        if len(self.by_pid) == 1:
+            return next(iter(self.by_pid.values()))
+        if not self.by_pid:
+            raise NoSuchTarget("no target is profiled")
+        raise UsageError("several targets: pick one with ?pid=")
+
+    def attach(self, pid: int) -> FakeTarget:
+        if pid in self.by_pid:
+            raise TargetConflict(f"process {pid} is already being profiled")
+        if pid not in self.attachable:
+            raise NoSuchTarget(f"no process with PID {pid}")
+        self.by_pid[pid] = self.attachable.pop(pid)
+        return self.by_pid[pid]
+
+    def detach(self, pid: int) -> TargetStatus:
+        t = self.get(pid)
+        del self.by_pid[pid]
+        t.state = "detached"
+        return t.status()
+
+    def monitor(self, pid: int | None, command: str) -> MonitorResult:
+        assert self.output_dir is not None, "give the fake an output_dir to run monitor commands"
+        return run_monitor(self.get, self.output_dir, pid, command)  # the daemon's own logic

@@ -1,0 +1,105 @@
+"""deploy/: the Kubernetes manifests validated offline against the Kubernetes schemas (kubernetes-validate
+ships them), the Prometheus config checked by the real promtool, the systemd unit by systemd-analyze, and the
+daemon's command lines in all of them accepted by heapscope's own parser."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from agent.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+MANIFEST = DEPLOY / "kubernetes" / "heapscope.yaml"
+
+
+def documents() -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
+
+
+def daemonset() -> dict[str, Any]:
+    [ds] = [d for d in documents() if d["kind"] == "DaemonSet"]
+    return ds
+
+
+def test_manifests_are_valid_kubernetes() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    version = kubernetes_validate.latest_version()
+    kinds = []
+    for doc in documents():
+        # strict: unknown fields are errors too (a typo in a field name would otherwise pass silently).
+        kubernetes_validate.validate(doc, version, strict=True)
+        kinds.append(doc["kind"])
+    assert sorted(kinds) == ["DaemonSet", "Service", "ServiceAccount"]
+
+
+def test_a_broken_manifest_is_caught() -> None:
+    """The validator really checks: the same DaemonSet with a misspelt field fails."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    ds = daemonset()
+    ds["spec"]["template"]["spec"]["hostPid"] = True
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(ds, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_daemonset_has_what_bpf_needs() -> None:
+    pod = daemonset()["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    [c] = pod["containers"]
+    caps = set(c["securityContext"]["capabilities"]["add"])
+    assert {"BPF", "PERFMON", "SYS_PTRACE", "SYS_ADMIN"} <= caps
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    for path in ("/sys/kernel/debug", "/sys/kernel/tracing", "/lib/modules", "/usr/src"):
+        assert path in mounts, path
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for m in mounts.values():
+        assert "hostPath" in volumes[m["name"]]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    # Listening on the pod IP: the token must come with it (the daemon refuses to start otherwise).
+    assert any(e["name"] == "HEAPSCOPE_TOKEN" and "secretKeyRef" in e["valueFrom"] for e in c["env"])
+
+
+def test_the_command_lines_parse() -> None:
+    [c] = daemonset()["spec"]["template"]["spec"]["containers"]
+    ns = build_parser().parse_args(c["args"])
+    assert ns.command == "serve" and ns.http == "0.0.0.0:7411"
+    unit = (DEPLOY / "systemd" / "heapscope.service").read_text()
+    [exec_start] = [ln.split("=", 1)[1] for ln in unit.splitlines() if ln.startswith("ExecStart=")]
+    ns = build_parser().parse_args(shlex.split(exec_start)[1:])
+    assert ns.command == "serve" and ns.http.startswith("127.0.0.1:")
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (Debian: prometheus)")
+def test_prometheus_config_is_valid(tmp_path: Path) -> None:
+    token = tmp_path / "heapscope.token"
+    token.write_text("t0ken\n")
+    config = tmp_path / "prometheus.yml"
+    config.write_text((DEPLOY / "prometheus" / "prometheus.yml").read_text().replace(
+        "/etc/prometheus/heapscope.token", str(token)))
+    done = subprocess.run(["promtool", "check", "config", str(config)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    jobs = [j["job_name"] for j in yaml.safe_load(config.read_text())["scrape_configs"]]
+    assert jobs == ["heapscope", "heapscope-kubernetes"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    exe = REPO / ".venv" / "bin" / "heapscope"
+    if not exe.exists():
+        pytest.skip("the venv's heapscope is not installed")
+    unit = tmp_path / "heapscope.service"
+    unit.write_text((DEPLOY / "systemd" / "heapscope.service").read_text().replace(
+        "/opt/heapscope/venv/bin/heapscope", str(exe)))
+    done = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, check=False)
+    problems = [ln for ln in done.stderr.splitlines() if "heapscope.service" in ln]
+    assert done.returncode == 0 and not problems, done.stderr
