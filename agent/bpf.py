@@ -211,10 +211,11 @@ class HeapProbes:
                 first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
                 raise EnvironmentProblem(f"cannot compile or load the BPF program: {first.strip()}") from exc
         try:
-            if not s.arm_on_exec:
-                self._set_armed(True)
             for point in self.points:
                 self._attach(point)
+            # Armed only now: an entry seen before its return probe existed would never see its return.
+            if not s.arm_on_exec:
+                self._set_armed(True)
             bpf["events"].open_perf_buffer(self._on_event, page_cnt=8)
         except BaseException:
             self.close()

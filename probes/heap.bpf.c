@@ -599,6 +599,7 @@ static __always_inline void store_pending(u32 tid, struct hs_pending *call, stru
         p->stack = call->stack;
         p->sp = call->sp;
         p->entry_ns = call->entry_ns;
+        p->ret0 = call->ret0;
         p->fn = call->fn;
         p->nested = 0;
         return;
@@ -633,10 +634,13 @@ static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
     struct hs_pending *p = find_pending(tid, g);
     if (p) {
         /* A call nested in a pending one runs deeper in the stack, or at the same depth when the outer
-         * function tail-calls it (reallocarray -> jmp realloc): then [rsp] already holds the return
-         * probe's trampoline, so the outer call's record is the one to keep. Otherwise the pending entry
-         * is stale (its return never came, e.g. a longjmp out of the allocator) and this call replaces it. */
-        if (sp <= p->sp) {
+         * function tail-calls it (reallocarray -> jmp realloc): then [rsp] holds the return probe's
+         * trampoline, no longer the outer call's return address, and the outer call's record is the one
+         * to keep. Otherwise the pending entry is stale (its return never came, e.g. a longjmp out of the
+         * allocator) and this call replaces it. */
+        u64 ret0 = 0;
+        bpf_probe_read_user(&ret0, sizeof(ret0), (void *)sp);
+        if (sp < p->sp || (sp == p->sp && ret0 != p->ret0)) {
             p->nested++;
             __sync_fetch_and_add(&g->nested_calls, 1);
             return 0;
@@ -652,6 +656,7 @@ static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
         .fn = fn,
     };
     call.stack = capture_stack(ctx, g, fn);
+    bpf_probe_read_user(&call.ret0, sizeof(call.ret0), (void *)sp);
     if (HS_MALT)
         call.entry_ns = bpf_ktime_get_ns();
     store_pending(tid, &call, g);
@@ -678,7 +683,9 @@ int free_enter(struct pt_regs *ctx)
         return 0;
     u32 tid = bpf_get_current_pid_tgid();
     struct hs_pending *p = find_pending(tid, g);
-    if (p && PT_REGS_SP(ctx) <= p->sp) {
+    u64 sp = PT_REGS_SP(ctx), ret0 = 0;
+    bpf_probe_read_user(&ret0, sizeof(ret0), (void *)sp);
+    if (p && (sp < p->sp || (sp == p->sp && ret0 != p->ret0))) {
         /* realloc(p, 0) frees through free: the realloc's return accounts for it. */
         __sync_fetch_and_add(&g->nested_calls, 1);
         return 0;

@@ -145,6 +145,7 @@ struct hs_pending {
     __u64 stack;  /* site id of the call's stack */
     __u64 sp;     /* stack pointer at entry: a nested call runs below it */
     __u64 entry_ns; /* HS_MALT: time inside the allocator */
+    __u64 ret0;   /* [rsp] at entry: the caller's return address */
     __u64 tid;    /* owner of a slot; 0 when the slot is free (64 bits: BPF's cmpxchg wants them) */
     __u32 fn;     /* enum hs_fn */
     __u32 nested; /* allocation calls made from inside this one (realloc -> malloc): not counted twice */
