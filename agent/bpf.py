@@ -7,6 +7,7 @@ the dataclasses below), never bcc objects.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import os
@@ -354,24 +355,38 @@ class HeapProbes:
         The stacks behind new keys are kept for stacks()."""
         if self._bpf is None:
             raise HeapscopeError("probes are not loaded")
-        out = {}
         n_sites = self.counters().n_sites
-        for key, v in enumerate(self._array_prefix("sites", min(n_sites + 1, self.settings.max_stacks))):
-            if v.tot_blocks == 0 and v.freed_blocks == 0:
+        leaf, raw, count = self._array_prefix_raw("sites", min(n_sites + 1, self.settings.max_stacks))
+        # Decode the raw words (every field is 64 bits) rather than 10,000 ctypes structs field by field.
+        stride = ctypes.sizeof(leaf) // 8
+        words = array.array("Q")
+        words.frombytes(raw)
+        at = {name: getattr(leaf, name).offset // 8 for name, _ in leaf._fields_}
+        ip0, depth = at["ip"], self.settings.max_depth
+        cur_b, cur_n, tot_b, tot_n = at["cur_bytes"], at["cur_blocks"], at["tot_bytes"], at["tot_blocks"]
+        fr_b, fr_n, pk_b, pk_g = at["freed_bytes"], at["freed_blocks"], at["peak_bytes"], at["peak_gen"]
+        cur_x, pk_x, free_count = at["cur_extra"], at["peak_extra"], at["free_count"]
+        out = {}
+        for key in range(count):
+            base = key * stride
+            if words[base + tot_n] == 0 and words[base + fr_n] == 0 and words[base + free_count] == 0:
                 continue  # an id handed out but unused (another CPU published the same stack first)
-            self._remember_stack(key, v)
+            if key not in self._stacks:
+                ips = words[base + ip0 : base + ip0 + depth].tolist()
+                self._stacks[key] = tuple(ips[: ips.index(0)] if 0 in ips else ips)
             # Untouched since the last peak: its live values are its values at the peak (lazy copy).
-            at_peak = v.peak_gen == peak_gen
+            at_peak = words[base + pk_g] == peak_gen
+            cur, extra = words[base + cur_b], words[base + cur_x]
             out[key] = SiteCounts(
-                cur_bytes=v.cur_bytes,
-                cur_blocks=v.cur_blocks,
-                tot_bytes=v.tot_bytes,
-                tot_blocks=v.tot_blocks,
-                freed_bytes=v.freed_bytes,
-                freed_blocks=v.freed_blocks,
-                peak_bytes=v.peak_bytes if at_peak else v.cur_bytes,
-                cur_extra=v.cur_extra,
-                peak_extra=v.peak_extra if at_peak else v.cur_extra,
+                cur_bytes=cur,
+                cur_blocks=words[base + cur_n],
+                tot_bytes=words[base + tot_b],
+                tot_blocks=words[base + tot_n],
+                freed_bytes=words[base + fr_b],
+                freed_blocks=words[base + fr_n],
+                peak_bytes=words[base + pk_b] if at_peak else cur,
+                cur_extra=extra,
+                peak_extra=words[base + pk_x] if at_peak else extra,
             )
         return out
 
@@ -430,6 +445,25 @@ class HeapProbes:
     def stacks(self, keys: Iterable[int]) -> dict[int, tuple[int, ...]]:
         """Return addresses behind site keys (innermost first), as read by the last sites() call."""
         return {k: self._stacks.get(k, ()) for k in keys}
+
+    def _array_prefix_raw(self, name: str, count: int) -> tuple[type, bytes, int]:
+        """Entries 0..count-1 of an array map as raw bytes: (value type, bytes, entries read)."""
+        assert self._bpf is not None
+        table = self._bpf[name]
+        if count <= 0:
+            return table.Leaf, b"", 0
+        keys = (table.Key * count)()
+        values = (table.Leaf * count)()
+        n = ctypes.c_uint32(count)
+        lib = _load_bcc().libbcc.lib
+        if lib.bpf_lookup_batch(table.map_fd, None, ctypes.byref(ctypes.c_uint32()), keys, values, ctypes.byref(n)) in (
+            0,
+            -2,  # ENOENT: the end of the map came first
+        ):
+            return table.Leaf, bytes(memoryview(values))[: n.value * ctypes.sizeof(table.Leaf)], n.value
+        for i in range(count):
+            values[i] = table[table.Key(i)]
+        return table.Leaf, bytes(memoryview(values)), count
 
     def _array_prefix(self, name: str, count: int) -> list:  # type: ignore[type-arg]
         """Entries 0..count-1 of an array map, in one batch syscall where the kernel has it."""

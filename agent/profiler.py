@@ -7,6 +7,7 @@ how the target was started: the CLI hands it a probe set and a way to tell wheth
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import threading
@@ -112,6 +113,10 @@ class Session:
         self.end_counters: Counters | None = None
         self._frames: dict[int, list[Frame]] = {}  # stack key -> symbolized raw stack
         self._trimmed: dict[int, Stack] = {}  # stack key -> Massif's trimmed stack
+        self._site_stack: dict[int, int] = {}  # site -> id of its trimmed stack (-1: --ignore-fn)
+        self._stack_ids: dict[Stack, int] = {}  # trimmed stack -> id
+        self._stacks_by_id: list[Stack] = []
+        self._sites_seen = 0  # the kernel's n_sites when the sites were last symbolized
         self._lock = threading.Lock()  # readers (HTTP) and the sampler share the model
         self._alloc_fns = opts.all_alloc_fns
         self._ignore_fns = frozenset(opts.ignore_fns)
@@ -167,19 +172,38 @@ class Session:
     def tree(self, sites: dict[int, SiteCounts], at_peak: bool) -> tuple[HeapTree, Ignored]:
         """The heap tree of live (or at-peak) bytes, and what --ignore-fn left out of it."""
         self.symbolize_new(list(sites))
-        stacks: dict[Stack, int] = {}
+        # Sites whose trimmed stacks are equal (e.g. cut at --depth) add up: merged by an interned id, so
+        # no stack of frames is hashed per snapshot.
+        per_stack: dict[int, int] = {}
         ignored = Ignored()
         for key, s in sites.items():
             if s.tot_blocks == 0:  # only frees were charged here (xtree full): not an allocation site
                 continue
             nbytes = s.peak_bytes if at_peak else s.cur_bytes
-            stack = self.trimmed(key)
-            if self._ignored(stack):
+            stack_id = self._stack_id(key)
+            if stack_id < 0:
                 ignored.heap += nbytes
                 ignored.extra += s.peak_extra if at_peak else s.cur_extra
                 continue
-            stacks[stack] = stacks.get(stack, 0) + nbytes
-        return HeapTree.from_stacks(stacks), ignored
+            per_stack[stack_id] = per_stack.get(stack_id, 0) + nbytes
+        tree = HeapTree()
+        for stack_id, nbytes in per_stack.items():
+            tree.add(self._stacks_by_id[stack_id], nbytes)
+        return tree, ignored
+
+    def _stack_id(self, key: int) -> int:
+        """An id per distinct trimmed stack of a site (-1: ignored by --ignore-fn), computed once per site."""
+        stack_id = self._site_stack.get(key)
+        if stack_id is None:
+            stack = self.trimmed(key)
+            if self._ignored(stack):
+                stack_id = -1
+            else:
+                stack_id = self._stack_ids.setdefault(stack, len(self._stacks_by_id))
+                if stack_id == len(self._stacks_by_id):
+                    self._stacks_by_id.append(stack)
+            self._site_stack[key] = stack_id
+        return stack_id
 
     # ---- sampling ---------------------------------------------------------------------------------
 
@@ -199,10 +223,16 @@ class Session:
             if kind is SnapshotKind.DETAILED:
                 tree, ignored = self.tree(self.probes.sites(c.peak_gen), at_peak=False)
                 self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, 0, tree)
+                # A kept tree is hundreds of thousands of long-lived objects: out of the cyclic collector's
+                # sight, its full passes stay short (they stalled HTTP requests for half a second).
+                gc.freeze()
             else:
                 self.series.add(t, c.heap, c.extra, 0)
-                # Stacks are symbolized as they appear, while the target's mappings are readable.
-                self.symbolize_new(list(self.probes.sites(c.peak_gen)))
+                # Stacks are symbolized as they appear, while the target's mappings are readable; the
+                # sites map is read only when the kernel has handed out new site ids since the last look.
+                if c.n_sites != self._sites_seen:
+                    self._sites_seen = c.n_sites
+                    self.symbolize_new(list(self.probes.sites(c.peak_gen)))
 
     def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float) -> None:
         """Sample every `interval` seconds until the target exits or `stop` is set; between samples, catch up
