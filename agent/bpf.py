@@ -122,6 +122,8 @@ class MaltSiteFields:
 # enum hs_fn (probes/heap.h), by MALT's function names.
 FN_NAMES = ("malloc", "calloc", "realloc", "memalign", "posix_memalign", "valloc", "pvalloc", "realloc", "free")
 LOG2_BINS = 64  # probes/heap.h HS_LOG2_BINS
+SMALL_SIZES = 4096  # probes/heap.h HS_SMALL_SIZES
+THREAD_SLOTS = 1024  # probes/heap.h HS_THREAD_SLOTS
 
 
 @dataclass(frozen=True)
@@ -402,17 +404,31 @@ class HeapProbes:
         return out
 
     def size_map(self) -> dict[int, int]:
-        return {_int(k): _int(v) for k, v in self._items("size_map")}
+        """Request size -> allocations: small sizes from their array, the others from the hash map."""
+        _, raw, count = self._array_prefix_raw("small_sizes", SMALL_SIZES)
+        small = array.array("Q")
+        small.frombytes(raw)
+        out = {size: n for size, n in enumerate(small[:count]) if n}
+        out.update({_int(k): _int(v) for k, v in self._items("size_map")})
+        return out
 
     def realloc_jumps(self) -> dict[tuple[int, int], int]:
         return {(int(k.old_size), int(k.new_size)): _int(v) for k, v in self._items("realloc_jump")}
 
     def thread_stats(self) -> dict[tuple[int, int], tuple[int, int, int]]:
         """(tid, enum hs_fn) -> (count, bytes, ns inside the function)."""
-        out = {}
-        for k, v in self._items("thread_stats"):
+        out: dict[tuple[int, int], tuple[int, int, int]] = {}
+        _, raw, count = self._array_prefix_raw("thread_slots", THREAD_SLOTS * len(FN_NAMES))
+        words = array.array("Q")
+        words.frombytes(raw)
+        for i in range(count):  # struct hs_thread_slot: tid, count, bytes, ns
+            tid, n, nbytes, ns = words[4 * i : 4 * i + 4]
+            if tid:
+                out[(tid, i % len(FN_NAMES))] = (n, nbytes, ns)
+        for k, v in self._items("thread_stats"):  # threads whose slot another thread held
             key = _int(k)
-            out[(key >> 8, key & 0xFF)] = (int(v.count), int(v.bytes), int(v.ns))
+            c, b, t = out.get((key >> 8, key & 0xFF), (0, 0, 0))
+            out[(key >> 8, key & 0xFF)] = (c + int(v.count), b + int(v.bytes), t + int(v.ns))
         return out
 
     def log2_histograms(self) -> tuple[list[int], list[int]]:

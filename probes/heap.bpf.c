@@ -32,8 +32,12 @@ BPF_ARRAY(control, u64, HS_CTL_COUNT);
 /* MALT (HS_MALT): size_map: request size -> count; realloc_jump: struct hs_jump -> count;
  * thread_stats: tid << 8 | enum hs_fn -> struct hs_thread_stat */
 BPF_HASH(size_map, u64, u64, HS_MAX_SIZES);
+/* small_sizes: request size -> count, for sizes below HS_SMALL_SIZES (no hashing on the common sizes) */
+BPF_ARRAY(small_sizes, u64, HS_SMALL_SIZES);
 BPF_HASH(realloc_jump, struct hs_jump, u64, HS_MAX_SIZES);
 BPF_HASH(thread_stats, u64, struct hs_thread_stat, HS_MAX_THREADS);
+/* thread_slots: (tid mod HS_THREAD_SLOTS) * HS_FN_COUNT + fn -> the owning thread's statistics */
+BPF_ARRAY(thread_slots, struct hs_thread_slot, HS_THREAD_SLOTS * HS_FN_COUNT);
 /* size_hist: log2(size) -> allocations so far; life_hist: log2(size) * 64 + log2(lifetime ns) -> frees so
  * far. Cumulative: user space takes the difference between two samples, so nothing is ever reset. */
 BPF_ARRAY(size_hist, u64, HS_LOG2_BINS);
@@ -365,7 +369,16 @@ static __always_inline void min_max(u64 *mn, u64 *mx, u64 v)
 
 static __always_inline void thread_stat(u32 fn, u64 bytes, u64 ns)
 {
-    u64 key = (bpf_get_current_pid_tgid() << 32 >> 24) | fn; /* tid << 8 | fn */
+    u64 tid = (u32)bpf_get_current_pid_tgid();
+    u32 idx = (tid & (HS_THREAD_SLOTS - 1)) * HS_FN_COUNT + (fn < HS_FN_COUNT ? fn : 0);
+    struct hs_thread_slot *slot = thread_slots.lookup(&idx);
+    if (slot && (slot->tid == tid || (slot->tid == 0 && __sync_val_compare_and_swap(&slot->tid, 0, tid) == 0))) {
+        __sync_fetch_and_add(&slot->stat.count, 1);
+        __sync_fetch_and_add(&slot->stat.bytes, bytes);
+        __sync_fetch_and_add(&slot->stat.ns, ns);
+        return;
+    }
+    u64 key = (tid << 8) | fn; /* the slot belongs to another thread with the same low bits */
     struct hs_thread_stat *t = thread_stats.lookup(&key);
     if (!t) {
         struct hs_thread_stat fresh = {};
@@ -394,15 +407,20 @@ static __always_inline void malt_alloc(struct hs_global *g, struct hs_site *s, u
     }
     if (s && s->cur_bytes > s->max_alive)
         s->max_alive = s->cur_bytes;
-    u64 *n = size_map.lookup(&size);
-    if (n) {
-        __sync_fetch_and_add(n, 1);
+    if (size < HS_SMALL_SIZES) {
+        u32 idx = size;
+        count_in(small_sizes.lookup(&idx));
     } else {
-        u64 one = 1;
-        if (size_map.insert(&size, &one) == -17 /* EEXIST: another CPU inserted it */)
-            count_in(size_map.lookup(&size));
-        else if (!size_map.lookup(&size))
-            __sync_fetch_and_add(&g->dropped_sizes, 1);
+        u64 *n = size_map.lookup(&size);
+        if (n) {
+            __sync_fetch_and_add(n, 1);
+        } else {
+            u64 one = 1;
+            if (size_map.insert(&size, &one) == -17 /* EEXIST: another CPU inserted it */)
+                count_in(size_map.lookup(&size));
+            else if (!size_map.lookup(&size))
+                __sync_fetch_and_add(&g->dropped_sizes, 1);
+        }
     }
     u32 bin = log2_bin(size);
     count_in(size_hist.lookup(&bin));
@@ -656,7 +674,10 @@ static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
         .fn = fn,
     };
     call.stack = capture_stack(ctx, g, fn);
-    bpf_probe_read_user(&call.ret0, sizeof(call.ret0), (void *)sp);
+    u32 zero = 0;
+    struct hs_site *walked = scratch.lookup(&zero);
+    if (walked)
+        call.ret0 = walked->ip[0]; /* [rsp], read by the walk */
     if (HS_MALT)
         call.entry_ns = bpf_ktime_get_ns();
     store_pending(tid, &call, g);
@@ -684,7 +705,8 @@ int free_enter(struct pt_regs *ctx)
     u32 tid = bpf_get_current_pid_tgid();
     struct hs_pending *p = find_pending(tid, g);
     u64 sp = PT_REGS_SP(ctx), ret0 = 0;
-    bpf_probe_read_user(&ret0, sizeof(ret0), (void *)sp);
+    if (p)
+        bpf_probe_read_user(&ret0, sizeof(ret0), (void *)sp);
     if (p && (sp < p->sp || (sp == p->sp && ret0 != p->ret0))) {
         /* realloc(p, 0) frees through free: the realloc's return accounts for it. */
         __sync_fetch_and_add(&g->nested_calls, 1);

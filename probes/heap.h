@@ -43,6 +43,8 @@
 #define HS_MAX_SIZES 65536       /* distinct request sizes in MALT's sizeMap */
 #endif
 #define HS_LOG2_BINS 64          /* log2 bins of the scatter histograms */
+#define HS_SMALL_SIZES 4096      /* MALT sizeMap: sizes below this are counted in an array */
+#define HS_THREAD_SLOTS 1024     /* MALT per-thread statistics: array slots, by tid mod this */
 
 #ifndef HS_ARM_ON_EXEC
 #define HS_ARM_ON_EXEC 0         /* 1: `run` arms at the target's first exec; 0: `attach` is armed at load */
@@ -116,6 +118,12 @@ struct hs_thread_stat {
     __u64 count;
     __u64 bytes;
     __u64 ns;     /* time inside the function, entry to return (free: not measured, it has no return probe) */
+};
+
+/* A thread's statistics for one function, in an array slot owned by the first thread that used it. */
+struct hs_thread_slot {
+    __u64 tid;
+    struct hs_thread_stat stat;
 };
 
 /* MALT's reallocJump key. */
