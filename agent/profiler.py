@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from agent.bpf import EV_EXIT, Counters, HeapProbes, UnwindMapping
 from agent.elf import ElfError, open_elf
 from agent.massif import render_snapshot, write_massif
-from agent.model import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, SnapshotSeries, Stack, trim_stack
+from agent.model import Frame, HeapNode, HeapTree, SiteCounts, Snapshot, SnapshotKind, SnapshotSeries, Stack, trim_stack
 from agent.options import MassifOptions
 from agent.symbols import Mapping, Symbolizer, parse_maps
 
@@ -117,6 +117,10 @@ class Session:
         self._stack_ids: dict[Stack, int] = {}  # trimmed stack -> id
         self._stacks_by_id: list[Stack] = []
         self._sites_seen = 0  # the kernel's n_sites when the sites were last symbolized
+        self._intern_lock = threading.Lock()
+        self._reused_tree = HeapTree()  # live_tree(): nodes kept between requests
+        self._reused_nodes: list[HeapNode] = []
+        self._reused_paths: dict[int, list[HeapNode]] = {}
         self._lock = threading.Lock()  # readers (HTTP) and the sampler share the model
         self._alloc_fns = opts.all_alloc_fns
         self._ignore_fns = frozenset(opts.ignore_fns)
@@ -196,14 +200,60 @@ class Session:
         stack_id = self._site_stack.get(key)
         if stack_id is None:
             stack = self.trimmed(key)
-            if self._ignored(stack):
-                stack_id = -1
-            else:
-                stack_id = self._stack_ids.setdefault(stack, len(self._stacks_by_id))
-                if stack_id == len(self._stacks_by_id):
-                    self._stacks_by_id.append(stack)
-            self._site_stack[key] = stack_id
+            with self._intern_lock:  # the sampler and HTTP requests both intern stacks
+                if self._ignored(stack):
+                    stack_id = -1
+                else:
+                    stack_id = self._stack_ids.get(stack)
+                    if stack_id is None:
+                        stack_id = self._stack_ids[stack] = len(self._stacks_by_id)
+                        self._stacks_by_id.append(stack)
+                self._site_stack[key] = stack_id
         return stack_id
+
+    def live_tree(self, sites: dict[int, SiteCounts]) -> tuple[HeapTree, Ignored]:
+        """The tree of live bytes in one reused tree: nodes are kept between calls and only their bytes are
+        refilled along each stack's precomputed path. For rendering at once, under the session lock (the
+        next call overwrites it); a tree that is kept comes from tree()."""
+        self.symbolize_new(list(sites))
+        per_stack: dict[int, int] = {}
+        ignored = Ignored()
+        for key, s in sites.items():
+            if s.tot_blocks == 0:
+                continue
+            stack_id = self._stack_id(key)
+            if stack_id < 0:
+                ignored.heap += s.cur_bytes
+                ignored.extra += s.cur_extra
+                continue
+            per_stack[stack_id] = per_stack.get(stack_id, 0) + s.cur_bytes
+        tree = self._reused_tree
+        for node in self._reused_nodes:
+            node.bytes = 0
+        tree.total = tree.n_stacks = 0
+        for stack_id, nbytes in per_stack.items():
+            path = self._reused_paths.get(stack_id)
+            if path is None:
+                path = self._reused_paths[stack_id] = self._grow_reused(self._stacks_by_id[stack_id])
+            nbytes = max(0, nbytes)
+            for node in path:
+                node.bytes += nbytes
+            tree.total += nbytes
+            tree.n_stacks += 1
+        return tree, ignored
+
+    def _grow_reused(self, stack: Stack) -> list[HeapNode]:
+        """The nodes of the reused tree along a stack (as HeapTree.add would build them), created as needed."""
+        path = []
+        level = self._reused_tree.children
+        for frame in stack:
+            node = level.get(frame.label)
+            if node is None:
+                node = level[frame.label] = HeapNode(frame)
+                self._reused_nodes.append(node)
+            path.append(node)
+            level = node.children
+        return path
 
     # ---- sampling ---------------------------------------------------------------------------------
 
@@ -220,19 +270,23 @@ class Session:
             if kind is None:
                 self.series.add(t, c.heap, c.extra, 0)  # counted as skipped
                 return
-            if kind is SnapshotKind.DETAILED:
-                tree, ignored = self.tree(self.probes.sites(c.peak_gen), at_peak=False)
-                self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, 0, tree)
-                # A kept tree is hundreds of thousands of long-lived objects: out of the cyclic collector's
-                # sight, its full passes stay short (they stalled HTTP requests for half a second).
-                gc.freeze()
-            else:
+            if kind is not SnapshotKind.DETAILED:
                 self.series.add(t, c.heap, c.extra, 0)
                 # Stacks are symbolized as they appear, while the target's mappings are readable; the
                 # sites map is read only when the kernel has handed out new site ids since the last look.
                 if c.n_sites != self._sites_seen:
                     self._sites_seen = c.n_sites
                     self.symbolize_new(list(self.probes.sites(c.peak_gen)))
+                return
+        # A detailed snapshot's tree is built outside the lock, so that HTTP requests do not queue behind it.
+        tree, ignored = self.tree(self.probes.sites(c.peak_gen), at_peak=False)
+        with self._lock:
+            if self.series.finished or self.series.next_kind(t) is not SnapshotKind.DETAILED:
+                return
+            self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, 0, tree)
+        # A kept tree is hundreds of thousands of long-lived objects: out of the cyclic collector's sight, its
+        # full passes stay short (they stalled HTTP requests for half a second).
+        gc.freeze()
 
     def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float) -> None:
         """Sample every `interval` seconds until the target exits or `stop` is set; between samples, catch up
@@ -360,12 +414,17 @@ class Session:
             tree = None
             ign = Ignored()
             if detailed:
-                tree, ign = self.tree(self.probes.sites(c.peak_gen), at_peak=False)
+                tree, ign = self.live_tree(self.probes.sites(c.peak_gen))
             kind = SnapshotKind.DETAILED if detailed else SnapshotKind.NORMAL
             snap = Snapshot(self.now(c), c.heap - ign.heap, c.extra - ign.extra, 0, tree, kind)
-        return render_snapshot(
-            snap, desc=self.info.desc, cmd=self.info.cmd, time_unit=self.opts.time_unit, threshold=self.opts.threshold
-        )
+            # Rendered under the lock: the reused tree is overwritten by the next request.
+            return render_snapshot(
+                snap,
+                desc=self.info.desc,
+                cmd=self.info.cmd,
+                time_unit=self.opts.time_unit,
+                threshold=self.opts.threshold,
+            )
 
     def summary(self) -> list[str]:
         c = self.end_counters or self.probes.counters()
