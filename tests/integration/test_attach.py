@@ -101,8 +101,7 @@ def libc_entry(name: str) -> tuple[tuple[int, int], int]:
 class CodeWatch:
     """The first bytes of libc's malloc and free in the target, as the target's memory holds them. A uprobe
     is an int3 written into the process's copy of the page, so they change when heapscope's probes are in
-    place and must be back to the original when it has detached. (heapscope prints its probe plan before
-    attaching, and nothing once the probes are live, so this is how a test knows the attach is done.)"""
+    place and must be back to the original when it has detached."""
 
     SPAN = 32
 
@@ -125,16 +124,22 @@ class CodeWatch:
     def probed(self) -> bool:
         return all(now != before for now, before in zip(self.read(), self.original, strict=True))
 
-    def wait_probed(self, profiler: subprocess.Popen[bytes]) -> None:
+    def wait_probed(self, profiler: subprocess.Popen[bytes]) -> str:
+        """Wait until the probes are in the target's code and heapscope says they are live ("probes attached":
+        it arms them only after the last one is in place). Returns what heapscope printed so far."""
         deadline = time.monotonic() + TIMEOUT
+        said = ""
+        assert profiler.stderr is not None
         while time.monotonic() < deadline:
-            if self.probed():
-                return
+            if "probes attached" in said and self.probed():
+                return said
             if profiler.poll() is not None:
-                err = profiler.stderr.read().decode() if profiler.stderr else ""
-                raise AssertionError(f"heapscope exited ({profiler.returncode}) before attaching:\n{err}")
-            time.sleep(0.02)
-        raise AssertionError("heapscope's probes did not appear in malloc and free within the timeout")
+                rest = profiler.stderr.read().decode()
+                raise AssertionError(f"heapscope exited ({profiler.returncode}) before attaching:\n{said}{rest}")
+            ready, _, _ = select.select([profiler.stderr], [], [], 0.02)
+            if ready:
+                said += profiler.stderr.readline().decode()
+        raise AssertionError(f"heapscope's probes did not go live within the timeout:\n{said}")
 
 
 def start_target(program: Path, *args: str) -> subprocess.Popen[bytes]:
@@ -189,7 +194,7 @@ def test_attach_until_target_exits(heapscope_cmd: list[str], build: Callable[...
     code = CodeWatch(target.pid)
     profiler = start_attach(heapscope_cmd, target.pid, out)
     try:
-        code.wait_probed(profiler)
+        said = code.wait_probed(profiler)
         release(target)
         target_out, _ = target.communicate(timeout=TIMEOUT)
         _, err = profiler.communicate(timeout=TIMEOUT)
@@ -198,7 +203,7 @@ def test_attach_until_target_exits(heapscope_cmd: list[str], build: Callable[...
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    stderr = err.decode()
+    stderr = said + err.decode()
     assert target.returncode == 7
     assert target_out.decode() == "allocated\ndone\n"
     assert profiler.returncode == 0, stderr
@@ -215,13 +220,13 @@ def test_detach_on_sigint_leaves_target_unharmed(
     code = CodeWatch(target.pid)
     profiler = start_attach(heapscope_cmd, target.pid, out)
     try:
-        code.wait_probed(profiler)
+        said = code.wait_probed(profiler)
         release(target)
         assert target.stdout is not None
         assert read_line(target.stdout) == "allocated\n"
         profiler.send_signal(signal.SIGINT)
         _, err = profiler.communicate(timeout=TIMEOUT)
-        stderr = err.decode()
+        stderr = said + err.decode()
         assert profiler.returncode == 0, stderr
         assert target.poll() is None, "the target died when heapscope detached"
         assert code.read() == code.original, "heapscope left probes in the target's malloc or free"
