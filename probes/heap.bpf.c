@@ -165,11 +165,19 @@ static __always_inline long walk_step(struct walk *w)
             cfa = w->bp + r->cfa_offset;
         else /* HS_CFA_PLT */
             cfa = w->sp + 8 + (((pc - m->bias) & 15) >= 11 ? 8 : 0);
-        if (bpf_probe_read_user(&ret, sizeof(ret), (void *)(cfa - 8))) {
-            __sync_fetch_and_add(&w->g->unwind_bad_read, 1);
-            return 1;
+        int bad;
+        if ((r->flags & HS_RBP_SAVED) && r->rbp_offset == -16) {
+            /* The usual `push %rbp` frame: saved rbp and return address side by side, one read. */
+            u64 pair[2] = {0, 0};
+            bad = bpf_probe_read_user(pair, sizeof(pair), (void *)(cfa - 16));
+            bp = pair[0];
+            ret = pair[1];
+        } else {
+            bad = bpf_probe_read_user(&ret, sizeof(ret), (void *)(cfa - 8));
+            if (!bad && (r->flags & HS_RBP_SAVED))
+                bad = bpf_probe_read_user(&bp, sizeof(bp), (void *)(cfa + r->rbp_offset));
         }
-        if ((r->flags & HS_RBP_SAVED) && bpf_probe_read_user(&bp, sizeof(bp), (void *)(cfa + r->rbp_offset))) {
+        if (bad) {
             __sync_fetch_and_add(&w->g->unwind_bad_read, 1);
             return 1;
         }
