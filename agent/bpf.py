@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
 from types import TracebackType
+from typing import Any
 
 from agent.discovery import ProbePoint
 from agent.errors import EnvironmentProblem, HeapscopeError
@@ -482,21 +483,10 @@ class HeapProbes:
         return table.Leaf, bytes(memoryview(values)), count
 
     def _array_prefix(self, name: str, count: int) -> list:  # type: ignore[type-arg]
-        """Entries 0..count-1 of an array map, in one batch syscall where the kernel has it."""
-        assert self._bpf is not None
-        table = self._bpf[name]
-        if count <= 0:
-            return []
-        keys = (table.Key * count)()
-        values = (table.Leaf * count)()
-        n = ctypes.c_uint32(count)
-        lib = _load_bcc().libbcc.lib
-        if lib.bpf_lookup_batch(table.map_fd, None, ctypes.byref(ctypes.c_uint32()), keys, values, ctypes.byref(n)) in (
-            0,
-            -2,  # ENOENT: the end of the map came first
-        ):
-            return list(values[: n.value])
-        return [table[table.Key(i)] for i in range(count)]
+        """Entries 0..count-1 of an array map, as ctypes values."""
+        leaf, raw, n = self._array_prefix_raw(name, count)
+        array_type: Any = leaf * n  # a ctypes array type
+        return list(array_type.from_buffer_copy(raw)) if n else []
 
     def _items(self, name: str) -> list:  # type: ignore[type-arg]
         assert self._bpf is not None

@@ -410,13 +410,7 @@ class Session:
     def snapshot_now(self, detailed: bool) -> str:
         """Massif's monitor commands `snapshot` and `detailed_snapshot`: a file with one snapshot, taken now."""
         with self._lock:
-            c = self.probes.counters()
-            tree = None
-            ign = Ignored()
-            if detailed:
-                tree, ign = self.live_tree(self.probes.sites(c.peak_gen))
-            kind = SnapshotKind.DETAILED if detailed else SnapshotKind.NORMAL
-            snap = Snapshot(self.now(c), c.heap - ign.heap, c.extra - ign.extra, 0, tree, kind)
+            snap = self._snapshot(detailed, reuse_tree=True)
             # Rendered under the lock: the reused tree is overwritten by the next request.
             return render_snapshot(
                 snap,
@@ -463,13 +457,18 @@ class Session:
     def snapshot_model(self, detailed: bool) -> Snapshot:
         """The snapshot that snapshot_now() renders, as a model object (for the API's JSON form)."""
         with self._lock:
-            c = self.probes.counters()
-            tree = None
-            ign = Ignored()
-            if detailed:
-                tree, ign = self.tree(self.probes.sites(c.peak_gen), at_peak=False)
-            kind = SnapshotKind.DETAILED if detailed else SnapshotKind.NORMAL
-            return Snapshot(self.now(c), c.heap - ign.heap, c.extra - ign.extra, 0, tree, kind)
+            return self._snapshot(detailed, reuse_tree=False)
+
+    def _snapshot(self, detailed: bool, reuse_tree: bool) -> Snapshot:
+        """A snapshot of now (under the lock). A reused tree is only good until the next call."""
+        c = self.probes.counters()
+        tree = None
+        ign = Ignored()
+        if detailed:
+            sites = self.probes.sites(c.peak_gen)
+            tree, ign = self.live_tree(sites) if reuse_tree else self.tree(sites, at_peak=False)
+        kind = SnapshotKind.DETAILED if detailed else SnapshotKind.NORMAL
+        return Snapshot(self.now(c), c.heap - ign.heap, c.extra - ign.extra, 0, tree, kind)
 
     def snapshot_list(self) -> list[Snapshot]:
         """The snapshots recorded so far, in time order (what massif_text() writes)."""
