@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from agent.discovery import ProbePoint
 from agent.errors import EnvironmentProblem, HeapscopeError
@@ -485,7 +485,7 @@ class HeapProbes:
     def _array_prefix(self, name: str, count: int) -> list:  # type: ignore[type-arg]
         """Entries 0..count-1 of an array map, as ctypes values."""
         leaf, raw, n = self._array_prefix_raw(name, count)
-        array_type: Any = leaf * n  # a ctypes array type
+        array_type: Any = cast(Any, leaf) * n  # a ctypes array type
         return list(array_type.from_buffer_copy(raw)) if n else []
 
     def _items(self, name: str) -> list:  # type: ignore[type-arg]
