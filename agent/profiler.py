@@ -385,18 +385,9 @@ class Session:
 
     def xtree_text(self) -> str:
         """The xtree memory report in callgrind format (Massif's monitor command xtmemory)."""
-        with self._lock:
-            c = self.end_counters or self.probes.counters()
-            sites = self.probes.sites(c.peak_gen)
-            self.symbolize_new(list(sites))
-            merged: dict[Stack, SiteCounts] = {}
-            for key, s in sites.items():
-                # Valgrind's xtree drops only the allocation function itself (not in our stacks) and cuts
-                # below main; it keeps other alloc-fns and ignores --depth.
-                stack = trim_stack(self._frames[key], frozenset(), _XTREE_DEPTH)
-                m = merged.setdefault(stack, SiteCounts())
-                for name in ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks"):
-                    setattr(m, name, getattr(m, name) + getattr(s, name))
+        # Valgrind's xtree drops only the allocation function itself (not in our stacks) and cuts below main;
+        # it keeps other alloc-fns and ignores --depth.
+        merged = self.merged_sites(massif_trim=False)
         out = io.StringIO()
         write_xtree(
             out,
