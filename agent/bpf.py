@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import mmap
 import os
 import signal
 import sys
@@ -162,6 +163,60 @@ def _int(value: object) -> int:
     return int(getattr(value, "value", value))  # type: ignore[call-overload]
 
 
+class SiteArray:
+    """Entries of an array map whose fields are all 64 bits, read as columns: the kernel's array mapped
+    read-only (BPF_F_MMAPABLE), so a read is neither a syscall nor a copy of the whole array; or a copy of it.
+
+    `fields` gives each field's offset in words and whether it is signed."""
+
+    def __init__(self, buf: Any, stride: int, fields: dict[str, tuple[int, bool]], entries: int) -> None:
+        self._buf = buf
+        self._words = memoryview(buf).cast("B").cast("Q")
+        self._signed = memoryview(buf).cast("B").cast("q")
+        self.stride = stride  # words per entry
+        self.fields = fields
+        self.entries = entries  # entries readable
+
+    @classmethod
+    def of_leaf(cls, buf: Any, leaf: Any, entries: int) -> SiteArray:
+        """Over `buf`, holding entries of the ctypes struct `leaf` (bcc's description of the map's value)."""
+        stride = ctypes.sizeof(leaf) // 8
+        fields = {
+            name: (getattr(leaf, name).offset // 8, getattr(kind, "_type_", "Q") in ("q", "l"))
+            for name, kind in leaf._fields_
+        }
+        return cls(buf, stride, fields, entries)
+
+    def column(self, name: str, count: int, signed: bool | None = None) -> list[int]:
+        """Field `name` of entries 0..count-1, signed as declared unless `signed` says otherwise."""
+        offset, declared = self.fields[name]
+        count = min(count, self.entries)
+        words = self._signed if (declared if signed is None else signed) else self._words
+        return words[offset : offset + count * self.stride : self.stride].tolist()
+
+    def entry(self, index: int) -> list[int]:
+        """All words of one entry."""
+        return self._words[index * self.stride : (index + 1) * self.stride].tolist()
+
+    def copy(self, count: int) -> SiteArray:
+        """Entries 0..count-1, copied: readable after the map is gone."""
+        count = min(count, self.entries)
+        return SiteArray(bytearray(self._words[: count * self.stride]), self.stride, self.fields, count)
+
+    def release(self) -> None:
+        self._words.release()
+        self._signed.release()
+
+
+def _map_array(table: Any, entries: int) -> tuple[mmap.mmap, SiteArray]:
+    """An mmapable array map (BPF_F_MMAPABLE), mapped read-only. The kernel lays its values out from offset 0,
+    each rounded up to 8 bytes."""
+    size = entries * ctypes.sizeof(table.Leaf)
+    length = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+    mapping = mmap.mmap(table.map_fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    return mapping, SiteArray.of_leaf(mapping, table.Leaf, entries)
+
+
 def _load_bcc():  # type: ignore[no-untyped-def]
     try:
         import bcc
@@ -178,7 +233,10 @@ class HeapProbes:
         self.points = tuple(points)
         self._bpf = None
         self._fds: list[int] = []
-        self._stacks: dict[int, tuple[int, ...]] = {}
+        self._stacks: dict[int, tuple[int, ...]] = {}  # site id -> return addresses, read once per site
+        self._sites: SiteArray | None = None  # struct hs_site by site id
+        self._site_stacks: SiteArray | None = None  # struct hs_stack by site id
+        self._mappings: list[mmap.mmap] = []
         self._events: list[int] = []
         self._rows_used = 0
         self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count)
@@ -215,6 +273,13 @@ class HeapProbes:
                 first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
                 raise EnvironmentProblem(f"cannot compile or load the BPF program: {first.strip()}") from exc
         try:
+            try:
+                for name in ("sites", "site_stacks"):
+                    mapping, view = _map_array(bpf[name], s.max_stacks)
+                    self._mappings.append(mapping)
+                    setattr(self, "_" + name, view)
+            except (OSError, ValueError) as exc:
+                raise EnvironmentProblem(f"cannot map the sites array (BPF_F_MMAPABLE, Linux 5.5+): {exc}") from exc
             for point in self.points:
                 self._attach(point)
             # Armed only now: an entry seen before its return probe existed would never see its return.
@@ -248,9 +313,20 @@ class HeapProbes:
         if self._bpf is not None and self.stopped():
             self.resume()  # never leave the target held at an event, whatever went wrong
         self.detach()
+        self._unmap()
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
+
+    def _unmap(self) -> None:
+        for view in (self._sites, self._site_stacks):
+            if view is not None:
+                view.release()
+        self._sites = self._site_stacks = None
+        for mapping in self._mappings:
+            with contextlib.suppress(BufferError):  # a view still exported: the mapping goes with it
+                mapping.close()
+        self._mappings.clear()
 
     def _attach(self, point: ProbePoint) -> None:
         bcc = _load_bcc()
@@ -353,55 +429,69 @@ class HeapProbes:
         raw = self._bpf["globals"][ctypes.c_int(0)]
         return Counters(**{f.name: int(getattr(raw, f.name)) for f in fields(Counters)})
 
-    def sites(self, peak_gen: int) -> dict[int, SiteCounts]:
-        """Counters per stack key, with peak_bytes resolved against the global peak number `peak_gen`.
-        The stacks behind new keys are kept for stacks()."""
-        if self._bpf is None:
+    def site_count(self) -> int:
+        """Site ids in use so far, the overflow site 0 included: read columns of this many sites."""
+        return min(self.counters().n_sites + 1, self.settings.max_stacks)
+
+    def site_column(self, name: str, count: int, signed: bool | None = None) -> list[int]:
+        """One counter of struct hs_site (probes/heap.h), for sites 0..count-1, read in place. `signed`: read
+        an unsigned counter as signed (a live count a racy read saw below zero comes out negative)."""
+        if self._sites is None:
             raise HeapscopeError("probes are not loaded")
-        n_sites = self.counters().n_sites
-        leaf, raw, count = self._array_prefix_raw("sites", min(n_sites + 1, self.settings.max_stacks))
-        # Decode the raw words (every field is 64 bits) rather than 10,000 ctypes structs field by field.
-        stride = ctypes.sizeof(leaf) // 8
-        words = array.array("Q")
-        words.frombytes(raw)
-        at = {name: getattr(leaf, name).offset // 8 for name, _ in leaf._fields_}
-        ip0, depth = at["ip"], self.settings.max_depth
-        cur_b, cur_n, tot_b, tot_n = at["cur_bytes"], at["cur_blocks"], at["tot_bytes"], at["tot_blocks"]
-        fr_b, fr_n, pk_b, pk_g = at["freed_bytes"], at["freed_blocks"], at["peak_bytes"], at["peak_gen"]
-        cur_x, pk_x, free_count = at["cur_extra"], at["peak_extra"], at["free_count"]
-        out = {}
-        for key in range(count):
-            base = key * stride
-            if words[base + tot_n] == 0 and words[base + fr_n] == 0 and words[base + free_count] == 0:
-                continue  # an id handed out but unused (another CPU published the same stack first)
-            if key not in self._stacks:
-                ips = words[base + ip0 : base + ip0 + depth].tolist()
-                self._stacks[key] = tuple(ips[: ips.index(0)] if 0 in ips else ips)
-            # Untouched since the last peak: its live values are its values at the peak (lazy copy).
-            at_peak = words[base + pk_g] == peak_gen
-            cur, extra = words[base + cur_b], words[base + cur_x]
-            out[key] = SiteCounts(
-                cur_bytes=cur,
-                cur_blocks=words[base + cur_n],
-                tot_bytes=words[base + tot_b],
-                tot_blocks=words[base + tot_n],
-                freed_bytes=words[base + fr_b],
-                freed_blocks=words[base + fr_n],
-                peak_bytes=words[base + pk_b] if at_peak else cur,
-                cur_extra=extra,
-                peak_extra=words[base + pk_x] if at_peak else extra,
+        return self._sites.column(name, count, signed)
+
+    def copy_sites(self, count: int) -> SiteArray:
+        """The counters of sites 0..count-1, copied (they stay readable once the program is unloaded)."""
+        if self._sites is None:
+            raise HeapscopeError("probes are not loaded")
+        return self._sites.copy(count)
+
+    def used_sites(self, count: int) -> list[int]:
+        """Site ids among 0..count-1 with an allocation or a free charged to them; the others were handed out
+        but never used (another CPU published the same stack first), or their first call is still running."""
+        used = zip(
+            self.site_column("tot_blocks", count),
+            self.site_column("freed_blocks", count),
+            self.site_column("free_count", count),
+            strict=True,
+        )
+        return [key for key, (a, f, n) in enumerate(used) if a or f or n]
+
+    def sites(self, peak_gen: int) -> dict[int, SiteCounts]:
+        """Counters per used site, with the peak values resolved against the global peak numbered `peak_gen`."""
+        n = self.site_count()
+        plain = ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks", "cur_extra")
+        columns = [self.site_column(name, n) for name in plain]
+        peak_bytes = self.peak_column("peak_bytes", "cur_bytes", n, peak_gen)
+        peak_extra = self.peak_column("peak_extra", "cur_extra", n, peak_gen)
+        return {
+            key: SiteCounts(
+                **{name: column[key] for name, column in zip(plain, columns, strict=True)},
+                peak_bytes=peak_bytes[key],
+                peak_extra=peak_extra[key],
             )
-        return out
+            for key in self.used_sites(n)
+        }
+
+    def peak_column(self, name: str, live: str, count: int, peak_gen: int, signed: bool | None = None) -> list[int]:
+        """A site's value at the global peak numbered `peak_gen` (peak_bytes, peak_extra): a site untouched
+        since that peak still holds it in its live counter (`live`), as the kernel copies it lazily."""
+        at_peak = self.site_column(name, count, signed)
+        now = self.site_column(live, count, signed)
+        gens = self.site_column("peak_gen", count)
+        return [p if g == peak_gen else c for p, c, g in zip(at_peak, now, gens, strict=True)]
 
     def malt_sites(self) -> dict[int, MaltSiteFields]:
         """MALT's per-stack statistics (settings.malt), by site id."""
-        n_sites = self.counters().n_sites
+        n = self.site_count()
+        names = [f.name for f in fields(MaltSiteFields)]
+        columns = [self.site_column(name, n) for name in names]
+        tot_n, free_count = self.site_column("tot_blocks", n), self.site_column("free_count", n)
         out = {}
-        for key, v in enumerate(self._array_prefix("sites", min(n_sites + 1, self.settings.max_stacks))):
-            if v.tot_blocks == 0 and v.free_count == 0:
+        for key in range(n):
+            if tot_n[key] == 0 and free_count[key] == 0:
                 continue
-            self._remember_stack(key, v)
-            out[key] = MaltSiteFields(**{f.name: int(getattr(v, f.name)) for f in fields(MaltSiteFields)})
+            out[key] = MaltSiteFields(**{name: column[key] for name, column in zip(names, columns, strict=True)})
         return out
 
     def size_map(self) -> dict[int, int]:
@@ -449,19 +539,24 @@ class HeapProbes:
         table[ctypes.c_int(0)] = w
         return result
 
-    def _remember_stack(self, key: int, site: ctypes.Structure) -> None:
-        """Keep a site's return addresses (written once, at the site's creation) for stacks()."""
-        if key not in self._stacks:
-            ips = []
-            for ip in site.ip:  # type: ignore[attr-defined]
-                if not ip:
-                    break
-                ips.append(int(ip))
-            self._stacks[key] = tuple(ips)
-
     def stacks(self, keys: Iterable[int]) -> dict[int, tuple[int, ...]]:
-        """Return addresses behind site keys (innermost first), as read by the last sites() call."""
-        return {k: self._stacks.get(k, ()) for k in keys}
+        """Return addresses behind site keys (innermost first). Read from the kernel once per site: they are
+        written before the site's id is published, and never change."""
+        out = {}
+        for key in keys:
+            ips = self._stacks.get(key)
+            if ips is None:
+                ips = self._read_stack(key)
+                if ips:
+                    self._stacks[key] = ips
+            out[key] = ips
+        return out
+
+    def _read_stack(self, key: int) -> tuple[int, ...]:
+        if self._site_stacks is None or not 0 <= key < self._site_stacks.entries:
+            return ()
+        ips = self._site_stacks.entry(key)
+        return tuple(ips[: ips.index(0)] if 0 in ips else ips)
 
     def _array_prefix_raw(self, name: str, count: int) -> tuple[type, bytes, int]:
         """Entries 0..count-1 of an array map as raw bytes: (value type, bytes, entries read)."""

@@ -209,8 +209,9 @@ class FrozenProbes(HeapProbes):
     def __init__(self, live: HeapProbes, counters: Counters) -> None:
         super().__init__(live.settings, live.points)
         self._counters = counters
-        self._sites = live.sites(counters.peak_gen)
-        self._stacks = live.stacks(self._sites)
+        count = min(counters.n_sites + 1, live.settings.max_stacks)
+        self._sites = live.copy_sites(count)
+        self._stacks = live.stacks(live.used_sites(count))
 
     def __enter__(self) -> HeapProbes:
         return self
@@ -223,9 +224,6 @@ class FrozenProbes(HeapProbes):
 
     def counters(self) -> Counters:
         return self._counters
-
-    def sites(self, peak_gen: int) -> dict[int, SiteCounts]:
-        return dict(self._sites)
 
     def wait_events(self, timeout: float) -> list[int]:
         return []

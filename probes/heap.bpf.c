@@ -13,9 +13,13 @@
 
 /* blocks: block address -> struct hs_block (live blocks only) */
 BPF_HASH(blocks, u64, struct hs_block, HS_MAX_BLOCKS);
-/* sites: site id -> struct hs_site (counters and return addresses of one allocation stack). An array, so
- * the return and free paths reach a block's site without hashing. */
-BPF_ARRAY(sites, struct hs_site, HS_MAX_STACKS);
+/* sites: site id -> struct hs_site (the counters of one allocation stack). An array, so the return and free
+ * paths reach a block's site without hashing; mmapable, so user space reads every site's counters in place,
+ * with no syscall and no copy, at each snapshot. */
+BPF_F_TABLE("array", int, struct hs_site, sites, HS_MAX_STACKS, BPF_F_MMAPABLE);
+/* site_stacks: site id -> struct hs_stack (its return addresses), written at the site's creation; apart from
+ * the counters, so that a snapshot does not read them again (user space reads a site's stack once) */
+BPF_F_TABLE("array", int, struct hs_stack, site_stacks, HS_MAX_STACKS, BPF_F_MMAPABLE);
 /* stack_ids: stack hash -> site id (u64), consulted only when a CPU meets a stack it did not store last */
 BPF_HASH(stack_ids, u64, u64, HS_MAX_STACKS);
 /* last_stack: 0 -> struct hs_last_stack, per CPU */
@@ -47,8 +51,8 @@ BPF_ARRAY(window, struct hs_window, 1);
 
 /* events: enum hs_event, to wake user space at once */
 BPF_PERF_OUTPUT(events);
-/* scratch: 0 -> the site being built from a stack walk (too big for the BPF stack) */
-BPF_PERCPU_ARRAY(scratch, struct hs_site, 1);
+/* scratch: 0 -> the stack being walked (too big for the BPF stack) */
+BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
 
 /* unwind_rows: row index -> struct hs_row (the unwind tables of all objects, each a sorted run) */
 BPF_ARRAY(unwind_rows, struct hs_row, HS_MAX_ROWS);
@@ -83,7 +87,7 @@ static __always_inline u64 mix(u64 h, u64 v)
 #if HS_UNWIND
 /* State of a stack walk with unwind tables: the registers of the frame being left. */
 struct walk {
-    struct hs_site *st;
+    struct hs_stack *st;
     struct hs_global *g;
     u64 sp;   /* the caller's %rsp once the current frame returns */
     u64 bp;   /* the caller's %rbp */
@@ -206,7 +210,7 @@ static __always_inline long walk_step(struct walk *w)
 static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *g, u32 fn)
 {
     u32 zero = 0;
-    struct hs_site *st = scratch.lookup(&zero);
+    struct hs_stack *st = scratch.lookup(&zero);
     if (!st)
         return HS_STACK_OVERFLOW;
 
@@ -253,7 +257,8 @@ static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *
     if (known) {
         id = *known;
     } else {
-        /* A new stack: write its site first, then publish the id, so no CPU sees an id without a site. */
+        /* A new stack: write its site first, then publish the id, so no CPU sees an id without a site.
+         * Ids are never reused, so the site's counters are still the array's zeros. */
         id = __sync_fetch_and_add(&g->n_sites, 1) + 1; /* ids from 1: 0 is the overflow site */
         if (id >= HS_MAX_STACKS) {
             __sync_fetch_and_add(&g->dropped_stacks, 1);
@@ -262,17 +267,13 @@ static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *
         for (int i = 1; i < HS_MAX_DEPTH; i++) /* a stored stack ends at its first zero */
             if (i >= n)
                 st->ip[i] = 0;
-        st->cur_bytes = st->cur_blocks = st->tot_bytes = st->tot_blocks = 0;
-        st->freed_bytes = st->freed_blocks = st->peak_bytes = st->cur_extra = st->peak_extra = 0;
-        st->alloc_min = st->alloc_max = st->count_zeros = st->max_alive = 0;
-        st->free_count = st->free_min = st->free_max = st->free_sum = 0;
-        st->life_count = st->life_min = st->life_max = st->life_sum = 0;
-        st->realloc_count = 0;
-        st->realloc_delta = 0;
-        st->fn = fn;
-        st->peak_gen = g->peak_gen;
         u32 slot = id;
-        sites.update(&slot, st);
+        site_stacks.update(&slot, st);
+        struct hs_site *site = sites.lookup(&slot);
+        if (site) {
+            site->fn = fn;
+            site->peak_gen = g->peak_gen;
+        }
         if (stack_ids.insert(&h, &id)) {
             /* Another CPU published this stack first (its id wins; ours stays an empty site), or the
              * table is full (the site stays, reachable only through this CPU's cache). */
@@ -683,7 +684,7 @@ static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
     };
     call.stack = capture_stack(ctx, g, fn);
     u32 zero = 0;
-    struct hs_site *walked = scratch.lookup(&zero);
+    struct hs_stack *walked = scratch.lookup(&zero);
     if (walked)
         call.ret0 = walked->ip[0]; /* [rsp], read by the walk */
     if (HS_MALT)

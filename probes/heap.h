@@ -81,8 +81,8 @@ struct hs_block {
     __u64 alloc_ns; /* when it was allocated (HS_MALT: lifetimes) */
 };
 
-/* One allocation stack: its counters and its return addresses (innermost first, zero-terminated when
- * shorter than HS_MAX_DEPTH). The stack is written once, when the site is created at a call's entry. */
+/* One allocation stack's counters, at its site id in `sites`. User space reads them at every snapshot (through
+ * a read-only mapping of the array), so they are kept apart from the stack itself (struct hs_stack). */
 struct hs_site {
     __u64 cur_bytes;
     __u64 cur_blocks;
@@ -110,6 +110,12 @@ struct hs_site {
     __u64 life_sum;
     __u64 realloc_count;
     __s64 realloc_delta; /* sum of new size - old size over this stack's reallocs */
+};
+
+/* One allocation stack's return addresses (innermost first, zero-terminated when shorter than HS_MAX_DEPTH),
+ * at its site id in `site_stacks`. Written once, when the site is created at a call's entry; read once by
+ * user space, to symbolize a new site. */
+struct hs_stack {
     __u64 ip[HS_MAX_DEPTH];
 };
 
