@@ -19,7 +19,17 @@ from typing import TYPE_CHECKING
 from agent.bpf import EV_EXIT, Counters, HeapProbes, UnwindMapping
 from agent.elf import ElfError, open_elf
 from agent.massif import render_snapshot, write_massif
-from agent.model import Frame, HeapNode, HeapTree, SiteCounts, Snapshot, SnapshotKind, SnapshotSeries, Stack, trim_stack
+from agent.model import (
+    Frame,
+    IndexedTree,
+    SiteCounts,
+    Snapshot,
+    SnapshotKind,
+    SnapshotSeries,
+    Stack,
+    StackIndex,
+    trim_stack,
+)
 from agent.options import MassifOptions
 from agent.symbols import Mapping, Symbolizer, parse_maps
 
@@ -32,6 +42,10 @@ from agent.xtree import write_xtree
 _OVERFLOW_FRAME = Frame(address=0, function="[stack table full]")
 # The xtree keeps every frame up to main; this stands for "no depth limit".
 _XTREE_DEPTH = 1 << 16
+# Sites outside the heap tree (Session._site_stack): made by an --ignore-fn function, or with no frame left once
+# trimmed (HeapTree leaves those out too).
+_IGNORED = -1
+_NO_FRAME = -2
 
 
 class MapsRecorder:
@@ -113,14 +127,16 @@ class Session:
         self.end_counters: Counters | None = None
         self._frames: dict[int, list[Frame]] = {}  # stack key -> symbolized raw stack
         self._trimmed: dict[int, Stack] = {}  # stack key -> Massif's trimmed stack
-        self._site_stack: dict[int, int] = {}  # site -> id of its trimmed stack (-1: --ignore-fn)
-        self._stack_ids: dict[Stack, int] = {}  # trimmed stack -> id
-        self._stacks_by_id: list[Stack] = []
         self._sites_seen = 0  # the kernel's n_sites when the sites were last symbolized
-        self._intern_lock = threading.Lock()
-        self._reused_tree = HeapTree()  # live_tree(): nodes kept between requests
-        self._reused_nodes: list[HeapNode] = []
-        self._reused_paths: dict[int, list[HeapNode]] = {}
+        # The heap tree's stacks, numbered once: a snapshot's tree is then one pass over the sites' counters.
+        self._index = StackIndex()
+        self._site_stack: dict[int, int] = {}  # site -> its trimmed stack's number in _index, or _IGNORED/_NO_FRAME
+        self._first_keys: list[int] = []  # by stack number: the first site found with that stack
+        self._more_keys: list[tuple[int, int]] = []  # (site, stack number) of the other sites in the tree
+        self._ignored_keys: list[int] = []  # sites of --ignore-fn functions
+        self._waiting: list[int] = []  # site ids not in the tree yet: unused so far, or only frees charged
+        self._ids_taken = 1  # site ids 0.._ids_taken-1 are in one of the lists above (0 is in _waiting)
+        self._waiting.append(0)
         self._lock = threading.Lock()  # readers (HTTP) and the sampler share the model
         self._alloc_fns = opts.all_alloc_fns
         self._ignore_fns = frozenset(opts.ignore_fns)
@@ -173,87 +189,76 @@ class Session:
         """--ignore-fn: the allocation was made directly in an ignored function."""
         return bool(stack) and stack[0].function in self._ignore_fns if self._ignore_fns else False
 
-    def tree(self, sites: dict[int, SiteCounts], at_peak: bool) -> tuple[HeapTree, Ignored]:
-        """The heap tree of live (or at-peak) bytes, and what --ignore-fn left out of it."""
-        self.symbolize_new(list(sites))
-        # Sites whose trimmed stacks are equal (e.g. cut at --depth) add up: merged by an interned id, so
-        # no stack of frames is hashed per snapshot.
-        per_stack: dict[int, int] = {}
-        ignored = Ignored()
-        for key, s in sites.items():
-            if s.tot_blocks == 0:  # only frees were charged here (xtree full): not an allocation site
-                continue
-            nbytes = s.peak_bytes if at_peak else s.cur_bytes
-            stack_id = self._stack_id(key)
-            if stack_id < 0:
-                ignored.heap += nbytes
-                ignored.extra += s.peak_extra if at_peak else s.cur_extra
-                continue
-            per_stack[stack_id] = per_stack.get(stack_id, 0) + nbytes
-        tree = HeapTree()
-        for stack_id, nbytes in per_stack.items():
-            tree.add(self._stacks_by_id[stack_id], nbytes)
-        return tree, ignored
+    def _take_sites(self, count: int) -> None:
+        """Put sites 0..count-1 that have allocations into the tree's lists (symbolizing them), once each."""
+        fresh = range(self._ids_taken, count)
+        if not fresh and not self._waiting:
+            return
+        tot_blocks = self.probes.site_column("tot_blocks", count)
+        candidates = self._waiting + list(fresh)
+        self._ids_taken = max(self._ids_taken, count)
+        # Sites with only frees charged (xtree full, MALT) are no allocation sites: they wait, as do ids not
+        # used yet.
+        take = [k for k in candidates if k < len(tot_blocks) and tot_blocks[k]]
+        if not take:
+            self._waiting = candidates
+            return
+        taken = set(take)
+        self._waiting = [k for k in candidates if k not in taken]
+        self.symbolize_new(take)
+        for key in take:
+            number = self._stack_number(key)
+            if number == len(self._first_keys):
+                self._first_keys.append(key)
+            elif number >= 0:
+                self._more_keys.append((key, number))
+            elif number == _IGNORED:
+                self._ignored_keys.append(key)
 
-    def _stack_id(self, key: int) -> int:
-        """An id per distinct trimmed stack of a site (-1: ignored by --ignore-fn), computed once per site."""
-        stack_id = self._site_stack.get(key)
-        if stack_id is None:
+    def _stack_number(self, key: int) -> int:
+        number = self._site_stack.get(key)
+        if number is None:
             stack = self.trimmed(key)
-            with self._intern_lock:  # the sampler and HTTP requests both intern stacks
-                if self._ignored(stack):
-                    stack_id = -1
-                else:
-                    stack_id = self._stack_ids.get(stack)
-                    if stack_id is None:
-                        stack_id = self._stack_ids[stack] = len(self._stacks_by_id)
-                        self._stacks_by_id.append(stack)
-                self._site_stack[key] = stack_id
-        return stack_id
+            number = _IGNORED if self._ignored(stack) else self._index.add(stack)
+            if number < 0 and number != _IGNORED:
+                number = _NO_FRAME
+            self._site_stack[key] = number
+        return number
 
-    def live_tree(self, sites: dict[int, SiteCounts]) -> tuple[HeapTree, Ignored]:
-        """The tree of live bytes in one reused tree: nodes are kept between calls and only their bytes are
-        refilled along each stack's precomputed path. For rendering at once, under the session lock (the
-        next call overwrites it); a tree that is kept comes from tree()."""
-        self.symbolize_new(list(sites))
-        per_stack: dict[int, int] = {}
+    def _site_tree(self, count: int, nbytes: list[int], extra: Callable[[], list[int]]) -> tuple[IndexedTree, Ignored]:
+        """The heap tree of `nbytes` per site (sites whose trimmed stacks are equal add up), and what
+        --ignore-fn left out of it (`extra` gives the sites' extra bytes). Under the session lock."""
+        self._take_sites(count)
+        # Mostly one site per stack: a C-speed gather, then the few sites that share a stack.
+        per_stack = list(map(nbytes.__getitem__, self._first_keys))
+        for key, number in self._more_keys:
+            per_stack[number] += nbytes[key]
         ignored = Ignored()
-        for key, s in sites.items():
-            if s.tot_blocks == 0:
-                continue
-            stack_id = self._stack_id(key)
-            if stack_id < 0:
-                ignored.heap += s.cur_bytes
-                ignored.extra += s.cur_extra
-                continue
-            per_stack[stack_id] = per_stack.get(stack_id, 0) + s.cur_bytes
-        tree = self._reused_tree
-        for node in self._reused_nodes:
-            node.bytes = 0
-        tree.total = tree.n_stacks = 0
-        for stack_id, nbytes in per_stack.items():
-            path = self._reused_paths.get(stack_id)
-            if path is None:
-                path = self._reused_paths[stack_id] = self._grow_reused(self._stacks_by_id[stack_id])
-            nbytes = max(0, nbytes)
-            for node in path:
-                node.bytes += nbytes
-            tree.total += nbytes
-            tree.n_stacks += 1
-        return tree, ignored
+        if self._ignored_keys:
+            extras = extra()
+            ignored.heap = sum(nbytes[k] for k in self._ignored_keys)
+            ignored.extra = sum(extras[k] for k in self._ignored_keys)
+        return self._index.tree(per_stack), ignored
 
-    def _grow_reused(self, stack: Stack) -> list[HeapNode]:
-        """The nodes of the reused tree along a stack (as HeapTree.add would build them), created as needed."""
-        path = []
-        level = self._reused_tree.children
-        for frame in stack:
-            node = level.get(frame.label)
-            if node is None:
-                node = level[frame.label] = HeapNode(frame)
-                self._reused_nodes.append(node)
-            path.append(node)
-            level = node.children
-        return path
+    # The trees read byte counts as signed: a count seen below zero by a racy read counts as 0, as in HeapTree.
+
+    def live_tree(self) -> tuple[IndexedTree, Ignored]:
+        """The tree of the live bytes now (under the session lock)."""
+        p = self.probes
+        n = p.site_count()
+        return self._site_tree(
+            n, p.site_column("cur_bytes", n, signed=True), lambda: p.site_column("cur_extra", n, signed=True)
+        )
+
+    def peak_tree(self, peak_gen: int) -> tuple[IndexedTree, Ignored]:
+        """The tree at the global peak numbered `peak_gen` (under the session lock)."""
+        p = self.probes
+        n = p.site_count()
+        return self._site_tree(
+            n,
+            p.peak_column("peak_bytes", "cur_bytes", n, peak_gen, signed=True),
+            lambda: p.peak_column("peak_extra", "cur_extra", n, peak_gen, signed=True),
+        )
 
     # ---- sampling ---------------------------------------------------------------------------------
 
@@ -273,19 +278,16 @@ class Session:
             if kind is not SnapshotKind.DETAILED:
                 self.series.add(t, c.heap, c.extra, 0)
                 # Stacks are symbolized as they appear, while the target's mappings are readable; the
-                # sites map is read only when the kernel has handed out new site ids since the last look.
+                # sites are looked at only when the kernel has handed out new site ids since the last look.
                 if c.n_sites != self._sites_seen:
                     self._sites_seen = c.n_sites
-                    self.symbolize_new(list(self.probes.sites(c.peak_gen)))
+                    self.symbolize_new(self.probes.used_sites(self.probes.site_count()))
                 return
-        # A detailed snapshot's tree is built outside the lock, so that HTTP requests do not queue behind it.
-        tree, ignored = self.tree(self.probes.sites(c.peak_gen), at_peak=False)
-        with self._lock:
-            if self.series.finished or self.series.next_kind(t) is not SnapshotKind.DETAILED:
-                return
+            # A kept tree shares the index's nodes: its own part is one array of prefix sums.
+            tree, ignored = self.live_tree()
             self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, 0, tree)
-        # A kept tree is hundreds of thousands of long-lived objects: out of the cyclic collector's sight, its
-        # full passes stay short (they stalled HTTP requests for half a second).
+        # The index's nodes and the symbolized frames are long-lived objects: out of the cyclic collector's
+        # sight, its full passes stay short (they stalled HTTP requests for half a second).
         gc.freeze()
 
     def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float) -> None:
@@ -315,8 +317,7 @@ class Session:
         stopped = self.probes.stopped()
         if stopped == EV_EXIT:
             with self._lock:
-                c = self.probes.counters()
-                self.symbolize_new(list(self.probes.sites(c.peak_gen)))
+                self.symbolize_new(self.probes.used_sites(self.probes.site_count()))
         if stopped:
             self.probes.resume()
 
@@ -358,12 +359,11 @@ class Session:
                 return
             c = self.probes.counters()
             self.end_counters = c
-            sites = self.probes.sites(c.peak_gen)
             t_end = max(self.now(c), self.series.snapshots[-1].time if self.series.snapshots else 0)
             if c.peak_total > 0:
-                peak_tree, ign = self.tree(sites, at_peak=True)
+                peak_tree, ign = self.peak_tree(c.peak_gen)
                 self.series.set_peak(self.peak_time(c), c.peak_heap - ign.heap, c.peak_extra - ign.extra, 0, peak_tree)
-            tree, ign = self.tree(sites, at_peak=False)
+            tree, ign = self.live_tree()
             self.series.finish(t_end, c.heap - ign.heap, c.extra - ign.extra, 0, tree)
 
     # ---- output -----------------------------------------------------------------------------------
@@ -400,16 +400,13 @@ class Session:
 
     def snapshot_now(self, detailed: bool) -> str:
         """Massif's monitor commands `snapshot` and `detailed_snapshot`: a file with one snapshot, taken now."""
-        with self._lock:
-            snap = self._snapshot(detailed, reuse_tree=True)
-            # Rendered under the lock: the reused tree is overwritten by the next request.
-            return render_snapshot(
-                snap,
-                desc=self.info.desc,
-                cmd=self.info.cmd,
-                time_unit=self.opts.time_unit,
-                threshold=self.opts.threshold,
-            )
+        return render_snapshot(
+            self.snapshot_model(detailed),
+            desc=self.info.desc,
+            cmd=self.info.cmd,
+            time_unit=self.opts.time_unit,
+            threshold=self.opts.threshold,
+        )
 
     def summary(self) -> list[str]:
         c = self.end_counters or self.probes.counters()
@@ -446,20 +443,16 @@ class Session:
     # ---- read-only views for the daemon (added for the HTTP API) ------------------------------------
 
     def snapshot_model(self, detailed: bool) -> Snapshot:
-        """The snapshot that snapshot_now() renders, as a model object (for the API's JSON form)."""
+        """The snapshot that snapshot_now() renders, as a model object (for the API's JSON form). Its tree
+        stays valid: it is read without the lock."""
         with self._lock:
-            return self._snapshot(detailed, reuse_tree=False)
-
-    def _snapshot(self, detailed: bool, reuse_tree: bool) -> Snapshot:
-        """A snapshot of now (under the lock). A reused tree is only good until the next call."""
-        c = self.probes.counters()
-        tree = None
-        ign = Ignored()
-        if detailed:
-            sites = self.probes.sites(c.peak_gen)
-            tree, ign = self.live_tree(sites) if reuse_tree else self.tree(sites, at_peak=False)
-        kind = SnapshotKind.DETAILED if detailed else SnapshotKind.NORMAL
-        return Snapshot(self.now(c), c.heap - ign.heap, c.extra - ign.extra, 0, tree, kind)
+            c = self.probes.counters()
+            tree = None
+            ign = Ignored()
+            if detailed:
+                tree, ign = self.live_tree()
+            kind = SnapshotKind.DETAILED if detailed else SnapshotKind.NORMAL
+            return Snapshot(self.now(c), c.heap - ign.heap, c.extra - ign.extra, 0, tree, kind)
 
     def snapshot_list(self) -> list[Snapshot]:
         """The snapshots recorded so far, in time order (what massif_text() writes)."""

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -27,6 +29,7 @@ from agent.model import (
     SnapshotKind,
     SnapshotSeries,
     Stack,
+    StackIndex,
     massif_tree,
     threshold_text,
     trim_stack,
@@ -194,6 +197,67 @@ def test_threshold_aggregation_rule() -> None:
 def test_tree_ignores_empty_stacks_and_clamps_negative() -> None:
     tree = HeapTree.from_stacks({(): 50, (fr(1, "f", "t.c", 1),): -5})
     assert tree.total == 0 and tree.n_stacks == 1
+
+
+# ---- StackIndex: the daemon's trees, taken from stacks numbered once -----------------------------------
+
+_POOL = [fr(0x10 * (i + 1), f"f{i}", "t.c", i + 1) for i in range(6)]
+
+
+@given(
+    st.lists(
+        st.tuples(st.lists(st.sampled_from(_POOL), max_size=5), st.integers(min_value=-50, max_value=10_000)),
+        max_size=30,
+    ),
+    st.sampled_from([0.0, 1.0, 10.0]),
+)
+@settings(max_examples=300, deadline=None)
+def test_stack_index_trees_equal_heap_trees(entries: list[tuple[list[Frame], int]], threshold: float) -> None:
+    """Whatever the stacks (shared prefixes, one a prefix of another, repeated, empty) and bytes (0, racy
+    negative reads), the index's tree is written exactly as HeapTree's."""
+    index = StackIndex()
+    numbers = [index.add(tuple(frames)) for frames, _ in entries]
+    values = [0] * index.n_stacks
+    merged: dict[Stack, int] = {}
+    for (frames, nbytes), number in zip(entries, numbers, strict=True):
+        if number >= 0:
+            values[number] += nbytes
+            merged[tuple(frames)] = merged.get(tuple(frames), 0) + nbytes
+        else:
+            assert frames == []
+    tree = index.tree(values)
+    want = HeapTree.from_stacks(merged)
+    assert tree.total == want.total
+    assert _lines(massif_tree(tree, threshold=threshold, extra_B=7)) == _lines(
+        massif_tree(want, threshold=threshold, extra_B=7)
+    )
+    assert HeapTree.from_stacks(tree.stacks()) == HeapTree.from_stacks({k: max(0, v) for k, v in merged.items()})
+
+
+def test_stack_index_tree_keeps_its_numbering() -> None:
+    """A tree taken before more stacks are added reads the same afterwards: the series keeps such trees."""
+    a, b, c, main = _POOL[0], _POOL[1], _POOL[2], _POOL[5]
+    index = StackIndex()
+    first = index.add((a, main))
+    assert index.add((a, main)) == first
+    old = index.tree([100])
+    before = _lines(massif_tree(old, threshold=0.0))
+    # New stacks under the same nodes, and a stack that ends at an inner node of an old one.
+    index.add((b, main))
+    index.add((a,))
+    index.add((a, c, main))
+    assert _lines(massif_tree(old, threshold=0.0)) == before == [
+        f"n1: 100 {HEAP_ROOT_LABEL}",
+        f" n1: 100 {a.label}",
+        f"  n0: 100 {main.label}",
+    ]
+    new = index.tree([100, 50, 20, 5])
+    assert new.total == 175 and old.total == 100
+    assert _lines(massif_tree(new, threshold=0.0)) == _lines(
+        massif_tree(HeapTree.from_stacks({(a, main): 100, (b, main): 50, (a,): 20, (a, c, main): 5}), threshold=0.0)
+    )
+    with pytest.raises(ValueError):
+        index.tree([1])
 
 
 SITES_PROGRAM = r"""
