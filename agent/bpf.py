@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
@@ -208,13 +209,47 @@ class SiteArray:
         self._signed.release()
 
 
-def _map_array(table: Any, entries: int) -> tuple[mmap.mmap, SiteArray]:
-    """An mmapable array map (BPF_F_MMAPABLE), mapped read-only. The kernel lays its values out from offset 0,
-    each rounded up to 8 bytes."""
-    size = entries * ctypes.sizeof(table.Leaf)
-    length = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-    mapping = mmap.mmap(table.map_fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    return mapping, SiteArray.of_leaf(mapping, table.Leaf, entries)
+class MappedArray:
+    """An mmapable array map (BPF_F_MMAPABLE), mapped read-only as far as it is read: the kernel maps every
+    page of a mapping at once, so mapping all of a 65,536-entry array would count its tens of MB in the
+    daemon's RSS. The mapping doubles when a read goes past it; earlier ones stay until close(), as a reader
+    in another thread may still be using one."""
+
+    FIRST = 1024  # entries mapped at first
+
+    def __init__(self, table: Any, max_entries: int) -> None:
+        self._table = table
+        self._max = max_entries
+        self._lock = threading.Lock()
+        self._mappings: list[tuple[mmap.mmap, SiteArray]] = []
+        self._view: SiteArray | None = None
+        self.view(1)  # fail at load, not at the first read, where mmapable arrays are missing
+
+    def view(self, count: int) -> SiteArray:
+        """A view holding at least entries 0..count-1 (all there are, if fewer)."""
+        v = self._view
+        if v is not None and (count <= v.entries or v.entries >= self._max):
+            return v
+        with self._lock:
+            v = self._view
+            if v is None or (count > v.entries and v.entries < self._max):
+                entries = min(self._max, max(self.FIRST, 1 << (count - 1).bit_length()))
+                # The kernel lays the values out from offset 0 of the mapping, each rounded up to 8 bytes.
+                size = entries * ctypes.sizeof(self._table.Leaf)
+                length = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+                mapping = mmap.mmap(self._table.map_fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                v = SiteArray.of_leaf(mapping, self._table.Leaf, entries)
+                self._mappings.append((mapping, v))
+                self._view = v
+            return v
+
+    def close(self) -> None:
+        self._view = None
+        for mapping, v in self._mappings:
+            v.release()
+            with contextlib.suppress(BufferError):  # a view still exported: the mapping goes with it
+                mapping.close()
+        self._mappings.clear()
 
 
 def _load_bcc():  # type: ignore[no-untyped-def]
@@ -234,9 +269,8 @@ class HeapProbes:
         self._bpf = None
         self._fds: list[int] = []
         self._stacks: dict[int, tuple[int, ...]] = {}  # site id -> return addresses, read once per site
-        self._sites: SiteArray | None = None  # struct hs_site by site id
-        self._site_stacks: SiteArray | None = None  # struct hs_stack by site id
-        self._mappings: list[mmap.mmap] = []
+        self._sites: MappedArray | None = None  # struct hs_site by site id
+        self._site_stacks: MappedArray | None = None  # struct hs_stack by site id
         self._events: list[int] = []
         self._rows_used = 0
         self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count)
@@ -274,10 +308,8 @@ class HeapProbes:
                 raise EnvironmentProblem(f"cannot compile or load the BPF program: {first.strip()}") from exc
         try:
             try:
-                for name in ("sites", "site_stacks"):
-                    mapping, view = _map_array(bpf[name], s.max_stacks)
-                    self._mappings.append(mapping)
-                    setattr(self, "_" + name, view)
+                self._sites = MappedArray(bpf["sites"], s.max_stacks)
+                self._site_stacks = MappedArray(bpf["site_stacks"], s.max_stacks)
             except (OSError, ValueError) as exc:
                 raise EnvironmentProblem(f"cannot map the sites array (BPF_F_MMAPABLE, Linux 5.5+): {exc}") from exc
             for point in self.points:
@@ -319,14 +351,10 @@ class HeapProbes:
             self._bpf = None
 
     def _unmap(self) -> None:
-        for view in (self._sites, self._site_stacks):
-            if view is not None:
-                view.release()
+        for mapped in (self._sites, self._site_stacks):
+            if mapped is not None:
+                mapped.close()
         self._sites = self._site_stacks = None
-        for mapping in self._mappings:
-            with contextlib.suppress(BufferError):  # a view still exported: the mapping goes with it
-                mapping.close()
-        self._mappings.clear()
 
     def _attach(self, point: ProbePoint) -> None:
         bcc = _load_bcc()
@@ -436,15 +464,16 @@ class HeapProbes:
     def site_column(self, name: str, count: int, signed: bool | None = None) -> list[int]:
         """One counter of struct hs_site (probes/heap.h), for sites 0..count-1, read in place. `signed`: read
         an unsigned counter as signed (a live count a racy read saw below zero comes out negative)."""
-        if self._sites is None:
-            raise HeapscopeError("probes are not loaded")
-        return self._sites.column(name, count, signed)
+        return self._site_view(count).column(name, count, signed)
 
     def copy_sites(self, count: int) -> SiteArray:
         """The counters of sites 0..count-1, copied (they stay readable once the program is unloaded)."""
+        return self._site_view(count).copy(count)
+
+    def _site_view(self, count: int) -> SiteArray:
         if self._sites is None:
             raise HeapscopeError("probes are not loaded")
-        return self._sites.copy(count)
+        return self._sites.view(count)
 
     def used_sites(self, count: int) -> list[int]:
         """Site ids among 0..count-1 with an allocation or a free charged to them; the others were handed out
@@ -553,9 +582,9 @@ class HeapProbes:
         return out
 
     def _read_stack(self, key: int) -> tuple[int, ...]:
-        if self._site_stacks is None or not 0 <= key < self._site_stacks.entries:
+        if self._site_stacks is None or not 0 <= key < self.settings.max_stacks:
             return ()
-        ips = self._site_stacks.entry(key)
+        ips = self._site_stacks.view(key + 1).entry(key)
         return tuple(ips[: ips.index(0)] if 0 in ips else ips)
 
     def _array_prefix_raw(self, name: str, count: int) -> tuple[type, bytes, int]:

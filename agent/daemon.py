@@ -22,7 +22,7 @@ from typing import Literal, Protocol
 
 import psutil
 
-from agent.bpf import Counters, HeapProbes, ProbeSettings, UnwindMapping
+from agent.bpf import Counters, HeapProbes, ProbeSettings, SiteArray, UnwindMapping
 from agent.discovery import Allocator, allocator_of_process, allocator_of_program, read_process
 from agent.errors import HeapscopeError, TargetError, UsageError
 from agent.launch import HeldChild
@@ -210,7 +210,7 @@ class FrozenProbes(HeapProbes):
         super().__init__(live.settings, live.points)
         self._counters = counters
         count = min(counters.n_sites + 1, live.settings.max_stacks)
-        self._sites = live.copy_sites(count)
+        self._frozen_sites = live.copy_sites(count)
         self._stacks = live.stacks(live.used_sites(count))
 
     def __enter__(self) -> HeapProbes:
@@ -224,6 +224,9 @@ class FrozenProbes(HeapProbes):
 
     def counters(self) -> Counters:
         return self._counters
+
+    def _site_view(self, count: int) -> SiteArray:
+        return self._frozen_sites
 
     def wait_events(self, timeout: float) -> list[int]:
         return []
