@@ -11,6 +11,8 @@ and the daemon's RSS and CPU while idle.
    one client requests /detailed_snapshot back to back (latency p50/p99 of those requests), then quiet again.
 3. Idle: the daemon's RSS and CPU over 10 s with no target, and with an attached target that sleeps.
 Results go to bench/results/latency.json. Goal (issue 4): p99 at most 100 ms for 10,000 sites.
+The machine's load average is recorded before and after the requests: on a small machine other work moves the
+latencies more than most changes do, so compare variants run alternately, under the same load.
 """
 
 from __future__ import annotations
@@ -139,6 +141,7 @@ def main() -> int:
         time.sleep(5)
         quiet = rate(t0, time.monotonic())
         latencies = []
+        load_before = os.getloadavg()[0]
         t0 = time.monotonic()
         for _ in range(args.requests):
             s = time.perf_counter()
@@ -146,6 +149,7 @@ def main() -> int:
             latencies.append((time.perf_counter() - s) * 1000)
             assert r.status_code == 200
         busy = rate(t0, time.monotonic())
+        result["load_average_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
         t0 = time.monotonic()
         time.sleep(5)
         quiet2 = rate(t0, time.monotonic())
@@ -170,6 +174,10 @@ def main() -> int:
     assert isinstance(lat, dict)
     print(f"/detailed_snapshot, {args.sites} sites, target allocating: p50 {lat['p50']:.1f} ms, "
           f"p99 {lat['p99']:.1f} ms (goal: p99 <= 100 ms), {lat['body_lines']} lines")
+    load = result["load_average_1min"]
+    assert isinstance(load, dict)
+    print(f"machine load average (1 min) {load['before']:.2f} before the requests, {load['after']:.2f} after "
+          f"({os.cpu_count()} CPUs; the target, the daemon and this client make about 2 of it)")
     allocs = result["target_allocs_per_s"]
     assert isinstance(allocs, dict)
     print(f"target allocations/s: {allocs['quiet']:.0f} quiet, {allocs['under_load']:.0f} under load "
