@@ -24,6 +24,7 @@ from typing import Any, cast
 from agent.discovery import ProbePoint
 from agent.errors import EnvironmentProblem, HeapscopeError
 from agent.model import SiteCounts
+from agent.pages import PageEvent
 
 # Stack key the kernel uses when its stack table is full (heap.bpf.c: HS_STACK_OVERFLOW).
 STACK_OVERFLOW = 0
@@ -35,7 +36,42 @@ CTL_UMAPS = 2
 EV_EXEC = 1
 EV_LOADER = 2
 EV_EXIT = 3
+CTL_STACK_EPOCH = 3
 MAX_UMAPS = 512  # probes/heap.h: HS_MAX_UMAPS
+# enum hs_page_kind (probes/heap.h), by agent.pages' names.
+PAGE_KINDS = {1: "mmap", 2: "munmap", 3: "mremap", 4: "brk"}
+
+
+class _PageEventStruct(ctypes.Structure):
+    """struct hs_page_event (probes/heap.h)."""
+
+    _fields_ = [
+        ("time_ns", ctypes.c_uint64),
+        ("site", ctypes.c_uint64),
+        ("addr", ctypes.c_uint64),
+        ("length", ctypes.c_uint64),
+        ("new_addr", ctypes.c_uint64),
+        ("new_length", ctypes.c_uint64),
+        ("flags", ctypes.c_uint64),
+        ("prot", ctypes.c_uint64),
+        ("ret", ctypes.c_int64),
+        ("tid", ctypes.c_uint32),
+        ("kind", ctypes.c_uint32),
+    ]
+
+
+@dataclass(frozen=True)
+class PageCounters:
+    """probes/heap.h enum hs_page_counter."""
+
+    events: int = 0  # events sent
+    lost: int = 0  # ring buffer full: not sent
+    calls_full: int = 0  # per-thread call table full at entry: not sent
+    unpaired: int = 0  # an exit without its entry (the call began before the probes were armed)
+
+    @property
+    def dropped(self) -> int:
+        return self.lost + self.calls_full
 
 
 @dataclass(frozen=True)
@@ -141,6 +177,8 @@ class ProbeSettings:
     max_depth: int = 40
     max_blocks: int = 1 << 20
     max_stacks: int = 1 << 16
+    pages: bool = False  # trace mmap/munmap/mremap/brk: one PageEvent per call (page_events())
+    stacks: bool = False  # keep each thread's stack extent (--stacks=yes: stack_bytes())
 
 
 @contextlib.contextmanager
@@ -180,6 +218,7 @@ class HeapProbes:
         self._fds: list[int] = []
         self._stacks: dict[int, tuple[int, ...]] = {}
         self._events: list[int] = []
+        self._page_events: list[PageEvent] = []
         self._rows_used = 0
         self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count)
         self._umap_half = 0
@@ -207,6 +246,8 @@ class HeapProbes:
             f"-DHS_MAX_ROWS={s.max_rows}",
             f"-DHS_FREE_STACKS={int(s.free_stacks)}",
             f"-DHS_MALT={int(s.malt)}",
+            f"-DHS_PAGES={int(s.pages)}",
+            f"-DHS_STACKS={int(s.stacks)}",
         ]
         with _captured_stderr() as messages:
             try:
@@ -221,6 +262,8 @@ class HeapProbes:
             if not s.arm_on_exec:
                 self._set_armed(True)
             bpf["events"].open_perf_buffer(self._on_event, page_cnt=8)
+            if s.pages:
+                bpf["page_events"].open_ring_buffer(self._on_page_event)
         except BaseException:
             self.close()
             raise
@@ -281,6 +324,55 @@ class HeapProbes:
 
     def _on_event(self, cpu: int, data: int, size: int) -> None:
         self._events.append(ctypes.cast(data, ctypes.POINTER(ctypes.c_uint64)).contents.value)
+
+    def _on_page_event(self, ctx: object, data: int, size: int) -> int:
+        e = ctypes.cast(data, ctypes.POINTER(_PageEventStruct)).contents
+        kind = PAGE_KINDS.get(e.kind, "")
+        failed = e.ret < 0 if kind != "brk" else False  # brk reports failure by leaving the break where it was
+        self._page_events.append(
+            PageEvent(
+                kind=kind,
+                time_ns=e.time_ns,
+                tid=e.tid,
+                site=e.site,
+                addr=e.addr if kind != "mmap" or not failed else 0,
+                length=e.length,
+                new_addr=e.new_addr,
+                new_length=e.new_length,
+                flags=e.flags,
+                prot=e.prot,
+                failed=failed,
+            )
+        )
+        return 0
+
+    def page_events(self) -> list[PageEvent]:
+        """The page syscalls completed since the last call, in the order they completed (settings.pages)."""
+        if self._bpf is None or not self.settings.pages:
+            return []
+        self._bpf.ring_buffer_consume()
+        events, self._page_events = self._page_events, []
+        return events
+
+    def page_counters(self) -> PageCounters:
+        """The kernel side's counts of page events sent and not sent (settings.pages)."""
+        if self._bpf is None or not self.settings.pages:
+            return PageCounters()
+        values = [_int(v) for v in self._array_prefix("page_counters", 4)]
+        return PageCounters(*values)
+
+    def stack_bytes(self) -> int:
+        """--stacks=yes: the bytes of every live thread's stack, from its top to the lowest stack pointer seen
+        since the last call; starts a new low-water mark."""
+        if self._bpf is None or not self.settings.stacks:
+            return 0
+        epoch = self._control(CTL_STACK_EPOCH)
+        total = 0
+        for _, t in self._items("thread_stacks"):
+            low = int(t.low) if int(t.epoch) == epoch else int(t.last)
+            total += max(0, int(t.top) - low)
+        self._set_control(CTL_STACK_EPOCH, epoch + 1)
+        return total
 
     def wait_events(self, timeout: float) -> list[int]:
         """Events (EV_*) that came within `timeout` seconds; returns at the first one."""
@@ -460,8 +552,14 @@ class HeapProbes:
             self._stacks[key] = tuple(ips)
 
     def stacks(self, keys: Iterable[int]) -> dict[int, tuple[int, ...]]:
-        """Return addresses behind site keys (innermost first), as read by the last sites() call."""
-        return {k: self._stacks.get(k, ()) for k in keys}
+        """Return addresses behind site keys (innermost first): as read by the last sites() call, or read now
+        for a site sites() leaves out (one that only made page syscalls)."""
+        out = {}
+        for k in keys:
+            if k not in self._stacks and self._bpf is not None and 0 < k < self.settings.max_stacks:
+                self._remember_stack(k, self._bpf["sites"][ctypes.c_int(k)])
+            out[k] = self._stacks.get(k, ())
+        return out
 
     def _array_prefix_raw(self, name: str, count: int) -> tuple[type, bytes, int]:
         """Entries 0..count-1 of an array map as raw bytes: (value type, bytes, entries read)."""

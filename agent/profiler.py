@@ -13,14 +13,36 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from agent.bpf import EV_EXIT, Counters, HeapProbes, UnwindMapping
+from agent.bpf import EV_EXEC, EV_EXIT, Counters, HeapProbes, UnwindMapping
 from agent.elf import ElfError, open_elf
 from agent.massif import render_snapshot, write_massif
-from agent.model import Frame, HeapNode, HeapTree, SiteCounts, Snapshot, SnapshotKind, SnapshotSeries, Stack, trim_stack
+from agent.model import (
+    HEAP_ROOT_LABEL,
+    PAGES_ROOT_LABEL,
+    Frame,
+    HeapNode,
+    HeapTree,
+    SiteCounts,
+    Snapshot,
+    SnapshotKind,
+    SnapshotSeries,
+    Stack,
+    trim_stack,
+)
 from agent.options import MassifOptions
+from agent.pages import (
+    PAGE_SIZE,
+    PRE_EXISTING_EXEC_LABEL,
+    PRE_EXISTING_LABEL,
+    PRE_EXISTING_SITE,
+    PageAccount,
+    PageMap,
+    parse_maps_full,
+    parse_start_brk,
+)
 from agent.symbols import Mapping, Symbolizer, parse_maps
 
 if TYPE_CHECKING:
@@ -100,9 +122,13 @@ class Session:
         self.opts = opts
         self.probes = probes
         self.info = info
+        self.proc = proc
         self.maps = MapsRecorder(info.pid, proc)
         self.tables = tables  # unwind tables per object path (None: frame-pointer stacks)
         self.exec_limit = exec_limit  # execs the target may make (run: its first one) before the profile ends
+        # The mappings the page map starts with: made by the kernel at exec (run) or before the attach.
+        pre_existing = PRE_EXISTING_EXEC_LABEL if exec_limit else PRE_EXISTING_LABEL
+        self._pre_existing_frame = Frame(address=0, function=pre_existing)
         self.recorder: MaltRecorder | None = None  # MALT's timelines, when a MALT profile is wanted
         self.unwind_problems: dict[str, str] = {}  # objects whose table could not be built, and why
         self._table_seconds: dict[str, float] = {}  # object path -> time to build or load its table
@@ -118,7 +144,12 @@ class Session:
         self._stacks_by_id: list[Stack] = []
         self._sites_seen = 0  # the kernel's n_sites when the sites were last symbolized
         self._intern_lock = threading.Lock()
-        self._reused_tree = HeapTree()  # live_tree(): nodes kept between requests
+        # --pages-as-heap=yes: the tree is of pages, by the stack of the syscall that mapped them
+        self.root_label = PAGES_ROOT_LABEL if opts.pages_as_heap else HEAP_ROOT_LABEL
+        self.pages: PageAccount | None = None  # the page map, when the probes trace page syscalls
+        self._pages_lock = threading.Lock()
+        self.stack_bytes = 0  # --stacks=yes: all threads' stacks at the last sample
+        self._reused_tree = HeapTree(root_label=self.root_label)  # live_tree(): nodes kept between requests
         self._reused_nodes: list[HeapNode] = []
         self._reused_paths: dict[int, list[HeapNode]] = {}
         self._lock = threading.Lock()  # readers (HTTP) and the sampler share the model
@@ -150,10 +181,12 @@ class Session:
             self.maps.refresh()
         for key in new:
             ips = raw.get(key, ())
-            if not ips:
+            if key == PRE_EXISTING_SITE:
+                self._frames[key] = [self._pre_existing_frame]
+            elif not ips:
                 self._frames[key] = [_OVERFLOW_FRAME]
-                continue
-            self._frames[key] = self.symbolizer.symbolize_stack(self.maps.mappings, ips)
+            else:
+                self._frames[key] = self.symbolizer.symbolize_stack(self.maps.mappings, ips)
 
     def frames_of(self, key: int) -> list[Frame]:
         """The symbolized raw stack of a site (symbolize_new first)."""
@@ -190,7 +223,7 @@ class Session:
                 ignored.extra += s.peak_extra if at_peak else s.cur_extra
                 continue
             per_stack[stack_id] = per_stack.get(stack_id, 0) + nbytes
-        tree = HeapTree()
+        tree = HeapTree(root_label=self.root_label)
         for stack_id, nbytes in per_stack.items():
             tree.add(self._stacks_by_id[stack_id], nbytes)
         return tree, ignored
@@ -255,12 +288,70 @@ class Session:
             level = node.children
         return path
 
+    # ---- reading the kernel -----------------------------------------------------------------------
+
+    def counters(self) -> Counters:
+        """The kernel's counters; with --pages-as-heap=yes, the heap figures are the page map's."""
+        c = self.probes.counters()
+        pages = self.update_pages()
+        if pages is None or not self.opts.pages_as_heap:
+            return c
+        pm = pages.map
+        peak_ns = pm.peak_time_ns if pm.peak_time_ns is not None else self.start_ns
+        return replace(
+            c,
+            heap=pm.total,
+            extra=0,
+            blocks=pm.total // PAGE_SIZE,
+            time_b=pages.time_b,
+            peak_total=pm.peak_total,
+            peak_heap=pm.peak_total,
+            peak_extra=0,
+            peak_time_b=pages.peak_time_b,
+            peak_ns=peak_ns,
+            peak_gen=pages.peak_gen,
+        )
+
+    def read_sites(self, peak_gen: int) -> dict[int, SiteCounts]:
+        """Counters per site (see HeapProbes.sites); with --pages-as-heap=yes, the page map's."""
+        if self.opts.pages_as_heap and self.pages is not None:
+            with self._pages_lock:
+                return self.pages.site_counts()
+        return self.probes.sites(peak_gen)
+
+    def update_pages(self) -> PageAccount | None:
+        """Apply the page syscalls the kernel has reported since the last call."""
+        if self.pages is None:
+            return None
+        with self._pages_lock:
+            self.pages.apply(self.probes.page_events())
+        return self.pages
+
+    def seed_pages(self) -> None:
+        """Start the page map from the target's mappings now: at its exec (run), or at the attach. Events
+        already reported are dropped first: the maps read after them hold their effect. An event that lands
+        between the two is applied on top, which changes nothing but its site (see agent.pages)."""
+        if not self.probes.settings.pages or self.pages is not None:
+            return
+        with self._pages_lock:
+            self.probes.page_events()
+            try:
+                with open(f"{self.proc}/{self.info.pid}/maps") as f:
+                    maps_text = f.read()
+                with open(f"{self.proc}/{self.info.pid}/stat") as f:
+                    start_brk = parse_start_brk(f.read())
+            except OSError:  # the target is gone: nothing to seed
+                return
+            self.pages = PageAccount(PageMap.from_maps(parse_maps_full(maps_text), start_brk=start_brk))
+
     # ---- sampling ---------------------------------------------------------------------------------
 
     def sample(self) -> None:
         """One tick: record a snapshot if Massif's schedule wants one."""
         with self._lock:
-            c = self.probes.counters()
+            c = self.counters()
+            if self.opts.stacks:
+                self.stack_bytes = self.probes.stack_bytes()
             if self.recorder is not None:
                 self.recorder.sample(c)
             t = self.now(c)
@@ -268,22 +359,22 @@ class Session:
                 return
             kind = self.series.next_kind(t)
             if kind is None:
-                self.series.add(t, c.heap, c.extra, 0)  # counted as skipped
+                self.series.add(t, c.heap, c.extra, self.stack_bytes)  # counted as skipped
                 return
             if kind is not SnapshotKind.DETAILED:
-                self.series.add(t, c.heap, c.extra, 0)
+                self.series.add(t, c.heap, c.extra, self.stack_bytes)
                 # Stacks are symbolized as they appear, while the target's mappings are readable; the
                 # sites map is read only when the kernel has handed out new site ids since the last look.
                 if c.n_sites != self._sites_seen:
                     self._sites_seen = c.n_sites
-                    self.symbolize_new(list(self.probes.sites(c.peak_gen)))
+                    self.symbolize_new(list(self.read_sites(c.peak_gen)))
                 return
         # A detailed snapshot's tree is built outside the lock, so that HTTP requests do not queue behind it.
-        tree, ignored = self.tree(self.probes.sites(c.peak_gen), at_peak=False)
+        tree, ignored = self.tree(self.read_sites(c.peak_gen), at_peak=False)
         with self._lock:
             if self.series.finished or self.series.next_kind(t) is not SnapshotKind.DETAILED:
                 return
-            self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, 0, tree)
+            self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, self.stack_bytes, tree)
         # A kept tree is hundreds of thousands of long-lived objects: out of the cyclic collector's sight, its
         # full passes stay short (they stalled HTTP requests for half a second).
         gc.freeze()
@@ -291,6 +382,8 @@ class Session:
     def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float) -> None:
         """Sample every `interval` seconds until the target exits or `stop` is set; between samples, catch up
         at once with the target's exec, loader changes and exit (agent.bpf EV_*)."""
+        if not self.exec_limit:
+            self.seed_pages()  # attach: the mappings of now; run seeds at the target's exec (_catch_up)
         self.sync_mappings()
         self.sample()
         next_sample = time.monotonic() + interval
@@ -306,17 +399,19 @@ class Session:
 
     def exec_ended(self) -> bool:
         """The target exec'ed another program: the kernel disarmed the probes and this profile is over."""
-        return self.probes.counters().execs > self.exec_limit
+        return self.counters().execs > self.exec_limit
 
     def _catch_up(self) -> None:
         """New objects mapped, or the target is about to exit: record mappings, load unwind tables,
         symbolize while the mappings are still there; then let a stopped target go on."""
         self.sync_mappings()
         stopped = self.probes.stopped()
+        if stopped == EV_EXEC:
+            self.seed_pages()  # stopped at exec: the kernel's mappings of the new image, before any syscall
         if stopped == EV_EXIT:
             with self._lock:
-                c = self.probes.counters()
-                self.symbolize_new(list(self.probes.sites(c.peak_gen)))
+                c = self.counters()
+                self.symbolize_new(list(self.read_sites(c.peak_gen)))
         if stopped:
             self.probes.resume()
 
@@ -356,15 +451,17 @@ class Session:
         with self._lock:
             if self.series.finished:
                 return
-            c = self.probes.counters()
+            c = self.counters()
             self.end_counters = c
-            sites = self.probes.sites(c.peak_gen)
+            sites = self.read_sites(c.peak_gen)
             t_end = max(self.now(c), self.series.snapshots[-1].time if self.series.snapshots else 0)
             if c.peak_total > 0:
                 peak_tree, ign = self.tree(sites, at_peak=True)
-                self.series.set_peak(self.peak_time(c), c.peak_heap - ign.heap, c.peak_extra - ign.extra, 0, peak_tree)
+                self.series.set_peak(
+                    self.peak_time(c), c.peak_heap - ign.heap, c.peak_extra - ign.extra, self.stack_bytes, peak_tree
+                )
             tree, ign = self.tree(sites, at_peak=False)
-            self.series.finish(t_end, c.heap - ign.heap, c.extra - ign.extra, 0, tree)
+            self.series.finish(t_end, c.heap - ign.heap, c.extra - ign.extra, self.stack_bytes, tree)
 
     # ---- output -----------------------------------------------------------------------------------
 
@@ -412,7 +509,7 @@ class Session:
             )
 
     def summary(self) -> list[str]:
-        c = self.end_counters or self.probes.counters()
+        c = self.end_counters or self.counters()
         lines = [
             f"{c.n_allocs} allocations, {c.n_frees} frees, {c.n_reallocs} reallocs; "
             f"peak {c.peak_heap} B useful + {c.peak_extra} B extra; {c.blocks} blocks ({c.heap} B) live at the end"
@@ -429,6 +526,7 @@ class Session:
             )
         if c.lost_returns:
             lines.append(f"{c.lost_returns} allocation calls whose return was not seen")
+        lines.extend(self._page_summary())
         if self.tables is not None:
             lines.append(
                 f"unwind: {self.probes.rows_used} table rows ({self.probes.rows_used * 12 // 1024} KiB) for "
@@ -443,6 +541,31 @@ class Session:
                 lines.append(f"unwind: no table for {path}: {problem}")
         return lines
 
+    def _page_summary(self) -> list[str]:
+        if self.pages is None:
+            return []
+        pm, st = self.pages.map, self.pages.map.stats
+        kc = self.probes.page_counters()
+        lines = [
+            f"pages: {st.applied} mmap/munmap/mremap/brk calls applied ({st.failed} failed); mapped "
+            f"{pm.total} B at the end, {pm.peak_total} B at the peak"
+        ]
+        if kc.dropped:
+            lines.append(
+                f"pages: NOT COUNTED: {kc.lost} syscalls (event buffer full), {kc.calls_full} (thread table "
+                "full): the page figures are inexact from there on"
+            )
+        odd = {
+            "bytes unmapped that were not mapped": st.unknown_unmapped_bytes,
+            "bytes mapped over others without MAP_FIXED": st.replaced_without_fixed_bytes,
+            "brk changes before the break was known": st.brk_unknown_base,
+            "invalid calls": st.invalid,
+        }
+        shown = [f"{n} {what}" for what, n in odd.items() if n]
+        if shown:
+            lines.append("pages: " + ", ".join(shown))
+        return lines
+
     # ---- read-only views for the daemon (added for the HTTP API) ------------------------------------
 
     def snapshot_model(self, detailed: bool) -> Snapshot:
@@ -452,14 +575,14 @@ class Session:
 
     def _snapshot(self, detailed: bool, reuse_tree: bool) -> Snapshot:
         """A snapshot of now (under the lock). A reused tree is only good until the next call."""
-        c = self.probes.counters()
+        c = self.counters()
         tree = None
         ign = Ignored()
         if detailed:
-            sites = self.probes.sites(c.peak_gen)
+            sites = self.read_sites(c.peak_gen)
             tree, ign = self.live_tree(sites) if reuse_tree else self.tree(sites, at_peak=False)
         kind = SnapshotKind.DETAILED if detailed else SnapshotKind.NORMAL
-        return Snapshot(self.now(c), c.heap - ign.heap, c.extra - ign.extra, 0, tree, kind)
+        return Snapshot(self.now(c), c.heap - ign.heap, c.extra - ign.extra, self.stack_bytes, tree, kind)
 
     def snapshot_list(self) -> list[Snapshot]:
         """The snapshots recorded so far, in time order (what massif_text() writes)."""
@@ -470,8 +593,8 @@ class Session:
         """Counters per stack, merged over kernel keys whose stacks are equal once trimmed: with Massif's
         trimming (alloc-fns, --depth) when `massif_trim`, else the xtree's (cut below main only)."""
         with self._lock:
-            c = self.end_counters or self.probes.counters()
-            sites = self.probes.sites(c.peak_gen)
+            c = self.end_counters or self.counters()
+            sites = self.read_sites(c.peak_gen)
             self.symbolize_new(list(sites))
             merged: dict[Stack, SiteCounts] = {}
             for key, s in sites.items():
