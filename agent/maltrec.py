@@ -68,8 +68,9 @@ class MaltRecorder:
             self._proc = None
         self._me = psutil.Process()
 
-    def sample(self, c: Counters) -> None:
-        """One point of the memory, system and bandwidth timelines, and the sizes allocated since the last."""
+    def sample(self, c: Counters, mapped: int | None = None) -> None:
+        """One point of the memory, system and bandwidth timelines, and the sizes allocated since the last.
+        `mapped`: the target's mapped bytes from the page syscalls (the virtual line); else its VmSize."""
         t = time.monotonic_ns() - self.start_ns
         window_max, window_site = self.probes.take_window(c.heap)
         if self._proc is not None:
@@ -79,6 +80,8 @@ class MaltRecorder:
             except psutil.Error:
                 self._proc = None  # exited: the last reading stands
         rss, vms = self._last_mem
+        if mapped is not None:
+            vms = mapped
         internal = self._me.memory_info().rss
         self.memory.push(t, (max(window_max, c.heap), rss, vms, internal, c.blocks), callsite=window_site or None)
         vm, swap = psutil.virtual_memory(), psutil.swap_memory()

@@ -469,6 +469,17 @@ def _valid_range(start: int, length: int, end: int) -> bool:
 # The page map in the profile's terms
 
 
+@dataclass(frozen=True)
+class PageTotals:
+    """The page-level figures of a target, for the daemon and its gauges."""
+
+    mapped: int  # bytes mapped now, as the page syscalls left them
+    peak_mapped: int  # the highest mapped total seen
+    syscalls: int  # page syscalls applied
+    dropped: int  # page syscalls the kernel could not report (event buffer or thread table full)
+    stacks: int  # --stacks=yes: all threads' stacks at the last sample (0 without it)
+
+
 class PageAccount:
     """A PageMap fed with the kernel's page events, seen the way the heap profile sees the kernel's sites.
 

@@ -40,6 +40,7 @@ from agent.pages import (
     PRE_EXISTING_SITE,
     PageAccount,
     PageMap,
+    PageTotals,
     parse_maps_full,
     parse_start_brk,
 )
@@ -353,7 +354,7 @@ class Session:
             if self.opts.stacks:
                 self.stack_bytes = self.probes.stack_bytes()
             if self.recorder is not None:
-                self.recorder.sample(c)
+                self.recorder.sample(c, mapped=self.pages.total if self.pages is not None else None)
             t = self.now(c)
             if self.series.finished or (self.series.snapshots and t < self.series.snapshots[-1].time):
                 return
@@ -453,6 +454,8 @@ class Session:
                 return
             c = self.counters()
             self.end_counters = c
+            if self.recorder is not None:  # the timelines end with the final state
+                self.recorder.sample(c, mapped=self.pages.total if self.pages is not None else None)
             sites = self.read_sites(c.peak_gen)
             t_end = max(self.now(c), self.series.snapshots[-1].time if self.series.snapshots else 0)
             if c.peak_total > 0:
@@ -540,6 +543,19 @@ class Session:
             for path, problem in self.unwind_problems.items():
                 lines.append(f"unwind: no table for {path}: {problem}")
         return lines
+
+    def page_totals(self) -> PageTotals | None:
+        """Mapped memory and its peak, as the page syscalls left them (None before the map is seeded)."""
+        pages = self.update_pages()
+        if pages is None:
+            return None
+        return PageTotals(
+            mapped=pages.total,
+            peak_mapped=pages.map.peak_total,
+            syscalls=pages.map.stats.applied,
+            dropped=self.probes.page_counters().dropped,
+            stacks=self.stack_bytes,
+        )
 
     def _page_summary(self) -> list[str]:
         if self.pages is None:

@@ -1038,7 +1038,8 @@ static __always_inline int page_exit(u32 kind, long ret)
         e->new_addr = ret;
         break;
     }
-    page_events.ringbuf_submit(e, 0);
+    /* No wakeup: user space drains the buffer when it samples, and a wakeup per call costs an IPI. */
+    page_events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     page_count(HS_PGC_EVENTS);
     return 0;
 }
