@@ -137,6 +137,7 @@ class Session:
         self.symbolizer = symbolizer or Symbolizer()
         self.series = SnapshotSeries(detailed_freq=opts.detailed_freq, max_snapshots=opts.max_snapshots)
         self.start_ns = time.monotonic_ns()  # the same clock as bpf_ktime_get_ns
+        self._ended_ns: int | None = None  # when run() stopped sampling
         self.end_counters: Counters | None = None
         self._frames: dict[int, list[Frame]] = {}  # stack key -> symbolized raw stack
         self._trimmed: dict[int, Stack] = {}  # stack key -> Massif's trimmed stack
@@ -160,10 +161,11 @@ class Session:
     # ---- time -------------------------------------------------------------------------------------
 
     def now(self, c: Counters) -> int:
-        """The current time in the session's unit."""
+        """The current time in the session's unit (once sampling has ended, the time it ended)."""
         if self.opts.time_unit == "B":
             return c.time_b
-        return (time.monotonic_ns() - self.start_ns) // 1_000_000
+        now_ns = self._ended_ns if self._ended_ns is not None else time.monotonic_ns()
+        return (now_ns - self.start_ns) // 1_000_000
 
     def peak_time(self, c: Counters) -> int:
         if self.opts.time_unit == "B":
@@ -397,6 +399,7 @@ class Session:
                 if alive():
                     self.sync_mappings()
                 self.sample()
+        self._ended_ns = time.monotonic_ns()  # the final snapshot's time: not after the detach's seconds
 
     def exec_ended(self) -> bool:
         """The target exec'ed another program: the kernel disarmed the probes and this profile is over."""
