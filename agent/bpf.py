@@ -10,8 +10,10 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import mmap
 import os
 import signal
+import struct
 import sys
 import tempfile
 import time
@@ -42,22 +44,51 @@ MAX_UMAPS = 512  # probes/heap.h: HS_MAX_UMAPS
 PAGE_KINDS = {1: "mmap", 2: "munmap", 3: "mremap", 4: "brk"}
 
 
-class _PageEventStruct(ctypes.Structure):
-    """struct hs_page_event (probes/heap.h)."""
+# struct hs_page_event (probes/heap.h): time_ns, site, addr, length, new_addr, new_length, flags, prot, ret,
+# tid, kind.
+_PAGE_EVENT = struct.Struct("<8Qq2I")
+PAGE_RING_BYTES = 1024 * 4096  # probes/heap.h HS_PAGE_RING_PAGES pages
 
-    _fields_ = [
-        ("time_ns", ctypes.c_uint64),
-        ("site", ctypes.c_uint64),
-        ("addr", ctypes.c_uint64),
-        ("length", ctypes.c_uint64),
-        ("new_addr", ctypes.c_uint64),
-        ("new_length", ctypes.c_uint64),
-        ("flags", ctypes.c_uint64),
-        ("prot", ctypes.c_uint64),
-        ("ret", ctypes.c_int64),
-        ("tid", ctypes.c_uint32),
-        ("kind", ctypes.c_uint32),
-    ]
+
+class _RingReader:
+    """A BPF ring buffer read in place, as libbpf does it, without a callback per record: the consumer position
+    is a shared page we write, the producer position and the data (mapped twice, so a record never wraps)
+    pages we read. x86 keeps loads in order, so reading the producer position before the records suffices."""
+
+    _BUSY = 1 << 31  # a record reserved and not yet submitted: stop there
+    _DISCARD = 1 << 30
+    _U64 = struct.Struct("<Q")
+    _HEADER = struct.Struct("<II")  # length (with the two bits above), page offset
+
+    def __init__(self, map_fd: int, size: int, record: struct.Struct) -> None:
+        page = mmap.PAGESIZE
+        self.size = size
+        self.record = record
+        self._consumer = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
+        self._producer = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
+        self._data = memoryview(self._producer)[page:]
+
+    def drain(self) -> list[tuple[Any, ...]]:
+        """Every submitted record, unpacked, in order; frees their space for the kernel."""
+        u64, header, record, data = self._U64, self._HEADER, self.record, self._data
+        cons = u64.unpack_from(self._consumer, 0)[0]
+        prod = u64.unpack_from(self._producer, 0)[0]
+        mask = self.size - 1
+        out = []
+        while cons < prod:
+            length, _ = header.unpack_from(data, cons & mask)
+            if length & self._BUSY:
+                break
+            if not length & self._DISCARD:
+                out.append(record.unpack_from(data, (cons & mask) + 8))
+            cons += ((length & ~(self._BUSY | self._DISCARD)) + 8 + 7) & ~7
+        u64.pack_into(self._consumer, 0, cons)
+        return out
+
+    def close(self) -> None:
+        self._data.release()
+        self._producer.close()
+        self._consumer.close()
 
 
 @dataclass(frozen=True)
@@ -218,7 +249,7 @@ class HeapProbes:
         self._fds: list[int] = []
         self._stacks: dict[int, tuple[int, ...]] = {}
         self._events: list[int] = []
-        self._page_events: list[PageEvent] = []
+        self._page_ring: _RingReader | None = None
         self._rows_used = 0
         self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count)
         self._umap_half = 0
@@ -263,7 +294,7 @@ class HeapProbes:
                 self._set_armed(True)
             bpf["events"].open_perf_buffer(self._on_event, page_cnt=8)
             if s.pages:
-                bpf["page_events"].open_ring_buffer(self._on_page_event)
+                self._page_ring = _RingReader(bpf["page_events"].map_fd, PAGE_RING_BYTES, _PAGE_EVENT)
         except BaseException:
             self.close()
             raise
@@ -291,6 +322,9 @@ class HeapProbes:
         if self._bpf is not None and self.stopped():
             self.resume()  # never leave the target held at an event, whatever went wrong
         self.detach()
+        if self._page_ring is not None:
+            self._page_ring.close()
+            self._page_ring = None
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
@@ -325,34 +359,19 @@ class HeapProbes:
     def _on_event(self, cpu: int, data: int, size: int) -> None:
         self._events.append(ctypes.cast(data, ctypes.POINTER(ctypes.c_uint64)).contents.value)
 
-    def _on_page_event(self, ctx: object, data: int, size: int) -> int:
-        e = ctypes.cast(data, ctypes.POINTER(_PageEventStruct)).contents
-        kind = PAGE_KINDS.get(e.kind, "")
-        failed = e.ret < 0 if kind != "brk" else False  # brk reports failure by leaving the break where it was
-        self._page_events.append(
-            PageEvent(
-                kind=kind,
-                time_ns=e.time_ns,
-                tid=e.tid,
-                site=e.site,
-                addr=e.addr if kind != "mmap" or not failed else 0,
-                length=e.length,
-                new_addr=e.new_addr,
-                new_length=e.new_length,
-                flags=e.flags,
-                prot=e.prot,
-                failed=failed,
-            )
-        )
-        return 0
-
     def page_events(self) -> list[PageEvent]:
         """The page syscalls completed since the last call, in the order they completed (settings.pages)."""
-        if self._bpf is None or not self.settings.pages:
+        if self._page_ring is None:
             return []
-        self._bpf.ring_buffer_consume()
-        events, self._page_events = self._page_events, []
-        return events
+        out = []
+        for record in self._page_ring.drain():
+            time_ns, site, addr, length, new_addr, new_length, flags, prot, ret, tid, kind_id = record
+            kind = PAGE_KINDS.get(kind_id, "")
+            failed = ret < 0 and kind != "brk"  # brk reports failure by leaving the break where it was
+            if kind == "mmap" and failed:
+                addr = 0
+            out.append(PageEvent(kind, time_ns, tid, site, addr, length, new_addr, new_length, flags, prot, failed))
+        return out
 
     def page_counters(self) -> PageCounters:
         """The kernel side's counts of page events sent and not sent (settings.pages)."""
