@@ -495,12 +495,25 @@ class PageAccount:
         self.peak_time_b = 0
         self.peak_gen = 0  # bumped at every new peak
         self.peak_total_mapped = pages.total  # the highest mapped total, seed included
+        # (site, "mmap" | "munmap") -> [count, min, max, sum] of the lengths of the calls made there (MALT's
+        # per-stack mmap/munmap infos); mremap and brk have no place there.
+        self.calls: dict[tuple[int, str], list[int]] = {}
 
     def apply(self, events: Iterable[PageEvent]) -> None:
         pm = self.map
+        calls = self.calls
         for ev in events:
             before, peak_before = pm.total, pm.peak_total
             pm.apply(ev)
+            if (ev.kind == "mmap" or ev.kind == "munmap") and not ev.failed:
+                c = calls.get((ev.site, ev.kind))
+                if c is None:
+                    calls[(ev.site, ev.kind)] = [1, ev.length, ev.length, ev.length]
+                else:
+                    c[0] += 1
+                    c[1] = min(c[1], ev.length)
+                    c[2] = max(c[2], ev.length)
+                    c[3] += ev.length
             self.time_b += abs(pm.total - before)
             if pm.peak_total > peak_before:
                 self.peak_time_b = self.time_b

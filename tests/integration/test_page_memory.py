@@ -223,3 +223,43 @@ def test_stacks_cannot_be_combined_with_pages_as_heap(cli_cmd: list[str], build:
     assert done.returncode == 2, done
     assert "cannot be combined" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# ---- MALT's mmap/munmap per stack, in heap mode -----------------------------------------------------------
+
+
+def test_malt_profile_has_the_mmap_and_munmap_calls_per_stack(
+    pages_program: Path, run_heapscope: Callable[..., Completed], tmp_path: Path
+) -> None:
+    import json
+
+    import jsonschema
+
+    schema = json.loads((Path(__file__).resolve().parents[1] / "malt_schema.json").read_text())
+    malt = tmp_path / "malt.json"
+    done = run_heapscope(pages_program, options=(f"--malt-out-file={malt}", "--malt-format=1.6"))
+    assert done.returncode == 0, done.stderr
+    assert "inconsistent" not in done.stderr
+    doc = json.loads(malt.read_text())
+    jsonschema.validate(doc, schema)
+    assert doc["config"]["c"]["mmap"] is True
+    strings, instr = doc["sites"]["strings"], doc["sites"]["instr"]
+
+    def calls(function: str, caller: str) -> dict[str, int]:
+        """The infos of the one stack whose leaf is `function` called from `caller` (pages.c)."""
+        found = []
+        for s in doc["stacks"]["stats"]:
+            names = [strings[instr[a]["function"]] for a in s["stack"]]
+            if names[0] == function and caller in names[1:3]:
+                found.append(s["infos"][function])
+        assert len(found) == 1, (function, caller, found)
+        return found[0]  # type: ignore[no-any-return]
+
+    assert calls("mmap", "big_map") == {"count": 1, "min": 64 * MiB, "max": 64 * MiB, "sum": 64 * MiB}
+    assert calls("munmap", "big_unmap") == {"count": 1, "min": 32 * MiB, "max": 32 * MiB, "sum": 32 * MiB}
+    assert calls("mmap", "grow_base")["sum"] == 2 * MiB
+    assert calls("mmap", "move_base")["sum"] == 1 * MiB + PAGE
+    # The mmap stacks add up to the domains' mmap figures.
+    mmaps = [s["infos"]["mmap"] for s in doc["stacks"]["stats"]]
+    assert doc["domains"]["counters"]["mmap"] == sum(m["count"] for m in mmaps)
+    assert doc["domains"]["mem"]["mmap"] == sum(m["sum"] for m in mmaps)
