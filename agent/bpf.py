@@ -13,6 +13,7 @@ import ctypes
 import mmap
 import os
 import signal
+import struct
 import sys
 import tempfile
 import threading
@@ -26,6 +27,7 @@ from typing import Any, cast
 from agent.discovery import ProbePoint
 from agent.errors import EnvironmentProblem, HeapscopeError
 from agent.model import SiteCounts
+from agent.pages import PageEvent
 
 # Stack key the kernel uses when its stack table is full (heap.bpf.c: HS_STACK_OVERFLOW).
 STACK_OVERFLOW = 0
@@ -37,7 +39,71 @@ CTL_UMAPS = 2
 EV_EXEC = 1
 EV_LOADER = 2
 EV_EXIT = 3
+CTL_STACK_EPOCH = 3
 MAX_UMAPS = 512  # probes/heap.h: HS_MAX_UMAPS
+# enum hs_page_kind (probes/heap.h), by agent.pages' names.
+PAGE_KINDS = {1: "mmap", 2: "munmap", 3: "mremap", 4: "brk"}
+
+
+# struct hs_page_event (probes/heap.h): time_ns, site, addr, length, new_addr, new_length, flags, prot, ret,
+# tid, kind.
+_PAGE_EVENT = struct.Struct("<8Qq2I")
+PAGE_RING_BYTES = 1024 * 4096  # probes/heap.h HS_PAGE_RING_PAGES pages
+
+
+class _RingReader:
+    """A BPF ring buffer read in place, as libbpf does it, without a callback per record: the consumer position
+    is a shared page we write, the producer position and the data (mapped twice, so a record never wraps)
+    pages we read. x86 keeps loads in order, so reading the producer position before the records suffices."""
+
+    _BUSY = 1 << 31  # a record reserved and not yet submitted: stop there
+    _DISCARD = 1 << 30
+    _U64 = struct.Struct("<Q")
+    _HEADER = struct.Struct("<II")  # length (with the two bits above), page offset
+
+    def __init__(self, map_fd: int, size: int, record: struct.Struct) -> None:
+        page = mmap.PAGESIZE
+        self.size = size
+        self.record = record
+        self._consumer = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
+        self._producer = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
+        self._data = memoryview(self._producer)[page:]
+
+    def drain(self) -> list[tuple[Any, ...]]:
+        """Every submitted record, unpacked, in order; frees their space for the kernel."""
+        u64, header, record, data = self._U64, self._HEADER, self.record, self._data
+        cons = u64.unpack_from(self._consumer, 0)[0]
+        prod = u64.unpack_from(self._producer, 0)[0]
+        mask = self.size - 1
+        out = []
+        while cons < prod:
+            length, _ = header.unpack_from(data, cons & mask)
+            if length & self._BUSY:
+                break
+            if not length & self._DISCARD:
+                out.append(record.unpack_from(data, (cons & mask) + 8))
+            cons += ((length & ~(self._BUSY | self._DISCARD)) + 8 + 7) & ~7
+        u64.pack_into(self._consumer, 0, cons)
+        return out
+
+    def close(self) -> None:
+        self._data.release()
+        self._producer.close()
+        self._consumer.close()
+
+
+@dataclass(frozen=True)
+class PageCounters:
+    """probes/heap.h enum hs_page_counter."""
+
+    events: int = 0  # events sent
+    lost: int = 0  # ring buffer full: not sent
+    calls_full: int = 0  # per-thread call table full at entry: not sent
+    unpaired: int = 0  # an exit without its entry (the call began before the probes were armed)
+
+    @property
+    def dropped(self) -> int:
+        return self.lost + self.calls_full
 
 
 @dataclass(frozen=True)
@@ -143,6 +209,8 @@ class ProbeSettings:
     max_depth: int = 40
     max_blocks: int = 1 << 20
     max_stacks: int = 1 << 16
+    pages: bool = False  # trace mmap/munmap/mremap/brk: one PageEvent per call (page_events())
+    stacks: bool = False  # keep each thread's stack extent (--stacks=yes: stack_bytes())
 
 
 @contextlib.contextmanager
@@ -272,6 +340,7 @@ class HeapProbes:
         self._sites: MappedArray | None = None  # struct hs_site by site id
         self._site_stacks: MappedArray | None = None  # struct hs_stack by site id
         self._events: list[int] = []
+        self._page_ring: _RingReader | None = None
         self._rows_used = 0
         self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count)
         self._umap_half = 0
@@ -299,6 +368,8 @@ class HeapProbes:
             f"-DHS_MAX_ROWS={s.max_rows}",
             f"-DHS_FREE_STACKS={int(s.free_stacks)}",
             f"-DHS_MALT={int(s.malt)}",
+            f"-DHS_PAGES={int(s.pages)}",
+            f"-DHS_STACKS={int(s.stacks)}",
         ]
         with _captured_stderr() as messages:
             try:
@@ -318,6 +389,8 @@ class HeapProbes:
             if not s.arm_on_exec:
                 self._set_armed(True)
             bpf["events"].open_perf_buffer(self._on_event, page_cnt=8)
+            if s.pages:
+                self._page_ring = _RingReader(bpf["page_events"].map_fd, PAGE_RING_BYTES, _PAGE_EVENT)
         except BaseException:
             self.close()
             raise
@@ -346,6 +419,9 @@ class HeapProbes:
             self.resume()  # never leave the target held at an event, whatever went wrong
         self.detach()
         self._unmap()
+        if self._page_ring is not None:
+            self._page_ring.close()
+            self._page_ring = None
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
@@ -385,6 +461,40 @@ class HeapProbes:
 
     def _on_event(self, cpu: int, data: int, size: int) -> None:
         self._events.append(ctypes.cast(data, ctypes.POINTER(ctypes.c_uint64)).contents.value)
+
+    def page_events(self) -> list[PageEvent]:
+        """The page syscalls completed since the last call, in the order they completed (settings.pages)."""
+        if self._page_ring is None:
+            return []
+        out = []
+        for record in self._page_ring.drain():
+            time_ns, site, addr, length, new_addr, new_length, flags, prot, ret, tid, kind_id = record
+            kind = PAGE_KINDS.get(kind_id, "")
+            failed = ret < 0 and kind != "brk"  # brk reports failure by leaving the break where it was
+            if kind == "mmap" and failed:
+                addr = 0
+            out.append(PageEvent(kind, time_ns, tid, site, addr, length, new_addr, new_length, flags, prot, failed))
+        return out
+
+    def page_counters(self) -> PageCounters:
+        """The kernel side's counts of page events sent and not sent (settings.pages)."""
+        if self._bpf is None or not self.settings.pages:
+            return PageCounters()
+        values = [_int(v) for v in self._array_prefix("page_counters", 4)]
+        return PageCounters(*values)
+
+    def stack_bytes(self) -> int:
+        """--stacks=yes: the bytes of every live thread's stack, from its top to the lowest stack pointer seen
+        since the last call; starts a new low-water mark."""
+        if self._bpf is None or not self.settings.stacks:
+            return 0
+        epoch = self._control(CTL_STACK_EPOCH)
+        total = 0
+        for _, t in self._items("thread_stacks"):
+            low = int(t.low) if int(t.epoch) == epoch else int(t.last)
+            total += max(0, int(t.top) - low)
+        self._set_control(CTL_STACK_EPOCH, epoch + 1)
+        return total
 
     def wait_events(self, timeout: float) -> list[int]:
         """Events (EV_*) that came within `timeout` seconds; returns at the first one."""

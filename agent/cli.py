@@ -250,12 +250,9 @@ def options_from(ns: argparse.Namespace) -> MassifOptions:
     )
     if opts.stacks and opts.pages_as_heap:
         raise UsageError("--stacks=yes cannot be combined with --pages-as-heap=yes (as in Massif)")
-    if opts.stacks:
-        raise UsageError("--stacks=yes is not supported yet (stack profiling comes with page-level memory)")
-    if opts.pages_as_heap:
-        raise UsageError("--pages-as-heap=yes is not supported yet (it needs the mmap/brk tracepoints)")
-    if not opts.heap:
-        raise UsageError("--heap=no leaves nothing to profile until --stacks=yes is supported")
+    if not opts.heap and not opts.pages_as_heap:
+        # Stack depths are sampled at the allocator's probes: without them there is nothing to sample.
+        raise UsageError("--heap=no needs --pages-as-heap=yes: heapscope samples stack depths at allocator calls")
     if opts.time_unit == "i":
         raise UsageError(
             "--time-unit=i needs hardware instruction counters, which heapscope does not read yet "
@@ -341,6 +338,8 @@ def _settings(ctx: _Ctx, pid: int, run: bool):  # type: ignore[no-untyped-def]
         max_depth=min(ctx.opts.depth + 12, MAX_WALKED_FRAMES),
         max_blocks=ctx.ns.max_blocks,
         max_stacks=ctx.ns.max_stacks,
+        pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
+        stacks=ctx.opts.stacks,
     )
 
 
@@ -360,7 +359,8 @@ def _profile(
         ctx.say(line)
     if ctx.opts.depth + 12 > MAX_WALKED_FRAMES:
         ctx.say(f"stacks are walked to {MAX_WALKED_FRAMES} frames at most (the BPF verifier's limit)")
-    points = list(allocator.probes)
+    # --pages-as-heap=yes: the page syscalls' tracepoints only; malloc is not counted (as in Massif).
+    points = [] if ctx.opts.pages_as_heap else list(allocator.probes)
     if run and allocator.exit_probe is not None:
         points.append(allocator.exit_probe)
     if allocator.loader_probe is not None:
@@ -378,6 +378,10 @@ def _profile(
             from agent.maltrec import MaltRecorder
 
             session.recorder = MaltRecorder(probes, pid)
+        if not run:
+            # Before saying the probes are live: the page map and the unwind tables of the mappings of now.
+            session.seed_pages()
+            session.sync_mappings()
         ctx.say(f"probes attached to {pid}")
         started()
         session.run(alive, stop, ctx.ns.sample_interval)

@@ -22,13 +22,14 @@ from typing import Literal, Protocol
 
 import psutil
 
-from agent.bpf import Counters, HeapProbes, ProbeSettings, SiteArray, UnwindMapping
+from agent.bpf import Counters, HeapProbes, PageCounters, ProbeSettings, SiteArray, UnwindMapping
 from agent.discovery import Allocator, allocator_of_process, allocator_of_program, read_process
 from agent.errors import HeapscopeError, TargetError, UsageError
 from agent.launch import HeldChild
 from agent.massif import render_snapshot
 from agent.model import SiteCounts, Snapshot, SnapshotKind, Stack
 from agent.options import MassifOptions
+from agent.pages import PageTotals
 from agent.profiler import Session, SessionInfo
 
 TargetState = Literal["profiling", "exited", "detached"]
@@ -211,7 +212,9 @@ class FrozenProbes(HeapProbes):
         self._counters = counters
         count = min(counters.n_sites + 1, live.settings.max_stacks)
         self._frozen_sites = live.copy_sites(count)
-        self._stacks = live.stacks(live.used_sites(count))
+        # Every site's stack, those of sites that only made page syscalls too (used_sites() leaves them out).
+        self._stacks = {k: ips for k, ips in live.stacks(range(count)).items() if ips}
+        self._page_counters = live.page_counters()
 
     def __enter__(self) -> HeapProbes:
         return self
@@ -227,6 +230,9 @@ class FrozenProbes(HeapProbes):
 
     def _site_view(self, count: int) -> SiteArray:
         return self._frozen_sites
+
+    def page_counters(self) -> PageCounters:
+        return self._page_counters
 
     def wait_events(self, timeout: float) -> list[int]:
         return []
@@ -267,6 +273,7 @@ class TargetStatus:
     ended_at: float | None  # when profiling ended (exit or detach)
     files: tuple[str, ...]  # the files written when profiling ended
     counters: Counters
+    pages: PageTotals | None = None  # mapped memory (None until the page map is seeded)
 
 
 @dataclass(frozen=True)
@@ -351,12 +358,18 @@ class Target:
             ended_at=self.ended_at,
             files=self.files,
             counters=self.counters(),
+            pages=self.page_totals(),
         )
 
     def counters(self) -> Counters:
         s = self._session()
         with self.lock:
-            return s.end_counters or s.probes.counters()
+            return s.end_counters or s.counters()
+
+    def page_totals(self) -> PageTotals | None:
+        s = self._session()
+        with self.lock:
+            return s.page_totals()
 
     def snapshot(self, detailed: bool) -> Snapshot:
         """A snapshot taken now; for a target that is no longer profiled, its final state."""
@@ -593,6 +606,8 @@ class TargetManager:
             max_depth=min(o.depth + 12, 128),
             max_blocks=self.config.max_blocks,
             max_stacks=self.config.max_stacks,
+            pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
+            stacks=o.stacks,
         )
 
     def _profile(
@@ -601,7 +616,8 @@ class TargetManager:
         """The target's sampling thread: attach, sample until exit or stop, keep the last state, write files."""
         say = self.config.say
         try:
-            points = list(allocator.probes)
+            # --pages-as-heap=yes: the page syscalls' tracepoints only; malloc is not counted (as in Massif).
+            points = [] if self.config.opts.pages_as_heap else list(allocator.probes)
             if run and allocator.exit_probe is not None:
                 points.append(allocator.exit_probe)
             if allocator.loader_probe is not None:
@@ -619,6 +635,10 @@ class TargetManager:
                     tables=tables,
                     exec_limit=int(run),
                 )
+                if not run:
+                    # Before saying the probes are live: the page map and the unwind tables of the mappings of now.
+                    session.seed_pages()
+                    session.sync_mappings()
                 started()
                 t.session = session
                 say(f"probes attached to {t.pid} ({t.cmdline})")

@@ -55,6 +55,9 @@ ALLOC_FUNCTIONS: tuple[str, ...] = (
     "realloc",
 )
 
+# MALT's own mmap tracking (config c.mmap): stacks of mmap and munmap calls, with their infos' mmap/munmap.
+PAGE_FUNCTIONS: tuple[str, ...] = ("mmap", "munmap")
+
 UNKNOWN_STRING = "??"  # sites.strings[0]: unknown values
 ROOT_STRING = "[0x1]"  # sites.strings[1]: the root of all call stacks
 ROOT_ADDRESS = 0x1
@@ -165,7 +168,7 @@ class StackKey:
     function: str = "malloc"
 
     def __post_init__(self) -> None:
-        if self.function not in ALLOC_FUNCTIONS:
+        if self.function not in ALLOC_FUNCTIONS and self.function not in PAGE_FUNCTIONS:
             raise ValueError(f"unknown allocation function {self.function!r}; MALT knows {', '.join(ALLOC_FUNCTIONS)}")
 
 
@@ -464,6 +467,7 @@ class MaltConfig:
     stack_enabled: bool = True
     stack_mode: str = "ebpf"
     output_name: str = ""
+    mmap: bool = False  # the profile has the stacks of mmap and munmap calls
 
 
 @dataclass
@@ -682,7 +686,7 @@ def _config_json(cfg: MaltConfig, version: FormatVersion) -> dict[str, Any]:
             "hide-imports": False,
             "mode": "none",
         },
-        "c": {"gpu-malloc": False, "malloc": True, "mmap": False},
+        "c": {"gpu-malloc": False, "malloc": True, "mmap": cfg.mmap},
         "output": {
             "callgrind": False,
             "config": False,

@@ -68,8 +68,9 @@ class MaltRecorder:
             self._proc = None
         self._me = psutil.Process()
 
-    def sample(self, c: Counters) -> None:
-        """One point of the memory, system and bandwidth timelines, and the sizes allocated since the last."""
+    def sample(self, c: Counters, mapped: int | None = None) -> None:
+        """One point of the memory, system and bandwidth timelines, and the sizes allocated since the last.
+        `mapped`: the target's mapped bytes from the page syscalls (the virtual line); else its VmSize."""
         t = time.monotonic_ns() - self.start_ns
         window_max, window_site = self.probes.take_window(c.heap)
         if self._proc is not None:
@@ -79,6 +80,8 @@ class MaltRecorder:
             except psutil.Error:
                 self._proc = None  # exited: the last reading stands
         rss, vms = self._last_mem
+        if mapped is not None:
+            vms = mapped
         internal = self._me.memory_info().rss
         self.memory.push(t, (max(window_max, c.heap), rss, vms, internal, c.blocks), callsite=window_site or None)
         vm, swap = psutil.virtual_memory(), psutil.swap_memory()
@@ -100,6 +103,29 @@ class MaltRecorder:
             if now > before:
                 self.size_over_time.add_log2_bins(t, b, now - before)
         self._prev_sizes = sizes
+
+    def _page_stacks(self, session: Session) -> tuple[list[MaltStack], dict[str, int]]:
+        """MALT's stacks of mmap and munmap calls, from the page syscalls (with each function's address: the
+        system call's instruction in its libc wrapper, the innermost address of these stacks)."""
+        pages = session.pages
+        if pages is None:
+            return [], {}
+        sites = sorted({site for site, _ in pages.calls if site > 0})
+        raw = self.probes.stacks(sites)
+        session.symbolize_new(sites)
+        stacks: list[MaltStack] = []
+        functions: dict[str, int] = {}
+        for (site, kind), (count, lo, hi, total) in sorted(pages.calls.items()):
+            ips = raw.get(site, ())
+            if not ips:
+                continue
+            functions.setdefault(kind, ips[0])
+            # The callers only: the wrapper's own frame is the function MALT names at the leaf.
+            frames = tuple(f for f in session.frames_of(site) if f.address != ips[0])
+            calls = CountMinMaxSum(count, lo, hi, total)
+            stats = MaltStackStats(mmap=calls) if kind == "mmap" else MaltStackStats(munmap=calls)
+            stacks.append(MaltStack(StackKey(tuple(ips[1:]), kind), stats, frames, stack_id=site))
+        return stacks, functions
 
     def build(self, session: Session, c: Counters, probe_points: Sequence[ProbePoint], allocator: str) -> MaltProfile:
         probes = self.probes
@@ -128,6 +154,9 @@ class MaltRecorder:
             if f.cur_blocks:
                 leaks.append(MaltLeak(key, f.cur_blocks, f.cur_bytes))
         leaks.sort(key=lambda lk: (-lk.memory, -lk.count))
+        page_stacks, page_functions = self._page_stacks(session)
+        stacks.extend(page_stacks)
+        mmap_calls = [s.stats.mmap for s in page_stacks if s.key.function == "mmap"]
 
         threads: dict[int, MaltThread] = {}
         for (tid, fn), (count, nbytes, ns) in sorted(probes.thread_stats().items()):
@@ -172,10 +201,12 @@ class MaltRecorder:
                 free_count=c.n_frees,
                 free_bytes=c.freed_bytes,
                 peak_bytes=c.peak_heap,
+                mmap_count=sum(m.count for m in mmap_calls),
+                mmap_bytes=sum(m.sum for m in mmap_calls),
             ),
-            config=MaltConfig(points=self.points),
+            config=MaltConfig(points=self.points, mmap=session.pages is not None),
             stacks=stacks,
-            function_addresses=_function_addresses(probe_points, mappings),
+            function_addresses={**_function_addresses(probe_points, mappings), **page_functions},
             mappings=mappings,
             size_map=probes.size_map(),
             realloc_jump=probes.realloc_jumps(),

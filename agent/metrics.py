@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from agent.bpf import Counters
 from agent.daemon import SiteTotal
 from agent.errors import HeapscopeError
+from agent.pages import PageTotals
 
 TARGET_LABELS = ("pid", "command")
 
@@ -34,6 +35,8 @@ class MetricsTarget(Protocol):
     def counters(self) -> Counters: ...
 
     def top_sites(self, n: int) -> tuple[list[SiteTotal], SiteTotal]: ...
+
+    def page_totals(self) -> PageTotals | None: ...
 
 
 class MetricsSource(Protocol):
@@ -59,6 +62,13 @@ _COUNTERS = (
     ("heapscope_free_calls", "Free calls seen.", "n_frees"),
     ("heapscope_untracked_frees", "Frees of blocks allocated before the probes were attached (not counted).",
      "untracked_frees"),
+)
+# Page-level figures (agent.pages.PageTotals field): memory malloc does not explain.
+_PAGE_GAUGES = (
+    ("heapscope_mapped_bytes", "Bytes the process has mapped (mmap, mremap, brk, and what existed at the start).",
+     "mapped"),
+    ("heapscope_mapped_peak_bytes", "The highest mapped total since the profile started.", "peak_mapped"),
+    ("heapscope_stacks_bytes", "Stack bytes of all threads at the last sample (--stacks=yes; else 0).", "stacks"),
 )
 # Full kernel tables: what was not counted because a map had no room ("map" label -> Counters field).
 _DROPS = (
@@ -102,11 +112,18 @@ class HeapscopeCollector(Collector):
             f"Live heap blocks of the top {self.top_stacks} allocation sites, and of all other sites together.",
             labels=(*TARGET_LABELS, "site"),
         )
+        page_gauges = [GaugeMetricFamily(name, doc, labels=TARGET_LABELS) for name, doc, _ in _PAGE_GAUGES]
+        page_calls = CounterMetricFamily(
+            "heapscope_page_syscalls",
+            "mmap, munmap, mremap and brk calls applied to the page map.",
+            labels=TARGET_LABELS,
+        )
         n_targets = 0
         for t in self.source.targets():
             try:
                 c = t.counters()
                 top, other = t.top_sites(self.top_stacks)
+                pages = t.page_totals()
             except HeapscopeError:  # detached or gone between the listing and the read: leave it out
                 continue
             n_targets += 1
@@ -119,6 +136,11 @@ class HeapscopeCollector(Collector):
                 cfam.add_metric(labels, max(getattr(c, fld), 0))
             for name, fld in _DROPS:
                 drops.add_metric([*labels, name], getattr(c, fld))
+            if pages is not None:
+                for fam, (_, _, fld) in zip(page_gauges, _PAGE_GAUGES, strict=True):
+                    fam.add_metric(labels, getattr(pages, fld))
+                page_calls.add_metric(labels, pages.syscalls)
+                drops.add_metric([*labels, "page_events"], pages.dropped)
             for s in [*top, other]:
                 site_bytes.add_metric([*labels, s.site], s.bytes)
                 site_blocks.add_metric([*labels, s.site], s.blocks)
@@ -127,6 +149,8 @@ class HeapscopeCollector(Collector):
         yield exited
         yield from gauges
         yield from counters
+        yield from page_gauges
+        yield page_calls
         yield drops
         yield site_bytes
         yield site_blocks

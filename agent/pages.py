@@ -30,10 +30,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from agent.model import SiteCounts
 
 PAGE_SIZE = 4096
 PRE_EXISTING_SITE = -1
 PRE_EXISTING_LABEL = "(mapped before heapscope attached)"
+PRE_EXISTING_EXEC_LABEL = "(mapped by the kernel at exec)"  # `run`: the image, the loader, the stack, vdso
 UNKNOWN_SITE = 0  # the BPF layer's site id for an unknown stack or a full stack table
 
 # Linux x86-64 flag values (uapi/asm-generic/mman*.h and uapi/linux/mman.h).
@@ -53,9 +57,9 @@ def page_up(n: int) -> int:
     return (n + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1)
 
 
-@dataclass(frozen=True)
-class PageEvent:
-    """One mmap/munmap/mremap/brk system call, as seen at its exit."""
+class PageEvent(NamedTuple):
+    """One mmap/munmap/mremap/brk system call, as seen at its exit. (A tuple: the BPF layer builds one per
+    call, a hundred thousand a second on an mmap-heavy target.)"""
 
     kind: str  # "mmap" | "munmap" | "mremap" | "brk"
     time_ns: int  # CLOCK_MONOTONIC at the syscall's exit
@@ -460,3 +464,82 @@ class PageMap:
 def _valid_range(start: int, length: int, end: int) -> bool:
     """The kernel's checks: page-aligned start, non-zero length, no wrap past the address space."""
     return length > 0 and start >= 0 and start % PAGE_SIZE == 0 and end <= _ADDR_LIMIT
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The page map in the profile's terms
+
+
+@dataclass(frozen=True)
+class PageTotals:
+    """The page-level figures of a target, for the daemon and its gauges."""
+
+    mapped: int  # bytes mapped now, as the page syscalls left them
+    peak_mapped: int  # the highest mapped total seen
+    syscalls: int  # page syscalls applied
+    dropped: int  # page syscalls the kernel could not report (event buffer or thread table full)
+    stacks: int  # --stacks=yes: all threads' stacks at the last sample (0 without it)
+
+
+class PageAccount:
+    """A PageMap fed with the kernel's page events, seen the way the heap profile sees the kernel's sites.
+
+    For --pages-as-heap=yes each mapped page is a 4096-byte block: the snapshot total is the mapped total, the
+    tree groups pages by the stack that mapped them, and Massif's B clock moves by every page mapped or
+    unmapped. In heap mode only `total` is used: the mapped memory next to the heap.
+    """
+
+    def __init__(self, pages: PageMap) -> None:
+        self.map = pages
+        self.time_b = 0  # bytes mapped plus bytes unmapped so far (Massif's --time-unit=B)
+        self.peak_time_b = 0
+        self.peak_gen = 0  # bumped at every new peak
+        self.peak_total_mapped = pages.total  # the highest mapped total, seed included
+        # (site, "mmap" | "munmap") -> [count, min, max, sum] of the lengths of the calls made there (MALT's
+        # per-stack mmap/munmap infos); mremap and brk have no place there.
+        self.calls: dict[tuple[int, str], list[int]] = {}
+
+    def apply(self, events: Iterable[PageEvent]) -> None:
+        pm = self.map
+        calls = self.calls
+        for ev in events:
+            before, peak_before = pm.total, pm.peak_total
+            pm.apply(ev)
+            if (ev.kind == "mmap" or ev.kind == "munmap") and not ev.failed:
+                c = calls.get((ev.site, ev.kind))
+                if c is None:
+                    calls[(ev.site, ev.kind)] = [1, ev.length, ev.length, ev.length]
+                else:
+                    c[0] += 1
+                    c[1] = min(c[1], ev.length)
+                    c[2] = max(c[2], ev.length)
+                    c[3] += ev.length
+            self.time_b += abs(pm.total - before)
+            if pm.peak_total > peak_before:
+                self.peak_time_b = self.time_b
+                self.peak_gen += 1
+        self.peak_total_mapped = pm.peak_total
+
+    @property
+    def total(self) -> int:
+        return self.map.total
+
+    def site_counts(self) -> dict[int, SiteCounts]:
+        """Per site: bytes mapped now, at the peak, ever, and unmapped since, in SiteCounts' fields (blocks are
+        pages). A site whose pages are all gone is still listed: it mapped memory."""
+        pm = self.map
+        live, peak = pm.live_by_site(), pm.peak_by_site()
+        ever, gone = pm.mapped_ever_by_site(), pm.unmapped_by_site()
+        out = {}
+        for site in ever.keys() | live.keys():
+            cur, tot, freed = live.get(site, 0), ever.get(site, 0), gone.get(site, 0)
+            out[site] = SiteCounts(
+                cur_bytes=cur,
+                cur_blocks=cur // PAGE_SIZE,
+                tot_bytes=tot,
+                tot_blocks=max(1, tot // PAGE_SIZE),
+                freed_bytes=freed,
+                freed_blocks=freed // PAGE_SIZE,
+                peak_bytes=peak.get(site, 0),
+            )
+        return out

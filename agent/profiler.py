@@ -13,13 +13,15 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from agent.bpf import EV_EXIT, Counters, HeapProbes, UnwindMapping
+from agent.bpf import EV_EXEC, EV_EXIT, Counters, HeapProbes, UnwindMapping
 from agent.elf import ElfError, open_elf
 from agent.massif import render_snapshot, write_massif
 from agent.model import (
+    HEAP_ROOT_LABEL,
+    PAGES_ROOT_LABEL,
     Frame,
     IndexedTree,
     SiteCounts,
@@ -31,6 +33,17 @@ from agent.model import (
     trim_stack,
 )
 from agent.options import MassifOptions
+from agent.pages import (
+    PAGE_SIZE,
+    PRE_EXISTING_EXEC_LABEL,
+    PRE_EXISTING_LABEL,
+    PRE_EXISTING_SITE,
+    PageAccount,
+    PageMap,
+    PageTotals,
+    parse_maps_full,
+    parse_start_brk,
+)
 from agent.symbols import Mapping, Symbolizer, parse_maps
 
 if TYPE_CHECKING:
@@ -114,9 +127,13 @@ class Session:
         self.opts = opts
         self.probes = probes
         self.info = info
+        self.proc = proc
         self.maps = MapsRecorder(info.pid, proc)
         self.tables = tables  # unwind tables per object path (None: frame-pointer stacks)
         self.exec_limit = exec_limit  # execs the target may make (run: its first one) before the profile ends
+        # The mappings the page map starts with: made by the kernel at exec (run) or before the attach.
+        pre_existing = PRE_EXISTING_EXEC_LABEL if exec_limit else PRE_EXISTING_LABEL
+        self._pre_existing_frame = Frame(address=0, function=pre_existing)
         self.recorder: MaltRecorder | None = None  # MALT's timelines, when a MALT profile is wanted
         self.unwind_problems: dict[str, str] = {}  # objects whose table could not be built, and why
         self._table_seconds: dict[str, float] = {}  # object path -> time to build or load its table
@@ -124,12 +141,18 @@ class Session:
         self.symbolizer = symbolizer or Symbolizer()
         self.series = SnapshotSeries(detailed_freq=opts.detailed_freq, max_snapshots=opts.max_snapshots)
         self.start_ns = time.monotonic_ns()  # the same clock as bpf_ktime_get_ns
+        self._ended_ns: int | None = None  # when run() stopped sampling
         self.end_counters: Counters | None = None
         self._frames: dict[int, list[Frame]] = {}  # stack key -> symbolized raw stack
         self._trimmed: dict[int, Stack] = {}  # stack key -> Massif's trimmed stack
         self._sites_seen = 0  # the kernel's n_sites when the sites were last symbolized
+        # --pages-as-heap=yes: the tree is of pages, by the stack of the syscall that mapped them
+        self.root_label = PAGES_ROOT_LABEL if opts.pages_as_heap else HEAP_ROOT_LABEL
+        self.pages: PageAccount | None = None  # the page map, when the probes trace page syscalls
+        self._pages_lock = threading.Lock()
+        self.stack_bytes = 0  # --stacks=yes: all threads' stacks at the last sample
         # The heap tree's stacks, numbered once: a snapshot's tree is then one pass over the sites' counters.
-        self._index = StackIndex()
+        self._index = StackIndex(self.root_label)
         self._site_stack: dict[int, int] = {}  # site -> its trimmed stack's number in _index, or _IGNORED/_NO_FRAME
         self._first_keys: list[int] = []  # by stack number: the first site found with that stack
         self._more_keys: list[tuple[int, int]] = []  # (site, stack number) of the other sites in the tree
@@ -137,6 +160,9 @@ class Session:
         self._waiting: list[int] = []  # site ids not in the tree yet: unused so far, or only frees charged
         self._ids_taken = 1  # site ids 0.._ids_taken-1 are in one of the lists above (0 is in _waiting)
         self._waiting.append(0)
+        # --pages-as-heap=yes: the page map's sites (a dict, with PRE_EXISTING_SITE) have an index of their own
+        self._page_index = StackIndex(self.root_label)
+        self._page_stack: dict[int, int] = {}  # page site -> its stack's number in _page_index, or _IGNORED/_NO_FRAME
         self._lock = threading.Lock()  # readers (HTTP) and the sampler share the model
         self._alloc_fns = opts.all_alloc_fns
         self._ignore_fns = frozenset(opts.ignore_fns)
@@ -144,10 +170,11 @@ class Session:
     # ---- time -------------------------------------------------------------------------------------
 
     def now(self, c: Counters) -> int:
-        """The current time in the session's unit."""
+        """The current time in the session's unit (once sampling has ended, the time it ended)."""
         if self.opts.time_unit == "B":
             return c.time_b
-        return (time.monotonic_ns() - self.start_ns) // 1_000_000
+        now_ns = self._ended_ns if self._ended_ns is not None else time.monotonic_ns()
+        return (now_ns - self.start_ns) // 1_000_000
 
     def peak_time(self, c: Counters) -> int:
         if self.opts.time_unit == "B":
@@ -166,10 +193,12 @@ class Session:
             self.maps.refresh()
         for key in new:
             ips = raw.get(key, ())
-            if not ips:
+            if key == PRE_EXISTING_SITE:
+                self._frames[key] = [self._pre_existing_frame]
+            elif not ips:
                 self._frames[key] = [_OVERFLOW_FRAME]
-                continue
-            self._frames[key] = self.symbolizer.symbolize_stack(self.maps.mappings, ips)
+            else:
+                self._frames[key] = self.symbolizer.symbolize_stack(self.maps.mappings, ips)
 
     def frames_of(self, key: int) -> list[Frame]:
         """The symbolized raw stack of a site (symbolize_new first)."""
@@ -218,12 +247,15 @@ class Session:
     def _stack_number(self, key: int) -> int:
         number = self._site_stack.get(key)
         if number is None:
-            stack = self.trimmed(key)
-            number = _IGNORED if self._ignored(stack) else self._index.add(stack)
-            if number < 0 and number != _IGNORED:
-                number = _NO_FRAME
-            self._site_stack[key] = number
+            number = self._site_stack[key] = self._number_in(self._index, self.trimmed(key))
         return number
+
+    def _number_in(self, index: StackIndex, stack: Stack) -> int:
+        if self._ignored(stack):
+            return _IGNORED
+        if not stack:
+            return _NO_FRAME
+        return index.add(stack)
 
     def _site_tree(self, count: int, nbytes: list[int], extra: Callable[[], list[int]]) -> tuple[IndexedTree, Ignored]:
         """The heap tree of `nbytes` per site (sites whose trimmed stacks are equal add up), and what
@@ -244,6 +276,8 @@ class Session:
 
     def live_tree(self) -> tuple[IndexedTree, Ignored]:
         """The tree of the live bytes now (under the session lock)."""
+        if self._page_tree_wanted():
+            return self._page_tree(at_peak=False)
         p = self.probes
         n = p.site_count()
         return self._site_tree(
@@ -252,6 +286,8 @@ class Session:
 
     def peak_tree(self, peak_gen: int) -> tuple[IndexedTree, Ignored]:
         """The tree at the global peak numbered `peak_gen` (under the session lock)."""
+        if self._page_tree_wanted():
+            return self._page_tree(at_peak=True)
         p = self.probes
         n = p.site_count()
         return self._site_tree(
@@ -260,32 +296,120 @@ class Session:
             lambda: p.peak_column("peak_extra", "cur_extra", n, peak_gen, signed=True),
         )
 
+    def _page_tree_wanted(self) -> bool:
+        return self.opts.pages_as_heap and self.pages is not None
+
+    def _page_tree(self, at_peak: bool) -> tuple[IndexedTree, Ignored]:
+        """--pages-as-heap=yes: the tree of the page map's sites (a few mmap/brk call sites, so a loop)."""
+        sites = self.read_sites(0)  # the page map keeps its own peak
+        self.symbolize_new(list(sites))
+        numbers = []
+        for key, s in sites.items():
+            if s.tot_blocks == 0:
+                continue
+            number = self._page_stack.get(key)
+            if number is None:
+                number = self._page_stack[key] = self._number_in(self._page_index, self.trimmed(key))
+            numbers.append((number, s.peak_bytes if at_peak else s.cur_bytes))
+        per_stack = [0] * self._page_index.n_stacks
+        ignored = Ignored()
+        for number, nbytes in numbers:
+            if number >= 0:
+                per_stack[number] += nbytes
+            elif number == _IGNORED:
+                ignored.heap += nbytes
+        return self._page_index.tree(per_stack), ignored
+
+    def _used_site_keys(self) -> list[int]:
+        """The sites to symbolize: the page map's with --pages-as-heap=yes, else those with heap calls."""
+        if self._page_tree_wanted():
+            return list(self.read_sites(0))
+        return self.probes.used_sites(self.probes.site_count())
+
+    # ---- reading the kernel -----------------------------------------------------------------------
+
+    def counters(self) -> Counters:
+        """The kernel's counters; with --pages-as-heap=yes, the heap figures are the page map's."""
+        c = self.probes.counters()
+        pages = self.update_pages()
+        if pages is None or not self.opts.pages_as_heap:
+            return c
+        pm = pages.map
+        peak_ns = pm.peak_time_ns if pm.peak_time_ns is not None else self.start_ns
+        return replace(
+            c,
+            heap=pm.total,
+            extra=0,
+            blocks=pm.total // PAGE_SIZE,
+            time_b=pages.time_b,
+            peak_total=pm.peak_total,
+            peak_heap=pm.peak_total,
+            peak_extra=0,
+            peak_time_b=pages.peak_time_b,
+            peak_ns=peak_ns,
+            peak_gen=pages.peak_gen,
+        )
+
+    def read_sites(self, peak_gen: int) -> dict[int, SiteCounts]:
+        """Counters per site (see HeapProbes.sites); with --pages-as-heap=yes, the page map's."""
+        if self.opts.pages_as_heap and self.pages is not None:
+            with self._pages_lock:
+                return self.pages.site_counts()
+        return self.probes.sites(peak_gen)
+
+    def update_pages(self) -> PageAccount | None:
+        """Apply the page syscalls the kernel has reported since the last call."""
+        if self.pages is None:
+            return None
+        with self._pages_lock:
+            self.pages.apply(self.probes.page_events())
+        return self.pages
+
+    def seed_pages(self) -> None:
+        """Start the page map from the target's mappings now: at its exec (run), or at the attach. Events
+        already reported are dropped first: the maps read after them hold their effect. An event that lands
+        between the two is applied on top, which changes nothing but its site (see agent.pages)."""
+        if not self.probes.settings.pages or self.pages is not None:
+            return
+        with self._pages_lock:
+            self.probes.page_events()
+            try:
+                with open(f"{self.proc}/{self.info.pid}/maps") as f:
+                    maps_text = f.read()
+                with open(f"{self.proc}/{self.info.pid}/stat") as f:
+                    start_brk = parse_start_brk(f.read())
+            except OSError:  # the target is gone: nothing to seed
+                return
+            self.pages = PageAccount(PageMap.from_maps(parse_maps_full(maps_text), start_brk=start_brk))
+
     # ---- sampling ---------------------------------------------------------------------------------
 
     def sample(self) -> None:
         """One tick: record a snapshot if Massif's schedule wants one."""
         with self._lock:
-            c = self.probes.counters()
+            c = self.counters()
+            if self.opts.stacks:
+                self.stack_bytes = self.probes.stack_bytes()
             if self.recorder is not None:
-                self.recorder.sample(c)
+                self.recorder.sample(c, mapped=self.pages.total if self.pages is not None else None)
             t = self.now(c)
             if self.series.finished or (self.series.snapshots and t < self.series.snapshots[-1].time):
                 return
             kind = self.series.next_kind(t)
             if kind is None:
-                self.series.add(t, c.heap, c.extra, 0)  # counted as skipped
+                self.series.add(t, c.heap, c.extra, self.stack_bytes)  # counted as skipped
                 return
             if kind is not SnapshotKind.DETAILED:
-                self.series.add(t, c.heap, c.extra, 0)
+                self.series.add(t, c.heap, c.extra, self.stack_bytes)
                 # Stacks are symbolized as they appear, while the target's mappings are readable; the
                 # sites are looked at only when the kernel has handed out new site ids since the last look.
                 if c.n_sites != self._sites_seen:
                     self._sites_seen = c.n_sites
-                    self.symbolize_new(self.probes.used_sites(self.probes.site_count()))
+                    self.symbolize_new(self._used_site_keys())
                 return
             # A kept tree shares the index's nodes: its own part is one array of prefix sums.
             tree, ignored = self.live_tree()
-            self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, 0, tree)
+            self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, self.stack_bytes, tree)
         # The index's nodes and the symbolized frames are long-lived objects: out of the cyclic collector's
         # sight, its full passes stay short (they stalled HTTP requests for half a second).
         gc.freeze()
@@ -293,6 +417,8 @@ class Session:
     def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float) -> None:
         """Sample every `interval` seconds until the target exits or `stop` is set; between samples, catch up
         at once with the target's exec, loader changes and exit (agent.bpf EV_*)."""
+        if not self.exec_limit:
+            self.seed_pages()  # attach: the mappings of now; run seeds at the target's exec (_catch_up)
         self.sync_mappings()
         self.sample()
         next_sample = time.monotonic() + interval
@@ -305,19 +431,22 @@ class Session:
                 if alive():
                     self.sync_mappings()
                 self.sample()
+        self._ended_ns = time.monotonic_ns()  # the final snapshot's time: not after the detach's seconds
 
     def exec_ended(self) -> bool:
         """The target exec'ed another program: the kernel disarmed the probes and this profile is over."""
-        return self.probes.counters().execs > self.exec_limit
+        return self.counters().execs > self.exec_limit
 
     def _catch_up(self) -> None:
         """New objects mapped, or the target is about to exit: record mappings, load unwind tables,
         symbolize while the mappings are still there; then let a stopped target go on."""
         self.sync_mappings()
         stopped = self.probes.stopped()
+        if stopped == EV_EXEC:
+            self.seed_pages()  # stopped at exec: the kernel's mappings of the new image, before any syscall
         if stopped == EV_EXIT:
             with self._lock:
-                self.symbolize_new(self.probes.used_sites(self.probes.site_count()))
+                self.symbolize_new(self._used_site_keys())
         if stopped:
             self.probes.resume()
 
@@ -357,14 +486,18 @@ class Session:
         with self._lock:
             if self.series.finished:
                 return
-            c = self.probes.counters()
+            c = self.counters()
             self.end_counters = c
+            if self.recorder is not None:  # the timelines end with the final state
+                self.recorder.sample(c, mapped=self.pages.total if self.pages is not None else None)
             t_end = max(self.now(c), self.series.snapshots[-1].time if self.series.snapshots else 0)
             if c.peak_total > 0:
                 peak_tree, ign = self.peak_tree(c.peak_gen)
-                self.series.set_peak(self.peak_time(c), c.peak_heap - ign.heap, c.peak_extra - ign.extra, 0, peak_tree)
+                self.series.set_peak(
+                    self.peak_time(c), c.peak_heap - ign.heap, c.peak_extra - ign.extra, self.stack_bytes, peak_tree
+                )
             tree, ign = self.live_tree()
-            self.series.finish(t_end, c.heap - ign.heap, c.extra - ign.extra, 0, tree)
+            self.series.finish(t_end, c.heap - ign.heap, c.extra - ign.extra, self.stack_bytes, tree)
 
     # ---- output -----------------------------------------------------------------------------------
 
@@ -409,7 +542,7 @@ class Session:
         )
 
     def summary(self) -> list[str]:
-        c = self.end_counters or self.probes.counters()
+        c = self.end_counters or self.counters()
         lines = [
             f"{c.n_allocs} allocations, {c.n_frees} frees, {c.n_reallocs} reallocs; "
             f"peak {c.peak_heap} B useful + {c.peak_extra} B extra; {c.blocks} blocks ({c.heap} B) live at the end"
@@ -426,6 +559,7 @@ class Session:
             )
         if c.lost_returns:
             lines.append(f"{c.lost_returns} allocation calls whose return was not seen")
+        lines.extend(self._page_summary())
         if self.tables is not None:
             lines.append(
                 f"unwind: {self.probes.rows_used} table rows ({self.probes.rows_used * 12 // 1024} KiB) for "
@@ -440,19 +574,57 @@ class Session:
                 lines.append(f"unwind: no table for {path}: {problem}")
         return lines
 
+    def page_totals(self) -> PageTotals | None:
+        """Mapped memory and its peak, as the page syscalls left them (None before the map is seeded)."""
+        pages = self.update_pages()
+        if pages is None:
+            return None
+        return PageTotals(
+            mapped=pages.total,
+            peak_mapped=pages.map.peak_total,
+            syscalls=pages.map.stats.applied,
+            dropped=self.probes.page_counters().dropped,
+            stacks=self.stack_bytes,
+        )
+
+    def _page_summary(self) -> list[str]:
+        if self.pages is None:
+            return []
+        pm, st = self.pages.map, self.pages.map.stats
+        kc = self.probes.page_counters()
+        lines = [
+            f"pages: {st.applied} mmap/munmap/mremap/brk calls applied ({st.failed} failed); mapped "
+            f"{pm.total} B at the end, {pm.peak_total} B at the peak"
+        ]
+        if kc.dropped:
+            lines.append(
+                f"pages: NOT COUNTED: {kc.lost} syscalls (event buffer full), {kc.calls_full} (thread table "
+                "full): the page figures are inexact from there on"
+            )
+        odd = {
+            "bytes unmapped that were not mapped": st.unknown_unmapped_bytes,
+            "bytes mapped over others without MAP_FIXED": st.replaced_without_fixed_bytes,
+            "brk changes before the break was known": st.brk_unknown_base,
+            "invalid calls": st.invalid,
+        }
+        shown = [f"{n} {what}" for what, n in odd.items() if n]
+        if shown:
+            lines.append("pages: " + ", ".join(shown))
+        return lines
+
     # ---- read-only views for the daemon (added for the HTTP API) ------------------------------------
 
     def snapshot_model(self, detailed: bool) -> Snapshot:
         """The snapshot that snapshot_now() renders, as a model object (for the API's JSON form). Its tree
         stays valid: it is read without the lock."""
         with self._lock:
-            c = self.probes.counters()
+            c = self.counters()
             tree = None
             ign = Ignored()
             if detailed:
                 tree, ign = self.live_tree()
             kind = SnapshotKind.DETAILED if detailed else SnapshotKind.NORMAL
-            return Snapshot(self.now(c), c.heap - ign.heap, c.extra - ign.extra, 0, tree, kind)
+            return Snapshot(self.now(c), c.heap - ign.heap, c.extra - ign.extra, self.stack_bytes, tree, kind)
 
     def snapshot_list(self) -> list[Snapshot]:
         """The snapshots recorded so far, in time order (what massif_text() writes)."""
@@ -463,8 +635,8 @@ class Session:
         """Counters per stack, merged over kernel keys whose stacks are equal once trimmed: with Massif's
         trimming (alloc-fns, --depth) when `massif_trim`, else the xtree's (cut below main only)."""
         with self._lock:
-            c = self.end_counters or self.probes.counters()
-            sites = self.probes.sites(c.peak_gen)
+            c = self.end_counters or self.counters()
+            sites = self.read_sites(c.peak_gen)
             self.symbolize_new(list(sites))
             merged: dict[Stack, SiteCounts] = {}
             for key, s in sites.items():

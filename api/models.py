@@ -192,6 +192,14 @@ class HeapCounters(BaseModel):
     dropped: int = Field(description="Events not counted because a kernel table was full.")
 
 
+class PagesOut(BaseModel):
+    mapped_bytes: int = Field(description="Bytes mapped now (mmap, mremap, brk, and what existed at the start).")
+    peak_mapped_bytes: int
+    page_syscalls: int = Field(description="mmap, munmap, mremap and brk calls applied.")
+    dropped: int = Field(description="Page syscalls the kernel could not report.")
+    stacks_bytes: int = Field(description="All threads' stacks at the last sample (--stacks=yes; else 0).")
+
+
 class TargetOut(BaseModel):
     pid: int
     command: str = Field(description="The process name.")
@@ -203,6 +211,7 @@ class TargetOut(BaseModel):
     ended_at: datetime | None
     files: list[str] = Field(description="Files written when profiling ended.")
     heap: HeapCounters
+    pages: PagesOut | None = Field(description="Memory as the page syscalls left it: what malloc does not explain.")
 
 
 def _time(t: float | None) -> datetime | None:
@@ -233,6 +242,15 @@ def target_out(s: TargetStatus) -> TargetOut:
             free_calls=c.n_frees,
             untracked_frees=c.untracked_frees,
             dropped=c.dropped,
+        ),
+        pages=None
+        if s.pages is None
+        else PagesOut(
+            mapped_bytes=s.pages.mapped,
+            peak_mapped_bytes=s.pages.peak_mapped,
+            page_syscalls=s.pages.syscalls,
+            dropped=s.pages.dropped,
+            stacks_bytes=s.pages.stacks,
         ),
     )
 

@@ -9,6 +9,7 @@ from typing import Protocol
 from agent.bpf import Counters
 from agent.daemon import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
 from agent.model import SiteCounts, Snapshot, Stack
+from agent.pages import PageTotals
 
 
 class TargetPort(Protocol):
@@ -36,6 +37,8 @@ class TargetPort(Protocol):
     def xtree_sites(self) -> dict[Stack, SiteCounts]: ...
 
     def top_sites(self, n: int) -> tuple[list[SiteTotal], SiteTotal]: ...
+
+    def page_totals(self) -> PageTotals | None: ...
 
 
 class ManagerPort(Protocol):

@@ -14,6 +14,8 @@
  *                    This lets a tool that attaches to a running PID (memleak -p) attach first.
  *   CHURN_DEPTH      run the loop this many calls deep (default 0): every malloc and free then has a
  *                    stack of about CHURN_DEPTH + 3 frames, to measure what a profiler's stack walk costs.
+ *   CHURN_MMAP       1: each pair is an munmap and an mmap of 1..16 anonymous pages instead (the same
+ *                    slots and random sequence): what tracing the page system calls costs.
  *
  * Prints nothing; no stdio (its buffers would be allocations outside the loop).
  */
@@ -21,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -100,11 +103,37 @@ static void churn(long pairs)
             free(slots[s]);
 }
 
+/* The same loop with page mappings: 1..16 pages, the first byte touched. */
+static void churn_pages(long pairs)
+{
+    static size_t lengths[SLOTS];
+    for (long i = 0; i < pairs; i++) {
+        uint64_t r = next_random();
+        size_t slot = (size_t)(r >> 32) % SLOTS;
+        size_t length = (1 + (size_t)(r % 16)) * 4096;
+        if (slots[slot])
+            munmap(slots[slot], lengths[slot]);
+        char *p = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED)
+            _exit(4);
+        p[0] = (char)i;
+        slots[slot] = p;
+        lengths[slot] = length;
+    }
+    for (size_t s = 0; s < SLOTS; s++)
+        if (slots[s])
+            munmap(slots[s], lengths[s]);
+}
+
+static int page_mode;
+
 /* Recursion the compiler may not flatten: the volatile depth keeps every level a real call. */
 __attribute__((noinline)) static void descend(volatile int depth, long pairs)
 {
     if (depth > 0)
         descend(depth - 1, pairs);
+    else if (page_mode)
+        churn_pages(pairs);
     else
         churn(pairs);
     __asm__ volatile("" ::: "memory"); /* no tail call: each level keeps its frame */
@@ -116,6 +145,8 @@ int main(int argc, char **argv)
     const char *time_file = getenv("CHURN_TIME_FILE");
     const char *gate = getenv("CHURN_GATE");
     const char *depth = getenv("CHURN_DEPTH");
+    const char *pages = getenv("CHURN_MMAP");
+    page_mode = pages && *pages == '1';
 
     if (gate && *gate)
         wait_for_gate(gate);

@@ -84,6 +84,16 @@ WORKLOADS: dict[str, Workload] = {
             unit="malloc+free pair, 20 frames deep",
             env=(("CHURN_DEPTH", "17"),),
         ),
+        # mmap/munmap pairs: what the page syscall tracepoints cost (heapscope traces them in every mode).
+        Workload(
+            name="mmap-churn",
+            source="churn.c",
+            cflags=("-O2", "-g", "-fno-omit-frame-pointer"),
+            calls=200_000,
+            quick_calls=20_000,
+            unit="mmap+munmap pair",
+            env=(("CHURN_MMAP", "1"),),
+        ),
     )
 }
 
@@ -153,10 +163,11 @@ def run_native(binary: Path, args: list[str], env: dict[str, str], scratch: Path
     return Measurement(wall, read_loop_time(scratch / "loop_time"))
 
 
-def _heapscope(unwind: str, malt: bool = False) -> ToolFn:
+def _heapscope(unwind: str, malt: bool = False, pages: bool = False) -> ToolFn:
     def run(binary: Path, args: list[str], env: dict[str, str], scratch: Path) -> Measurement:
         out = scratch / "massif.out.heapscope"
         extra = [f"--malt-out-file={scratch / 'malt.json'}"] if malt else []
+        extra += ["--pages-as-heap=yes"] if pages else []
         cmd = [
             str(HEAPSCOPE), "run", "-q", "--time-unit=B", f"--unwind={unwind}", f"--massif-out-file={out}",
             *extra, "--", str(binary), *args,
@@ -168,12 +179,15 @@ def _heapscope(unwind: str, malt: bool = False) -> ToolFn:
     return run
 
 
-def run_massif(binary: Path, args: list[str], env: dict[str, str], scratch: Path) -> Measurement:
-    out = scratch / "massif.out.valgrind"
-    cmd = ["valgrind", "--tool=massif", "--time-unit=B", f"--massif-out-file={out}", str(binary), *args]
-    wall = timed_command(cmd, env, scratch)
-    require_output(scratch, out.name, "valgrind")
-    return Measurement(wall, read_loop_time(scratch / "loop_time"))
+def _massif(*options: str) -> ToolFn:
+    def run(binary: Path, args: list[str], env: dict[str, str], scratch: Path) -> Measurement:
+        out = scratch / "massif.out.valgrind"
+        cmd = ["valgrind", "--tool=massif", "--time-unit=B", *options, f"--massif-out-file={out}", str(binary), *args]
+        wall = timed_command(cmd, env, scratch)
+        require_output(scratch, out.name, "valgrind")
+        return Measurement(wall, read_loop_time(scratch / "loop_time"))
+
+    return run
 
 
 def run_heaptrack(binary: Path, args: list[str], env: dict[str, str], scratch: Path) -> Measurement:
@@ -281,7 +295,9 @@ TOOLS: list[Tool] = [
     Tool("heapscope", _heapscope("cfi"), "heapscope run --time-unit=B: .eh_frame walk (wall: + compile, attach)"),
     Tool("heapscope-fp", _heapscope("fp"), "heapscope run --unwind=fp: frame-pointer walk"),
     Tool("heapscope-malt", _heapscope("cfi", malt=True), "heapscope run --malt-out-file: + MALT's statistics"),
-    Tool("massif", run_massif, "valgrind --tool=massif --time-unit=B"),
+    Tool("heapscope-pages", _heapscope("cfi", pages=True), "heapscope run --pages-as-heap=yes"),
+    Tool("massif", _massif(), "valgrind --tool=massif --time-unit=B"),
+    Tool("massif-pages", _massif("--pages-as-heap=yes"), "valgrind --tool=massif --pages-as-heap=yes"),
     Tool("heaptrack", run_heaptrack, "heaptrack (LD_PRELOAD)"),
     Tool("memleak", run_memleak, "memleak-bpfcc -p PID (wall from release; attach not counted)"),
 ]

@@ -204,27 +204,23 @@ static __always_inline long walk_step(struct walk *w)
 }
 #endif
 
-/* Walk the user stack by frame pointers and make sure its site exists; returns the site key.
- * ip[0] is the caller's return address, read from [rsp]: at a function's entry no frame exists yet, so a
- * walk from %rbp alone would skip the immediate caller. */
-static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *g, u32 fn)
+/* Walk the user stack and make sure its site exists; returns the site key. The walk starts from a code
+ * address `ret` (stored as ip[0]; looked up as ret - 1, like a return address), the stack pointer `sp` of
+ * the frame that address is in, and %rbp. */
+static __always_inline u64 capture_stack_at(u64 ret, u64 sp, u64 bp, struct hs_global *g, u32 fn)
 {
     u32 zero = 0;
     struct hs_stack *st = scratch.lookup(&zero);
     if (!st)
         return HS_STACK_OVERFLOW;
 
-    u64 sp = PT_REGS_SP(ctx);
-    u64 bp = PT_REGS_FP(ctx);
-    u64 ret = 0;
     u64 h = 0xcbf29ce484222325ULL;
-    bpf_probe_read_user(&ret, sizeof(ret), (void *)sp);
     st->ip[0] = ret;
     h = mix(h, ret);
 
     int n = 1;
 #if HS_UNWIND
-    struct walk w = {.st = st, .sp = sp + 8, .bp = bp, .ret = ret, .h = h, .n = 1, .g = g};
+    struct walk w = {.st = st, .sp = sp, .bp = bp, .ret = ret, .h = h, .n = 1, .g = g};
     u32 idx = HS_CTL_UMAPS;
     u64 *published = control.lookup(&idx);
     if (published) {
@@ -288,6 +284,43 @@ static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *
     }
     return id;
 }
+
+/* The stack of an allocation call, at the function's entry: no frame exists yet, so ip[0] is the caller's
+ * return address, read from [rsp] (a walk from %rbp alone would skip the immediate caller). */
+static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *g, u32 fn)
+{
+    u64 sp = PT_REGS_SP(ctx);
+    u64 ret = 0;
+    bpf_probe_read_user(&ret, sizeof(ret), (void *)sp);
+    return capture_stack_at(ret, sp + 8, PT_REGS_FP(ctx), g, fn);
+}
+
+#if HS_STACKS
+/* thread_stacks: thread id -> struct hs_thread_stack (--stacks=yes) */
+BPF_HASH(thread_stacks, u32, struct hs_thread_stack, HS_MAX_THREADS);
+
+/* A probe hit on a thread: its stack pointer extends the thread's stack extent. `top` marks a thread's
+ * initial stack pointer (exec, clone): the stack is measured from there (Massif: the main stack starts at 0). */
+static __always_inline void note_stack(u32 tid, u64 sp, int top)
+{
+    u32 idx = HS_CTL_STACK_EPOCH;
+    u64 *epoch_word = control.lookup(&idx);
+    u64 epoch = epoch_word ? *epoch_word : 0;
+    struct hs_thread_stack *t = thread_stacks.lookup(&tid);
+    if (!t) {
+        struct hs_thread_stack fresh = {.top = sp, .low = sp, .last = sp, .epoch = epoch};
+        thread_stacks.update(&tid, &fresh);
+        return;
+    }
+    if (top || sp > t->top)
+        t->top = sp;
+    if (t->epoch != epoch || sp < t->low) {
+        t->low = sp;
+        t->epoch = epoch;
+    }
+    t->last = sp;
+}
+#endif
 
 static __always_inline struct hs_site *get_site(u64 id, struct hs_global *g)
 {
@@ -658,6 +691,9 @@ static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
         return 0;
     u32 tid = bpf_get_current_pid_tgid();
     u64 sp = PT_REGS_SP(ctx);
+#if HS_STACKS
+    note_stack(tid, sp, 0);
+#endif
     struct hs_pending *p = find_pending(tid, g);
     if (p) {
         /* A call nested in a pending one runs deeper in the stack, or at the same depth when the outer
@@ -714,6 +750,9 @@ int free_enter(struct pt_regs *ctx)
     u32 tid = bpf_get_current_pid_tgid();
     struct hs_pending *p = find_pending(tid, g);
     u64 sp = PT_REGS_SP(ctx), ret0 = 0;
+#if HS_STACKS
+    note_stack(tid, sp, 0);
+#endif
     if (p)
         bpf_probe_read_user(&ret0, sizeof(ret0), (void *)sp);
     if (p && (sp < p->sp || (sp == p->sp && ret0 != p->ret0))) {
@@ -805,6 +844,24 @@ int alloc_return(struct pt_regs *ctx)
     return 0;
 }
 
+/* The user registers of the current thread, as saved at its entry into the kernel (for tracepoints, which
+ * see the kernel's context, not the user's). */
+struct hs_user_regs {
+    u64 ip;
+    u64 sp;
+    u64 bp;
+};
+
+static __always_inline struct hs_user_regs user_regs(void)
+{
+    struct hs_user_regs u = {};
+    struct pt_regs *r = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+    bpf_probe_read_kernel(&u.ip, sizeof(u.ip), &r->ip);
+    bpf_probe_read_kernel(&u.sp, sizeof(u.sp), &r->sp);
+    bpf_probe_read_kernel(&u.bp, sizeof(u.bp), &r->bp);
+    return u;
+}
+
 /* ---- events: exec, loader changes and exit -------------------------------------------------------- */
 
 /* Tell user space; with HS_STOP_EVENTS also stop the target until user space has caught up (it clears
@@ -831,8 +888,14 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     u32 idx = HS_CTL_ARMED;
     u64 armed = (n == HS_ARM_ON_EXEC);
     control.update(&idx, &armed);
-    if (armed)
+    if (armed) {
+#if HS_STACKS
+        /* The new image's initial stack pointer: the main stack is measured from here. */
+        struct hs_user_regs u = user_regs();
+        note_stack((u32)bpf_get_current_pid_tgid(), u.sp, 1);
+#endif
         signal_event(args, HS_EV_EXEC);
+    }
     return 0;
 }
 
@@ -852,3 +915,148 @@ int exit_enter(struct pt_regs *ctx)
     signal_event(ctx, HS_EV_EXIT);
     return 0;
 }
+
+/* ---- thread stacks (HS_STACKS) ---------------------------------------------------------------------- */
+
+#if HS_STACKS
+/* A new thread starts on the stack its creator gave clone: the child's first return to user space. */
+static __always_inline int clone_exit(long ret)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if ((id >> 32) != HS_TARGET_TGID || ret != 0 || !is_armed())
+        return 0;
+    struct hs_user_regs u = user_regs();
+    note_stack((u32)id, u.sp, 1);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_clone) { return clone_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_clone3) { return clone_exit(args->ret); }
+
+/* A thread that ends takes its stack with it. */
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if ((id >> 32) != HS_TARGET_TGID)
+        return 0;
+    u32 tid = id;
+    thread_stacks.delete(&tid);
+    return 0;
+}
+#endif
+
+/* ---- page-level memory (HS_PAGES): mmap, munmap, mremap, brk ------------------------------------------ */
+
+#if HS_PAGES
+/* page_calls: thread id -> the page syscall it is in (arguments and site), from entry to exit */
+BPF_HASH(page_calls, u32, struct hs_page_call, HS_MAX_THREADS);
+/* page_events: struct hs_page_event, one per completed page syscall, in the order they completed */
+BPF_RINGBUF_OUTPUT(page_events, HS_PAGE_RING_PAGES);
+/* page_counters: enum hs_page_counter -> count */
+BPF_ARRAY(page_counters, u64, HS_PGC_COUNT);
+
+static __always_inline void page_count(u32 which)
+{
+    count_in(page_counters.lookup(&which));
+}
+
+/* At a page syscall's entry: keep its arguments and charge it to the user stack that made it. The walk
+ * starts at the user's instruction pointer (just past the syscall instruction, in the libc wrapper). */
+static __always_inline int page_enter(u32 kind, u64 a0, u64 a1, u64 a2, u64 a3, u64 a4)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if ((id >> 32) != HS_TARGET_TGID || !is_armed())
+        return 0;
+    struct hs_global *g = get_globals();
+    if (!g)
+        return 0;
+    struct hs_user_regs u = user_regs();
+    u32 tid = id;
+#if HS_STACKS
+    note_stack(tid, u.sp, 0);
+#endif
+    struct hs_page_call call = {.arg0 = a0, .arg1 = a1, .arg2 = a2, .arg3 = a3, .arg4 = a4, .kind = kind};
+    call.site = capture_stack_at(u.ip, u.sp, u.bp, g, HS_FN_PAGES);
+    if (page_calls.update(&tid, &call))
+        page_count(HS_PGC_CALLS_FULL);
+    return 0;
+}
+
+/* At its exit: one event with the arguments and the result, for agent/pages.py to apply in order. */
+static __always_inline int page_exit(u32 kind, long ret)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if ((id >> 32) != HS_TARGET_TGID)
+        return 0;
+    u32 tid = id;
+    struct hs_page_call *c = page_calls.lookup(&tid);
+    if (!c) {
+        if (is_armed())
+            page_count(HS_PGC_UNPAIRED);
+        return 0;
+    }
+    struct hs_page_call call = *c;
+    page_calls.delete(&tid);
+    if (call.kind != kind) { /* cannot happen: a thread is in one syscall at a time */
+        page_count(HS_PGC_UNPAIRED);
+        return 0;
+    }
+    struct hs_page_event *e = page_events.ringbuf_reserve(sizeof(struct hs_page_event));
+    if (!e) {
+        page_count(HS_PGC_LOST);
+        return 0;
+    }
+    e->time_ns = bpf_ktime_get_ns();
+    e->site = call.site;
+    e->tid = tid;
+    e->kind = kind;
+    e->ret = ret;
+    e->prot = 0;
+    e->flags = 0;
+    e->new_addr = 0;
+    e->new_length = 0;
+    switch (kind) {
+    case HS_PG_MMAP: /* addr, len, prot, flags */
+        e->addr = ret;
+        e->length = call.arg1;
+        e->prot = call.arg2;
+        e->flags = call.arg3;
+        break;
+    case HS_PG_MUNMAP: /* addr, len */
+        e->addr = call.arg0;
+        e->length = call.arg1;
+        break;
+    case HS_PG_MREMAP: /* addr, old_len, new_len, flags, new_addr */
+        e->addr = call.arg0;
+        e->length = call.arg1;
+        e->new_length = call.arg2;
+        e->flags = call.arg3;
+        e->new_addr = ret;
+        break;
+    default: /* brk */
+        e->addr = call.arg0;
+        e->length = 0;
+        e->new_addr = ret;
+        break;
+    }
+    /* No wakeup: user space drains the buffer when it samples, and a wakeup per call costs an IPI. */
+    page_events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    page_count(HS_PGC_EVENTS);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
+{
+    return page_enter(HS_PG_MMAP, args->addr, args->len, args->prot, args->flags, args->fd);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_mmap) { return page_exit(HS_PG_MMAP, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_munmap) { return page_enter(HS_PG_MUNMAP, args->addr, args->len, 0, 0, 0); }
+TRACEPOINT_PROBE(syscalls, sys_exit_munmap) { return page_exit(HS_PG_MUNMAP, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_mremap)
+{
+    return page_enter(HS_PG_MREMAP, args->addr, args->old_len, args->new_len, args->flags, args->new_addr);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_mremap) { return page_exit(HS_PG_MREMAP, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_brk) { return page_enter(HS_PG_BRK, args->brk, 0, 0, 0, 0); }
+TRACEPOINT_PROBE(syscalls, sys_exit_brk) { return page_exit(HS_PG_BRK, args->ret); }
+#endif

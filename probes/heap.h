@@ -46,6 +46,17 @@
 #define HS_SMALL_SIZES 4096      /* MALT sizeMap: sizes below this are counted in an array */
 #define HS_THREAD_SLOTS 1024     /* MALT per-thread statistics: array slots, by tid mod this */
 
+#ifndef HS_PAGES
+#define HS_PAGES 0               /* 1: trace mmap/munmap/mremap/brk and send one event per call (page_events) */
+#endif
+#ifndef HS_PAGE_RING_PAGES
+#define HS_PAGE_RING_PAGES 1024  /* page_events ring buffer: pages of 4 KiB (a power of two) */
+#endif
+#ifndef HS_STACKS
+#define HS_STACKS 0              /* 1: keep each thread's stack extent (--stacks=yes) */
+#endif
+#define HS_FN_PAGES 15           /* hs_site.fn of a stack that made a page syscall (not an allocation function) */
+
 #ifndef HS_ARM_ON_EXEC
 #define HS_ARM_ON_EXEC 0         /* 1: `run` arms at the target's first exec; 0: `attach` is armed at load */
 #endif
@@ -171,7 +182,8 @@ enum hs_control {
     HS_CTL_ARMED = 0,     /* 0 before the target's exec (run), after a later exec, or at detach */
     HS_CTL_STOPPED = 1,   /* enum hs_event while the target is stopped for user space (HS_STOP_EVENTS) */
     HS_CTL_UMAPS = 2,     /* published unwind mappings: first index << 32 | count (in unwind_maps) */
-    HS_CTL_COUNT = 3,
+    HS_CTL_STACK_EPOCH = 3, /* HS_STACKS: bumped by user space at each sample; starts a new low-water mark */
+    HS_CTL_COUNT = 4,
 };
 
 /* Events sent to user space (perf buffer `events`), and the reasons the target is stopped. */
@@ -206,6 +218,59 @@ struct hs_umap {
     __u64 bias;
     __u32 row_begin;      /* first row in unwind_rows */
     __u32 row_count;
+};
+
+/* ---- page-level memory (HS_PAGES) and thread stacks (HS_STACKS) ---- */
+
+/* The system calls that map memory, as page events name them. */
+enum hs_page_kind {
+    HS_PG_MMAP = 1,
+    HS_PG_MUNMAP = 2,
+    HS_PG_MREMAP = 3,
+    HS_PG_BRK = 4,
+};
+
+/* A page syscall between its entry and its exit, per thread: the arguments and the caller's site. */
+struct hs_page_call {
+    __u64 arg0;
+    __u64 arg1;
+    __u64 arg2;
+    __u64 arg3;
+    __u64 arg4;
+    __u64 site;
+    __u64 kind;   /* enum hs_page_kind */
+};
+
+/* One page syscall, sent at its exit (agent/pages.py PageEvent: the same fields). */
+struct hs_page_event {
+    __u64 time_ns;
+    __u64 site;
+    __u64 addr;       /* mmap: the result; munmap: addr; mremap: old address; brk: the requested break */
+    __u64 length;     /* mmap/munmap: len; mremap: old size */
+    __u64 new_addr;   /* mremap: the result; brk: the result (the new break) */
+    __u64 new_length; /* mremap: new size */
+    __u64 flags;      /* mmap/mremap flags */
+    __u64 prot;
+    __s64 ret;        /* the syscall's return value (negative: an error number) */
+    __u32 tid;
+    __u32 kind;       /* enum hs_page_kind */
+};
+
+/* Counters of the page side (page_counters), kept apart from hs_global. */
+enum hs_page_counter {
+    HS_PGC_EVENTS = 0,      /* events sent */
+    HS_PGC_LOST = 1,        /* the ring buffer was full: event not sent (the page map is then inexact) */
+    HS_PGC_CALLS_FULL = 2,  /* the per-thread call table was full at a syscall's entry: event not sent */
+    HS_PGC_UNPAIRED = 3,    /* an exit without its entry (the call began before the probes were armed) */
+    HS_PGC_COUNT = 4,
+};
+
+/* A thread's stack extent (HS_STACKS): its top and the lowest stack pointer seen in the current epoch. */
+struct hs_thread_stack {
+    __u64 top;    /* the initial stack pointer (exec, clone) or the highest one seen */
+    __u64 low;    /* the lowest stack pointer seen since `epoch` began */
+    __u64 last;   /* the stack pointer at the latest probe hit */
+    __u64 epoch;  /* control[HS_CTL_STACK_EPOCH] when `low` was last reset */
 };
 
 struct hs_global {

@@ -48,8 +48,9 @@ def dead_pid() -> int:
 # --- errors found before any probe is loaded: no root needed ------------------------------------------------
 
 BAD_OPTIONS = [
-    pytest.param(["--stacks=yes"], id="stacks"),
-    pytest.param(["--pages-as-heap=yes"], id="pages-as-heap"),
+    pytest.param(["--stacks=yes", "--pages-as-heap=yes"], id="stacks-with-pages-as-heap"),
+    pytest.param(["--heap=no"], id="heap-no-without-pages-as-heap"),
+    pytest.param(["--stacks=maybe"], id="stacks-not-yes-no"),
     pytest.param(["--time-unit=parsecs"], id="time-unit-unknown"),
     pytest.param(["--threshold=abc"], id="threshold-not-a-number"),
     pytest.param(["--threshold=101"], id="threshold-over-100"),

@@ -11,6 +11,7 @@ ones when told again, and exits at EOF on stdin.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -350,6 +351,36 @@ scrape_configs:
 
 
 # ---- security ---------------------------------------------------------------------------------------------
+
+
+def _maps_figures(pid: int) -> tuple[int, int, int]:
+    """The target's mapped total (agent.pages.mapped_total's rule), its [uprobes] and its [stack] bytes."""
+    from agent.pages import mapped_total, parse_maps_full
+
+    text = Path(f"/proc/{pid}/maps").read_text()
+    entries = parse_maps_full(text)
+    uprobes = sum(e.size for e in entries if e.path == "[uprobes]")
+    stack = sum(e.size for e in entries if e.path == "[stack]")
+    return mapped_total(text), uprobes, stack
+
+
+def test_mapped_memory_agrees_with_proc_maps(daemon: Daemon, target: Target) -> None:
+    """The mapped gauge and the target's `pages` figures follow the page syscalls (malloc's first brk
+    here): they equal /proc/PID/maps but for the page the kernel maps for the probes and stack growth."""
+    with daemon.client() as client:
+        attach(client, target.pid)
+        _, _, stack_at_attach = _maps_figures(target.pid)
+        target.step("allocated")
+        text = client.get("/metrics").text
+        series = re.search(rf'heapscope_mapped_bytes{{command="daemon_target",pid="{target.pid}"}} (\S+)', text)
+        assert series, text
+        gauge = int(float(series[1]))
+        total, uprobes, stack = _maps_figures(target.pid)
+        assert 0 <= total - uprobes - gauge <= stack - stack_at_attach, (total, uprobes, gauge)
+        listed = {t["pid"]: t for t in client.get("/targets").json()}[target.pid]
+        assert listed["pages"]["mapped_bytes"] == gauge
+        assert listed["pages"]["page_syscalls"] >= 1  # malloc's arena came from brk after the attach
+        assert listed["pages"]["dropped"] == 0
 
 
 def test_path_traversal_is_refused(daemon: Daemon, target: Target, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from agent.daemon import (
 from agent.errors import UsageError
 from agent.massif import render_snapshot, write_massif
 from agent.model import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
+from agent.pages import PageTotals
 from agent.xtree import write_xtree
 
 
@@ -87,6 +88,12 @@ class FakeTarget:
             freed_bytes=sum(s.freed_bytes for s in self.sites.values()),
             untracked_frees=2, dropped_blocks=1,
         )
+
+    def page_totals(self) -> PageTotals | None:
+        self._check()
+        heap = sum(s.cur_bytes for s in self.sites.values())
+        mib = 1024 * 1024
+        return PageTotals(mapped=heap + 4 * mib, peak_mapped=heap + 8 * mib, syscalls=42, dropped=0, stacks=0)
 
     def status(self) -> TargetStatus:
         return TargetStatus(

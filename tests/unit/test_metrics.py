@@ -55,6 +55,12 @@ def test_values_per_target() -> None:
     assert value(text, "heapscope_free_calls_total", pid="10", command="api") == ca.n_frees
     assert value(text, "heapscope_untracked_frees_total", pid="10", command="api") == 2
     assert value(text, "heapscope_map_full_drops_total", pid="10", command="api", map="blocks") == 1
+    pages = a.page_totals()
+    assert pages is not None
+    assert value(text, "heapscope_mapped_bytes", pid="10", command="api") == pages.mapped
+    assert value(text, "heapscope_mapped_peak_bytes", pid="10", command="api") == pages.peak_mapped
+    assert value(text, "heapscope_page_syscalls_total", pid="10", command="api") == pages.syscalls
+    assert value(text, "heapscope_map_full_drops_total", pid="10", command="api", map="page_events") == 0
     assert value(text, "heapscope_target_exited", pid="20", command="worker") == 1
     assert value(text, "heapscope_target_exited", pid="10", command="api") == 0
     big = "make_big (prog.c:10)"

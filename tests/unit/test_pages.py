@@ -22,6 +22,9 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.pages import (
+    ANON as ANON_PATH,
+)
+from agent.pages import (
     MAP_FIXED,
     MREMAP_DONTUNMAP,
     MREMAP_FIXED,
@@ -696,3 +699,43 @@ def test_replay_of_a_real_process_gives_its_proc_maps_page_by_page(tmp_path: Pat
     # The peak is right after the 64 MiB mmap: nothing later maps as much.
     assert pm.peak_time_ns == events[0].time_ns
     assert pm.peak_by_site() == {PRE_EXISTING_SITE: mapped_total(seed_text), 1: 64 * mib}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PageAccount: the page map in the profile's terms
+
+
+def test_account_site_counts_and_the_byte_clock() -> None:
+    from agent.pages import PageAccount
+
+    seed = [MapsEntry(BASE - 4 * P, BASE - 2 * P, "r--p", 0, "00:00", 0, ANON_PATH)]
+    acc = PageAccount(PageMap.from_maps(seed))
+    acc.apply([mmap(A, BASE, 3 * P), mmap(B, BASE + 8 * P, 5 * P), munmap(C, BASE + 8 * P, 2 * P)])
+    counts = acc.site_counts()
+    assert counts[PRE_EXISTING_SITE].cur_bytes == 2 * P
+    assert counts[A].cur_bytes == counts[A].tot_bytes == counts[A].peak_bytes == 3 * P
+    # B's peak was before C took two of its pages; C unmapped, mapped nothing: not a site of the tree.
+    assert (counts[B].cur_bytes, counts[B].tot_bytes, counts[B].freed_bytes, counts[B].peak_bytes) == (
+        3 * P,
+        5 * P,
+        2 * P,
+        5 * P,
+    )
+    assert counts[B].cur_blocks == 3 and counts[B].freed_blocks == 2
+    assert C not in counts
+    # Massif's B clock: every page mapped or unmapped; the peak at 2 + 3 + 5 pages, after 8 pages of changes.
+    assert acc.time_b == (3 + 5 + 2) * P
+    assert acc.peak_time_b == 8 * P
+    assert acc.peak_gen == 2
+    assert acc.total == (2 + 3 + 3) * P
+
+
+def test_account_peak_does_not_move_when_the_total_only_returns_to_it() -> None:
+    from agent.pages import PageAccount
+
+    acc = PageAccount(PageMap())
+    acc.apply([mmap(A, BASE, 4 * P), munmap(A, BASE, 4 * P), mmap(B, BASE, 4 * P)])
+    assert acc.map.peak_total == 4 * P
+    assert acc.peak_gen == 1 and acc.peak_time_b == 4 * P
+    assert acc.site_counts()[A].peak_bytes == 4 * P
+    assert B not in {s for s, c in acc.site_counts().items() if c.peak_bytes}
