@@ -383,6 +383,25 @@ def test_mapped_memory_agrees_with_proc_maps(daemon: Daemon, target: Target) -> 
         assert listed["pages"]["dropped"] == 0
 
 
+def test_pages_as_heap_daemon_serves_page_trees(heapscope_cmd: list[str], tmp_path: Path, target: Target) -> None:
+    """A --pages-as-heap daemon: the live tree holds what existed at the attach under its own entry, and the
+    pages malloc's first brk maps under the stack that called malloc."""
+    d = start_daemon(heapscope_cmd, tmp_path, "--pages-as-heap=yes", "--threshold=0")
+    try:
+        with d.client() as client:
+            attach(client, target.pid)
+            target.step("allocated")
+            text = client.get("/detailed_snapshot", params={"pid": target.pid}).text
+            out = run_tool(["ms_print", "--threshold=0"], text, tmp_path, "pages.out")
+            assert "(page allocation syscalls) mmap/mremap/brk" in out
+            assert "(mapped before heapscope attached)" in out
+            assert re.search(r"brk \(brk\.c:\d+\)", out) and "site_small (daemon_target.c:" in out, out
+            listed = {t["pid"]: t for t in client.get("/targets").json()}[target.pid]
+            assert listed["heap"]["useful_bytes"] == listed["pages"]["mapped_bytes"]
+    finally:
+        assert stop_daemon(d) == 0
+
+
 def test_path_traversal_is_refused(daemon: Daemon, target: Target, tmp_path: Path) -> None:
     outside = Path(tempfile.mkdtemp(dir=tmp_path))
     (daemon.out_dir / "escape").symlink_to(outside)
