@@ -402,6 +402,48 @@ def test_pages_as_heap_daemon_serves_page_trees(heapscope_cmd: list[str], tmp_pa
         assert stop_daemon(d) == 0
 
 
+def test_run_with_http_serves_the_child_and_exits_with_its_status(
+    heapscope_cmd: list[str], target_program: Path, tmp_path: Path
+) -> None:
+    """`heapscope run --http`: the daemon serves the launched program from its first instruction and ends with
+    it, with its exit status and its files written (what `make demo` does)."""
+    port = free_port()
+    out_dir = tmp_path / "out"
+    cmd = [*heapscope_cmd, "run", "--http", f"127.0.0.1:{port}", "--output-dir", str(out_dir), "--"]
+    proc = subprocess.Popen(
+        [*cmd, str(target_program)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == b"ready\n"  # the child runs: its probes were attached before its exec
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _answers(f"{url}/healthz"), what="the daemon to answer")
+        proc.stdin.write(b"\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == b"allocated\n"
+        snap = httpx.get(f"{url}/snapshot", params={"format": "json"}, timeout=30).json()
+        assert snap["snapshots"][0]["mem_heap_B"] == 5 * 1000 + 3 * 4000
+        proc.stdin.close()
+        assert proc.wait(90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.stderr is not None
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err, err
+    written = list(out_dir.glob("massif.out.*"))
+    assert len(written) == 1, err
+    run_tool(["ms_print"], written[0].read_text(), tmp_path, "final.out")
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def test_path_traversal_is_refused(daemon: Daemon, target: Target, tmp_path: Path) -> None:
     outside = Path(tempfile.mkdtemp(dir=tmp_path))
     (daemon.out_dir / "escape").symlink_to(outside)
