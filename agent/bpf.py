@@ -41,6 +41,9 @@ EV_LOADER = 2
 EV_EXIT = 3
 CTL_STACK_EPOCH = 3
 MAX_UMAPS = 512  # probes/heap.h: HS_MAX_UMAPS
+# control[CTL_UMAPS] = generation << UMAPS_GEN_SHIFT | first index << 32 | count (probes/heap.h)
+UMAPS_GEN_SHIFT = 42
+RULE_CACHE = 1024  # probes/heap.h: HS_RULE_CACHE
 # enum hs_page_kind (probes/heap.h), by agent.pages' names.
 PAGE_KINDS = {1: "mmap", 2: "munmap", 3: "mremap", 4: "brk"}
 
@@ -344,6 +347,7 @@ class HeapProbes:
         self._rows_used = 0
         self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count)
         self._umap_half = 0
+        self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
         self.rows_dropped = 0  # rows that did not fit in the table (their objects fall back to frame pointers)
         self.rows_used = 0  # rows loaded into the kernel, all objects together
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
@@ -546,8 +550,17 @@ class HeapProbes:
         for i, (m, (row_begin, row_count)) in enumerate(entries):
             leaf = umaps.Leaf(m.start, m.end, m.bias & 0xFFFFFFFFFFFFFFFF, row_begin, row_count)
             umaps[ctypes.c_int(first + i)] = leaf
-        self._set_control(CTL_UMAPS, (first << 32) | len(entries))
+        gen = (self._umap_gen + 1) % (1 << (64 - UMAPS_GEN_SHIFT))
+        if gen % (1 << (63 - UMAPS_GEN_SHIFT)) == 0:
+            # The generation wraps: rules the kernel cached under a word that comes again must go first.
+            # Twice a cycle, so that a rule a probe stamped with a word just before one clearing is gone
+            # at the next, long before its word returns.
+            cache = self._bpf["rule_cache"]
+            for i in range(RULE_CACHE):
+                cache.clearitem(ctypes.c_int(i))
+        self._set_control(CTL_UMAPS, (gen << UMAPS_GEN_SHIFT) | (first << 32) | len(entries))
         self._umap_half = half
+        self._umap_gen = gen
 
     def _control(self, index: int) -> int:
         if self._bpf is None:

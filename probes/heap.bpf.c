@@ -22,8 +22,13 @@ BPF_F_TABLE("array", int, struct hs_site, sites, HS_MAX_STACKS, BPF_F_MMAPABLE);
 BPF_F_TABLE("array", int, struct hs_stack, site_stacks, HS_MAX_STACKS, BPF_F_MMAPABLE);
 /* stack_ids: stack hash -> site id (u64), consulted only when a CPU meets a stack it did not store last */
 BPF_HASH(stack_ids, u64, u64, HS_MAX_STACKS);
-/* last_stack: 0 -> struct hs_last_stack, per CPU */
-BPF_PERCPU_ARRAY(last_stack, struct hs_last_stack, 1);
+/* stack_cache: stack hash bits -> struct hs_last_stack, per CPU (stacks met recently skip stack_ids; with
+ * free stacks, malloc and free alternate, so one entry would miss every time) */
+BPF_PERCPU_ARRAY(stack_cache, struct hs_last_stack, HS_STACK_CACHE);
+/* stack_copy: 0 -> struct hs_stack_copy, per CPU (the run of the user stack the walk reads from) */
+BPF_PERCPU_ARRAY(stack_copy, struct hs_stack_copy, 1);
+/* rule_cache: pc bits -> struct hs_rule_entry, per CPU (hot return addresses skip both binary searches) */
+BPF_PERCPU_ARRAY(rule_cache, struct hs_rule_entry, HS_RULE_CACHE);
 /* slots: tid mod HS_PENDING_SLOTS -> struct hs_pending (the thread's call between entry and return).
  * An array: its lookups are inlined and take no lock, unlike a hash map's. */
 BPF_ARRAY(slots, struct hs_pending, HS_PENDING_SLOTS);
@@ -84,20 +89,50 @@ static __always_inline u64 mix(u64 h, u64 v)
     return h;
 }
 
-#if HS_UNWIND
-/* State of a stack walk with unwind tables: the registers of the frame being left. */
+/* Program order for the per-CPU caches' sequence numbers: only a program preempting this one on the same
+ * CPU can interleave with it, so the compiler's order is the order that counts. */
+#define hs_barrier() asm volatile("" ::: "memory")
+#define HS_ONCE(x) (*(volatile typeof(x) *)&(x)) /* one load or store, in program order */
+
+/* State of a stack walk: the registers of the frame being left, and the run of stack copied so far. */
 struct walk {
     struct hs_stack *st;
     struct hs_global *g;
-    u64 sp;   /* the caller's %rsp once the current frame returns */
-    u64 bp;   /* the caller's %rbp */
-    u64 ret;  /* the current frame's return address (ip[n - 1]) */
+    struct hs_stack_copy *copy;
+    u64 sp;     /* the caller's %rsp once the current frame returns */
+    u64 bp;     /* the caller's %rbp */
+    u64 ret;    /* the current frame's return address (ip[n - 1]) */
     u64 h;
+    u64 umaps;  /* control[HS_CTL_UMAPS]: the published mappings the rules were found in */
     u32 n;
     u32 umap_first;
     u32 umap_count;
 };
 
+/* The word of the user stack at addr, from the copy. When the copy does not hold it, the copy is refilled
+ * with a run of addr's page from addr on (or the page's last HS_COPY_BYTES): a run never reaches into the
+ * next page, which may not exist, and the walk climbs the stack, so one read serves the next frames too. */
+static __always_inline int stack_word(struct walk *w, u64 addr, u64 *out)
+{
+    if (addr & 7) /* not where a frame keeps its words: read it alone */
+        return bpf_probe_read_user(out, sizeof(*out), (void *)addr);
+    struct hs_stack_copy *c = w->copy;
+    u64 off = addr - c->base;
+    if (off >= HS_COPY_BYTES || !c->copied) {
+        u64 base = addr;
+        if ((addr & 4095) > 4096 - HS_COPY_BYTES)
+            base = (addr | 4095) + 1 - HS_COPY_BYTES;
+        c->base = base;
+        c->copied = !bpf_probe_read_user(c->w, sizeof(c->w), (void *)base);
+        if (!c->copied)
+            return -1;
+        off = addr - base;
+    }
+    *out = c->w[(off / 8) & (HS_COPY_BYTES / 8 - 1)]; /* off < HS_COPY_BYTES: the mask shows the bound */
+    return 0;
+}
+
+#if HS_UNWIND
 /* The published mapping holding pc, or 0. */
 static __always_inline struct hs_umap *find_umap(struct walk *w, u64 pc)
 {
@@ -120,73 +155,120 @@ static __always_inline struct hs_umap *find_umap(struct walk *w, u64 pc)
     return 0;
 }
 
-/* The last row of the mapping's table whose pc is <= vaddr, or 0. */
+/* The last row of the mapping's table whose pc is <= vaddr, or 0. Written without an early exit and
+ * with one row pointer at the end: fewer states for the verifier, for whom this runs once per frame. */
 static __always_inline struct hs_row *find_row(struct hs_umap *m, u64 vaddr)
 {
-    u32 lo = m->row_begin, hi = m->row_begin + m->row_count;
-    struct hs_row *best = 0;
+    u32 begin = m->row_begin;
+    u32 lo = begin, hi = begin + m->row_count;
     for (int i = 0; i < 24 && lo < hi; i++) { /* 2^24 > HS_MAX_ROWS */
         u32 mid = lo + (hi - lo) / 2;
         struct hs_row *r = unwind_rows.lookup(&mid);
-        if (!r)
-            return best;
-        if (r->pc <= vaddr) {
-            best = r;
+        u64 row_pc = r ? r->pc : (u64)-1;
+        if (row_pc <= vaddr)
             lo = mid + 1;
-        } else {
+        else
             hi = mid;
-        }
     }
-    return best;
+    if (lo == begin)
+        return 0;
+    u32 idx = lo - 1;
+    return unwind_rows.lookup(&idx);
 }
 
-/* One frame: from the return address w->ret, find the caller's registers and its return address. */
-static __always_inline long walk_step(struct walk *w)
+/* A rule, packed in a u64: cfa_type | flags << 8 | (u16)rbp_offset << 16 | (u32)cfa_offset << 32. */
+static __always_inline u64 pack_rule(u64 type, u64 flags, s64 cfa_offset, s64 rbp_offset)
 {
-    u64 pc = w->ret - 1; /* inside the call instruction: the return address may start another function */
-    u64 cfa = 0, ret = 0, bp = w->bp;
+    return type | flags << 8 | (u64)(u16)rbp_offset << 16 | (u64)(u32)cfa_offset << 32;
+}
+
+/* The rule at pc from the tables. A .plt rule is turned into its rsp offset at this pc. */
+static __always_inline u64 find_rule(struct walk *w, u64 pc)
+{
     struct hs_umap *m = find_umap(w, pc);
-    struct hs_row *r = m ? find_row(m, pc - m->bias) : 0;
-    int type = r ? r->cfa_type : HS_CFA_NONE;
+    if (!m)
+        return pack_rule(HS_CFA_NONE, 0, 0, 0);
+    struct hs_row *r = find_row(m, pc - m->bias);
+    if (!r)
+        return pack_rule(HS_CFA_NONE, HS_RULE_MAPPED, 0, 0);
+    u64 type = r->cfa_type;
+    s64 cfa_offset = r->cfa_offset;
+    if (type == HS_CFA_PLT) {
+        type = HS_CFA_RSP;
+        cfa_offset = 8 + (((pc - m->bias) & 15) >= 11 ? 8 : 0);
+    }
+    return pack_rule(type, r->flags | HS_RULE_MAPPED, cfa_offset, r->rbp_offset);
+}
+
+static __always_inline u32 rule_slot(u64 pc)
+{
+    return (pc ^ (pc >> 10) ^ (pc >> 20)) & (HS_RULE_CACHE - 1);
+}
+
+/* The rule this CPU cached for pc under the same published mappings, or 0 (no rule packs to 0). */
+static __always_inline u64 cached_rule(struct walk *w, u64 pc)
+{
+    u32 idx = rule_slot(pc);
+    struct hs_rule_entry *e = rule_cache.lookup(&idx);
+    if (!e)
+        return 0;
+    u64 seq = HS_ONCE(e->seq);
+    hs_barrier();
+    if (!seq || (seq & 1) || e->pc != pc || e->umaps != w->umaps)
+        return 0;
+    u64 rule = e->rule;
+    hs_barrier();
+    return HS_ONCE(e->seq) == seq ? rule : 0;
+}
+
+static __always_inline void cache_rule(struct walk *w, u64 pc, u64 rule)
+{
+    u32 idx = rule_slot(pc);
+    struct hs_rule_entry *e = rule_cache.lookup(&idx);
+    if (!e)
+        return;
+    u64 seq = HS_ONCE(e->seq);
+    if (seq & 1) /* a program this one preempted is writing it; leave it to that one */
+        return;
+    HS_ONCE(e->seq) = seq + 1;
+    hs_barrier();
+    e->pc = pc;
+    e->umaps = w->umaps;
+    e->rule = rule;
+    hs_barrier();
+    HS_ONCE(e->seq) = seq + 2;
+}
+
+/* One frame by the rule for the return address w->ret: find the caller's registers and return address. */
+static __always_inline long walk_step(struct walk *w, u64 rule)
+{
+    u32 type = rule & 0xff, flags = (rule >> 8) & 0xff;
+    u64 cfa, bp_at, ret = 0, bp = w->bp;
     if (type == HS_CFA_END)
         return 1;
     if (type == HS_CFA_NONE) {
-        if (m)
-            __sync_fetch_and_add(&w->g->unwind_no_rule, 1);
+        if (flags & HS_RULE_MAPPED)
+            w->copy->no_rule++;
         else
-            __sync_fetch_and_add(&w->g->unwind_fp, 1);
+            w->copy->fp++;
         /* No rule: trust a frame pointer if it looks like one (above the stack pointer, aligned). */
-        u64 frame[2] = {0, 0};
-        if (bp < w->sp || (bp & 7) || bpf_probe_read_user(frame, sizeof(frame), (void *)bp))
+        if (bp < w->sp || (bp & 7))
             return 1;
         cfa = bp + 16;
-        bp = frame[0];
-        ret = frame[1];
+        bp_at = bp;
+        flags = HS_RBP_SAVED;
     } else {
-        if (type == HS_CFA_RSP)
-            cfa = w->sp + r->cfa_offset;
-        else if (type == HS_CFA_RBP)
-            cfa = w->bp + r->cfa_offset;
-        else /* HS_CFA_PLT */
-            cfa = w->sp + 8 + (((pc - m->bias) & 15) >= 11 ? 8 : 0);
-        int bad;
-        if ((r->flags & HS_RBP_SAVED) && r->rbp_offset == -16) {
-            /* The usual `push %rbp` frame: saved rbp and return address side by side, one read. */
-            u64 pair[2] = {0, 0};
-            bad = bpf_probe_read_user(pair, sizeof(pair), (void *)(cfa - 16));
-            bp = pair[0];
-            ret = pair[1];
-        } else {
-            bad = bpf_probe_read_user(&ret, sizeof(ret), (void *)(cfa - 8));
-            if (!bad && (r->flags & HS_RBP_SAVED))
-                bad = bpf_probe_read_user(&bp, sizeof(bp), (void *)(cfa + r->rbp_offset));
-        }
-        if (bad) {
-            __sync_fetch_and_add(&w->g->unwind_bad_read, 1);
-            return 1;
-        }
-        __sync_fetch_and_add(&w->g->unwind_frames, 1);
+        cfa = (type == HS_CFA_RBP ? w->bp : w->sp) + (s64)(s32)(rule >> 32);
+        bp_at = cfa + (s64)(s16)(rule >> 16);
     }
+    /* One place reads the stack for both kinds of frame: fewer paths for the verifier to walk. */
+    if (stack_word(w, cfa - 8, &ret) || ((flags & HS_RBP_SAVED) && stack_word(w, bp_at, &bp))) {
+        if (type != HS_CFA_NONE)
+            __sync_fetch_and_add(&w->g->unwind_bad_read, 1);
+        return 1;
+    }
+    if (type != HS_CFA_NONE)
+        w->copy->frames++;
     if (ret == 0 || cfa <= w->sp - 8)
         return 1;
     u32 n = w->n;
@@ -204,50 +286,139 @@ static __always_inline long walk_step(struct walk *w)
 }
 #endif
 
-/* Walk the user stack and make sure its site exists; returns the site key. The walk starts from a code
+/* The site id of a stack this CPU stored recently, or -1. */
+static __always_inline s64 cached_stack(struct hs_last_stack *c, u64 h)
+{
+    u64 seq = HS_ONCE(c->seq);
+    hs_barrier();
+    if (seq && !(seq & 1) && c->hash == h) {
+        u64 id = c->id;
+        hs_barrier();
+        if (HS_ONCE(c->seq) == seq)
+            return id;
+    }
+    return -1;
+}
+
+static __always_inline void cache_stack(struct hs_last_stack *c, u64 h, u64 id)
+{
+    u64 seq = HS_ONCE(c->seq);
+    if (seq & 1) /* a program this one preempted is writing it */
+        return;
+    HS_ONCE(c->seq) = seq + 1;
+    hs_barrier();
+    c->hash = h;
+    c->id = id;
+    hs_barrier();
+    HS_ONCE(c->seq) = seq + 2;
+}
+
+/* Walk the user stack and make sure its site exists; returns the site key. The walk starts from the code
  * address `ret` (stored as ip[0]; looked up as ret - 1, like a return address), the stack pointer `sp` of
- * the frame that address is in, and %rbp. */
-static __always_inline u64 capture_stack_at(u64 ret, u64 sp, u64 bp, struct hs_global *g, u32 fn)
+ * the frame that address is in, and %rbp. At a function's entry (`at_entry`) no frame exists yet: ip[0]
+ * is then the caller's return address at [sp] (a walk from %rbp alone would skip the immediate caller). */
+static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 bp, struct hs_global *g, u32 fn)
 {
     u32 zero = 0;
     struct hs_stack *st = scratch.lookup(&zero);
-    if (!st)
+    struct hs_stack_copy *copy = stack_copy.lookup(&zero);
+    if (!st || !copy)
         return HS_STACK_OVERFLOW;
 
     u64 h = 0xcbf29ce484222325ULL;
+    struct walk w = {.st = st, .g = g, .copy = copy, .bp = bp};
+    copy->copied = 0;
+    if (at_entry) {
+        stack_word(&w, sp, &ret); /* the first run of the copy starts at [rsp] */
+        sp += 8;
+    }
     st->ip[0] = ret;
     h = mix(h, ret);
 
     int n = 1;
 #if HS_UNWIND
-    struct walk w = {.st = st, .sp = sp, .bp = bp, .ret = ret, .h = h, .n = 1, .g = g};
+    w.sp = sp;
+    w.ret = ret;
+    w.h = h;
+    w.n = 1;
     u32 idx = HS_CTL_UMAPS;
     u64 *published = control.lookup(&idx);
     if (published) {
-        w.umap_first = *published >> 32;
-        w.umap_count = (u32)*published;
+        w.umaps = *published;
+        w.umap_first = (w.umaps >> 32) & 0x3ff;
+        w.umap_count = (u32)w.umaps;
     }
-    for (int i = 1; i < HS_MAX_DEPTH && ret; i++)
-        if (walk_step(&w))
+    /* Hot return addresses have their rules in this CPU's cache. At the first that does not, the rest
+     * of the stack is walked with the tables (caching what they give). Two loops, so the verifier walks
+     * the binary searches once per frame, not once per frame and per cache outcome. One step more than
+     * the depth allows, to count the stacks that are cut. */
+    int missed = 0;
+    for (int i = 0; i < HS_MAX_DEPTH && ret; i++) {
+        /* pc inside the call instruction: the return address may start another function */
+        u64 rule = cached_rule(&w, w.ret - 1);
+        if (!rule) {
+            missed = 1;
             break;
+        }
+        if (walk_step(&w, rule))
+            break;
+    }
+    if (missed) {
+        /* From the start again (a miss is rare once a stack is hot): so the verifier meets one state
+         * here, not one per frame at which the first loop could have stopped. */
+        w.sp = sp;
+        w.bp = bp;
+        w.ret = ret;
+        w.h = h;
+        w.n = 1;
+        copy->frames = copy->fp = copy->no_rule = 0;
+        for (int i = 0; i < HS_MAX_DEPTH; i++) {
+            u64 pc = w.ret - 1;
+            u64 rule = find_rule(&w, pc);
+            cache_rule(&w, pc, rule);
+            if (walk_step(&w, rule))
+                break;
+        }
+    }
     h = w.h;
     n = w.n;
+    /* Per-CPU counts, so not atomic: a walk that preempted this one adds its counts (and ours so far)
+     * itself, which keeps the sums; only one between our read and our reset would be lost. */
+    u64 counted = copy->frames;
+    if (counted) {
+        copy->frames = 0;
+        __sync_fetch_and_add(&g->unwind_frames, counted);
+    }
+    counted = copy->fp;
+    if (counted) {
+        copy->fp = 0;
+        __sync_fetch_and_add(&g->unwind_fp, counted);
+    }
+    counted = copy->no_rule;
+    if (counted) {
+        copy->no_rule = 0;
+        __sync_fetch_and_add(&g->unwind_no_rule, counted);
+    }
 #else
+    u64 lowest = sp; /* where the next frame may start: above the stack pointer, then above the last frame */
     for (int i = 1; i < HS_MAX_DEPTH && ret; i++) {
-        u64 frame[2] = {0, 0}; /* saved %rbp, return address */
-        /* A frame lies above the stack pointer, 8-aligned, and each one above the last. */
-        if (bp <= sp || (bp & 7) || bpf_probe_read_user(frame, sizeof(frame), (void *)bp) || frame[1] == 0)
+        u64 saved_bp = 0, fret = 0;
+        if (bp < lowest || (bp & 7) || stack_word(&w, bp, &saved_bp) || stack_word(&w, bp + 8, &fret) || fret == 0)
             break;
-        st->ip[i] = frame[1];
-        h = mix(h, frame[1]);
-        sp = bp;
-        bp = frame[0];
+        st->ip[i] = fret;
+        h = mix(h, fret);
+        lowest = bp + 16;
+        bp = saved_bp;
         n = i + 1;
     }
 #endif
-    struct hs_last_stack *last = last_stack.lookup(&zero);
-    if (last && last->hash == h && h)
-        return last->id;
+    u32 slot_idx = h & (HS_STACK_CACHE - 1);
+    struct hs_last_stack *cached = stack_cache.lookup(&slot_idx);
+    if (cached) {
+        s64 known_id = cached_stack(cached, h);
+        if (known_id >= 0)
+            return known_id;
+    }
     u64 id;
     u64 *known = stack_ids.lookup(&h);
     if (known) {
@@ -278,10 +449,8 @@ static __always_inline u64 capture_stack_at(u64 ret, u64 sp, u64 bp, struct hs_g
                 id = *known;
         }
     }
-    if (last) {
-        last->hash = h;
-        last->id = id;
-    }
+    if (cached)
+        cache_stack(cached, h, id);
     return id;
 }
 
@@ -289,10 +458,7 @@ static __always_inline u64 capture_stack_at(u64 ret, u64 sp, u64 bp, struct hs_g
  * return address, read from [rsp] (a walk from %rbp alone would skip the immediate caller). */
 static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *g, u32 fn)
 {
-    u64 sp = PT_REGS_SP(ctx);
-    u64 ret = 0;
-    bpf_probe_read_user(&ret, sizeof(ret), (void *)sp);
-    return capture_stack_at(ret, sp + 8, PT_REGS_FP(ctx), g, fn);
+    return capture_stack_at(1, 0, PT_REGS_SP(ctx), PT_REGS_FP(ctx), g, fn);
 }
 
 #if HS_STACKS
@@ -976,7 +1142,7 @@ static __always_inline int page_enter(u32 kind, u64 a0, u64 a1, u64 a2, u64 a3, 
     note_stack(tid, u.sp, 0);
 #endif
     struct hs_page_call call = {.arg0 = a0, .arg1 = a1, .arg2 = a2, .arg3 = a3, .arg4 = a4, .kind = kind};
-    call.site = capture_stack_at(u.ip, u.sp, u.bp, g, HS_FN_PAGES);
+    call.site = capture_stack_at(0, u.ip, u.sp, u.bp, g, HS_FN_PAGES);
     if (page_calls.update(&tid, &call))
         page_count(HS_PGC_CALLS_FULL);
     return 0;

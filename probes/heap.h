@@ -156,10 +156,39 @@ struct hs_window {
     __u64 site;
 };
 
-/* The last stack stored from a CPU: a hot loop allocating from one stack skips the stack_ids lookup. */
+/* Per-CPU caches of the stack walk. Their entries are validated by a sequence number: odd while an entry is
+ * being written, so a program that preempted the writer on the same CPU never takes a half-written entry. */
+#define HS_STACK_CACHE 64        /* stack hash -> site id, direct-mapped by hash bits */
+#define HS_RULE_CACHE 1024       /* return address -> unwind rule, direct-mapped by address bits */
+#ifndef HS_COPY_BYTES
+#define HS_COPY_BYTES 512        /* the stack walk reads the user stack in runs this long (churn's whole stack) */
+#endif
+
+/* A stack stored recently from a CPU: hot stacks skip the stack_ids lookup. */
 struct hs_last_stack {
+    __u64 seq;
     __u64 hash;
     __u64 id;
+};
+
+/* The unwind rule found for one pc, valid while control[HS_CTL_UMAPS] still holds `umaps`. */
+struct hs_rule_entry {
+    __u64 seq;
+    __u64 pc;
+    __u64 umaps;
+    __u64 rule;   /* HS_RULE_* packed: cfa_offset << 32 | rbp_offset << 16 | flags << 8 | cfa_type */
+};
+
+/* A run of the user stack copied by one read, so one read serves all the frames it covers; and the walk's
+ * unwind counters, added to struct hs_global once per walk. Kept in memory rather than in the walk's
+ * variables: values the verifier can see would split its states by every count. */
+struct hs_stack_copy {
+    __u64 w[HS_COPY_BYTES / 8];
+    __u64 base;   /* user address of w[0] */
+    __u64 copied; /* w holds the stack from base (0 at the start of each walk) */
+    __u64 frames;
+    __u64 fp;
+    __u64 no_rule;
 };
 
 /* Arguments of an allocation call between its entry and its return, per thread. */
@@ -181,7 +210,9 @@ struct hs_pending {
 enum hs_control {
     HS_CTL_ARMED = 0,     /* 0 before the target's exec (run), after a later exec, or at detach */
     HS_CTL_STOPPED = 1,   /* enum hs_event while the target is stopped for user space (HS_STOP_EVENTS) */
-    HS_CTL_UMAPS = 2,     /* published unwind mappings: first index << 32 | count (in unwind_maps) */
+    HS_CTL_UMAPS = 2,     /* published unwind mappings: generation << 42 | first index << 32 | count (in
+                           * unwind_maps). The generation (from 1) makes every publication's word new, so
+                           * rules cached under an older word are never used again. */
     HS_CTL_STACK_EPOCH = 3, /* HS_STACKS: bumped by user space at each sample; starts a new low-water mark */
     HS_CTL_COUNT = 4,
 };
@@ -202,6 +233,7 @@ enum hs_cfa_type {
     HS_CFA_END = 4,       /* outermost frame */
 };
 #define HS_RBP_SAVED 1       /* rbp is saved at CFA + rbp_offset */
+#define HS_RULE_MAPPED 2     /* (rule cache only) a table covers the pc, though it may have no rule there */
 struct hs_row {
     __u32 pc;             /* ELF virtual address in the object */
     __u8 cfa_type;        /* enum hs_cfa_type (unsigned: bcc cannot describe a signed char field) */
