@@ -486,7 +486,7 @@ class PageAccount:
 
     For --pages-as-heap=yes each mapped page is a 4096-byte block: the snapshot total is the mapped total, the
     tree groups pages by the stack that mapped them, and Massif's B clock moves by every page mapped or
-    unmapped. In heap mode only `total` is used: the mapped memory next to the heap.
+    unmapped. In heap mode `total` is the mapped memory next to the heap, and `calls` feeds MALT.
     """
 
     def __init__(self, pages: PageMap) -> None:
@@ -494,7 +494,6 @@ class PageAccount:
         self.time_b = 0  # bytes mapped plus bytes unmapped so far (Massif's --time-unit=B)
         self.peak_time_b = 0
         self.peak_gen = 0  # bumped at every new peak
-        self.peak_total_mapped = pages.total  # the highest mapped total, seed included
         # (site, "mmap" | "munmap") -> [count, min, max, sum] of the lengths of the calls made there (MALT's
         # per-stack mmap/munmap infos); mremap and brk have no place there.
         self.calls: dict[tuple[int, str], list[int]] = {}
@@ -518,7 +517,6 @@ class PageAccount:
             if pm.peak_total > peak_before:
                 self.peak_time_b = self.time_b
                 self.peak_gen += 1
-        self.peak_total_mapped = pm.peak_total
 
     @property
     def total(self) -> int:
