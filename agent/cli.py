@@ -28,7 +28,7 @@ from agent.capability import check_environment
 from agent.discovery import Allocator, ProbePoint, allocator_of_process, allocator_of_program, read_process
 from agent.errors import EnvironmentProblem, HeapscopeError, TargetError, UsageError
 from agent.launch import HeldChild
-from agent.options import MassifOptions
+from agent.options import MAX_WALKED_FRAMES, MassifOptions
 from agent.profiler import Session, SessionInfo
 
 PROG = "heapscope"
@@ -318,11 +318,6 @@ def _require_environment() -> None:
         raise EnvironmentProblem("; ".join(problems))
 
 
-# Frames the kernel walks at most: the BPF verifier rejects deeper walks (measured: 64 loads with MALT's
-# statistics too, 96 does not). Massif's --depth counts frames after trimming, hence the margin of 12.
-MAX_WALKED_FRAMES = 64
-
-
 def _settings(ctx: _Ctx, pid: int, run: bool):  # type: ignore[no-untyped-def]
     from agent.bpf import ProbeSettings  # the BPF layer is only loaded when probes are
 
@@ -335,7 +330,7 @@ def _settings(ctx: _Ctx, pid: int, run: bool):  # type: ignore[no-untyped-def]
         malt=bool(ctx.ns.malt_out_file),
         heap_admin=ctx.opts.heap_admin,
         alignment=ctx.opts.alignment,
-        max_depth=min(ctx.opts.depth + 12, MAX_WALKED_FRAMES),
+        max_depth=ctx.opts.walked_frames,
         max_blocks=ctx.ns.max_blocks,
         max_stacks=ctx.ns.max_stacks,
         pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap

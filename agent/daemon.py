@@ -603,7 +603,7 @@ class TargetManager:
             free_stacks=o.xtree_memory == "full",
             heap_admin=o.heap_admin,
             alignment=o.alignment,
-            max_depth=min(o.depth + 12, 128),
+            max_depth=o.walked_frames,
             max_blocks=self.config.max_blocks,
             max_stacks=self.config.max_stacks,
             pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
