@@ -51,7 +51,7 @@ PAGE_KINDS = {1: "mmap", 2: "munmap", 3: "mremap", 4: "brk"}
 # struct hs_page_event (probes/heap.h): time_ns, site, addr, length, new_addr, new_length, flags, prot, ret,
 # tid, kind.
 _PAGE_EVENT = struct.Struct("<8Qq2I")
-PAGE_RING_BYTES = 1024 * 4096  # probes/heap.h HS_PAGE_RING_PAGES pages
+PAGE_RING_BYTES = 4 << 20  # the page events' ring buffer (passed to probes/heap.h as HS_PAGE_RING_PAGES)
 
 
 class _RingReader:
@@ -373,6 +373,7 @@ class HeapProbes:
             f"-DHS_FREE_STACKS={int(s.free_stacks)}",
             f"-DHS_MALT={int(s.malt)}",
             f"-DHS_PAGES={int(s.pages)}",
+            f"-DHS_PAGE_RING_PAGES={PAGE_RING_BYTES // mmap.PAGESIZE}",
             f"-DHS_STACKS={int(s.stacks)}",
         ]
         with _captured_stderr() as messages:

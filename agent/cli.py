@@ -354,12 +354,7 @@ def _profile(
         ctx.say(line)
     if ctx.opts.depth + 12 > MAX_WALKED_FRAMES:
         ctx.say(f"stacks are walked to {MAX_WALKED_FRAMES} frames at most (the BPF verifier's limit)")
-    # --pages-as-heap=yes: the page syscalls' tracepoints only; malloc is not counted (as in Massif).
-    points = [] if ctx.opts.pages_as_heap else list(allocator.probes)
-    if run and allocator.exit_probe is not None:
-        points.append(allocator.exit_probe)
-    if allocator.loader_probe is not None:
-        points.append(allocator.loader_probe)
+    points = allocator.points(run, heap=not ctx.opts.pages_as_heap)
     with HeapProbes(_settings(ctx, pid, run), points) as probes:
         tables = None
         if ctx.ns.unwind == "cfi":
@@ -374,9 +369,7 @@ def _profile(
 
             session.recorder = MaltRecorder(probes, pid)
         if not run:
-            # Before saying the probes are live: the page map and the unwind tables of the mappings of now.
-            session.seed_pages()
-            session.sync_mappings()
+            session.prepare_attach()
         ctx.say(f"probes attached to {pid}")
         started()
         session.run(alive, stop, ctx.ns.sample_interval)

@@ -616,12 +616,7 @@ class TargetManager:
         """The target's sampling thread: attach, sample until exit or stop, keep the last state, write files."""
         say = self.config.say
         try:
-            # --pages-as-heap=yes: the page syscalls' tracepoints only; malloc is not counted (as in Massif).
-            points = [] if self.config.opts.pages_as_heap else list(allocator.probes)
-            if run and allocator.exit_probe is not None:
-                points.append(allocator.exit_probe)
-            if allocator.loader_probe is not None:
-                points.append(allocator.loader_probe)
+            points = allocator.points(run, heap=not self.config.opts.pages_as_heap)
             tables = None
             if self.config.unwind == "cfi":
                 from agent.unwind import load_table
@@ -636,9 +631,7 @@ class TargetManager:
                     exec_limit=int(run),
                 )
                 if not run:
-                    # Before saying the probes are live: the page map and the unwind tables of the mappings of now.
-                    session.seed_pages()
-                    session.sync_mappings()
+                    session.prepare_attach()
                 started()
                 t.session = session
                 say(f"probes attached to {t.pid} ({t.cmdline})")

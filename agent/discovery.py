@@ -214,6 +214,16 @@ class Allocator:
     exit_probe: ProbePoint | None = None  # libc's exit(), for `run`
     loader_probe: ProbePoint | None = None  # the dynamic loader's _dl_debug_state
 
+    def points(self, run: bool, heap: bool) -> list[ProbePoint]:
+        """The uprobes a profile attaches: the allocation functions (unless `heap` is off: --pages-as-heap
+        counts pages, not malloc, as in Massif), exit() under `run`, and the loader's hook."""
+        points = list(self.probes) if heap else []
+        if run and self.exit_probe is not None:
+            points.append(self.exit_probe)
+        if self.loader_probe is not None:
+            points.append(self.loader_probe)
+        return points
+
     def describe(self) -> list[str]:
         lines = [f"allocator: {self.family} ({self.path})"]
         for p in self.probes:

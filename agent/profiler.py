@@ -365,6 +365,12 @@ class Session:
             self.pages.apply(self.probes.page_events())
         return self.pages
 
+    def prepare_attach(self) -> None:
+        """`attach`, before the probes are said to be live: the page map and the unwind tables of the mappings
+        of now (`run` does both at the target's exec)."""
+        self.seed_pages()
+        self.sync_mappings()
+
     def seed_pages(self) -> None:
         """Start the page map from the target's mappings now: at its exec (run), or at the attach. Events
         already reported are dropped first: the maps read after them hold their effect. An event that lands
