@@ -158,6 +158,7 @@ class Counters:
     dropped_sizes: int = 0
     dropped_threads: int = 0
     zero_allocs: int = 0
+    hashed_blocks: int = 0
 
     @property
     def dropped(self) -> int:
@@ -214,6 +215,12 @@ class ProbeSettings:
     max_stacks: int = 1 << 16
     pages: bool = False  # trace mmap/munmap/mremap/brk: one PageEvent per call (page_events())
     stacks: bool = False  # keep each thread's stack extent (--stacks=yes: stack_bytes())
+
+
+def block_slots(max_blocks: int) -> int:
+    """Slots of the kernel's block table for --max-blocks: a power of two, at least 2 (one bucket). Blocks
+    whose bucket is full go to an overflow hash of half as many entries."""
+    return max(2, 1 << (max_blocks - 1).bit_length())
 
 
 @contextlib.contextmanager
@@ -365,7 +372,8 @@ class HeapProbes:
             f"-DHS_HEAP_ADMIN={s.heap_admin}",
             f"-DHS_ALIGNMENT={s.alignment}",
             f"-DHS_MAX_DEPTH={s.max_depth}",
-            f"-DHS_MAX_BLOCKS={s.max_blocks}",
+            f"-DHS_BLOCK_SLOTS={block_slots(s.max_blocks)}",
+            f"-DHS_MAX_BLOCKS={max(s.max_blocks // 2, 16)}",
             f"-DHS_MAX_STACKS={s.max_stacks}",
             f"-DHS_STOP_EVENTS={int(s.stop_events)}",
             f"-DHS_UNWIND={int(s.unwind)}",

@@ -11,7 +11,12 @@
 #include <uapi/linux/ptrace.h>
 #include "heap.h"
 
-/* blocks: block address -> struct hs_block (live blocks only) */
+/* block_slots: the live blocks, by address: bucket block_bucket(addr), two slots. An array, so finding a
+ * block is a few inlined instructions and one cache line, with no lock and no allocation (a hash map's
+ * update and delete cost more than the rest of the accounting). Mmapable only for its page alignment,
+ * which keeps each bucket in one cache line. */
+BPF_F_TABLE("array", int, struct hs_block_slot, block_slots, HS_BLOCK_SLOTS, BPF_F_MMAPABLE);
+/* blocks: block address -> struct hs_block, for the blocks whose bucket was full */
 BPF_HASH(blocks, u64, struct hs_block, HS_MAX_BLOCKS);
 /* sites: site id -> struct hs_site (the counters of one allocation stack). An array, so the return and free
  * paths reach a block's site without hashing; mmapable, so user space reads every site's counters in place,
@@ -657,15 +662,92 @@ static __always_inline void malt_free(struct hs_site *alloc_site, struct hs_site
     count_in(life_hist.lookup(&bin));
 }
 
+/* ---- the live blocks ------------------------------------------------------------------------------ */
+
+/* The first slot of addr's bucket. Neighbouring blocks get neighbouring buckets, so the heap's locality
+ * carries over to the table; the high address bits are folded in, so heaps far apart do not collide. */
+static __always_inline u32 block_bucket(u64 addr)
+{
+    u64 x = addr >> 4; /* blocks are at least 16 bytes apart */
+    x ^= (x >> 20) ^ (x >> 40);
+    return (u32)x & (HS_BLOCK_SLOTS - 2);
+}
+
+static __always_inline struct hs_block_slot *block_slot(u32 idx)
+{
+    return block_slots.lookup(&idx);
+}
+
+/* Track a new block: in its bucket, else in the overflow hash; returns 0, or -1 when both are full (counted).
+ * An address already tracked (its free went unseen) is overwritten in place. No other CPU can free addr
+ * while this runs: the allocator has not returned it yet. */
+static __always_inline int block_put(struct hs_global *g, u64 addr, struct hs_block *b)
+{
+    u32 idx = block_bucket(addr);
+    struct hs_block_slot *s0 = block_slot(idx), *s1 = block_slot(idx + 1), *s = 0;
+    if (s0 && s1 && !(b->slop >> 32) && !(b->stack >> 32)) {
+        u64 a0 = HS_ONCE(s0->addr), a1 = HS_ONCE(s1->addr);
+        if (a0 == addr)
+            s = s0;
+        else if (a1 == addr)
+            s = s1;
+        else if (a0 == 0 && __sync_val_compare_and_swap(&s0->addr, 0, addr) == 0)
+            s = s0;
+        else if (a1 == 0 && __sync_val_compare_and_swap(&s1->addr, 0, addr) == 0)
+            s = s1;
+        if (s) {
+            s->size = b->size;
+            s->slop_site = b->slop << 32 | b->stack;
+            s->alloc_ns = b->alloc_ns;
+            return 0;
+        }
+    }
+    if (blocks.update(&addr, b)) {
+        __sync_fetch_and_add(&g->dropped_blocks, 1);
+        return -1;
+    }
+    __sync_fetch_and_add(&g->hashed_blocks, 1); /* a stale key replaced counts twice: only costs lookups */
+    return 0;
+}
+
+/* Stop tracking the block at addr, copying it to *b; returns 0 when it was not tracked (or another CPU took
+ * it first: a double free racing). */
+static __always_inline int block_take(struct hs_global *g, u64 addr, struct hs_block *b)
+{
+    u32 idx = block_bucket(addr);
+    struct hs_block_slot *s = block_slot(idx);
+    if (s && HS_ONCE(s->addr) != addr)
+        s = block_slot(idx + 1);
+    if (s && HS_ONCE(s->addr) == addr) {
+        u64 slop_site = s->slop_site;
+        b->size = s->size;
+        b->slop = slop_site >> 32;
+        b->stack = (u32)slop_site;
+        b->alloc_ns = s->alloc_ns;
+        hs_barrier(); /* read it all before the slot is given up */
+        return __sync_val_compare_and_swap(&s->addr, addr, 0) == addr;
+    }
+    if (HS_ONCE(g->hashed_blocks) == 0)
+        return 0;
+    struct hs_block *hb = blocks.lookup(&addr);
+    if (!hb)
+        return 0;
+    *b = *hb;
+    if (blocks.delete(&addr))
+        return 0;
+    __sync_fetch_and_add(&g->hashed_blocks, -1);
+    return 1;
+}
+
+/* ---- Massif's accounting ----------------------------------------------------------------------------- */
+
 static __always_inline void record_alloc(struct hs_global *g, u64 addr, u64 size, u64 stack)
 {
     struct hs_block blk = {.size = size, .slop = massif_slop(size), .stack = stack};
     if (HS_MALT)
         blk.alloc_ns = bpf_ktime_get_ns();
-    if (blocks.update(&addr, &blk)) {
-        __sync_fetch_and_add(&g->dropped_blocks, 1);
+    if (block_put(g, addr, &blk))
         return;
-    }
     u64 extra = blk.slop + HS_HEAP_ADMIN;
     struct hs_site *s = get_site(stack, g);
     if (s) {
@@ -700,15 +782,10 @@ static __always_inline void charge_freed(struct hs_global *g, struct hs_site *al
 }
 
 /* Forget a block; returns its size (0 when it was not tracked). */
-static __always_inline u64 record_free(struct hs_global *g, u64 addr, u64 free_stack)
+/* The accounting of a free of blk, no longer tracked. */
+static __always_inline void account_free(struct hs_global *g, struct hs_block *b, u64 free_stack)
 {
-    struct hs_block *bp = blocks.lookup(&addr);
-    if (!bp) {
-        __sync_fetch_and_add(&g->untracked_frees, 1);
-        return 0;
-    }
-    struct hs_block blk = *bp;
-    blocks.delete(&addr);
+    struct hs_block blk = *b;
     u64 extra = blk.slop + HS_HEAP_ADMIN;
     struct hs_site *s = get_site(blk.stack, g);
     if (s) {
@@ -726,6 +803,16 @@ static __always_inline u64 record_free(struct hs_global *g, u64 addr, u64 free_s
     __sync_fetch_and_add(&g->n_frees, 1);
     __sync_fetch_and_add(&g->freed_bytes, blk.size);
     advance_time(g, blk.size + extra);
+}
+
+static __always_inline u64 record_free(struct hs_global *g, u64 addr, u64 free_stack)
+{
+    struct hs_block blk;
+    if (!block_take(g, addr, &blk)) {
+        __sync_fetch_and_add(&g->untracked_frees, 1);
+        return 0;
+    }
+    account_free(g, &blk, free_stack);
     return blk.size;
 }
 
@@ -734,21 +821,20 @@ static __always_inline u64 record_free(struct hs_global *g, u64 addr, u64 free_s
  * the old stack to realloc's stack. */
 static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 addr, u64 size, u64 stack)
 {
-    struct hs_block *bp = blocks.lookup(&old);
-    if (!bp) {
+    struct hs_block ob;
+    if (!block_take(g, old, &ob)) {
         __sync_fetch_and_add(&g->untracked_frees, 1);
         record_alloc(g, addr, size, stack);
         return;
     }
-    struct hs_block ob = *bp;
     struct hs_block nb = {.size = size, .stack = stack};
     if (HS_MALT)
         nb.alloc_ns = bpf_ktime_get_ns();
     nb.slop = size <= ob.size + ob.slop ? ob.slop + ob.size - size : massif_slop(size);
-    if (addr != old)
-        blocks.delete(&old);
-    if (blocks.update(&addr, &nb))
-        __sync_fetch_and_add(&g->dropped_blocks, 1);
+    if (block_put(g, addr, &nb)) { /* the new block cannot be tracked (counted): the old one is gone */
+        account_free(g, &ob, stack);
+        return;
+    }
 
     struct hs_site *os = get_site(ob.stack, g);
     if (os) {

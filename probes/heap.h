@@ -10,7 +10,10 @@
 #define HS_MAX_DEPTH 64          /* frames kept per stack, before Massif's trimming */
 #endif
 #ifndef HS_MAX_BLOCKS
-#define HS_MAX_BLOCKS 1048576    /* live blocks tracked at once */
+#define HS_MAX_BLOCKS 524288     /* blocks: the overflow table for blocks whose bucket in block_slots is full */
+#endif
+#ifndef HS_BLOCK_SLOTS
+#define HS_BLOCK_SLOTS 1048576   /* block_slots: a power of two (two slots a bucket) */
 #endif
 #ifndef HS_MAX_STACKS
 #define HS_MAX_STACKS 65536      /* distinct allocation stacks (site ids); site 0 is the overflow site */
@@ -90,6 +93,16 @@ struct hs_block {
     __u64 slop;   /* Massif's rounding slop; extra = slop + HS_HEAP_ADMIN */
     __u64 stack;  /* site id: index into sites */
     __u64 alloc_ns; /* when it was allocated (HS_MALT: lifetimes) */
+};
+
+/* One live block in block_slots, the same as struct hs_block with its address (0: the slot is free). 32 bytes:
+ * a bucket of two slots is one cache line. A block whose slop or site id needs more than 32 bits goes to the
+ * overflow hash instead. */
+struct hs_block_slot {
+    __u64 addr;
+    __u64 size;
+    __u64 slop_site;  /* slop << 32 | site id */
+    __u64 alloc_ns;
 };
 
 /* One allocation stack's counters, at its site id in `sites`. User space reads them at every snapshot (through
@@ -326,7 +339,7 @@ struct hs_global {
     __u64 untracked_frees;   /* free/realloc of a block we never saw (allocated before attach) */
     __u64 failed_allocs;     /* the allocator returned NULL */
     __u64 nested_calls;      /* allocation calls inside allocation calls, folded into the outer one */
-    __u64 dropped_blocks;    /* blocks map full: block not tracked */
+    __u64 dropped_blocks;    /* block_slots bucket and overflow hash both full: block not tracked */
     __u64 dropped_stacks;    /* site ids used up at a new stack: charged to the overflow site 0 */
     __u64 dropped_sites;     /* a site id without its site (cannot happen with an array; kept for the ABI) */
     __u64 dropped_pending;   /* pending tables full: a call went unseen */
@@ -340,6 +353,7 @@ struct hs_global {
     __u64 dropped_sizes;     /* MALT sizeMap or reallocJump full: those entries not counted */
     __u64 dropped_threads;   /* MALT per-thread table full */
     __u64 zero_allocs;       /* zero-size requests (MALT's countZeros, all stacks) */
+    __u64 hashed_blocks;     /* live blocks in the overflow hash (their bucket was full); 0: frees skip it */
 };
 
 #endif
