@@ -40,6 +40,7 @@ EV_EXEC = 1
 EV_LOADER = 2
 EV_EXIT = 3
 CTL_STACK_EPOCH = 3
+CTL_STACK_END = 4
 MAX_UMAPS = 512  # probes/heap.h: HS_MAX_UMAPS
 # control[CTL_UMAPS] = generation << UMAPS_GEN_SHIFT | first index << 32 | count (probes/heap.h)
 UMAPS_GEN_SHIFT = 42
@@ -159,6 +160,7 @@ class Counters:
     dropped_threads: int = 0
     zero_allocs: int = 0
     hashed_blocks: int = 0
+    unwind_short_reads: int = 0
 
     @property
     def dropped(self) -> int:
@@ -515,6 +517,10 @@ class HeapProbes:
         self._bpf.perf_buffer_poll(timeout=max(1, int(timeout * 1000)))
         events, self._events = self._events, []
         return events
+
+    def set_stack_end(self, end: int) -> None:
+        """The end of the main thread's stack mapping: the stack walk reads no further."""
+        self._set_control(CTL_STACK_END, end)
 
     def stopped(self) -> int:
         """The event the target is stopped at (stop_events), or 0."""

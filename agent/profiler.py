@@ -70,6 +70,7 @@ class MapsRecorder:
         self._seen: dict[tuple[int, int, int, str], Mapping] = {}
         self.mappings: tuple[Mapping, ...] = ()  # every mapping ever seen, newest first
         self.current: tuple[Mapping, ...] = ()  # the mappings at the last refresh
+        self.stack_end = 0  # the end of the main thread's stack mapping at the last refresh (0: none)
 
     def refresh(self) -> bool:
         """Read the maps again; True when something new was mapped."""
@@ -83,6 +84,7 @@ class MapsRecorder:
         self._text = text
         fresh = False
         self.current = tuple(parse_maps(text))
+        self.stack_end = next((e.end for e in parse_maps_full(text) if e.path == "[stack]"), 0)
         for m in self.current:
             key = (m.start, m.end, m.offset, m.path)
             if key not in self._seen:
@@ -458,7 +460,10 @@ class Session:
 
     def sync_mappings(self) -> None:
         """Read the target's mappings; give the stack walk the unwind tables of new executable ones."""
-        if not self.maps.refresh() or self.tables is None:
+        if not self.maps.refresh():
+            return
+        self.probes.set_stack_end(self.maps.stack_end)  # where the stack walk's reads must stop
+        if self.tables is None:
             return
         published = []
         for m in self.maps.current:
@@ -571,7 +576,8 @@ class Session:
                 f"unwind: {self.probes.rows_used} table rows ({self.probes.rows_used * 12 // 1024} KiB) for "
                 f"{len(self._table_seconds)} objects, built or loaded in {sum(self._table_seconds.values()):.2f} s; "
                 f"frames: {c.unwind_frames} by table, {c.unwind_fp} by frame pointer (no table), "
-                f"{c.unwind_no_rule} with no rule, {c.unwind_bad_read} bad reads, {c.unwind_depth_cut} stacks cut "
+                f"{c.unwind_no_rule} with no rule, {c.unwind_bad_read} bad reads ({c.unwind_short_reads} runs read again "
+                f"to a page end), {c.unwind_depth_cut} stacks cut "
                 "at the depth limit"
             )
             if self.probes.rows_dropped:

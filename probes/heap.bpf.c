@@ -109,31 +109,44 @@ struct walk {
     u64 ret;    /* the current frame's return address (ip[n - 1]) */
     u64 h;
     u64 umaps;  /* control[HS_CTL_UMAPS]: the published mappings the rules were found in */
+    u64 stack_end; /* control[HS_CTL_STACK_END] */
     u32 n;
     u32 umap_first;
     u32 umap_count;
 };
 
 /* The word of the user stack at addr, from the copy. When the copy does not hold it, the copy is refilled
- * with a run of addr's page from addr on (or the page's last HS_COPY_BYTES): a run never reaches into the
- * next page, which may not exist, and the walk climbs the stack, so one read serves the next frames too. */
+ * with a run from addr up: the walk climbs the stack, so one read serves the next frames too. A run stops
+ * at the end of the main thread's stack (known from its mapping). Above a thread's stack lies its thread
+ * control block, so a run rarely fails; when it does (a stack of unknown end), it is read again up to the
+ * end of addr's page, which is there. */
 static __always_inline int stack_word(struct walk *w, u64 addr, u64 *out)
 {
     if (addr & 7) /* not where a frame keeps its words: read it alone */
         return bpf_probe_read_user(out, sizeof(*out), (void *)addr);
     struct hs_stack_copy *c = w->copy;
     u64 off = addr - c->base;
-    if (off >= HS_COPY_BYTES || !c->copied) {
-        u64 base = addr;
-        if ((addr & 4095) > 4096 - HS_COPY_BYTES)
-            base = (addr | 4095) + 1 - HS_COPY_BYTES;
-        c->base = base;
-        c->copied = !bpf_probe_read_user(c->w, sizeof(c->w), (void *)base);
-        if (!c->copied)
-            return -1;
-        off = addr - base;
+    if (off >= c->copied) {
+        u64 len = HS_COPY_BYTES;
+        if (addr < w->stack_end && w->stack_end - addr < len)
+            len = w->stack_end - addr;
+        if (len > HS_COPY_BYTES) /* cannot be: tells the verifier */
+            len = HS_COPY_BYTES;
+        if (bpf_probe_read_user(c->w, len, (void *)addr)) {
+            __sync_fetch_and_add(&w->g->unwind_short_reads, 1);
+            len = 4096 - (addr & 4095);
+            if (len > HS_COPY_BYTES)
+                len = HS_COPY_BYTES;
+            if (bpf_probe_read_user(c->w, len, (void *)addr)) {
+                c->copied = 0;
+                return -1;
+            }
+        }
+        c->base = addr;
+        c->copied = len;
+        off = 0;
     }
-    *out = c->w[(off / 8) & (HS_COPY_BYTES / 8 - 1)]; /* off < HS_COPY_BYTES: the mask shows the bound */
+    *out = c->w[(off / 8) & (HS_COPY_BYTES / 8 - 1)]; /* off < copied <= HS_COPY_BYTES: the mask shows it */
     return 0;
 }
 
@@ -332,6 +345,10 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
 
     u64 h = 0xcbf29ce484222325ULL;
     struct walk w = {.st = st, .g = g, .copy = copy, .bp = bp};
+    u32 end_idx = HS_CTL_STACK_END;
+    u64 *stack_end = control.lookup(&end_idx);
+    if (stack_end)
+        w.stack_end = *stack_end;
     copy->copied = 0;
     if (at_entry) {
         stack_word(&w, sp, &ret); /* the first run of the copy starts at [rsp] */
@@ -645,14 +662,15 @@ static __always_inline void malt_alloc(struct hs_global *g, struct hs_site *s, u
     }
 }
 
-static __always_inline void malt_free(struct hs_site *alloc_site, struct hs_site *free_site, u64 size, u64 alloc_ns)
+static __always_inline void malt_free(struct hs_site *alloc_site, struct hs_site *free_site, u64 size, u64 alloc_ns,
+                                      u64 now)
 {
     if (free_site) {
         __sync_fetch_and_add(&free_site->free_count, 1);
         __sync_fetch_and_add(&free_site->free_sum, size);
         min_max(&free_site->free_min, &free_site->free_max, size);
     }
-    u64 life = bpf_ktime_get_ns() - alloc_ns;
+    u64 life = now - alloc_ns;
     if (alloc_site && life) {
         __sync_fetch_and_add(&alloc_site->life_count, 1);
         __sync_fetch_and_add(&alloc_site->life_sum, life);
@@ -741,11 +759,10 @@ static __always_inline int block_take(struct hs_global *g, u64 addr, struct hs_b
 
 /* ---- Massif's accounting ----------------------------------------------------------------------------- */
 
-static __always_inline void record_alloc(struct hs_global *g, u64 addr, u64 size, u64 stack)
+/* `now` (HS_MALT): bpf_ktime_get_ns() of the probe, read once per event and shared. */
+static __always_inline void record_alloc(struct hs_global *g, u64 addr, u64 size, u64 stack, u64 now)
 {
-    struct hs_block blk = {.size = size, .slop = massif_slop(size), .stack = stack};
-    if (HS_MALT)
-        blk.alloc_ns = bpf_ktime_get_ns();
+    struct hs_block blk = {.size = size, .slop = massif_slop(size), .stack = stack, .alloc_ns = now};
     if (block_put(g, addr, &blk))
         return;
     u64 extra = blk.slop + HS_HEAP_ADMIN;
@@ -783,7 +800,7 @@ static __always_inline void charge_freed(struct hs_global *g, struct hs_site *al
 
 /* Forget a block; returns its size (0 when it was not tracked). */
 /* The accounting of a free of blk, no longer tracked. */
-static __always_inline void account_free(struct hs_global *g, struct hs_block *b, u64 free_stack)
+static __always_inline void account_free(struct hs_global *g, struct hs_block *b, u64 free_stack, u64 now)
 {
     struct hs_block blk = *b;
     u64 extra = blk.slop + HS_HEAP_ADMIN;
@@ -796,7 +813,7 @@ static __always_inline void account_free(struct hs_global *g, struct hs_block *b
     }
     charge_freed(g, s, free_stack, blk.size);
     if (HS_MALT)
-        malt_free(s, free_stack ? get_site(free_stack, g) : 0, blk.size, blk.alloc_ns);
+        malt_free(s, free_stack ? get_site(free_stack, g) : 0, blk.size, blk.alloc_ns, now);
     __sync_fetch_and_add(&g->heap, -blk.size);
     __sync_fetch_and_add(&g->extra, -extra);
     __sync_fetch_and_add(&g->blocks, -1);
@@ -805,34 +822,32 @@ static __always_inline void account_free(struct hs_global *g, struct hs_block *b
     advance_time(g, blk.size + extra);
 }
 
-static __always_inline u64 record_free(struct hs_global *g, u64 addr, u64 free_stack)
+static __always_inline u64 record_free(struct hs_global *g, u64 addr, u64 free_stack, u64 now)
 {
     struct hs_block blk;
     if (!block_take(g, addr, &blk)) {
         __sync_fetch_and_add(&g->untracked_frees, 1);
         return 0;
     }
-    account_free(g, &blk, free_stack);
+    account_free(g, &blk, free_stack, now);
     return blk.size;
 }
 
 /* realloc of a tracked block, as Massif 3.19 counts it: the block stays in place (and its slop grows) when
  * the new size fits in the old size plus slop; otherwise it is a new block. Either way the bytes move from
  * the old stack to realloc's stack. */
-static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 addr, u64 size, u64 stack)
+static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 addr, u64 size, u64 stack, u64 now)
 {
     struct hs_block ob;
     if (!block_take(g, old, &ob)) {
         __sync_fetch_and_add(&g->untracked_frees, 1);
-        record_alloc(g, addr, size, stack);
+        record_alloc(g, addr, size, stack, now);
         return;
     }
-    struct hs_block nb = {.size = size, .stack = stack};
-    if (HS_MALT)
-        nb.alloc_ns = bpf_ktime_get_ns();
+    struct hs_block nb = {.size = size, .stack = stack, .alloc_ns = now};
     nb.slop = size <= ob.size + ob.slop ? ob.slop + ob.size - size : massif_slop(size);
     if (block_put(g, addr, &nb)) { /* the new block cannot be tracked (counted): the old one is gone */
-        account_free(g, &ob, stack);
+        account_free(g, &ob, stack, now);
         return;
     }
 
@@ -865,7 +880,7 @@ static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 add
         check_peak(g, ns, os);
     if (HS_MALT) {
         /* MALT: the old block's life ends here; the new one is an allocation of realloc's stack. */
-        malt_free(os, 0, ob.size, ob.alloc_ns);
+        malt_free(os, 0, ob.size, ob.alloc_ns, now);
         malt_alloc(g, ns, stack, size);
         if (ns) {
             __sync_fetch_and_add(&ns->realloc_count, 1);
@@ -1013,7 +1028,7 @@ int free_enter(struct pt_regs *ctx)
         return 0;
     }
     u64 free_site = (HS_FREE_STACKS || HS_MALT) ? capture_stack(ctx, g, HS_FREE) : 0;
-    u64 size = record_free(g, addr, free_site);
+    u64 size = record_free(g, addr, free_site, HS_MALT ? bpf_ktime_get_ns() : 0);
     if (HS_MALT)
         thread_stat(HS_FREE, size, 0);
     return 0;
@@ -1044,10 +1059,11 @@ int alloc_return(struct pt_regs *ctx)
 
     u64 ret = PT_REGS_RC(ctx);
     u64 size = call.arg0;
+    u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
     if (HS_MALT)
         thread_stat(call.fn, call.fn == HS_CALLOC ? call.arg0 * call.arg1 : call.fn == HS_MEMALIGN ||
                     call.fn == HS_REALLOC ? call.arg1 : call.fn == HS_POSIX_MEMALIGN ? call.arg2 : call.arg0,
-                    bpf_ktime_get_ns() - call.entry_ns);
+                    now - call.entry_ns);
     switch (call.fn) {
     case HS_CALLOC:
         size = call.arg0 * call.arg1;
@@ -1072,7 +1088,7 @@ int alloc_return(struct pt_regs *ctx)
         u64 old = call.arg0;
         size = call.fn == HS_REALLOC ? call.arg1 : call.arg1 * call.arg2;
         if (old && size == 0) { /* glibc: realloc(p, 0) frees p */
-            record_free(g, old, call.stack);
+            record_free(g, old, call.stack, now);
             return 0;
         }
         if (!ret) {
@@ -1080,9 +1096,9 @@ int alloc_return(struct pt_regs *ctx)
             return 0;
         }
         if (old)
-            record_realloc(g, old, ret, size, call.stack);
+            record_realloc(g, old, ret, size, call.stack, now);
         else
-            record_alloc(g, ret, size, call.stack);
+            record_alloc(g, ret, size, call.stack, now);
         return 0;
     }
     default:
@@ -1092,7 +1108,7 @@ int alloc_return(struct pt_regs *ctx)
         __sync_fetch_and_add(&g->failed_allocs, 1);
         return 0;
     }
-    record_alloc(g, ret, size, call.stack);
+    record_alloc(g, ret, size, call.stack, now);
     return 0;
 }
 

@@ -583,3 +583,22 @@ def test_symbolize_stack_flattens_inline_levels() -> None:
     frames = Recording().symbolize_stack([], [1, 2, 3], first_is_return_address=False)
     assert calls == [(1, False), (2, True), (3, True)]
     assert [f.function for f in frames] == [None, "inner", "outer", None]
+
+
+def test_maps_recorder_keeps_the_main_stack_end(tmp_path: Path) -> None:
+    """The stack walk's reads stop at the end of the main thread's stack mapping ([stack]), read with the maps."""
+    from agent.profiler import MapsRecorder
+
+    (tmp_path / "42").mkdir()
+    maps = tmp_path / "42" / "maps"
+    maps.write_text(
+        "55d0c0000000-55d0c0001000 r-xp 00000000 08:01 1234 /usr/bin/prog\n"
+        "7ffd1c000000-7ffd1c021000 rw-p 00000000 00:00 0 [stack]\n"
+        "7ffd1c1f0000-7ffd1c1f2000 r-xp 00000000 00:00 0 [vdso]\n"
+    )
+    rec = MapsRecorder(42, proc=str(tmp_path))
+    assert rec.refresh()
+    assert rec.stack_end == 0x7FFD1C021000
+    maps.write_text("55d0c0000000-55d0c0001000 r-xp 00000000 08:01 1234 /usr/bin/prog\n")
+    rec.refresh()
+    assert rec.stack_end == 0  # no [stack] line: no limit known
