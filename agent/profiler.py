@@ -576,8 +576,8 @@ class Session:
                 f"unwind: {self.probes.rows_used} table rows ({self.probes.rows_used * 12 // 1024} KiB) for "
                 f"{len(self._table_seconds)} objects, built or loaded in {sum(self._table_seconds.values()):.2f} s; "
                 f"frames: {c.unwind_frames} by table, {c.unwind_fp} by frame pointer (no table), "
-                f"{c.unwind_no_rule} with no rule, {c.unwind_bad_read} bad reads ({c.unwind_short_reads} runs read again "
-                f"to a page end), {c.unwind_depth_cut} stacks cut "
+                f"{c.unwind_no_rule} with no rule, {c.unwind_bad_read} bad reads "
+                f"({c.unwind_short_reads} runs read again to a page end), {c.unwind_depth_cut} stacks cut "
                 "at the depth limit"
             )
             if self.probes.rows_dropped:
