@@ -398,6 +398,7 @@ class HeapProbes:
                 self._site_stacks = MappedArray(bpf["site_stacks"], s.max_stacks)
             except (OSError, ValueError) as exc:
                 raise EnvironmentProblem(f"cannot map the sites array (BPF_F_MMAPABLE, Linux 5.5+): {exc}") from exc
+            self._install_walkers()
             for point in self.points:
                 self._attach(point)
             # Armed only now: an entry seen before its return probe existed would never see its return.
@@ -446,6 +447,18 @@ class HeapProbes:
             if mapped is not None:
                 mapped.close()
         self._sites = self._site_stacks = None
+
+    def _install_walkers(self) -> None:
+        """The programs that hold the shared copies of the stack walk, in the program arrays the probes
+        tail-call (probes/heap.bpf.c alloc_walker, page_walker): before any probe can fire."""
+        bcc = _load_bcc()
+        assert self._bpf is not None
+        walkers = [("alloc_walker", b"alloc_enter", bcc.BPF.KPROBE)]
+        if self.settings.pages:
+            walkers.append(("page_walker", b"page_enter_walk", bcc.BPF.TRACEPOINT))
+        for table, program, kind in walkers:
+            fn = self._bpf.load_func(program, kind)
+            self._bpf[table][ctypes.c_int(0)] = ctypes.c_int(fn.fd)
 
     def _attach(self, point: ProbePoint) -> None:
         bcc = _load_bcc()

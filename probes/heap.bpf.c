@@ -59,6 +59,13 @@ BPF_ARRAY(life_hist, u64, HS_LOG2_BINS * HS_LOG2_BINS);
 /* window: 0 -> struct hs_window (the timeline's maximum since the last sample) */
 BPF_ARRAY(window, struct hs_window, 1);
 
+/* alloc_walker: 0 -> alloc_enter, the entry program of the allocation functions other than malloc, tail-called
+ * by theirs. Each inlined copy of the stack walk costs ~0.45 s of verification at load: malloc keeps its own
+ * (no tail call on the hottest path), the others share one. walk_arg hands the walker its argument: per CPU,
+ * since a tail call runs on its caller's CPU, in the same program run. */
+BPF_PROG_ARRAY(alloc_walker, 1);
+BPF_PERCPU_ARRAY(walk_arg, struct hs_page_call, 1);
+
 /* events: enum hs_event, to wake user space at once */
 BPF_PERF_OUTPUT(events);
 /* scratch: 0 -> the stack being walked (too big for the BPF stack) */
@@ -997,13 +1004,37 @@ static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
 }
 
 int malloc_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_MALLOC); }
-int calloc_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_CALLOC); }
-int realloc_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_REALLOC); }
-int memalign_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_MEMALIGN); }
-int posix_memalign_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_POSIX_MEMALIGN); }
-int valloc_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_VALLOC); }
-int pvalloc_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_PVALLOC); }
-int reallocarray_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_REALLOCARRAY); }
+
+/* The shared entry program (alloc_walker): the function is in walk_arg. */
+int alloc_enter(struct pt_regs *ctx)
+{
+    u32 zero = 0;
+    struct hs_page_call *arg = walk_arg.lookup(&zero);
+    return arg ? on_enter(ctx, arg->kind) : 0;
+}
+
+static __always_inline int enter_by_walker(struct pt_regs *ctx, u32 fn)
+{
+    u32 zero = 0;
+    struct hs_page_call *arg = walk_arg.lookup(&zero);
+    if (!arg)
+        return 0;
+    arg->kind = fn;
+    alloc_walker.call(ctx, 0);
+    /* Only without the walker, which user space installs before it attaches any probe: the call is unseen. */
+    struct hs_global *g = get_globals();
+    if (g && is_armed())
+        __sync_fetch_and_add(&g->dropped_pending, 1);
+    return 0;
+}
+
+int calloc_enter(struct pt_regs *ctx) { return enter_by_walker(ctx, HS_CALLOC); }
+int realloc_enter(struct pt_regs *ctx) { return enter_by_walker(ctx, HS_REALLOC); }
+int memalign_enter(struct pt_regs *ctx) { return enter_by_walker(ctx, HS_MEMALIGN); }
+int posix_memalign_enter(struct pt_regs *ctx) { return enter_by_walker(ctx, HS_POSIX_MEMALIGN); }
+int valloc_enter(struct pt_regs *ctx) { return enter_by_walker(ctx, HS_VALLOC); }
+int pvalloc_enter(struct pt_regs *ctx) { return enter_by_walker(ctx, HS_PVALLOC); }
+int reallocarray_enter(struct pt_regs *ctx) { return enter_by_walker(ctx, HS_REALLOCARRAY); }
 
 /* free has no return probe: all it needs is its argument. */
 int free_enter(struct pt_regs *ctx)
@@ -1222,6 +1253,9 @@ BPF_HASH(page_calls, u32, struct hs_page_call, HS_MAX_THREADS);
 BPF_RINGBUF_OUTPUT(page_events, HS_PAGE_RING_PAGES);
 /* page_counters: enum hs_page_counter -> count */
 BPF_ARRAY(page_counters, u64, HS_PGC_COUNT);
+/* page_walker: 0 -> page_enter_walk, the one copy of the stack walk of the four entry tracepoints (a
+ * program array holds programs of one type, so not alloc_walker) */
+BPF_PROG_ARRAY(page_walker, 1);
 
 static __always_inline void page_count(u32 which)
 {
@@ -1230,7 +1264,7 @@ static __always_inline void page_count(u32 which)
 
 /* At a page syscall's entry: keep its arguments and charge it to the user stack that made it. The walk
  * starts at the user's instruction pointer (just past the syscall instruction, in the libc wrapper). */
-static __always_inline int page_enter(u32 kind, u64 a0, u64 a1, u64 a2, u64 a3, u64 a4)
+static __always_inline int page_enter(void *ctx, u32 kind, u64 a0, u64 a1, u64 a2, u64 a3, u64 a4)
 {
     u64 id = bpf_get_current_pid_tgid();
     if ((id >> 32) != HS_TARGET_TGID || !is_armed())
@@ -1244,6 +1278,30 @@ static __always_inline int page_enter(u32 kind, u64 a0, u64 a1, u64 a2, u64 a3, 
     note_stack(tid, u.sp, 0);
 #endif
     struct hs_page_call call = {.arg0 = a0, .arg1 = a1, .arg2 = a2, .arg3 = a3, .arg4 = a4, .kind = kind};
+    u32 zero = 0;
+    struct hs_page_call *arg = walk_arg.lookup(&zero);
+    if (arg) {
+        *arg = call;
+        page_walker.call(ctx, 0);
+    }
+    /* Only without the walker (installed before the probes are armed): the call, charged to no stack. */
+    call.site = HS_STACK_OVERFLOW;
+    if (page_calls.update(&tid, &call))
+        page_count(HS_PGC_CALLS_FULL);
+    return 0;
+}
+
+/* page_walker's program: the stack of the page syscall in walk_arg, and the call kept until its exit. */
+int page_enter_walk(void *ctx)
+{
+    u32 zero = 0;
+    struct hs_page_call *arg = walk_arg.lookup(&zero);
+    struct hs_global *g = get_globals();
+    if (!arg || !g)
+        return 0;
+    struct hs_page_call call = *arg;
+    struct hs_user_regs u = user_regs();
+    u32 tid = bpf_get_current_pid_tgid();
     call.site = capture_stack_at(0, u.ip, u.sp, u.bp, g, HS_FN_PAGES);
     if (page_calls.update(&tid, &call))
         page_count(HS_PGC_CALLS_FULL);
@@ -1315,16 +1373,16 @@ static __always_inline int page_exit(u32 kind, long ret)
 
 TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
 {
-    return page_enter(HS_PG_MMAP, args->addr, args->len, args->prot, args->flags, args->fd);
+    return page_enter(args, HS_PG_MMAP, args->addr, args->len, args->prot, args->flags, args->fd);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_mmap) { return page_exit(HS_PG_MMAP, args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_enter_munmap) { return page_enter(HS_PG_MUNMAP, args->addr, args->len, 0, 0, 0); }
+TRACEPOINT_PROBE(syscalls, sys_enter_munmap) { return page_enter(args, HS_PG_MUNMAP, args->addr, args->len, 0, 0, 0); }
 TRACEPOINT_PROBE(syscalls, sys_exit_munmap) { return page_exit(HS_PG_MUNMAP, args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_mremap)
 {
-    return page_enter(HS_PG_MREMAP, args->addr, args->old_len, args->new_len, args->flags, args->new_addr);
+    return page_enter(args, HS_PG_MREMAP, args->addr, args->old_len, args->new_len, args->flags, args->new_addr);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_mremap) { return page_exit(HS_PG_MREMAP, args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_enter_brk) { return page_enter(HS_PG_BRK, args->brk, 0, 0, 0, 0); }
+TRACEPOINT_PROBE(syscalls, sys_enter_brk) { return page_enter(args, HS_PG_BRK, args->brk, 0, 0, 0, 0); }
 TRACEPOINT_PROBE(syscalls, sys_exit_brk) { return page_exit(HS_PG_BRK, args->ret); }
 #endif
