@@ -537,7 +537,7 @@ class HeapProbes:
         return events
 
     def set_stack_end(self, end: int) -> None:
-        """The end of the main thread's stack mapping: the stack walk reads no further."""
+        """Where the main thread's stack ends for the stack walk (above argc): it reads no further."""
         self._set_control(CTL_STACK_END, end)
 
     def stopped(self) -> int:

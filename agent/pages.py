@@ -133,17 +133,28 @@ def mapped_total(maps_text: str) -> int:
     return sum(e.size for e in parse_maps_full(maps_text) if e.path != VSYSCALL)
 
 
-def parse_start_brk(stat_text: str) -> int | None:
-    """Field 47 of /proc/PID/stat (start_brk, since Linux 3.3): the base of the break region, or None."""
+def _stat_field(stat_text: str, number: int) -> int | None:
+    """Field `number` (1-based, as in proc(5)) of /proc/PID/stat, or None when absent or 0."""
     close = stat_text.rfind(")")  # comm may hold spaces and parentheses
     if close < 0:
         return None
     fields = stat_text[close + 1 :].split()  # fields[0] is field 3 (state)
     try:
-        value = int(fields[47 - 3])
+        value = int(fields[number - 3])
     except (IndexError, ValueError):
         return None
     return value or None
+
+
+def parse_start_brk(stat_text: str) -> int | None:
+    """Field 47 of /proc/PID/stat (start_brk, since Linux 3.3): the base of the break region, or None."""
+    return _stat_field(stat_text, 47)
+
+
+def parse_start_stack(stat_text: str) -> int | None:
+    """Field 28 of /proc/PID/stat (startstack): where exec left the main thread's stack pointer (argc's
+    address), or None."""
+    return _stat_field(stat_text, 28)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from agent.pages import (
     PageTotals,
     parse_maps_full,
     parse_start_brk,
+    parse_start_stack,
 )
 from agent.symbols import Mapping, Symbolizer, parse_maps
 
@@ -66,11 +67,15 @@ class MapsRecorder:
 
     def __init__(self, pid: int, proc: str = "/proc") -> None:
         self.path = f"{proc}/{pid}/maps"
+        self.stat_path = f"{proc}/{pid}/stat"
         self._text = ""
         self._seen: dict[tuple[int, int, int, str], Mapping] = {}
         self.mappings: tuple[Mapping, ...] = ()  # every mapping ever seen, newest first
         self.current: tuple[Mapping, ...] = ()  # the mappings at the last refresh
-        self.stack_end = 0  # the end of the main thread's stack mapping at the last refresh (0: none)
+        # Where the main thread's stack reads must stop: just above argc, where exec left the stack pointer.
+        # Its frames lie below, in pages the process has used; above argc's page the kernel's random gap may
+        # never have been touched, and a read from the BPF side cannot fault it in. 0: unknown.
+        self.stack_end = 0
 
     def refresh(self) -> bool:
         """Read the maps again; True when something new was mapped."""
@@ -84,7 +89,12 @@ class MapsRecorder:
         self._text = text
         fresh = False
         self.current = tuple(parse_maps(text))
-        self.stack_end = next((e.end for e in parse_maps_full(text) if e.path == "[stack]"), 0)
+        try:
+            with open(self.stat_path) as f:
+                start_stack = parse_start_stack(f.read())
+        except OSError:
+            start_stack = None
+        self.stack_end = start_stack + 8 if start_stack else 0
         for m in self.current:
             key = (m.start, m.end, m.offset, m.path)
             if key not in self._seen:

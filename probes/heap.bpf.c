@@ -123,10 +123,11 @@ struct walk {
 };
 
 /* The word of the user stack at addr, from the copy. When the copy does not hold it, the copy is refilled
- * with a run from addr up: the walk climbs the stack, so one read serves the next frames too. A run stops
- * at the end of the main thread's stack (known from its mapping). Above a thread's stack lies its thread
- * control block, so a run rarely fails; when it does (a stack of unknown end), it is read again up to the
- * end of addr's page, which is there. */
+ * with a run from addr up: the walk climbs the stack, so one read serves the next frames too. A run fails
+ * if any of its pages is missing (a read here cannot fault one in), so on the main thread's stack it stops
+ * where exec left the stack pointer: above, the kernel's random gap may be untouched. Above a thread's
+ * stack lies its thread control block, so a run rarely fails; when it does (a stack of unknown end, a
+ * garbage frame pointer), it is read again up to the end of addr's page, which is there. */
 static __always_inline int stack_word(struct walk *w, u64 addr, u64 *out)
 {
     if (addr & 7) /* not where a frame keeps its words: read it alone */

@@ -228,7 +228,8 @@ enum hs_control {
                            * unwind_maps). The generation (from 1) makes every publication's word new, so
                            * rules cached under an older word are never used again. */
     HS_CTL_STACK_EPOCH = 3, /* HS_STACKS: bumped by user space at each sample; starts a new low-water mark */
-    HS_CTL_STACK_END = 4, /* the end of the main thread's stack mapping, where stack reads must stop (0: unknown) */
+    HS_CTL_STACK_END = 4, /* where the main thread's stack reads must stop: above argc, where exec left %rsp
+                           * (frames lie below; above may be pages never touched) (0: unknown) */
     HS_CTL_COUNT = 5,
 };
 

@@ -1,6 +1,6 @@
-"""How the stack walk reads the user stack: in long runs (one read serves many frames), which stop at the end
-of the main thread's stack, and are read again up to the page end where a stack of unknown end has nothing
-readable above it (probes/heap.bpf.c stack_word)."""
+"""How the stack walk reads the user stack: in long runs (one read serves many frames), which stop where exec
+left the main thread's stack pointer, and are read again up to the page end where a stack of unknown end has
+nothing readable above it (probes/heap.bpf.c stack_word)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,10 @@ def test_a_stack_with_nothing_above_it_is_walked_whole(
 def test_the_main_stack_is_read_without_a_retry(
     build: Callable[..., Path], run_heapscope: Callable[..., Completed]
 ) -> None:
-    """The end of the main thread's stack is known from its mapping: no run reaches past it."""
+    """Where the main thread's stack ends is known (/proc/PID/stat startstack): no run reaches past it, into
+    pages the kernel's random gap may have left untouched. Several runs: the gap is random."""
     program = build("peak.c")
-    done = run_heapscope(program)
-    assert done.returncode == 0, done.stderr
-    assert unwind_counts(done.stderr) == (0, 0), done.stderr
+    for _ in range(5):
+        done = run_heapscope(program)
+        assert done.returncode == 0, done.stderr
+        assert unwind_counts(done.stderr) == (0, 0), done.stderr

@@ -38,6 +38,7 @@ from agent.pages import (
     page_up,
     parse_maps_full,
     parse_start_brk,
+    parse_start_stack,
 )
 
 P = PAGE_SIZE
@@ -562,6 +563,13 @@ def test_parse_start_brk_reads_field_47_after_the_command_name() -> None:
     assert parse_start_brk("1234 (a) b (c)) " + " ".join(fields) + "\n") == 0x55D1C5000000
     assert parse_start_brk("1234 (short) R 1 2") is None
     assert parse_start_brk("garbage") is None
+
+
+def test_parse_start_stack_reads_field_28() -> None:
+    fields = [str(i) for i in range(3, 53)]
+    fields[28 - 3] = str(0x7FFD1C020F30)
+    assert parse_start_stack("1234 (a) b (c)) " + " ".join(fields) + "\n") == 0x7FFD1C020F30
+    assert parse_start_stack("1234 (short) R 1 2") is None
 
 
 def test_page_up() -> None:

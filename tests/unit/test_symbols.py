@@ -586,10 +586,14 @@ def test_symbolize_stack_flattens_inline_levels() -> None:
 
 
 def test_maps_recorder_keeps_the_main_stack_end(tmp_path: Path) -> None:
-    """The stack walk's reads stop at the end of the main thread's stack mapping ([stack]), read with the maps."""
+    """The stack walk's reads stop just above argc on the main thread's stack (/proc/PID/stat startstack),
+    read with the maps."""
     from agent.profiler import MapsRecorder
 
     (tmp_path / "42").mkdir()
+    fields = ["0"] * 50
+    fields[28 - 3] = str(0x7FFD1C020F30)
+    (tmp_path / "42" / "stat").write_text("42 (prog) " + " ".join(fields) + "\n")
     maps = tmp_path / "42" / "maps"
     maps.write_text(
         "55d0c0000000-55d0c0001000 r-xp 00000000 08:01 1234 /usr/bin/prog\n"
@@ -598,7 +602,8 @@ def test_maps_recorder_keeps_the_main_stack_end(tmp_path: Path) -> None:
     )
     rec = MapsRecorder(42, proc=str(tmp_path))
     assert rec.refresh()
-    assert rec.stack_end == 0x7FFD1C021000
+    assert rec.stack_end == 0x7FFD1C020F38
+    (tmp_path / "42" / "stat").unlink()
     maps.write_text("55d0c0000000-55d0c0001000 r-xp 00000000 08:01 1234 /usr/bin/prog\n")
     rec.refresh()
-    assert rec.stack_end == 0  # no [stack] line: no limit known
+    assert rec.stack_end == 0  # no stat: no limit known
