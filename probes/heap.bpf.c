@@ -806,8 +806,7 @@ static __always_inline void charge_freed(struct hs_global *g, struct hs_site *al
     }
 }
 
-/* Forget a block; returns its size (0 when it was not tracked). */
-/* The accounting of a free of blk, no longer tracked. */
+/* The accounting of the free of a block no longer tracked. */
 static __always_inline void account_free(struct hs_global *g, struct hs_block *b, u64 free_stack, u64 now)
 {
     struct hs_block blk = *b;
@@ -830,6 +829,7 @@ static __always_inline void account_free(struct hs_global *g, struct hs_block *b
     advance_time(g, blk.size + extra);
 }
 
+/* Forget a block; returns its size (0 when it was not tracked). */
 static __always_inline u64 record_free(struct hs_global *g, u64 addr, u64 free_stack, u64 now)
 {
     struct hs_block blk;
