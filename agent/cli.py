@@ -194,6 +194,12 @@ def _add_http_options(p: argparse.ArgumentParser, serve: bool) -> None:
         "--output-dir", default=None, metavar="DIR", help="where files are written (default: the current directory)"
     )
     g.add_argument(
+        "--malt",
+        choices=("yes", "no"),
+        default="yes",
+        help="keep MALT's statistics of every target, for GET /malt (default yes; they cost ~20-30%% more a call)",
+    )
+    g.add_argument(
         "--metrics-top-stacks",
         type=_int_at_least(0),
         default=None,
@@ -226,6 +232,7 @@ def _takes_value(arg: str) -> bool:
         "--token",
         "--output-dir",
         "--metrics-top-stacks",
+        "--malt",
     )
 
 
@@ -387,7 +394,7 @@ def _write_malt(ctx: _Ctx, session: Session, points: Sequence[ProbePoint], alloc
     from agent.malt import check_consistency, symbolizer_resolver, write_malt
 
     assert session.recorder is not None and session.end_counters is not None
-    profile = session.recorder.build(session, session.end_counters, points, allocator)
+    profile = session.malt_profile(points, allocator)
     path = expand_filename(ctx.ns.malt_out_file, pid)
     try:
         with open(path, "w") as out:
@@ -554,6 +561,7 @@ def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | Non
         unwind=ctx.ns.unwind,
         max_blocks=ctx.ns.max_blocks,
         max_stacks=ctx.ns.max_stacks,
+        malt=ctx.ns.malt == "yes",
         say=ctx.say,
     )
     manager = TargetManager(config)

@@ -11,6 +11,7 @@ A target that exits (or is detached) stays queryable: its last map contents are 
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 import threading
@@ -18,12 +19,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import psutil
 
 from agent.bpf import Counters, HeapProbes, PageCounters, ProbeSettings, SiteArray, UnwindMapping
-from agent.discovery import Allocator, allocator_of_process, allocator_of_program, read_process
+from agent.discovery import Allocator, ProbePoint, allocator_of_process, allocator_of_program, read_process
 from agent.errors import HeapscopeError, TargetError, UsageError
 from agent.launch import HeldChild
 from agent.massif import render_snapshot
@@ -31,6 +32,9 @@ from agent.model import SiteCounts, Snapshot, SnapshotKind, Stack
 from agent.options import MassifOptions
 from agent.pages import PageTotals
 from agent.profiler import Session, SessionInfo
+
+if TYPE_CHECKING:
+    from agent.malt import MaltProfile
 
 TargetState = Literal["profiling", "exited", "detached"]
 XtreeKind = Literal["allocs", "full"]
@@ -336,6 +340,8 @@ class Target:
         # Held by readers and by the swap to FrozenProbes, so no read meets a half-closed BPF object.
         self.lock = threading.Lock()
         self._xt_seq = 0
+        self.malt_source: tuple[tuple[ProbePoint, ...], str] | None = None  # probes and allocator, with MALT on
+        self.malt_final: MaltProfile | None = None  # MALT's profile at the end, once the probes are closed
 
     # ---- what the API reads ----
 
@@ -413,6 +419,21 @@ class Target:
             merged = s.merged_sites(massif_trim=True)
         return top_sites(merged, n)
 
+    def malt_json(self, format_version: Literal["1.1", "1.6"]) -> str:
+        """MALT's whole profile as JSON: of now, or of the end for a target no longer profiled."""
+        from agent.malt import symbolizer_resolver, write_malt
+
+        s = self._session()
+        if s.recorder is None or self.malt_source is None:
+            raise TargetConflict("MALT statistics are off in this daemon (started with --malt=no)")
+        points, allocator = self.malt_source
+        with self.lock:
+            profile = self.malt_final or s.malt_profile(points, allocator)
+        out = io.StringIO()
+        resolve = symbolizer_resolver(s.symbolizer, s.maps.mappings)
+        write_malt(out, profile, format_version=format_version, resolve=resolve)
+        return out.getvalue()
+
     def next_xtmemory_seq(self) -> int:
         self._xt_seq += 1
         return self._xt_seq
@@ -436,6 +457,7 @@ class DaemonConfig:
     unwind: str = "fp"  # --unwind: fp (frame pointers) or cfi (.eh_frame tables)
     max_blocks: int = 1 << 20
     max_stacks: int = 1 << 16
+    malt: bool = True  # keep MALT's statistics, for GET /malt
     say: Callable[[str], None] = field(default=_no_say)
 
 
@@ -606,6 +628,7 @@ class TargetManager:
             max_depth=o.walked_frames,
             max_blocks=self.config.max_blocks,
             max_stacks=self.config.max_stacks,
+            malt=self.config.malt,
             pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
             stacks=o.stacks,
         )
@@ -630,6 +653,11 @@ class TargetManager:
                     tables=tables,
                     exec_limit=int(run),
                 )
+                if self.config.malt:
+                    from agent.maltrec import MaltRecorder
+
+                    session.recorder = MaltRecorder(probes, t.pid)
+                    t.malt_source = (tuple(points), allocator.path)
                 if not run:
                     session.prepare_attach()
                 started()
@@ -644,6 +672,8 @@ class TargetManager:
                         say(f"process {t.pid} exec'ed another program: its profile ends there")
                     session.finish()
                     assert session.end_counters is not None
+                    if t.malt_source is not None:  # built while the maps are open: queryable after the end
+                        t.malt_final = session.malt_profile(*t.malt_source)
                     frozen = FrozenProbes(probes, session.end_counters)
                     with t.lock:
                         session.probes = frozen

@@ -48,6 +48,8 @@ from agent.pages import (
 from agent.symbols import Mapping, Symbolizer, parse_maps
 
 if TYPE_CHECKING:
+    from agent.discovery import ProbePoint
+    from agent.malt import MaltProfile
     from agent.maltrec import MaltRecorder
     from agent.unwind import UnwindTable
 from agent.xtree import write_xtree
@@ -194,6 +196,12 @@ class Session:
         return max(0, (c.peak_ns - self.start_ns) // 1_000_000)
 
     # ---- stacks -----------------------------------------------------------------------------------
+
+    def malt_profile(self, points: Sequence[ProbePoint], allocator: str) -> MaltProfile:
+        """MALT's profile of the state now (the final state once finished). Needs the recorder."""
+        assert self.recorder is not None
+        with self._lock:  # the sampler adds to the recorder's timelines and symbolizes under it too
+            return self.recorder.build(self, self.end_counters or self.counters(), points, allocator)
 
     def symbolize_new(self, keys: Sequence[int]) -> None:
         """Symbolize stacks not seen before, while the target's mappings are still readable."""

@@ -4,7 +4,7 @@ the API a fake that implements the same protocol."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 from agent.bpf import Counters
 from agent.daemon import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
@@ -39,6 +39,8 @@ class TargetPort(Protocol):
     def top_sites(self, n: int) -> tuple[list[SiteTotal], SiteTotal]: ...
 
     def page_totals(self) -> PageTotals | None: ...
+
+    def malt_json(self, format_version: Literal["1.1", "1.6"]) -> str: ...
 
 
 class ManagerPort(Protocol):

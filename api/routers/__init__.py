@@ -11,5 +11,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorBody, "description": "Bad request (several targets and no ?pid=, a bad command, ...)"},
     401: {"model": ErrorBody, "description": "Missing or wrong bearer token (when the daemon has a token)"},
     404: {"model": ErrorBody, "description": "No such target"},
-    409: {"model": ErrorBody, "description": "The target is busy (already profiled, or not attached yet)"},
+    409: {
+        "model": ErrorBody,
+        "description": "The target is busy (already profiled, or not attached yet), or MALT statistics are off",
+    },
 }

@@ -6,9 +6,9 @@ event loop, and the target is never stopped (the reads are syscalls made by the 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import PlainTextResponse, Response
 
 from agent.massif import render_snapshot
@@ -81,3 +81,24 @@ def xtmemory(manager: Manager, pid: Pid = None, fmt: Format = "text") -> Respons
     if fmt == "json":
         return xtree_out(target.header(), target.xtree_sites())
     return PlainTextResponse(target.xtree_text())
+
+
+MaltVersion = Annotated[
+    Literal["1.1", "1.6"],
+    Query(description="1.1: the documented format; 1.6: what current MALT's reader (its viewer) requires."),
+]
+
+
+@router.get(
+    "/malt",
+    responses={
+        **ERRORS,
+        200: {
+            "description": "MALT's JSON profile of the target, as --malt-out-file writes it.",
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        },
+    },
+    summary="MALT's whole profile: per-stack statistics, lifetimes, timelines, memory, threads, leaks",
+)
+def malt(manager: Manager, pid: Pid = None, version: MaltVersion = "1.1") -> Response:
+    return Response(manager.get(pid).malt_json(version), media_type="application/json")

@@ -10,6 +10,7 @@ ones when told again, and exits at EOF on stdin.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.integration.harness import PROGRAMS, REPO
@@ -588,3 +590,59 @@ def test_snapshot_load_does_not_stall_the_target(daemon: Daemon, tmp_path: Path)
     finally:
         proc.kill()
         proc.wait()
+
+
+MALT_SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "malt_schema.json").read_text())
+
+
+def _malt_stacks(doc: dict) -> dict[str, dict]:  # type: ignore[type-arg]
+    """Each stack's infos by the name of its innermost frame in the program (site_small, site_big)."""
+    names = doc["sites"]["strings"]
+    out = {}
+    for entry in doc["stacks"]["stats"]:
+        for ip in entry["stack"]:
+            fn = doc["sites"]["instr"].get(ip, {}).get("function")
+            if fn is not None and names[fn] in ("site_small", "site_big"):
+                out[names[fn]] = entry["infos"]
+                break
+    return out
+
+
+def test_malt_profile_of_a_live_target(daemon: Daemon, target: Target) -> None:
+    """GET /malt: MALT's whole profile of a target while it runs, and after it exits; both formats validate
+    against the seed's schema, and the numbers are the ones daemon_target.c makes."""
+    with daemon.client() as client:
+        attach(client, target.pid)
+        target.step("allocated")
+        target.step("freed")
+        r = client.get("/malt")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/json"), r.text
+        doc = r.json()
+        jsonschema.validate(doc, MALT_SCHEMA)
+        stacks = _malt_stacks(doc)
+        assert stacks["site_small"]["alloc"] == {"count": 5, "min": 1000, "max": 1000, "sum": 5000}
+        assert stacks["site_small"]["aliveReq"] == 0 and stacks["site_small"]["lifetime"]["count"] == 5
+        assert stacks["site_big"]["alloc"]["sum"] == 12000 and stacks["site_big"]["aliveReq"] == 12000
+        assert doc["memStats"]["sizeMap"]["1000"] == 5 and doc["memStats"]["sizeMap"]["4000"] == 3
+        leaks = {leak["memory"] for leak in doc["leaks"]}
+        assert 12000 in leaks
+
+        v16 = client.get("/malt", params={"version": "1.6"}).json()
+        assert v16["run"]["formatVersion"] == "1.6" and "domains" in v16
+        assert client.get("/malt", params={"version": "2.0"}).status_code == 422
+
+        assert target.end() == 0
+        wait_for(lambda: client.get("/targets").json()[0]["exited"], what="the target to be marked exited")
+        after = client.get("/malt").json()
+        assert _malt_stacks(after)["site_big"]["aliveReq"] == 12000
+
+
+def test_malt_off_is_a_clear_error(heapscope_cmd: list[str], tmp_path: Path, target: Target) -> None:
+    d = start_daemon(heapscope_cmd, tmp_path, "--malt=no")
+    try:
+        with d.client() as client:
+            attach(client, target.pid)
+            r = client.get("/malt")
+            assert r.status_code == 409 and "--malt=no" in r.json()["detail"], r.text
+    finally:
+        stop_daemon(d)

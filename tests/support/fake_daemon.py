@@ -146,6 +146,10 @@ class FakeTarget:
         self._check()
         return top_sites(self.sites, n)
 
+    def malt_json(self, format_version: str) -> str:
+        self._check()
+        raise TargetConflict("MALT statistics are off in this fake daemon")
+
     def next_xtmemory_seq(self) -> int:
         self._xt_seq += 1
         return self._xt_seq
