@@ -424,7 +424,7 @@ class Target:
         from agent.malt import symbolizer_resolver, write_malt
 
         s = self._session()
-        if s.recorder is None or self.malt_source is None:
+        if self.malt_source is None:  # set with the recorder
             raise TargetConflict("MALT statistics are off in this daemon (started with --malt=no)")
         points, allocator = self.malt_source
         with self.lock:
