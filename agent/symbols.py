@@ -141,12 +141,15 @@ _BELOW_MAIN_PREFIX = ("__libc_start_main.", "generic_start_main.")
 BELOW_MAIN = "(below main)"
 
 
+def is_below_main(name: str) -> bool:
+    """A (demangled) function of the C start-up code that calls main."""
+    return name in _BELOW_MAIN_EXACT or name.startswith(_BELOW_MAIN_PREFIX)
+
+
 def display_function_name(raw: str) -> str:
     """A symbol-table name as Valgrind prints it: demangled, with the C start-up code as `(below main)`."""
     name = demangle(raw)
-    if name in _BELOW_MAIN_EXACT or name.startswith(_BELOW_MAIN_PREFIX):
-        return BELOW_MAIN
-    return name
+    return BELOW_MAIN if is_below_main(name) else name
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -540,6 +543,9 @@ def _crc32_of(path: str) -> int:
     return crc & 0xFFFFFFFF
 
 
+DEFAULT_DEBUG_ROOTS = ("/usr/lib/debug",)
+
+
 def find_debug_file(obj: ElfObject, debug_roots: Sequence[str]) -> ElfObject | None:
     """The separate debug file of an object: by build-id under each root's .build-id/, else by
     .gnu_debuglink next to the object, in its .debug/ folder, or under each root plus the object's folder."""
@@ -679,7 +685,7 @@ class _MappingIndex:
 class Symbolizer:
     """Runtime address + recorded mappings -> Massif-style frames. Thread-safe; caches per build-id."""
 
-    def __init__(self, debug_roots: Sequence[str] = ("/usr/lib/debug",)) -> None:
+    def __init__(self, debug_roots: Sequence[str] = DEFAULT_DEBUG_ROOTS) -> None:
         self.debug_roots = tuple(debug_roots)
         self._lock = threading.RLock()
         self._by_key: dict[object, _ObjectInfo] = {}

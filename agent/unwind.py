@@ -10,7 +10,9 @@ Row layout (ROW, 12 bytes, little-endian), the contract with probes/heap.bpf.c:
     cfa_type    i8   CFA_RSP / CFA_RBP: CFA = rsp|rbp + cfa_offset
                      CFA_PLT: CFA = rsp + 8, plus 8 when (pc & 15) >= 11 (the standard .plt expression)
                      CFA_NONE: no rule (gap between FDEs, or a rule we cannot express): stop or use frame pointers
-                     CFA_END: outermost frame (return address undefined: _start, clone's child)
+                     CFA_END: outermost frame (return address undefined: _start, clone's child), and
+                     the C start-up code that calls main (__libc_start_call_main...): Massif keeps no
+                     frame outside it, so the walk stops there (with the object's symbols only)
     flags       u8   FLAG_RBP_SAVED: rbp was saved at CFA + rbp_offset
                      FLAG_RBP_UNKNOWN: rbp's rule is undefined or not expressible (keep the current rbp)
     cfa_offset  i16
@@ -50,6 +52,7 @@ from elftools.dwarf.structs import DWARFStructs
 from elftools.elf.elffile import ELFFile
 
 from agent.elf import ElfObject, open_elf
+from agent.symbols import DEFAULT_DEBUG_ROOTS, find_debug_file, is_below_main
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ PLT_EXPRESSION = bytes((0x77, 0x08, 0x80, 0x00, 0x3F, 0x1A, 0x3B, 0x2A, 0x33, 0x
 Source = Literal["eh_frame", "debug_frame", "eh_frame+debug_frame", "none"]
 
 _MAX_PC = 0xFFFFFFFF  # a row's pc is a u32, and the last FDE's end needs a row too
-FORMAT_VERSION = 1  # bump when the rows or the rules change: old cache files are then ignored
+FORMAT_VERSION = 2  # bump when the rows or the rules change: old cache files are then ignored
 DEFAULT_CACHE_ROOT = "/var/cache/heapscope"
 
 # Why a row got CFA_NONE (keys of UnwindTable.reasons).
@@ -442,6 +445,11 @@ def build_table(path: str) -> UnwindTable:
             taken += 1
         if taken:
             used.append(name[1:])
+    starts = _below_main_ranges(obj)
+    if starts:
+        # Each start-up function becomes one outermost row; FDEs inside one give way.
+        fdes = [f for f in fdes if not any(lo <= f.start and f.end <= hi for lo, hi in starts)]
+        fdes += [_Fde(lo, hi, [(lo, (CFA_END, 0, 0, 0, None))]) for lo, hi in starts]
     rows = _assemble(fdes, reasons)
     source: Source = "+".join(used) if used else "none"  # type: ignore[assignment]
     return UnwindTable(
@@ -454,6 +462,23 @@ def build_table(path: str) -> UnwindTable:
         reasons=tuple(sorted(reasons.items())),
         skipped_fdes=skipped,
     )
+
+
+def _below_main_ranges(obj: ElfObject) -> list[tuple[int, int]]:
+    """Where the C start-up functions that call main lie, by the symbols of the object and its debug file.
+
+    Massif cuts every stack at main, or without main at the innermost of these: nothing outside them is ever
+    shown, so the kernel's walk ends in them instead of reading two or three more frames per call.
+    """
+    found: set[tuple[int, int]] = set()
+    debug = find_debug_file(obj, DEFAULT_DEBUG_ROOTS)
+    for source in (obj, debug):
+        if source is None:
+            continue
+        for sym in source.function_symbols():
+            if sym.size and is_below_main(sym.name.split("@", 1)[0]):
+                found.add((sym.value, sym.value + sym.size))
+    return sorted(found)
 
 
 def _overlaps(covered: list[tuple[int, int]], start: int, end: int) -> bool:
@@ -537,12 +562,15 @@ def default_cache_dir() -> str:
     return os.path.join(os.environ.get("HEAPSCOPE_CACHE_DIR") or DEFAULT_CACHE_ROOT, "unwind")
 
 
-def cache_key(path: str, build_id: str | None) -> str:
+def cache_key(path: str, build_id: str | None, with_debug: bool = False) -> str:
+    """The cache file's name. A table built with the object's debug file differs (its start-up code is marked
+    outermost), so installing the debug file later builds the table again."""
+    suffix = f"{'.dbg' if with_debug else ''}.v{FORMAT_VERSION}.uwt"
     if build_id and all(c in "0123456789abcdef" for c in build_id.lower()):
-        return f"{build_id.lower()}.v{FORMAT_VERSION}.uwt"
+        return f"{build_id.lower()}{suffix}"
     st = os.stat(path)
     ident = f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode()
-    return f"path-{hashlib.sha256(ident).hexdigest()[:40]}.v{FORMAT_VERSION}.uwt"
+    return f"path-{hashlib.sha256(ident).hexdigest()[:40]}{suffix}"
 
 
 def serialize(table: UnwindTable) -> bytes:
@@ -598,7 +626,8 @@ def load_table(path: str, cache_dir: str | None = None) -> UnwindTable:
     """
     directory = cache_dir if cache_dir is not None else default_cache_dir()
     obj = open_elf(path)
-    target = os.path.join(directory, cache_key(path, obj.build_id))
+    with_debug = find_debug_file(obj, DEFAULT_DEBUG_ROOTS) is not None
+    target = os.path.join(directory, cache_key(path, obj.build_id, with_debug))
     try:
         with open(target, "rb") as fh:
             cached = deserialize(fh.read())

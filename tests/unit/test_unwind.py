@@ -203,13 +203,42 @@ def matches(rule: Rule, exp: Expected) -> bool:
     return rule.flags in allowed and rule.rbp_offset == 0
 
 
+BELOW_MAIN_NAMES = {"__libc_start_main", "__libc_start_call_main", "generic_start_main"}
+
+
+def readelf_below_main(path: Path | str) -> list[tuple[int, int]]:
+    """The C start-up functions that call main, from readelf's symbol tables of the object and of its debug
+    file under /usr/lib/debug/.build-id: the table marks them outermost (CFA_END)."""
+    files = [str(path)]
+    build_id = open_elf(str(path)).build_id
+    if build_id:
+        debug = f"/usr/lib/debug/.build-id/{build_id[:2]}/{build_id[2:]}.debug"
+        if os.path.exists(debug):
+            files.append(debug)
+    found: set[tuple[int, int]] = set()
+    for file in files:
+        out = subprocess.run(["readelf", "-sW", file], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            cols = line.split()  # Num: Value Size Type Bind Vis Ndx Name
+            if len(cols) < 8 or cols[3] != "FUNC" or cols[6] == "UND":
+                continue
+            name = cols[7].split("@", 1)[0]
+            size = int(cols[2], 0)
+            if size and (name in BELOW_MAIN_NAMES or name.startswith(("__libc_start_main.", "generic_start_main."))):
+                found.add((int(cols[1], 16), int(cols[1], 16) + size))
+    return sorted(found)
+
+
 def compare_with_readelf(path: Path | str) -> tuple[UnwindTable, int]:
-    """Check every readelf row (and every FDE end) against lookup(); return the table and the rows checked."""
+    """Check every readelf row (and every FDE end) against lookup(); return the table and the rows checked.
+    The start-up code that calls main must be one CFA_END row each instead of its FDE's rows."""
     table = build_table(str(path))
     cies, fdes = readelf_frames(path)
     obj = open_elf(str(path))
     exec_ranges = [(s.vaddr, s.vaddr + s.memsz) for s in obj.segments if s.executable]
     expressions = readelf_cfa_expressions(path)
+    below_main = readelf_below_main(path)
+    fdes = [f for f in fdes if not any(lo <= f.start and f.end <= hi for lo, hi in below_main)]
 
     # The same choice build_table documents: .eh_frame first, .debug_frame for code .eh_frame leaves out.
     chosen: list[Fde] = []
@@ -224,7 +253,7 @@ def compare_with_readelf(path: Path | str) -> tuple[UnwindTable, int]:
                 continue
             chosen.append(fde)
     chosen.sort(key=lambda f: f.start)
-    starts = {f.start for f in chosen}
+    starts = {f.start for f in chosen} | {lo for lo, _hi in below_main}
 
     mismatches: list[str] = []
     boundaries: set[int] = set()
@@ -247,6 +276,12 @@ def compare_with_readelf(path: Path | str) -> tuple[UnwindTable, int]:
             checked += 1
             if got.cfa_type != CFA_NONE:
                 mismatches.append(f"0x{fde.end:x}: end of FDE 0x{fde.start:x} has rule {got}")
+    for lo, hi in below_main:
+        boundaries.update((lo, hi))
+        for pc in (lo, hi - 1):
+            checked += 1
+            if lookup(table, pc).cfa_type != CFA_END:
+                mismatches.append(f"0x{pc:x}: start-up code calling main has rule {lookup(table, pc)}, not CFA_END")
     extra = [r.pc for r in table.iter_rules() if r.pc not in boundaries]
     assert not mismatches, f"{len(mismatches)} of {checked} rows differ:\n" + "\n".join(mismatches[:20])
     assert not extra, f"table rows at addresses where readelf has none: {[hex(pc) for pc in extra[:20]]}"
@@ -895,7 +930,13 @@ def test_unwind_matches_gdb(programs: dict[str, Path], tmp_path: Path, build: st
         assert names[-1].startswith("clone")  # the thread's outermost frame: CFA_END in clone3
     else:
         assert names[-1] == "_start"
-    assert ours == [pc for pc, _fn in stop.frames], frames_text(stop, ours)
+    # Ours ends in the start-up code that calls main (marked outermost: Massif shows nothing outside it).
+    expected = [pc for pc, _fn in stop.frames]
+    for i, fn in enumerate(names):
+        if fn in BELOW_MAIN_NAMES or fn.startswith("__libc_start_main"):
+            expected = expected[: i + 1]
+            break
+    assert ours == expected, frames_text(stop, ours)
 
 
 @needs_gdb
@@ -908,4 +949,6 @@ def test_frame_pointer_walk_would_be_wrong_here(programs: dict[str, Path], tmp_p
         fp_frames.append(stop.memory[bp + 8])
         bp = stop.memory[bp]
     assert fp_frames != [pc for pc, _fn in stop.frames]
-    assert walk(stop, tmp_path / "cache") == [pc for pc, _fn in stop.frames]
+    names = [fn for _pc, fn in stop.frames]
+    outermost = names.index("__libc_start_call_main")  # the table ends the walk in the code that calls main
+    assert walk(stop, tmp_path / "cache") == [pc for pc, _fn in stop.frames][: outermost + 1]
