@@ -161,6 +161,7 @@ class Counters:
     zero_allocs: int = 0
     hashed_blocks: int = 0
     unwind_short_reads: int = 0
+    walks_interrupted: int = 0
 
     @property
     def dropped(self) -> int:

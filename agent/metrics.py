@@ -62,6 +62,8 @@ _COUNTERS = (
     ("heapscope_free_calls", "Free calls seen.", "n_frees"),
     ("heapscope_untracked_frees", "Frees of blocks allocated before the probes were attached (not counted).",
      "untracked_frees"),
+    ("heapscope_stack_walks_interrupted", "Stack walks overtaken on their CPU (a preemptible kernel): charged to "
+     "[stack not recorded].", "walks_interrupted"),
 )
 # Page-level figures (agent.pages.PageTotals field): memory malloc does not explain.
 _PAGE_GAUGES = (

@@ -54,8 +54,9 @@ if TYPE_CHECKING:
     from agent.unwind import UnwindTable
 from agent.xtree import write_xtree
 
-# Shown for allocations whose stack the kernel could not store (its stack table was full).
-_OVERFLOW_FRAME = Frame(address=0, function="[stack table full]")
+# Shown for allocations whose stack the kernel did not store (its stack table was full, or the walk was
+# overtaken on a preemptible kernel).
+_OVERFLOW_FRAME = Frame(address=0, function="[stack not recorded]")
 # The xtree keeps every frame up to main; this stands for "no depth limit".
 _XTREE_DEPTH = 1 << 16
 # Sites outside the heap tree (Session._site_stack): made by an --ignore-fn function, or with no frame left once
@@ -588,6 +589,11 @@ class Session:
             )
         if c.lost_returns:
             lines.append(f"{c.lost_returns} allocation calls whose return was not seen")
+        if c.walks_interrupted:
+            lines.append(
+                f"{c.walks_interrupted} stack walks overtaken by another thread's on the same CPU (a preemptible "
+                "kernel): their calls are charged to [stack not recorded] (or, at a tail call, not seen)"
+            )
         lines.extend(self._page_summary())
         if self.tables is not None:
             lines.append(

@@ -203,6 +203,7 @@ struct hs_stack_copy {
     __u64 frames;
     __u64 fp;
     __u64 no_rule;
+    __u64 walks;  /* walks started on this CPU: one that sees it move was overtaken (see walks_interrupted) */
 };
 
 /* Arguments of an allocation call between its entry and its return, per thread. */
@@ -280,6 +281,7 @@ enum hs_page_kind {
 
 /* A page syscall between its entry and its exit, per thread: the arguments and the caller's site. */
 struct hs_page_call {
+    __u64 tid;    /* walk_arg: the thread that filled it (a preemptible kernel may run another in between) */
     __u64 arg0;
     __u64 arg1;
     __u64 arg2;
@@ -358,6 +360,8 @@ struct hs_global {
     __u64 zero_allocs;       /* zero-size requests (MALT's countZeros, all stacks) */
     __u64 hashed_blocks;     /* live blocks in the overflow hash (their bucket was full); 0: frees skip it */
     __u64 unwind_short_reads; /* a run of stack reached past an unknown stack's end: read again to its page end */
+    __u64 walks_interrupted;  /* a walk another program run overtook on its CPU (a preemptible kernel): its
+                               * per-CPU buffers may hold the other's stack, so its call goes to site 0 */
 };
 
 #endif
