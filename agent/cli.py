@@ -377,7 +377,7 @@ def _profile(
             session.recorder = MaltRecorder(probes, pid)
         if not run:
             session.prepare_attach()
-        ctx.say(f"probes attached to {pid}")
+        ctx.say(f"probes attached to {pid} ({probes.attached_through})")
         started()
         session.run(alive, stop, ctx.ns.sample_interval)
         probes.detach()  # the target runs on untouched from here

@@ -662,7 +662,7 @@ class TargetManager:
                     session.prepare_attach()
                 started()
                 t.session = session
-                say(f"probes attached to {t.pid} ({t.cmdline})")
+                say(f"probes attached to {t.pid} ({t.cmdline}; {probes.attached_through})")
                 t.ready.set()
                 try:
                     session.run(alive, t.stop, self.config.sample_interval)

@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -126,9 +126,16 @@ def run_massif(valgrind_tools: None, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="session")
 def run_heapscope(heapscope_cmd: list[str], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Completed]:
-    """run_heapscope(program, args=(), options=(), xtree=False) -> Completed, under `heapscope run`."""
+    """run_heapscope(program, args=(), options=(), xtree=False, env=None) -> Completed, under `heapscope run`
+    (env: variables set on top of ours)."""
 
-    def _run(program: Path, args: Sequence[str] = (), options: Sequence[str] = (), xtree: bool = False) -> Completed:
+    def _run(
+        program: Path,
+        args: Sequence[str] = (),
+        options: Sequence[str] = (),
+        xtree: bool = False,
+        env: Mapping[str, str] | None = None,
+    ) -> Completed:
         tmp_path = tmp_path_factory.mktemp("heapscope")
         out = tmp_path / "heapscope.out"
         xt = tmp_path / "heapscope.xtree" if xtree else None
@@ -142,6 +149,7 @@ def run_heapscope(heapscope_cmd: list[str], tmp_path_factory: pytest.TempPathFac
             timeout=RUN_TIMEOUT,
             cwd=tmp_path,
             check=False,
+            env={**os.environ, **(env or {})},
         )
         assert "Traceback" not in done.stderr, done.stderr
         return Completed(done.returncode, done.stdout, done.stderr, out, xt)

@@ -154,6 +154,7 @@ class Case:
     extra_comparable: bool = True
     notes: str = ""
     extra: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # set for heapscope's run
 
 
 CASES = [
@@ -162,6 +163,8 @@ CASES = [
     Case("sites_depth2", "sites.c", options=("--depth=2",)),
     # -O2 -fomit-frame-pointer: only the kernel's .eh_frame walk finds the callers.
     Case("sites_O2", "sites.c", flags=OPTIMIZED_FLAGS),
+    # The uprobes attached through perf events (kernels before 6.6), not uprobe_multi links: the same trees.
+    Case("sites_O2_perf_events", "sites.c", flags=OPTIMIZED_FLAGS, env={"HEAPSCOPE_UPROBE_LINKS": "0"}),
     Case("allocfns", "allocfns.c"),
     Case("aligned", "aligned.c", extra_comparable=False),
     Case("peak", "peak.c"),
@@ -241,7 +244,7 @@ def _run_case(
     options = (*case.options, *NO_CULL)
     ref_run = run_massif(program, args, options)
     assert ref_run.returncode == 0, ref_run.stderr
-    got_run = run_heapscope(program, args, options)
+    got_run = run_heapscope(program, args, options, env=case.env)
     assert got_run.returncode == ref_run.returncode, got_run.stderr
     return Outcome(
         case,
@@ -263,6 +266,13 @@ def _diff(ref: Mapping[tuple[str, ...], int], got: Mapping[tuple[str, ...], int]
 
 # ---------------------------------------------------------------------------------------------------------
 # Trees
+
+
+def test_attached_through(outcome: Outcome) -> None:
+    """uprobe_multi links on this kernel (6.6+), perf events when asked for."""
+    expected = "perf events" if outcome.case.env.get("HEAPSCOPE_UPROBE_LINKS") == "0" else "uprobe_multi links"
+    assert "probes attached to" in outcome.got_run.stderr
+    assert f"({expected})" in outcome.got_run.stderr, outcome.got_run.stderr
 
 
 def test_peak_tree(outcome: Outcome) -> None:
