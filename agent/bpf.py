@@ -488,8 +488,8 @@ class HeapProbes:
             self._set_armed(False)
         lib = _load_bcc().libbcc.lib
         started = time.monotonic()
-        # Each removal waits for an RCU grace period in the kernel (~0.12 s here): one thread a probe, so the
-        # waits overlap (ctypes and os.close let go of the GIL during the call).
+        # A perf event's removal waits for an RCU grace period in the kernel (~0.1 s here), a link's for far
+        # less: one thread a probe, so the waits overlap (ctypes and os.close let go of the GIL meanwhile).
         closers = [threading.Thread(target=lib.bpf_close_perf_event_fd, args=(fd,)) for fd in self._fds]
         closers += [threading.Thread(target=os.close, args=(fd,)) for fd in self._links]
         for t in closers:
