@@ -219,6 +219,9 @@ class FrozenProbes(HeapProbes):
         # Every site's stack, those of sites that only made page syscalls too (used_sites() leaves them out).
         self._stacks = {k: ips for k, ips in live.stacks(range(count)).items() if ips}
         self._page_counters = live.page_counters()
+        # What the end-of-run summary says of the live probes.
+        self.rows_used, self.rows_dropped = live.rows_used, live.rows_dropped
+        self.detach_seconds = live.detach_seconds
 
     def __enter__(self) -> HeapProbes:
         return self

@@ -434,6 +434,9 @@ def test_run_with_http_serves_the_child_and_exits_with_its_status(
     assert proc.stderr is not None
     err = proc.stderr.read().decode()
     assert "Traceback" not in err, err
+    # The summary, written from the target's last state, still counts the unwind rows the walk used.
+    rows = re.search(r"unwind: (\d+) table rows", err)
+    assert rows is not None and int(rows.group(1)) > 0, err
     written = list(out_dir.glob("massif.out.*"))
     assert len(written) == 1, err
     run_tool(["ms_print"], written[0].read_text(), tmp_path, "final.out")
