@@ -220,7 +220,7 @@ class ProbeSettings:
     stacks: bool = False  # keep each thread's stack extent (--stacks=yes: stack_bytes())
 
 
-# bpf(2) uprobe_multi links (Linux 6.6+): include/uapi/linux/bpf.h.
+# bpf(2) uprobe_multi links: include/uapi/linux/bpf.h.
 _SYS_BPF = 321  # x86-64
 _BPF_LINK_CREATE = 28
 _BPF_TRACE_UPROBE_MULTI = 48
@@ -247,18 +247,19 @@ class _UprobeMultiAttr(ctypes.Structure):
 
 
 def uprobe_links_supported() -> bool:
-    """Whether uprobes are attached as BPF uprobe_multi links (Linux 6.6+), not through perf events.
+    """Whether uprobes are attached as BPF uprobe_multi links (Linux 6.10+), not through perf events.
 
     A link runs its program straight from the uprobe; a perf event goes through the trace_uprobe layer
     (its dispatcher, filter lock and perf hooks) first: ~0.14 us less per malloc/free pair on the
-    development VM. HEAPSCOPE_UPROBE_LINKS=0 keeps the perf events."""
+    development VM. Links came in 6.6, but until 6.10 their pid filter kept one thread, not the process,
+    so other threads' calls would go unseen. HEAPSCOPE_UPROBE_LINKS=0 keeps the perf events."""
     if os.environ.get(_UPROBE_LINKS_ENV, "1") == "0":
         return False
     try:
         major, minor = (int(part) for part in os.uname().release.split(".")[:2])
     except ValueError:
         return False
-    return (major, minor) >= (6, 6)
+    return (major, minor) >= (6, 10)
 
 
 def _link_uprobe(prog_fd: int, path: bytes, offset: int, is_return: bool, pid: int) -> int:

@@ -163,7 +163,7 @@ CASES = [
     Case("sites_depth2", "sites.c", options=("--depth=2",)),
     # -O2 -fomit-frame-pointer: only the kernel's .eh_frame walk finds the callers.
     Case("sites_O2", "sites.c", flags=OPTIMIZED_FLAGS),
-    # The uprobes attached through perf events (kernels before 6.6), not uprobe_multi links: the same trees.
+    # The uprobes attached through perf events (kernels before 6.10), not uprobe_multi links: the same trees.
     Case("sites_O2_perf_events", "sites.c", flags=OPTIMIZED_FLAGS, env={"HEAPSCOPE_UPROBE_LINKS": "0"}),
     Case("allocfns", "allocfns.c"),
     Case("aligned", "aligned.c", extra_comparable=False),
@@ -269,7 +269,7 @@ def _diff(ref: Mapping[tuple[str, ...], int], got: Mapping[tuple[str, ...], int]
 
 
 def test_attached_through(outcome: Outcome) -> None:
-    """uprobe_multi links on this kernel (6.6+), perf events when asked for."""
+    """uprobe_multi links on this kernel (6.10+), perf events when asked for."""
     expected = "perf events" if outcome.case.env.get("HEAPSCOPE_UPROBE_LINKS") == "0" else "uprobe_multi links"
     assert "probes attached to" in outcome.got_run.stderr
     assert f"({expected})" in outcome.got_run.stderr, outcome.got_run.stderr

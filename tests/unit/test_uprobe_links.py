@@ -21,14 +21,15 @@ def _uname(release: str) -> Any:
     ("release", "expected"),
     [
         ("6.18.44-fc-v669", True),
-        ("6.6.0", True),
+        ("6.10.0", True),
+        ("6.6.30", False),
         ("6.5.13-amd64", False),
         ("5.15.0-91-generic", False),
         ("7.0.1", True),
         ("weird", False),
     ],
 )
-def test_links_from_linux_6_6(monkeypatch: pytest.MonkeyPatch, release: str, expected: bool) -> None:
+def test_links_from_linux_6_10(monkeypatch: pytest.MonkeyPatch, release: str, expected: bool) -> None:
     monkeypatch.delenv("HEAPSCOPE_UPROBE_LINKS", raising=False)
     monkeypatch.setattr(bpf.os, "uname", lambda: _uname(release))
     assert bpf.uprobe_links_supported() is expected
