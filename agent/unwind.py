@@ -11,8 +11,8 @@ Row layout (ROW, 12 bytes, little-endian), the contract with probes/heap.bpf.c:
                      CFA_PLT: CFA = rsp + 8, plus 8 when (pc & 15) >= 11 (the standard .plt expression)
                      CFA_NONE: no rule (gap between FDEs, or a rule we cannot express): stop or use frame pointers
                      CFA_END: outermost frame (return address undefined: _start, clone's child), and
-                     the C start-up code that calls main (__libc_start_call_main...): Massif keeps no
-                     frame outside it, so the walk stops there (with the object's symbols only)
+                     the C start-up code that calls main (__libc_start_call_main...) where the object's
+                     symbols or its debug file name it: Massif keeps no frame outside it, so the walk stops
     flags       u8   FLAG_RBP_SAVED: rbp was saved at CFA + rbp_offset
                      FLAG_RBP_UNKNOWN: rbp's rule is undefined or not expressible (keep the current rbp)
     cfa_offset  i16
@@ -445,11 +445,11 @@ def build_table(path: str) -> UnwindTable:
             taken += 1
         if taken:
             used.append(name[1:])
-    starts = _below_main_ranges(obj)
-    if starts:
+    outermost = _below_main_ranges(obj)
+    if outermost:
         # Each start-up function becomes one outermost row; FDEs inside one give way.
-        fdes = [f for f in fdes if not any(lo <= f.start and f.end <= hi for lo, hi in starts)]
-        fdes += [_Fde(lo, hi, [(lo, (CFA_END, 0, 0, 0, None))]) for lo, hi in starts]
+        fdes = [f for f in fdes if not any(lo <= f.start and f.end <= hi for lo, hi in outermost)]
+        fdes += [_Fde(lo, hi, [(lo, (CFA_END, 0, 0, 0, None))]) for lo, hi in outermost]
     rows = _assemble(fdes, reasons)
     source: Source = "+".join(used) if used else "none"  # type: ignore[assignment]
     return UnwindTable(
