@@ -24,12 +24,12 @@ from typing import NoReturn
 import psutil
 
 from agent import __version__
-from agent.capability import check_environment
-from agent.discovery import Allocator, ProbePoint, allocator_of_process, allocator_of_program, read_process
 from agent.errors import EnvironmentProblem, HeapscopeError, TargetError, UsageError
-from agent.launch import HeldChild
-from agent.options import MAX_WALKED_FRAMES, MassifOptions
-from agent.profiler import Session, SessionInfo
+from agent.model.options import MAX_WALKED_FRAMES, MassifOptions
+from agent.process.capability import check_environment
+from agent.process.discovery import Allocator, ProbePoint, allocator_of_process, allocator_of_program, read_process
+from agent.process.launch import HeldChild
+from agent.session.session import Session, SessionInfo
 
 PROG = "heapscope"
 
@@ -326,7 +326,7 @@ def _require_environment() -> None:
 
 
 def _settings(ctx: _Ctx, pid: int, run: bool):  # type: ignore[no-untyped-def]
-    from agent.bpf import ProbeSettings  # the BPF layer is only loaded when probes are
+    from agent.kernel.probes import ProbeSettings  # the BPF layer is only loaded when probes are
 
     return ProbeSettings(
         target_tgid=pid,
@@ -355,7 +355,7 @@ def _profile(
     started: Callable[[], None],
     stop: threading.Event,
 ) -> Session:
-    from agent.bpf import HeapProbes
+    from agent.kernel.probes import HeapProbes
 
     for line in allocator.describe():
         ctx.say(line)
@@ -365,14 +365,14 @@ def _profile(
     with HeapProbes(_settings(ctx, pid, run), points) as probes:
         tables = None
         if ctx.ns.unwind == "cfi":
-            from agent.unwind import load_table
+            from agent.symbols.unwind import load_table
 
             tables = load_table
         session = Session(
             ctx.opts, probes, SessionInfo(pid, cmd, ctx.desc, allocator.family), tables=tables, exec_limit=int(run)
         )
         if ctx.ns.malt_out_file:
-            from agent.maltrec import MaltRecorder
+            from agent.session.maltrec import MaltRecorder
 
             session.recorder = MaltRecorder(probes, pid)
         if not run:
@@ -391,7 +391,7 @@ def _profile(
 
 
 def _write_malt(ctx: _Ctx, session: Session, points: Sequence[ProbePoint], allocator: str, pid: int) -> None:
-    from agent.malt import check_consistency, symbolizer_resolver, write_malt
+    from agent.export.malt import check_consistency, symbolizer_resolver, write_malt
 
     assert session.recorder is not None and session.end_counters is not None
     profile = session.malt_profile(points, allocator)
@@ -544,7 +544,7 @@ def _try_lines(host: str, port: int, token: bool, pid: int | None) -> list[str]:
 
 def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | None = None) -> int:
     """`serve` (until SIGTERM), or `run`/`attach` with --http (until the target ends, as without --http)."""
-    from agent.daemon import DaemonConfig, TargetManager
+    from agent.daemon.manager import DaemonConfig, TargetManager
     from api.app import create_app
     from api.server import bind, serve
 

@@ -10,7 +10,7 @@ from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
 from agent import __version__
-from agent.metrics import HeapscopeCollector
+from agent.export.metrics import HeapscopeCollector
 from api.errors import install_error_handlers
 from api.ports import ManagerPort
 from api.routers import health, metrics, monitor, profiles, targets

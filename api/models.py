@@ -1,6 +1,6 @@
 """The API's JSON schemas (pydantic), separate from the profile model so that the API schema never leaks into
 the core. `?format=json` gives the same data as the text bodies: the converters below apply the same Massif
-thresholding and the same xtree rules as the writers in agent.massif and agent.xtree."""
+thresholding and the same xtree rules as the writers in agent.export.massif and agent.export.xtree."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent.daemon import PID_MAX, MonitorResult, ProfileHeader, TargetStatus
-from agent.model import MassifNode, SiteCounts, Snapshot, SnapshotKind, Stack, massif_tree
-from agent.xtree import ALLOCS_EVENTS, FULL_EVENTS
+from agent.daemon.manager import PID_MAX, MonitorResult, ProfileHeader, TargetStatus
+from agent.export.xtree import ALLOCS_EVENTS, FULL_EVENTS
+from agent.model.profile import MassifNode, SiteCounts, Snapshot, SnapshotKind, Stack, massif_tree
 
 # ---- requests -------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""What the API needs from the daemon (agent.daemon.TargetManager and Target implement it). Unit tests give
+"""What the API needs from the daemon (agent.daemon.manager.TargetManager and Target implement it). Unit tests give
 the API a fake that implements the same protocol."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
-from agent.bpf import Counters
-from agent.daemon import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
-from agent.model import SiteCounts, Snapshot, Stack
-from agent.pages import PageTotals
+from agent.daemon.manager import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
+from agent.kernel.probes import Counters
+from agent.model.pages import PageTotals
+from agent.model.profile import SiteCounts, Snapshot, Stack
 
 
 class TargetPort(Protocol):

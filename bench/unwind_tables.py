@@ -41,7 +41,7 @@ GOAL_CACHED_S = 0.050
 # Runs in the child: time one load_table() call, print the figures as JSON.
 _CHILD = r"""
 import json, sys, time
-from agent.unwind import FLAG_RBP_UNKNOWN, ROW, load_table
+from agent.symbols.unwind import FLAG_RBP_UNKNOWN, ROW, load_table
 path, cache = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
 table = load_table(path, cache)

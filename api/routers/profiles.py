@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 from fastapi.responses import PlainTextResponse, Response
 
-from agent.massif import render_snapshot
+from agent.export.massif import render_snapshot
 from api.deps import Format, Manager, Pid
 from api.models import MassifOut, XtreeOut, massif_out, xtree_out
 from api.routers import ERRORS

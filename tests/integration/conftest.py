@@ -2,7 +2,7 @@
 under heapscope, and hand the outputs to the real readers (ms_print, callgrind_annotate).
 
 These tests need root, BPF with uprobes and kernel headers. They skip through the same capability probe the
-product uses (`agent.capability.check_environment`), except in CI (CI=true), where a missing capability is a
+product uses (`agent.process.capability.check_environment`), except in CI (CI=true), where a missing capability is a
 failure: a CI run that silently skips every integration test would prove nothing.
 """
 
@@ -39,9 +39,9 @@ def bpf_ready() -> None:
     """Root, BPF, uprobes and headers, asked through the product's own probe."""
     if os.geteuid() != 0:
         unavailable("integration tests need root (BPF uprobes)")
-    if importlib.util.find_spec("agent.capability") is None:
-        unavailable("agent.capability does not exist yet")
-    from agent.capability import check_environment
+    if importlib.util.find_spec("agent.process.capability") is None:
+        unavailable("agent.process.capability does not exist yet")
+    from agent.process.capability import check_environment
 
     problems = check_environment()
     if problems:

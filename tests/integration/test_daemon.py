@@ -356,8 +356,8 @@ scrape_configs:
 
 
 def _maps_figures(pid: int) -> tuple[int, int, int]:
-    """The target's mapped total (agent.pages.mapped_total's rule), its [uprobes] and its [stack] bytes."""
-    from agent.pages import mapped_total, parse_maps_full
+    """The target's mapped total (agent.model.pages.mapped_total's rule), its [uprobes] and its [stack] bytes."""
+    from agent.model.pages import mapped_total, parse_maps_full
 
     text = Path(f"/proc/{pid}/maps").read_text()
     entries = parse_maps_full(text)

@@ -9,8 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.bpf import Counters
-from agent.daemon import (
+from agent.daemon.manager import (
     MonitorResult,
     NoSuchTarget,
     ProfileHeader,
@@ -21,10 +20,11 @@ from agent.daemon import (
     top_sites,
 )
 from agent.errors import UsageError
-from agent.massif import render_snapshot, write_massif
-from agent.model import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
-from agent.pages import PageTotals
-from agent.xtree import write_xtree
+from agent.export.massif import render_snapshot, write_massif
+from agent.export.xtree import write_xtree
+from agent.kernel.probes import Counters
+from agent.model.pages import PageTotals
+from agent.model.profile import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
 
 
 def frame(address: int, function: str, line: int, file: str = "prog.c") -> Frame:

@@ -1,4 +1,4 @@
-"""MALT profile model and JSON writer (agent.malt) and global variables (agent.globalvars).
+"""MALT profile model and JSON writer (agent.export.malt) and global variables (agent.symbols.globalvars).
 
 Judges: the JSON schema written from seed 002 (tests/malt_schema.json), the seed's own examples field by field,
 and for global variables a compiled C program read back with `nm -S` and `readelf`. No root needed.
@@ -18,9 +18,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from agent.elf import open_elf
-from agent.globalvars import GlobalVariable, global_variables, variables_of
-from agent.malt import (
+from agent.export.malt import (
     ALLOC_FUNCTIONS,
     BANDWIDTH_FIELDS,
     MEMORY_FIELDS,
@@ -46,8 +44,10 @@ from agent.malt import (
     symbolizer_resolver,
     write_malt,
 )
-from agent.model import Frame
-from agent.symbols import Mapping, Symbolizer
+from agent.model.profile import Frame
+from agent.symbols.elf import open_elf
+from agent.symbols.globalvars import GlobalVariable, global_variables, variables_of
+from agent.symbols.symbolizer import Mapping, Symbolizer
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "malt_schema.json").read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
@@ -776,5 +776,5 @@ def test_empty_profile_validates_in_both_formats() -> None:
 
 
 def test_model_and_writer_do_not_import_bcc() -> None:
-    code = "import sys, agent.malt, agent.globalvars; sys.exit('bcc' in sys.modules)"
+    code = "import sys, agent.export.malt, agent.symbols.globalvars; sys.exit('bcc' in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

@@ -14,8 +14,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from agent.massif import render_snapshot, write_massif
-from agent.model import Frame, HeapTree, Snapshot, SnapshotKind, SnapshotSeries, Stack
+from agent.export.massif import render_snapshot, write_massif
+from agent.model.profile import Frame, HeapTree, Snapshot, SnapshotKind, SnapshotSeries, Stack
 from tests.support.massif_reader import (
     MassifFormatError,
     parse_massif,

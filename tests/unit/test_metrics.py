@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from agent.metrics import HeapscopeCollector
-from agent.model import SiteCounts
+from agent.export.metrics import HeapscopeCollector
+from agent.model.profile import SiteCounts
 from tests.support.fake_daemon import FakeManager, FakeTarget, frame, sample_sites
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (Debian: prometheus)")

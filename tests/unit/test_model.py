@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from agent.massif import write_massif
-from agent.model import (
+from agent.export.massif import write_massif
+from agent.model.options import MassifOptions
+from agent.model.profile import (
     HEAP_ROOT_LABEL,
     PAGES_ROOT_LABEL,
     Frame,
@@ -34,7 +35,6 @@ from agent.model import (
     threshold_text,
     trim_stack,
 )
-from agent.options import MassifOptions
 from tests.support.massif_reader import parse_massif, read_massif, stacks_from_tree
 
 needs_valgrind = pytest.mark.skipif(
@@ -539,8 +539,8 @@ def test_snapshot_total() -> None:
 def test_model_and_exporters_stay_pure() -> None:
     """The model and the exporters must not pull in bcc or the BPF layer."""
     code = (
-        "import sys, agent.model, agent.massif, agent.xtree\n"
-        "bad = [m for m in sys.modules if m == 'bcc' or m.startswith('bcc.') or m == 'agent.bpf']\n"
+        "import sys, agent.model.profile, agent.export.massif, agent.export.xtree\n"
+        "bad = [m for m in sys.modules if m == 'bcc' or m.startswith('bcc.') or m == 'agent.kernel.probes']\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

@@ -1,4 +1,4 @@
-"""Page-level accounting (--pages-as-heap): synthetic syscall event streams into agent.pages.PageMap.
+"""Page-level accounting (--pages-as-heap): synthetic syscall event streams into agent.model.pages.PageMap.
 
 Every expected figure is derived in the test from the case's own page counts (P = one page). The rules are
 Valgrind 3.19's massif/ms_main.c and coregrind's do_mremap/sys_brk (see agent/pages.py), except where the
@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from agent.pages import (
+from agent.model.pages import (
     ANON as ANON_PATH,
 )
-from agent.pages import (
+from agent.model.pages import (
     MAP_FIXED,
     MREMAP_DONTUNMAP,
     MREMAP_FIXED,
@@ -714,7 +714,7 @@ def test_replay_of_a_real_process_gives_its_proc_maps_page_by_page(tmp_path: Pat
 
 
 def test_account_site_counts_and_the_byte_clock() -> None:
-    from agent.pages import PageAccount
+    from agent.model.pages import PageAccount
 
     seed = [MapsEntry(BASE - 4 * P, BASE - 2 * P, "r--p", 0, "00:00", 0, ANON_PATH)]
     acc = PageAccount(PageMap.from_maps(seed))
@@ -739,7 +739,7 @@ def test_account_site_counts_and_the_byte_clock() -> None:
 
 
 def test_account_peak_does_not_move_when_the_total_only_returns_to_it() -> None:
-    from agent.pages import PageAccount
+    from agent.model.pages import PageAccount
 
     acc = PageAccount(PageMap())
     acc.apply([mmap(A, BASE, 4 * P), munmap(A, BASE, 4 * P), mmap(B, BASE, 4 * P)])

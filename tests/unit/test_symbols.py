@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.elf import ElfObject, ElfSymbol, open_elf
-from agent.model import Frame
-from agent.symbols import (
+from agent.model.profile import Frame
+from agent.symbols.elf import ElfObject, ElfSymbol, open_elf
+from agent.symbols.symbolizer import (
     BELOW_MAIN,
     Mapping,
     Symbolizer,
@@ -588,7 +588,7 @@ def test_symbolize_stack_flattens_inline_levels() -> None:
 def test_maps_recorder_keeps_the_main_stack_end(tmp_path: Path) -> None:
     """The stack walk's reads stop just above argc on the main thread's stack (/proc/PID/stat startstack),
     read with the maps."""
-    from agent.profiler import MapsRecorder
+    from agent.session.session import MapsRecorder
 
     (tmp_path / "42").mkdir()
     fields = ["0"] * 50

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.elf import open_elf
-from agent.unwind import (
+from agent.symbols.elf import open_elf
+from agent.symbols.unwind import (
     CFA_END,
     CFA_NONE,
     CFA_PLT,
@@ -738,7 +738,7 @@ def test_cache_round_trip_and_reuse(programs: dict[str, Path], tmp_path: Path, m
         first.reasons,
     )
 
-    import agent.unwind as unwind
+    import agent.symbols.unwind as unwind
 
     def must_not_build(path: str) -> UnwindTable:
         raise AssertionError("the cache was not used")

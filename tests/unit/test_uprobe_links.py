@@ -1,4 +1,4 @@
-"""When the uprobes are attached as uprobe_multi links (agent.bpf.uprobe_links_supported): pure logic."""
+"""When the uprobes are attached as uprobe_multi links (agent.kernel.probes.uprobe_links_supported): pure logic."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from agent import bpf
+from agent.kernel import probes as bpf
 
 _REAL = os.uname()
 

@@ -14,8 +14,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from agent.model import Frame, SiteCounts, Stack
-from agent.xtree import UNKNOWN_FILE, UNKNOWN_FN, write_xtree
+from agent.export.xtree import UNKNOWN_FILE, UNKNOWN_FN, write_xtree
+from agent.model.profile import Frame, SiteCounts, Stack
 
 needs_valgrind = pytest.mark.skipif(
     shutil.which("valgrind") is None or shutil.which("gcc") is None, reason="needs valgrind and gcc"

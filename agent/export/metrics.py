@@ -16,10 +16,10 @@ from typing import Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent.bpf import Counters
-from agent.daemon import SiteTotal
+from agent.daemon.manager import SiteTotal
 from agent.errors import HeapscopeError
-from agent.pages import PageTotals
+from agent.kernel.probes import Counters
+from agent.model.pages import PageTotals
 
 TARGET_LABELS = ("pid", "command")
 
@@ -65,7 +65,7 @@ _COUNTERS = (
     ("heapscope_stack_walks_interrupted", "Stack walks overtaken on their CPU (a preemptible kernel): charged to "
      "[stack not recorded].", "walks_interrupted"),
 )
-# Page-level figures (agent.pages.PageTotals field): memory malloc does not explain.
+# Page-level figures (agent.model.pages.PageTotals field): memory malloc does not explain.
 _PAGE_GAUGES = (
     ("heapscope_mapped_bytes", "Bytes the process has mapped (mmap, mremap, brk, and what existed at the start).",
      "mapped"),

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
 from agent import __version__
-from agent.globalvars import GlobalVariable
-from agent.model import Frame, Stack, ip_groups
-from agent.symbols import Mapping as ProcMapping
-from agent.symbols import Symbolizer
+from agent.model.profile import Frame, Stack, ip_groups
+from agent.symbols.globalvars import GlobalVariable
+from agent.symbols.symbolizer import Mapping as ProcMapping
+from agent.symbols.symbolizer import Symbolizer
 
 FormatVersion = Literal["1.1", "1.6"]
 FORMAT_VERSIONS: tuple[str, ...] = ("1.1", "1.6")
@@ -175,7 +175,7 @@ class StackKey:
 @dataclass
 class MaltStack:
     """One entry of `stacks.stats`. `frames` (optional) are the symbolized frames of `key.addresses`, as
-    agent.symbols gives them (inlined calls as extra frames at one address); without them the writer asks
+    agent.symbols.symbolizer gives them (inlined calls as extra frames at one address); without them the writer asks
     its resolver. `stack_id` (optional, e.g. the kernel's stack id) becomes `stackId`; by default the
     entry's position is used."""
 

@@ -51,8 +51,8 @@ from elftools.dwarf.constants import DW_CFA
 from elftools.dwarf.structs import DWARFStructs
 from elftools.elf.elffile import ELFFile
 
-from agent.elf import ElfObject, open_elf
-from agent.symbols import DEFAULT_DEBUG_ROOTS, find_debug_file, is_below_main
+from agent.symbols.elf import ElfObject, open_elf
+from agent.symbols.symbolizer import DEFAULT_DEBUG_ROOTS, find_debug_file, is_below_main
 
 log = logging.getLogger(__name__)
 
@@ -410,7 +410,7 @@ def build_table(path: str) -> UnwindTable:
 
     `.eh_frame` is used first; `.debug_frame` FDEs fill the code that `.eh_frame` does not cover (an executable
     built with -fno-asynchronous-unwind-tables has .eh_frame only for the C runtime's _start).
-    Raises agent.elf.ElfError for a missing or non-ELF file, UnwindError for CFI that cannot be parsed.
+    Raises agent.symbols.elf.ElfError for a missing or non-ELF file, UnwindError for CFI that cannot be parsed.
     """
     t0 = time.perf_counter()
     obj = open_elf(path)

@@ -15,7 +15,7 @@ import io
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
-from agent.model import TIME_UNITS, MassifNode, Snapshot, SnapshotKind, massif_tree
+from agent.model.profile import TIME_UNITS, MassifNode, Snapshot, SnapshotKind, massif_tree
 
 SNAPSHOT_RULE = "#-----------"
 

@@ -1,9 +1,9 @@
 """MALT profile recording: samples the timelines while the target runs, and builds the profile from the
-kernel's statistics (agent.bpf, HS_MALT) when it is asked for.
+kernel's statistics (agent.kernel.probes, HS_MALT) when it is asked for.
 
 The kernel keeps everything exact that is per call (per-stack counts, sizes, lifetimes, sizeMap,
 reallocJump, per-thread counts and time, log2 histograms); only the timelines are sampled, at the session's
-sampling interval, and binned the way MALT bins them (agent.malt.TimelineBinner).
+sampling interval, and binned the way MALT bins them (agent.export.malt.TimelineBinner).
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from agent.bpf import FN_NAMES, LOG2_BINS, Counters, HeapProbes
-from agent.discovery import ProbePoint
-from agent.globalvars import global_variables
-from agent.malt import (
+from agent.export.malt import (
     BANDWIDTH_FIELDS,
     MEMORY_FIELDS,
     SYSTEM_FIELDS,
@@ -38,9 +35,12 @@ from agent.malt import (
     ThreadFunctionStats,
     TimelineBinner,
 )
+from agent.kernel.probes import FN_NAMES, LOG2_BINS, Counters, HeapProbes
+from agent.process.discovery import ProbePoint
+from agent.symbols.globalvars import global_variables
 
 if TYPE_CHECKING:
-    from agent.profiler import Session
+    from agent.session.session import Session
 
 TICKS_PER_SECOND = 1_000_000_000  # the kernel's clock: nanoseconds
 

@@ -23,18 +23,18 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import psutil
 
-from agent.bpf import Counters, HeapProbes, PageCounters, ProbeSettings, SiteArray, UnwindMapping
-from agent.discovery import Allocator, ProbePoint, allocator_of_process, allocator_of_program, read_process
 from agent.errors import HeapscopeError, TargetError, UsageError
-from agent.launch import HeldChild
-from agent.massif import render_snapshot
-from agent.model import SiteCounts, Snapshot, SnapshotKind, Stack
-from agent.options import MassifOptions
-from agent.pages import PageTotals
-from agent.profiler import Session, SessionInfo
+from agent.export.massif import render_snapshot
+from agent.kernel.probes import Counters, HeapProbes, PageCounters, ProbeSettings, SiteArray, UnwindMapping
+from agent.model.options import MassifOptions
+from agent.model.pages import PageTotals
+from agent.model.profile import SiteCounts, Snapshot, SnapshotKind, Stack
+from agent.process.discovery import Allocator, ProbePoint, allocator_of_process, allocator_of_program, read_process
+from agent.process.launch import HeldChild
+from agent.session.session import Session, SessionInfo
 
 if TYPE_CHECKING:
-    from agent.malt import MaltProfile
+    from agent.export.malt import MaltProfile
 
 TargetState = Literal["profiling", "exited", "detached"]
 XtreeKind = Literal["allocs", "full"]
@@ -424,7 +424,7 @@ class Target:
 
     def malt_json(self, format_version: Literal["1.1", "1.6"]) -> str:
         """MALT's whole profile as JSON: of now, or of the end for a target no longer profiled."""
-        from agent.malt import symbolizer_resolver, write_malt
+        from agent.export.malt import symbolizer_resolver, write_malt
 
         s = self._session()
         if self.malt_source is None:  # set with the recorder
@@ -645,7 +645,7 @@ class TargetManager:
             points = allocator.points(run, heap=not self.config.opts.pages_as_heap)
             tables = None
             if self.config.unwind == "cfi":
-                from agent.unwind import load_table
+                from agent.symbols.unwind import load_table
 
                 tables = load_table
             with HeapProbes(self._settings(t.pid, run), points) as probes:
@@ -657,7 +657,7 @@ class TargetManager:
                     exec_limit=int(run),
                 )
                 if self.config.malt:
-                    from agent.maltrec import MaltRecorder
+                    from agent.session.maltrec import MaltRecorder
 
                     session.recorder = MaltRecorder(probes, t.pid)
                     t.malt_source = (tuple(points), allocator.path)

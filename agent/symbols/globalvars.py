@@ -5,7 +5,7 @@ MALT lists, per binary file, the data objects that live for the whole run: objec
 zeroed globals) or `.tdata`, `.tbss` (thread-local: one copy per thread, flagged `tls`). Names are shown
 without their symbol version and demangled, as MALT does; the raw name is kept as `symbol`.
 
-Reads files only, through agent.elf (symbols decoded in bulk) and pyelftools (section headers).
+Reads files only, through agent.symbols.elf (symbols decoded in bulk) and pyelftools (section headers).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from agent.elf import ElfError, ElfSymbol, open_elf
-from agent.symbols import demangle
+from agent.symbols.elf import ElfError, ElfSymbol, open_elf
+from agent.symbols.symbolizer import demangle
 
 # st_info types (ELF gABI).
 STT_OBJECT = 1

@@ -18,10 +18,10 @@ from functools import lru_cache
 from elftools.common.exceptions import ELFError
 from elftools.elf.dynamic import DynamicSection
 
-from agent.elf import ElfError, ElfObject, open_elf
 from agent.errors import TargetError
-from agent.placement import Placement, choose_offset
-from agent.symbols import Mapping, parse_maps
+from agent.symbols.elf import ElfError, ElfObject, open_elf
+from agent.symbols.placement import Placement, choose_offset
+from agent.symbols.symbolizer import Mapping, parse_maps
 
 # Allocation functions: symbol -> (probe kind in heap.bpf.c, argument registers the probe reads).
 # Kinds: malloc|calloc|realloc|memalign|posix_memalign|valloc|pvalloc|reallocarray (need a return probe),

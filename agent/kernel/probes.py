@@ -1,7 +1,7 @@
 """The BPF layer: the only module that imports bcc.
 
 It compiles probes/heap.bpf.c with the settings as -D defines, attaches the uprobes chosen by discovery,
-reads the maps, and detaches, all behind a context manager. It hands out plain values (agent.model types and
+reads the maps, and detaches, all behind a context manager. It hands out plain values (agent.model.profile types and
 the dataclasses below), never bcc objects.
 """
 
@@ -24,10 +24,10 @@ from importlib import resources
 from types import TracebackType
 from typing import Any, cast
 
-from agent.discovery import ProbePoint
 from agent.errors import EnvironmentProblem, HeapscopeError
-from agent.model import SiteCounts
-from agent.pages import PageEvent
+from agent.model.pages import PageEvent
+from agent.model.profile import SiteCounts
+from agent.process.discovery import ProbePoint
 
 # Stack key the kernel uses when its stack table is full (heap.bpf.c: HS_STACK_OVERFLOW).
 STACK_OVERFLOW = 0
@@ -45,7 +45,7 @@ MAX_UMAPS = 512  # probes/heap.h: HS_MAX_UMAPS
 # control[CTL_UMAPS] = generation << UMAPS_GEN_SHIFT | first index << 32 | count (probes/heap.h)
 UMAPS_GEN_SHIFT = 42
 RULE_CACHE = 1024  # probes/heap.h: HS_RULE_CACHE
-# enum hs_page_kind (probes/heap.h), by agent.pages' names.
+# enum hs_page_kind (probes/heap.h), by agent.model.pages' names.
 PAGE_KINDS = {1: "mmap", 2: "munmap", 3: "mremap", 4: "brk"}
 
 
@@ -118,7 +118,7 @@ class UnwindMapping:
     end: int
     bias: int  # runtime address = ELF virtual address + bias
     key: str  # the object's identity (build-id or path): its rows are loaded once
-    rows: bytes  # agent.unwind ROW-packed, sorted
+    rows: bytes  # agent.symbols.unwind ROW-packed, sorted
     n_rows: int
 
 

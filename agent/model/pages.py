@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from agent.model import SiteCounts
+from agent.model.profile import SiteCounts
 
 PAGE_SIZE = 4096
 PRE_EXISTING_SITE = -1
@@ -75,7 +75,7 @@ class PageEvent(NamedTuple):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# /proc/PID/maps, every line (agent.symbols.parse_maps keeps file mappings only)
+# /proc/PID/maps, every line (agent.symbols.symbolizer.parse_maps keeps file mappings only)
 
 VSYSCALL = "[vsyscall]"
 ANON = "[anon]"

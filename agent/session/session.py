@@ -1,8 +1,9 @@
 """A profiling session: turns the kernel's counters into Massif snapshots.
 
-The kernel aggregates (agent.bpf); this module samples it on a schedule, symbolizes the stacks it finds
-(agent.symbols), and keeps the snapshot series (agent.model) that the exporters write. It does not know
-how the target was started: the CLI hands it a probe set and a way to tell whether the target still runs.
+The kernel aggregates (agent.kernel.probes); this module samples it on a schedule, symbolizes the stacks it
+finds (agent.symbols.symbolizer), and keeps the snapshot series (agent.model.profile) that the exporters write.
+It does not know how the target was started: the pipeline hands it a probe set and a way to tell whether the
+target still runs.
 """
 
 from __future__ import annotations
@@ -16,10 +17,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from agent.bpf import EV_EXEC, EV_EXIT, Counters, HeapProbes, UnwindMapping
-from agent.elf import ElfError, open_elf
-from agent.massif import render_snapshot, write_massif
-from agent.model import (
+from agent.export.massif import render_snapshot, write_massif
+from agent.kernel.probes import EV_EXEC, EV_EXIT, Counters, HeapProbes, UnwindMapping
+from agent.model.options import MassifOptions
+from agent.model.pages import (
+    PAGE_SIZE,
+    PRE_EXISTING_EXEC_LABEL,
+    PRE_EXISTING_LABEL,
+    PRE_EXISTING_SITE,
+    PageAccount,
+    PageMap,
+    PageTotals,
+    parse_maps_full,
+    parse_start_brk,
+    parse_start_stack,
+)
+from agent.model.profile import (
     HEAP_ROOT_LABEL,
     PAGES_ROOT_LABEL,
     Frame,
@@ -32,27 +45,15 @@ from agent.model import (
     StackIndex,
     trim_stack,
 )
-from agent.options import MassifOptions
-from agent.pages import (
-    PAGE_SIZE,
-    PRE_EXISTING_EXEC_LABEL,
-    PRE_EXISTING_LABEL,
-    PRE_EXISTING_SITE,
-    PageAccount,
-    PageMap,
-    PageTotals,
-    parse_maps_full,
-    parse_start_brk,
-    parse_start_stack,
-)
-from agent.symbols import Mapping, Symbolizer, parse_maps
+from agent.symbols.elf import ElfError, open_elf
+from agent.symbols.symbolizer import Mapping, Symbolizer, parse_maps
 
 if TYPE_CHECKING:
-    from agent.discovery import ProbePoint
-    from agent.malt import MaltProfile
-    from agent.maltrec import MaltRecorder
-    from agent.unwind import UnwindTable
-from agent.xtree import write_xtree
+    from agent.export.malt import MaltProfile
+    from agent.process.discovery import ProbePoint
+    from agent.session.maltrec import MaltRecorder
+    from agent.symbols.unwind import UnwindTable
+from agent.export.xtree import write_xtree
 
 # Shown for allocations whose stack the kernel did not store (its stack table was full, or the walk was
 # overtaken on a preemptible kernel).
@@ -395,7 +396,7 @@ class Session:
     def seed_pages(self) -> None:
         """Start the page map from the target's mappings now: at its exec (run), or at the attach. Events
         already reported are dropped first: the maps read after them hold their effect. An event that lands
-        between the two is applied on top, which changes nothing but its site (see agent.pages)."""
+        between the two is applied on top, which changes nothing but its site (see agent.model.pages)."""
         if not self.probes.settings.pages or self.pages is not None:
             return
         with self._pages_lock:
@@ -443,7 +444,7 @@ class Session:
 
     def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float) -> None:
         """Sample every `interval` seconds until the target exits or `stop` is set; between samples, catch up
-        at once with the target's exec, loader changes and exit (agent.bpf EV_*)."""
+        at once with the target's exec, loader changes and exit (agent.kernel.probes EV_*)."""
         if not self.exec_limit:
             self.seed_pages()  # attach: the mappings of now; run seeds at the target's exec (_catch_up)
         self.sync_mappings()

@@ -38,8 +38,8 @@ from elftools.dwarf.dwarfinfo import DWARFInfo
 from elftools.dwarf.ranges import BaseAddressEntry, RangeEntry
 from elftools.elf.elffile import ELFFile
 
-from agent.elf import ElfError, ElfObject, ElfSymbol, open_elf
-from agent.model import Frame
+from agent.model.profile import Frame
+from agent.symbols.elf import ElfError, ElfObject, ElfSymbol, open_elf
 
 # ----------------------------------------------------------------------------------------------------------
 # /proc/PID/maps
