@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Literal, Protocol
 
 from agent.daemon.manager import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
-from agent.kernel.probes import Counters
+from agent.model.counters import Counters
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, Stack
 

@@ -2,9 +2,9 @@
  *
  * Uprobes at the allocation functions of the target's allocator record each call's arguments and stack;
  * the return probe turns the call into Massif-model accounting in BPF maps. Nothing is sent to user space
- * per call: agent/bpf.py reads the maps.
+ * per call: agent/kernel/probes.py reads the maps.
  *
- * Entry probes may sit a few instructions into a function (agent/placement.py picks the first instruction
+ * Entry probes may sit a few instructions into a function (agent/symbols/placement.py picks the first instruction
  * the kernel emulates); they are always placed before the function touches %rsp, %rbp or the argument
  * registers they read, so [rsp] is still the caller's return address.
  */
@@ -76,9 +76,6 @@ BPF_ARRAY(unwind_rows, struct hs_row, HS_MAX_ROWS);
 /* unwind_maps: index -> struct hs_umap, two halves of HS_MAX_UMAPS sorted by start; control[HS_CTL_UMAPS]
  * says which half and how many are published, so user space rewrites the other half and flips. */
 BPF_ARRAY(unwind_maps, struct hs_umap, 2 * HS_MAX_UMAPS);
-
-/* Site id of allocations whose stack could not be stored (site ids used up). */
-#define HS_STACK_OVERFLOW 0ULL
 
 static __always_inline struct hs_global *get_globals(void)
 {
@@ -1111,6 +1108,26 @@ int free_enter(struct pt_regs *ctx)
 
 /* ---- return probe, shared by all allocation functions ---------------------------------------------- */
 
+/* The bytes an allocation call asks for, by its kind (enum hs_fn): one rule for the block and MALT's counts. */
+static __always_inline u64 request_size(const struct hs_pending *call)
+{
+    switch (call->fn) {
+    case HS_CALLOC:
+        return call->arg0 * call->arg1;
+    case HS_REALLOC:
+    case HS_MEMALIGN:
+        return call->arg1;
+    case HS_POSIX_MEMALIGN:
+        return call->arg2;
+    case HS_REALLOCARRAY:
+        return call->arg1 * call->arg2;
+    case HS_PVALLOC:
+        return (call->arg0 + 4095) & ~4095ULL;
+    default:
+        return call->arg0;
+    }
+}
+
 int alloc_return(struct pt_regs *ctx)
 {
     struct hs_global *g = get_globals();
@@ -1134,21 +1151,12 @@ int alloc_return(struct pt_regs *ctx)
         return 0;
 
     u64 ret = PT_REGS_RC(ctx);
-    u64 size = call.arg0;
+    u64 size = request_size(&call);
     u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
     if (HS_MALT)
-        thread_stat(tid, call.fn, call.fn == HS_CALLOC ? call.arg0 * call.arg1 : call.fn == HS_MEMALIGN ||
-                    call.fn == HS_REALLOC ? call.arg1 : call.fn == HS_POSIX_MEMALIGN ? call.arg2 : call.arg0,
-                    now - call.entry_ns);
+        thread_stat(tid, call.fn, size, now - call.entry_ns);
     switch (call.fn) {
-    case HS_CALLOC:
-        size = call.arg0 * call.arg1;
-        break;
-    case HS_MEMALIGN:
-        size = call.arg1;
-        break;
     case HS_POSIX_MEMALIGN:
-        size = call.arg2;
         if (ret != 0) { /* an error number: nothing allocated */
             __sync_fetch_and_add(&g->failed_allocs, 1);
             return 0;
@@ -1156,13 +1164,9 @@ int alloc_return(struct pt_regs *ctx)
         ret = 0;
         bpf_probe_read_user(&ret, sizeof(ret), (void *)call.arg0);
         break;
-    case HS_PVALLOC:
-        size = (call.arg0 + 4095) & ~4095ULL;
-        break;
     case HS_REALLOC:
     case HS_REALLOCARRAY: {
         u64 old = call.arg0;
-        size = call.fn == HS_REALLOC ? call.arg1 : call.arg1 * call.arg2;
         if (old && size == 0) { /* glibc: realloc(p, 0) frees p */
             record_free(g, old, call.stack, now);
             return 0;
@@ -1354,7 +1358,7 @@ int page_enter_walk(void *ctx)
     return 0;
 }
 
-/* At its exit: one event with the arguments and the result, for agent/pages.py to apply in order. */
+/* At its exit: one event with the arguments and the result, for agent/model/pages.py to apply in order. */
 static __always_inline int page_exit(u32 kind, long ret)
 {
     u64 id = bpf_get_current_pid_tgid();

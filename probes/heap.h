@@ -1,7 +1,7 @@
-/* heap.h: the contract between heap.bpf.c and agent/bpf.py.
+/* heap.h: the contract between heap.bpf.c and heapscope's Python side (agent/contract.py reads it).
  *
  * Only structs, enums and sizes live here. Settings arrive as -D defines at compile time
- * (see agent/bpf.py: HS_* names); the defaults below are used when a define is missing.
+ * (see agent/kernel/probes.py: HS_* names); the defaults below are used when a define is missing.
  */
 #ifndef HEAPSCOPE_HEAP_H
 #define HEAPSCOPE_HEAP_H
@@ -65,14 +65,17 @@
 #endif
 
 #ifndef HS_UNWIND
-#define HS_UNWIND 1              /* 1: walk stacks with .eh_frame tables (agent/unwind.py); 0: frame pointers */
+#define HS_UNWIND 1              /* 1: walk stacks with .eh_frame tables (agent/symbols/unwind.py); 0: frame pointers */
 #endif
 #ifndef HS_MAX_ROWS
 #define HS_MAX_ROWS 2097152      /* unwind table rows, all objects together */
 #endif
 #define HS_MAX_UMAPS 512         /* executable mappings with unwind tables (twice: double-buffered) */
+#define HS_UMAPS_GEN_SHIFT 42    /* control[HS_CTL_UMAPS]: the generation's place (see enum hs_control) */
+#define HS_STACK_OVERFLOW 0      /* site id of allocations whose stack was not stored (table full, walk overtaken) */
 
-/* Which allocation function a pending call is in: decides how its arguments are read. */
+/* The kind of allocation call a pending call is: decides how its arguments are read (request_size in
+ * heap.bpf.c). Each kind has an entry program <kind>_enter; agent/model/functions.py maps symbols to kinds. */
 enum hs_fn {
     HS_MALLOC = 0,        /* size = arg0 */
     HS_CALLOC = 1,        /* size = arg0 * arg1 */
@@ -241,7 +244,7 @@ enum hs_event {
     HS_EV_EXIT = 3,       /* the target called exit(): its mappings are about to go */
 };
 
-/* One row of an unwind table: agent/unwind.py's ROW ("<IbBhhH"). It covers [pc, next row's pc). */
+/* One row of an unwind table: agent/symbols/unwind.py's ROW ("<IBBhhH"). It covers [pc, next row's pc). */
 enum hs_cfa_type {
     HS_CFA_RSP = 0,       /* CFA = rsp + cfa_offset */
     HS_CFA_RBP = 1,       /* CFA = rbp + cfa_offset */
@@ -251,6 +254,7 @@ enum hs_cfa_type {
 };
 #define HS_RBP_SAVED 1       /* rbp is saved at CFA + rbp_offset */
 #define HS_RULE_MAPPED 2     /* (rule cache only) a table covers the pc, though it may have no rule there */
+#define HS_RBP_UNKNOWN 4     /* (rows only, for the reader) rbp's rule cannot be expressed: the walk keeps rbp */
 struct hs_row {
     __u32 pc;             /* ELF virtual address in the object */
     __u8 cfa_type;        /* enum hs_cfa_type (unsigned: bcc cannot describe a signed char field) */
@@ -291,7 +295,7 @@ struct hs_page_call {
     __u64 kind;   /* enum hs_page_kind */
 };
 
-/* One page syscall, sent at its exit (agent/pages.py PageEvent: the same fields). */
+/* One page syscall, sent at its exit (agent/model/pages.py PageEvent: the same fields). */
 struct hs_page_event {
     __u64 time_ns;
     __u64 site;

@@ -25,7 +25,8 @@ import psutil
 
 from agent.errors import HeapscopeError, TargetError, UsageError
 from agent.export.massif import render_snapshot
-from agent.kernel.probes import Counters, HeapProbes, PageCounters, ProbeSettings, SiteArray, UnwindMapping
+from agent.kernel.probes import HeapProbes, ProbeSettings, SiteArray, UnwindMapping
+from agent.model.counters import Counters, PageCounters
 from agent.model.options import MassifOptions
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, SnapshotKind, Stack

@@ -42,8 +42,8 @@ from agent.symbols.symbolizer import Symbolizer
 FormatVersion = Literal["1.1", "1.6"]
 FORMAT_VERSIONS: tuple[str, ...] = ("1.1", "1.6")
 
-# The allocation functions MALT tracks, in the order of the seed's `threads[].stats`.
-ALLOC_FUNCTIONS: tuple[str, ...] = (
+# The allocation functions MALT tracks (its own names), in the order of the seed's `threads[].stats`.
+MALT_FUNCTIONS: tuple[str, ...] = (
     "malloc",
     "posix_memalign",
     "aligned_alloc",
@@ -168,8 +168,8 @@ class StackKey:
     function: str = "malloc"
 
     def __post_init__(self) -> None:
-        if self.function not in ALLOC_FUNCTIONS and self.function not in PAGE_FUNCTIONS:
-            raise ValueError(f"unknown allocation function {self.function!r}; MALT knows {', '.join(ALLOC_FUNCTIONS)}")
+        if self.function not in MALT_FUNCTIONS and self.function not in PAGE_FUNCTIONS:
+            raise ValueError(f"unknown allocation function {self.function!r}; MALT knows {', '.join(MALT_FUNCTIONS)}")
 
 
 @dataclass
@@ -439,7 +439,7 @@ class ThreadFunctionStats:
 @dataclass
 class MaltThread:
     tid: int
-    stats: dict[str, ThreadFunctionStats] = field(default_factory=dict)  # by ALLOC_FUNCTIONS name
+    stats: dict[str, ThreadFunctionStats] = field(default_factory=dict)  # by MALT_FUNCTIONS name
     cnt_mem_ops: int | None = None  # None: the sum of the functions' counts
 
     @property
@@ -750,7 +750,7 @@ def _timeline_json(
 
 def _thread_json(thread: MaltThread, version: FormatVersion) -> dict[str, Any]:
     stats = {}
-    for fn in ALLOC_FUNCTIONS:
+    for fn in MALT_FUNCTIONS:
         s = thread.stats.get(fn, ThreadFunctionStats())
         stats[fn] = {"count": s.count, "sum": s.sum, "time": s.time}
     # heapscope does not follow thread stacks: the stack-memory block is there, empty, for the readers.

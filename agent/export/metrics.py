@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from agent.daemon.manager import SiteTotal
 from agent.errors import HeapscopeError
-from agent.kernel.probes import Counters
+from agent.model.counters import Counters
 from agent.model.pages import PageTotals
 
 TARGET_LABELS = ("pid", "command")

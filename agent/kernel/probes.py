@@ -24,29 +24,38 @@ from importlib import resources
 from types import TracebackType
 from typing import Any, cast
 
+from agent.contract import HEAP_H
 from agent.errors import EnvironmentProblem, HeapscopeError
+from agent.model.counters import Counters, PageCounters
 from agent.model.pages import PageEvent
 from agent.model.profile import SiteCounts
 from agent.process.discovery import ProbePoint
 
-# Stack key the kernel uses when its stack table is full (heap.bpf.c: HS_STACK_OVERFLOW).
-STACK_OVERFLOW = 0
-# Indexes of the control map (probes/heap.h: enum hs_control).
-CTL_ARMED = 0
-CTL_STOPPED = 1
-CTL_UMAPS = 2
-# Events (probes/heap.h: enum hs_event).
-EV_EXEC = 1
-EV_LOADER = 2
-EV_EXIT = 3
-CTL_STACK_EPOCH = 3
-CTL_STACK_END = 4
-MAX_UMAPS = 512  # probes/heap.h: HS_MAX_UMAPS
-# control[CTL_UMAPS] = generation << UMAPS_GEN_SHIFT | first index << 32 | count (probes/heap.h)
-UMAPS_GEN_SHIFT = 42
-RULE_CACHE = 1024  # probes/heap.h: HS_RULE_CACHE
-# enum hs_page_kind (probes/heap.h), by agent.model.pages' names.
-PAGE_KINDS = {1: "mmap", 2: "munmap", 3: "mremap", 4: "brk"}
+# Every value shared with heap.bpf.c comes from probes/heap.h (agent.contract).
+_CONTROL = HEAP_H.enum("hs_control")
+CTL_ARMED = _CONTROL["HS_CTL_ARMED"]
+CTL_STOPPED = _CONTROL["HS_CTL_STOPPED"]
+CTL_UMAPS = _CONTROL["HS_CTL_UMAPS"]
+CTL_STACK_EPOCH = _CONTROL["HS_CTL_STACK_EPOCH"]
+CTL_STACK_END = _CONTROL["HS_CTL_STACK_END"]
+# Events, and why a `run` target is stopped (enum hs_event).
+_EVENTS = HEAP_H.enum("hs_event")
+EV_EXEC = _EVENTS["HS_EV_EXEC"]
+EV_LOADER = _EVENTS["HS_EV_LOADER"]
+EV_EXIT = _EVENTS["HS_EV_EXIT"]
+MAX_UMAPS = HEAP_H.value("HS_MAX_UMAPS")
+# control[CTL_UMAPS] = generation << UMAPS_GEN_SHIFT | first index << 32 | count
+UMAPS_GEN_SHIFT = HEAP_H.value("HS_UMAPS_GEN_SHIFT")
+RULE_CACHE = HEAP_H.value("HS_RULE_CACHE")
+# enum hs_page_kind, by agent.model.pages' names (HS_PG_MMAP -> mmap).
+PAGE_KINDS = {v: k.removeprefix("HS_PG_").lower() for k, v in HEAP_H.enum("hs_page_kind").items()}
+# enum hs_fn: the kind of each allocation call (agent.model.functions), by number (HS_MALLOC -> malloc).
+FN_KINDS = {v: k.removeprefix("HS_").lower() for k, v in HEAP_H.enum("hs_fn").items() if k != "HS_FN_COUNT"}
+FN_COUNT = HEAP_H.enum("hs_fn")["HS_FN_COUNT"]
+LOG2_BINS = HEAP_H.value("HS_LOG2_BINS")
+SMALL_SIZES = HEAP_H.value("HS_SMALL_SIZES")
+THREAD_SLOTS = HEAP_H.value("HS_THREAD_SLOTS")
+PAGE_COUNTER_COUNT = HEAP_H.enum("hs_page_counter")["HS_PGC_COUNT"]
 
 
 # struct hs_page_event (probes/heap.h): time_ns, site, addr, length, new_addr, new_length, flags, prot, ret,
@@ -97,20 +106,6 @@ class _RingReader:
 
 
 @dataclass(frozen=True)
-class PageCounters:
-    """probes/heap.h enum hs_page_counter."""
-
-    events: int = 0  # events sent
-    lost: int = 0  # ring buffer full: not sent
-    calls_full: int = 0  # per-thread call table full at entry: not sent
-    unpaired: int = 0  # an exit without its entry (the call began before the probes were armed)
-
-    @property
-    def dropped(self) -> int:
-        return self.lost + self.calls_full
-
-
-@dataclass(frozen=True)
 class UnwindMapping:
     """An executable mapping of the target and the unwind table of its object."""
 
@@ -123,56 +118,10 @@ class UnwindMapping:
 
 
 @dataclass(frozen=True)
-class Counters:
-    """A copy of struct hs_global (probes/heap.h)."""
-
-    execs: int = 0
-    n_sites: int = 0
-    heap: int = 0
-    extra: int = 0
-    blocks: int = 0
-    time_b: int = 0
-    peak_total: int = 0
-    peak_heap: int = 0
-    peak_extra: int = 0
-    peak_time_b: int = 0
-    peak_ns: int = 0
-    peak_gen: int = 0
-    n_allocs: int = 0
-    n_frees: int = 0
-    n_reallocs: int = 0
-    alloc_bytes: int = 0
-    freed_bytes: int = 0
-    untracked_frees: int = 0
-    failed_allocs: int = 0
-    nested_calls: int = 0
-    dropped_blocks: int = 0
-    dropped_stacks: int = 0
-    dropped_sites: int = 0
-    dropped_pending: int = 0
-    lost_returns: int = 0
-    unwind_frames: int = 0
-    unwind_fp: int = 0
-    unwind_no_rule: int = 0
-    unwind_bad_read: int = 0
-    unwind_depth_cut: int = 0
-    dropped_sizes: int = 0
-    dropped_threads: int = 0
-    zero_allocs: int = 0
-    hashed_blocks: int = 0
-    unwind_short_reads: int = 0
-    walks_interrupted: int = 0
-
-    @property
-    def dropped(self) -> int:
-        return self.dropped_blocks + self.dropped_stacks + self.dropped_sites + self.dropped_pending
-
-
-@dataclass(frozen=True)
 class MaltSiteFields:
     """MALT's statistics of one site (probes/heap.h struct hs_site, HS_MALT fields)."""
 
-    fn: int = 0  # FN_NAMES index
+    fn: int = 0  # enum hs_fn (FN_KINDS)
     tot_bytes: int = 0
     tot_blocks: int = 0
     cur_bytes: int = 0
@@ -193,13 +142,6 @@ class MaltSiteFields:
     life_sum: int = 0
     realloc_count: int = 0
     realloc_delta: int = 0
-
-
-# enum hs_fn (probes/heap.h), by MALT's function names.
-FN_NAMES = ("malloc", "calloc", "realloc", "memalign", "posix_memalign", "valloc", "pvalloc", "realloc", "free")
-LOG2_BINS = 64  # probes/heap.h HS_LOG2_BINS
-SMALL_SIZES = 4096  # probes/heap.h HS_SMALL_SIZES
-THREAD_SLOTS = 1024  # probes/heap.h HS_THREAD_SLOTS
 
 
 @dataclass(frozen=True)
@@ -548,7 +490,7 @@ class HeapProbes:
     def _attach(self, point: ProbePoint) -> None:
         kind = point.kind
         self._attach_one(point, self._load_uprobe_program(f"{kind}_enter".encode()), is_return=False)
-        if kind not in ("free", "exit", "loader"):
+        if point.needs_return:
             # A return probe at the same emulated instruction: the kernel takes the return address from
             # [rsp], which is still the caller's there (placement keeps %rsp untouched).
             self._attach_one(point, self._load_uprobe_program(b"alloc_return"), is_return=True)
@@ -599,7 +541,7 @@ class HeapProbes:
         """The kernel side's counts of page events sent and not sent (settings.pages)."""
         if self._bpf is None or not self.settings.pages:
             return PageCounters()
-        values = [_int(v) for v in self._array_prefix("page_counters", 4)]
+        values = [_int(v) for v in self._array_prefix("page_counters", PAGE_COUNTER_COUNT)]
         return PageCounters(*values)
 
     def stack_bytes(self) -> int:
@@ -780,13 +722,13 @@ class HeapProbes:
     def thread_stats(self) -> dict[tuple[int, int], tuple[int, int, int]]:
         """(tid, enum hs_fn) -> (count, bytes, ns inside the function)."""
         out: dict[tuple[int, int], tuple[int, int, int]] = {}
-        _, raw, count = self._array_prefix_raw("thread_slots", THREAD_SLOTS * len(FN_NAMES))
+        _, raw, count = self._array_prefix_raw("thread_slots", THREAD_SLOTS * FN_COUNT)
         words = array.array("Q")
         words.frombytes(raw)
         for i in range(count):  # struct hs_thread_slot: tid, count, bytes, ns
             tid, n, nbytes, ns = words[4 * i : 4 * i + 4]
             if tid:
-                out[(tid, i % len(FN_NAMES))] = (n, nbytes, ns)
+                out[(tid, i % FN_COUNT)] = (n, nbytes, ns)
         for k, v in self._items("thread_stats"):  # threads whose slot another thread held
             key = _int(k)
             c, b, t = out.get((key >> 8, key & 0xFF), (0, 0, 0))

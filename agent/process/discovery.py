@@ -19,38 +19,10 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.dynamic import DynamicSection
 
 from agent.errors import TargetError
+from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS
 from agent.symbols.elf import ElfError, ElfObject, open_elf
 from agent.symbols.placement import Placement, choose_offset
 from agent.symbols.symbolizer import Mapping, parse_maps
-
-# Allocation functions: symbol -> (probe kind in heap.bpf.c, argument registers the probe reads).
-# Kinds: malloc|calloc|realloc|memalign|posix_memalign|valloc|pvalloc|reallocarray (need a return probe),
-# free (entry only).
-ALLOC_FUNCTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "malloc": ("malloc", ("rdi",)),
-    "calloc": ("calloc", ("rdi", "rsi")),
-    "realloc": ("realloc", ("rdi", "rsi")),
-    "reallocarray": ("reallocarray", ("rdi", "rsi", "rdx")),
-    "memalign": ("memalign", ("rdi", "rsi")),
-    "aligned_alloc": ("memalign", ("rdi", "rsi")),
-    "posix_memalign": ("posix_memalign", ("rdi", "rsi", "rdx")),
-    "valloc": ("valloc", ("rdi",)),
-    "pvalloc": ("pvalloc", ("rdi",)),
-    "free": ("free", ("rdi",)),
-    "cfree": ("free", ("rdi",)),
-}
-# C++ operators, probed only when the allocator itself defines them (tcmalloc, jemalloc's C++ build); the
-# ones in libstdc++ call malloc and free, which are probed already.
-CXX_OPERATORS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "_Znwm": ("malloc", ("rdi",)),
-    "_Znam": ("malloc", ("rdi",)),
-    "_ZnwmRKSt9nothrow_t": ("malloc", ("rdi",)),
-    "_ZnamRKSt9nothrow_t": ("malloc", ("rdi",)),
-    "_ZdlPv": ("free", ("rdi",)),
-    "_ZdaPv": ("free", ("rdi",)),
-    "_ZdlPvm": ("free", ("rdi",)),
-    "_ZdaPvm": ("free", ("rdi",)),
-}
 
 # Not allocation functions: `run` stops the target at exit() to record its mappings before they go, and
 # the loader calls its debugger hook after every change to the loaded objects (new unwind tables).
@@ -84,7 +56,7 @@ class ElfFacts:
             raise TargetError(f"address 0x{vaddr:x} is not in a loadable segment of {self.path}") from exc
 
 
-_WANTED = frozenset(ALLOC_FUNCTIONS) | frozenset(CXX_OPERATORS) | {EXIT_FUNCTION, LOADER_HOOK}
+_WANTED = frozenset(f.symbol for f in ALLOC_FUNCTIONS) | {EXIT_FUNCTION, LOADER_HOOK}
 
 
 @lru_cache(maxsize=256)
@@ -199,11 +171,16 @@ class ProbePoint:
     """One function to probe: where it is on disk and where in it the probe sits."""
 
     symbol: str
-    kind: str  # probe kind, see ALLOC_FUNCTIONS
+    kind: str  # an allocation function's kind (agent.model.functions), or "exit" / "loader"
     path: str  # the ELF object (as opened by us: may be under /proc/PID/root)
     vaddr: int  # symbol value in the object
     file_offset: int  # of the probed instruction: what the kernel's uprobe API takes
     placement: Placement
+
+    @property
+    def needs_return(self) -> bool:
+        """An allocation call: the kernel reads its result at the return probe."""
+        return self.kind not in ENTRY_ONLY_KINDS and self.kind not in ("exit", "loader")
 
 
 @dataclass(frozen=True)
@@ -253,10 +230,9 @@ def resolve_allocator(order: Sequence[ElfFacts]) -> Allocator:
         )
     probes: list[ProbePoint] = []
     seen_addresses: set[tuple[str, int]] = set()
-    wanted = list(ALLOC_FUNCTIONS.items()) + [
-        (name, spec) for name, spec in CXX_OPERATORS.items() if name in provider.defined
-    ]
-    for name, (kind, regs) in wanted:
+    wanted = [f for f in ALLOC_FUNCTIONS if not f.cxx or f.symbol in provider.defined]
+    for f in wanted:
+        name = f.symbol
         owner = next((o for o in order if name in o.defined), None)
         if owner is None:
             continue
@@ -264,7 +240,7 @@ def resolve_allocator(order: Sequence[ElfFacts]) -> Allocator:
         if key in seen_addresses:  # aliases (aligned_alloc = memalign): one probe serves both
             continue
         seen_addresses.add(key)
-        probes.append(_probe_point(owner, name, kind, regs))
+        probes.append(_probe_point(owner, name, f.kind, f.registers))
     hooks = []
     for name, kind in ((EXIT_FUNCTION, "exit"), (LOADER_HOOK, "loader")):
         owner = next((o for o in order if name in o.defined), None)

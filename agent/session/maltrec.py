@@ -35,7 +35,9 @@ from agent.export.malt import (
     ThreadFunctionStats,
     TimelineBinner,
 )
-from agent.kernel.probes import FN_NAMES, LOG2_BINS, Counters, HeapProbes
+from agent.kernel.probes import FN_KINDS, LOG2_BINS, HeapProbes
+from agent.model.counters import Counters
+from agent.model.functions import BY_SYMBOL, malt_name_of_kind
 from agent.process.discovery import ProbePoint
 from agent.symbols.globalvars import global_variables
 
@@ -136,7 +138,7 @@ class MaltRecorder:
         stacks = []
         leaks = []
         for site_id, f in sorted(sites.items()):
-            key = StackKey(raw.get(site_id, ()), FN_NAMES[f.fn] if f.fn < len(FN_NAMES) else "malloc")
+            key = StackKey(raw.get(site_id, ()), malt_name_of_kind(FN_KINDS.get(f.fn, "malloc")))
             keys[site_id] = key
             n_sized = f.tot_blocks - f.count_zeros
             stats = MaltStackStats(
@@ -160,7 +162,7 @@ class MaltRecorder:
 
         threads: dict[int, MaltThread] = {}
         for (tid, fn), (count, nbytes, ns) in sorted(probes.thread_stats().items()):
-            name = FN_NAMES[fn] if fn < len(FN_NAMES) else "malloc"
+            name = malt_name_of_kind(FN_KINDS.get(fn, "malloc"))
             thread = threads.setdefault(tid, MaltThread(tid))
             acc = thread.stats.setdefault(name, ThreadFunctionStats())
             acc.count += count
@@ -234,7 +236,7 @@ def _function_addresses(points: Sequence[ProbePoint], mappings: Sequence) -> dic
             if os.path.realpath(m.path) == os.path.realpath(p.path) and m.offset <= p.file_offset < m.offset + (
                 m.end - m.start
             ):
-                name = {"cfree": "free"}.get(p.symbol, p.symbol)
+                name = BY_SYMBOL[p.symbol].malt_name if p.symbol in BY_SYMBOL else p.symbol
                 out.setdefault(name, m.start + p.file_offset - p.placement.offset - m.offset)
                 break
     return out

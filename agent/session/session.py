@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from agent.export.massif import render_snapshot, write_massif
-from agent.kernel.probes import EV_EXEC, EV_EXIT, Counters, HeapProbes, UnwindMapping
+from agent.kernel.probes import EV_EXEC, EV_EXIT, HeapProbes, UnwindMapping
+from agent.model.counters import Counters
 from agent.model.options import MassifOptions
 from agent.model.pages import (
     PAGE_SIZE,

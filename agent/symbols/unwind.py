@@ -7,7 +7,7 @@ information instead. It cannot interpret DWARF itself; it binary-searches a tabl
 Row layout (ROW, 12 bytes, little-endian), the contract with probes/heap.bpf.c:
 
     pc          u32  start of the range, an ELF virtual address of the object; a row covers [pc, next row's pc)
-    cfa_type    i8   CFA_RSP / CFA_RBP: CFA = rsp|rbp + cfa_offset
+    cfa_type    u8   CFA_RSP / CFA_RBP: CFA = rsp|rbp + cfa_offset
                      CFA_PLT: CFA = rsp + 8, plus 8 when (pc & 15) >= 11 (the standard .plt expression)
                      CFA_NONE: no rule (gap between FDEs, or a rule we cannot express): stop or use frame pointers
                      CFA_END: outermost frame (return address undefined: _start, clone's child), and
@@ -15,6 +15,7 @@ Row layout (ROW, 12 bytes, little-endian), the contract with probes/heap.bpf.c:
                      symbols or its debug file name it: Massif keeps no frame outside it, so the walk stops
     flags       u8   FLAG_RBP_SAVED: rbp was saved at CFA + rbp_offset
                      FLAG_RBP_UNKNOWN: rbp's rule is undefined or not expressible (keep the current rbp)
+    (the values of CFA_* and FLAG_* are probes/heap.h's enum hs_cfa_type and HS_RBP_*)
     cfa_offset  i16
     rbp_offset  i16
     pad         u16  0
@@ -51,15 +52,19 @@ from elftools.dwarf.constants import DW_CFA
 from elftools.dwarf.structs import DWARFStructs
 from elftools.elf.elffile import ELFFile
 
+from agent.contract import HEAP_H
 from agent.symbols.elf import ElfObject, open_elf
 from agent.symbols.symbolizer import DEFAULT_DEBUG_ROOTS, find_debug_file, is_below_main
 
 log = logging.getLogger(__name__)
 
-ROW = struct.Struct("<IbBhhH")
+ROW = struct.Struct("<IBBhhH")  # struct hs_row (probes/heap.h)
 
-CFA_RSP, CFA_RBP, CFA_PLT, CFA_NONE, CFA_END = 0, 1, 2, 3, 4
-FLAG_RBP_SAVED, FLAG_RBP_UNKNOWN = 1, 2
+_CFA = HEAP_H.enum("hs_cfa_type")
+CFA_RSP, CFA_RBP, CFA_PLT, CFA_NONE, CFA_END = (
+    _CFA[f"HS_CFA_{name}"] for name in ("RSP", "RBP", "PLT", "NONE", "END")
+)
+FLAG_RBP_SAVED, FLAG_RBP_UNKNOWN = HEAP_H.value("HS_RBP_SAVED"), HEAP_H.value("HS_RBP_UNKNOWN")
 
 # x86-64 DWARF register numbers (System V psABI, figure 3.36).
 REG_RBP, REG_RSP, REG_RA = 6, 7, 16
@@ -72,7 +77,7 @@ PLT_EXPRESSION = bytes((0x77, 0x08, 0x80, 0x00, 0x3F, 0x1A, 0x3B, 0x2A, 0x33, 0x
 Source = Literal["eh_frame", "debug_frame", "eh_frame+debug_frame", "none"]
 
 _MAX_PC = 0xFFFFFFFF  # a row's pc is a u32, and the last FDE's end needs a row too
-FORMAT_VERSION = 2  # bump when the rows or the rules change: old cache files are then ignored
+FORMAT_VERSION = 3  # bump when the rows or the rules change: old cache files are then ignored
 DEFAULT_CACHE_ROOT = "/var/cache/heapscope"
 
 # Why a row got CFA_NONE (keys of UnwindTable.reasons).

@@ -3,7 +3,7 @@
 programs/pages.c maps, unmaps, remaps and moves the break at known call sites; the bytes each site must hold
 at the peak and at the end follow from its source (EXPECTED_* below, with the arithmetic spelled out). The
 peak is also compared with real Valgrind Massif --pages-as-heap=yes, site by site, except where Massif
-departs from the kernel (MAP_FIXED over live pages: Massif counts the pages twice; see agent/pages.py). The
+departs from the kernel (MAP_FIXED over live pages: Massif counts the pages twice; see agent/model/pages.py). The
 total must agree with the program's own /proc/self/maps at exit. programs/stacks.c holds known stack depths
 for --stacks=yes.
 """

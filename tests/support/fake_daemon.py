@@ -22,7 +22,7 @@ from agent.daemon.manager import (
 from agent.errors import UsageError
 from agent.export.massif import render_snapshot, write_massif
 from agent.export.xtree import write_xtree
-from agent.kernel.probes import Counters
+from agent.model.counters import Counters
 from agent.model.pages import PageTotals
 from agent.model.profile import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
 

@@ -19,8 +19,8 @@ import jsonschema
 import pytest
 
 from agent.export.malt import (
-    ALLOC_FUNCTIONS,
     BANDWIDTH_FIELDS,
+    MALT_FUNCTIONS,
     MEMORY_FIELDS,
     SYSTEM_FIELDS,
     CountMinMaxSum,
@@ -417,7 +417,7 @@ def test_threads_match_the_seed_example() -> None:
         )
     ]
     th = dump(p)["threads"][0]
-    assert th["stats"] == seed and list(th["stats"]) == list(seed) == list(ALLOC_FUNCTIONS)
+    assert th["stats"] == seed and list(th["stats"]) == list(seed) == list(MALT_FUNCTIONS)
     assert th["cntMemOps"] == 10  # the seed: "number of memory management operations"
     assert set(th["stackMem"]) == {"size", "stack", "mem", "total", "timeprofiler"}
 

@@ -1,7 +1,7 @@
 """Page-level accounting (--pages-as-heap): synthetic syscall event streams into agent.model.pages.PageMap.
 
 Every expected figure is derived in the test from the case's own page counts (P = one page). The rules are
-Valgrind 3.19's massif/ms_main.c and coregrind's do_mremap/sys_brk (see agent/pages.py), except where the
+Valgrind 3.19's massif/ms_main.c and coregrind's do_mremap/sys_brk (see agent/model/pages.py), except where the
 kernel and Massif part ways; those cases say which one they follow. The property test compares the map
 with a naive model that keeps one entry per page.
 """

@@ -165,7 +165,7 @@ class Expected:
 
 
 def expected_rule(cols: dict[str, str], cie: Cie, plt_expression: bool) -> Expected:
-    """The row readelf's columns call for, under the contract in agent/unwind.py."""
+    """The row readelf's columns call for, under the contract in agent/symbols/unwind.py."""
     ra = cols.get("ra", "s")
     if ra == "u":
         return Expected(CFA_END)

@@ -1,0 +1,115 @@
+"""The kernel contract: probes/heap.h is the one declaration; Python's mirrors of it must agree field by field."""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from agent.contract import HEAP_H, HeaderContract
+from agent.kernel import probes
+from agent.model.counters import Counters, PageCounters
+from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS
+from agent.model.pages import KINDS as PAGE_KINDS
+from agent.symbols import unwind
+
+BPF_SOURCE = (Path(__file__).resolve().parents[2] / "probes" / "heap.bpf.c").read_text()
+
+# struct module codes of the C types heap.h uses.
+_CODES = {"__u64": "Q", "__s64": "q", "__u32": "I", "__s32": "i", "__u16": "H", "__s16": "h", "__u8": "B"}
+
+
+def _format_of(struct_name: str) -> str:
+    return "<" + "".join(_CODES[f.type] for f in HEAP_H.struct_fields(struct_name))
+
+
+def test_every_alloc_kind_is_a_kernel_kind_with_an_entry_program() -> None:
+    kinds = {f"HS_{f.kind.upper()}" for f in ALLOC_FUNCTIONS}
+    members = set(HEAP_H.enum("hs_fn")) - {"HS_FN_COUNT"}
+    assert kinds == members
+    for kind in {f.kind for f in ALLOC_FUNCTIONS}:
+        assert re.search(rf"\bint {kind}_enter\(struct pt_regs \*ctx\)", BPF_SOURCE), kind
+        if kind not in ENTRY_ONLY_KINDS:
+            assert f"case HS_{kind.upper()}" in BPF_SOURCE or kind in ("malloc", "valloc"), kind
+
+
+def test_fn_count_counts_the_kinds() -> None:
+    fn = HEAP_H.enum("hs_fn")
+    assert fn["HS_FN_COUNT"] == len(fn) - 1 == len(probes.FN_KINDS)
+    assert sorted(fn.values())[:-1] == list(range(len(fn) - 1))
+
+
+def test_symbols_are_listed_once() -> None:
+    symbols = [f.symbol for f in ALLOC_FUNCTIONS]
+    assert len(symbols) == len(set(symbols))
+
+
+def test_counters_mirror_hs_global() -> None:
+    assert [f.name for f in fields(Counters)] == [f.name for f in HEAP_H.struct_fields("hs_global")]
+
+
+def test_page_counters_mirror_the_enum() -> None:
+    members = sorted((v, k) for k, v in HEAP_H.enum("hs_page_counter").items() if k != "HS_PGC_COUNT")
+    assert [k.removeprefix("HS_PGC_").lower() for _, k in members] == [f.name for f in fields(PageCounters)]
+    assert probes.PAGE_COUNTER_COUNT == len(fields(PageCounters))
+
+
+def test_malt_site_fields_are_hs_site_fields() -> None:
+    site = {f.name for f in HEAP_H.struct_fields("hs_site")}
+    assert {f.name for f in fields(probes.MaltSiteFields)} <= site
+
+
+def test_unwind_row_is_hs_row() -> None:
+    assert unwind.ROW.format == _format_of("hs_row")
+    assert struct.calcsize(unwind.ROW.format) == 12
+    cfa = HEAP_H.enum("hs_cfa_type")
+    assert (unwind.CFA_RSP, unwind.CFA_RBP, unwind.CFA_PLT, unwind.CFA_NONE, unwind.CFA_END) == (
+        cfa["HS_CFA_RSP"],
+        cfa["HS_CFA_RBP"],
+        cfa["HS_CFA_PLT"],
+        cfa["HS_CFA_NONE"],
+        cfa["HS_CFA_END"],
+    )
+    # Row flags must not collide with the rule cache's own flag.
+    flags = (unwind.FLAG_RBP_SAVED, unwind.FLAG_RBP_UNKNOWN, HEAP_H.value("HS_RULE_MAPPED"))
+    assert len(set(flags)) == 3 and all(f & (f - 1) == 0 for f in flags)
+
+
+def test_page_event_is_hs_page_event() -> None:
+    assert probes._PAGE_EVENT.format == _format_of("hs_page_event").replace("QQQQQQQQ", "8Q").replace("II", "2I")
+    assert set(probes.PAGE_KINDS.values()) == set(PAGE_KINDS)
+
+
+def test_control_words_and_events() -> None:
+    control = HEAP_H.enum("hs_control")
+    assert (probes.CTL_ARMED, probes.CTL_STOPPED, probes.CTL_UMAPS, probes.CTL_STACK_EPOCH, probes.CTL_STACK_END) == (
+        control["HS_CTL_ARMED"],
+        control["HS_CTL_STOPPED"],
+        control["HS_CTL_UMAPS"],
+        control["HS_CTL_STACK_EPOCH"],
+        control["HS_CTL_STACK_END"],
+    )
+    # The BPF side reads the first published index as (word >> 32) & (2 * HS_MAX_UMAPS - 1): below the generation.
+    assert (2 * probes.MAX_UMAPS - 1).bit_length() + 32 <= probes.UMAPS_GEN_SHIFT
+    assert f"& {hex(2 * probes.MAX_UMAPS - 1)}" in BPF_SOURCE
+
+
+def test_the_parser_reads_heap_h_forms() -> None:
+    h = HeaderContract(
+        "#ifndef HS_X\n#define HS_X 12 /* a default */\n#endif\n"
+        "enum e { A = 1, /* one */ B = 0x10, };\n"
+        "struct s { __u64 a; __u32 b[4]; struct t c; };\n"
+    )
+    assert h.value("HS_X") == 12
+    assert h.enum("e") == {"A": 1, "B": 16}
+    assert [(f.type, f.name) for f in h.struct_fields("s")] == [("__u64", "a"), ("__u32", "b"), ("t", "c")]
+    with pytest.raises(KeyError, match="HS_Y"):
+        h.value("HS_Y")
+
+
+def test_the_parser_refuses_implicit_enum_values() -> None:
+    with pytest.raises(ValueError, match="no explicit value"):
+        HeaderContract("enum e { A = 0, B };").enum("e")
