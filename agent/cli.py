@@ -11,6 +11,7 @@ Every error the user can act on is a HeapscopeError: main() prints it as one lin
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -18,18 +19,21 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
-import psutil
-
 from agent import __version__
-from agent.errors import EnvironmentProblem, HeapscopeError, TargetError, UsageError
-from agent.model.options import MAX_WALKED_FRAMES, MassifOptions
+from agent.errors import EnvironmentProblem, HeapscopeError, UsageError
+from agent.export.registry import FORMATS
+from agent.model.options import MassifOptions
+from agent.model.summary import ProfileSummary
 from agent.process.capability import check_environment
-from agent.process.discovery import Allocator, ProbePoint, allocator_of_process, allocator_of_program, read_process
+from agent.process.discovery import read_process
 from agent.process.launch import HeldChild
-from agent.session.session import Session, SessionInfo
+from agent.process.target import TargetProcess, attach_to
+from agent.process.target import launch as launch_process
+from agent.session.pipeline import Profile, ProfileSettings
 
 PROG = "heapscope"
 
@@ -80,44 +84,130 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-# Massif's options: (name, argparse keyword arguments). Their text as given goes into desc:.
+# Massif's options: (name, argparse keyword arguments). Their text as given goes into desc:. The two file
+# options among Massif's come from the output registry (agent.export.registry).
 _MASSIF_OPTIONS: list[tuple[str, dict]] = [  # type: ignore[type-arg]
-    ("--heap", {"type": _yes_no, "default": True}),
-    ("--heap-admin", {"type": _int_at_least(0), "default": 8}),
-    ("--alignment", {"type": _int_at_least(8), "default": 16}),
-    ("--stacks", {"type": _yes_no, "default": False}),
-    ("--pages-as-heap", {"type": _yes_no, "default": False}),
-    ("--depth", {"type": _int_at_least(1), "default": 30}),
-    ("--alloc-fn", {"action": "append", "default": [], "dest": "alloc_fns"}),
-    ("--ignore-fn", {"action": "append", "default": [], "dest": "ignore_fns"}),
-    ("--threshold", {"type": _percent, "default": 1.0}),
-    ("--peak-inaccuracy", {"type": _percent, "default": 1.0}),
-    ("--time-unit", {"choices": ("i", "ms", "B"), "default": "ms"}),
-    ("--detailed-freq", {"type": _int_at_least(1), "default": 10}),
-    ("--max-snapshots", {"type": _int_at_least(10), "default": 100}),
-    ("--massif-out-file", {"default": "massif.out.%p"}),
-    ("--xtree-memory", {"choices": ("none", "allocs", "full"), "default": "none"}),
-    ("--xtree-memory-file", {"default": "xtmemory.kcg.%p"}),
+    ("--heap", {"type": _yes_no, "default": True, "metavar": "yes|no", "help": "profile the heap (default yes)"}),
+    (
+        "--heap-admin",
+        {"type": _int_at_least(0), "default": 8, "help": "admin bytes per block, in mem_heap_extra_B (default 8)"},
+    ),
+    (
+        "--alignment",
+        {
+            "type": _int_at_least(8),
+            "default": 16,
+            "help": "minimum alignment of blocks, a power of two: the slop in mem_heap_extra_B (default 16)",
+        },
+    ),
+    (
+        "--stacks",
+        {"type": _yes_no, "default": False, "metavar": "yes|no", "help": "profile the threads' stacks (default no)"},
+    ),
+    (
+        "--pages-as-heap",
+        {
+            "type": _yes_no,
+            "default": False,
+            "metavar": "yes|no",
+            "help": "profile mapped pages (mmap, brk) instead of malloc's blocks (default no)",
+        },
+    ),
+    (
+        "--depth",
+        {"type": _int_at_least(1), "default": 30, "help": "frames kept below the allocation functions (default 30)"},
+    ),
+    (
+        "--alloc-fn",
+        {
+            "action": "append",
+            "default": [],
+            "dest": "alloc_fns",
+            "metavar": "NAME",
+            "help": "one more allocation function, trimmed from the top of stacks like malloc (repeatable)",
+        },
+    ),
+    (
+        "--ignore-fn",
+        {
+            "action": "append",
+            "default": [],
+            "dest": "ignore_fns",
+            "metavar": "NAME",
+            "help": "leave out allocations made directly in NAME (repeatable)",
+        },
+    ),
+    (
+        "--threshold",
+        {
+            "type": _percent,
+            "default": 1.0,
+            "help": "percent of the total below which tree nodes are merged (default 1.0)",
+        },
+    ),
+    (
+        "--peak-inaccuracy",
+        {
+            "type": _percent,
+            "default": 1.0,
+            "help": "accepted for compatibility: heapscope's peak is always exact (default 1.0)",
+        },
+    ),
+    (
+        "--time-unit",
+        {
+            "choices": ("i", "ms", "B"),
+            "default": "ms",
+            "help": "ms: milliseconds since the start (default); B: bytes allocated and freed; "
+            "i (instructions) is refused: it needs hardware counters",
+        },
+    ),
+    (
+        "--detailed-freq",
+        {"type": _int_at_least(1), "default": 10, "help": "every Nth snapshot is detailed (default 10)"},
+    ),
+    (
+        "--max-snapshots",
+        {
+            "type": _int_at_least(10),
+            "default": 100,
+            "help": "snapshots kept; culled to between N/2 and N (default 100)",
+        },
+    ),
+    (
+        "--xtree-memory",
+        {
+            "choices": ("none", "allocs", "full"),
+            "default": "none",
+            "help": "write the xtree memory report: allocs (live bytes) or full (allocated and freed too)",
+        },
+    ),
 ]
-_MASSIF_NAMES = {name for name, _ in _MASSIF_OPTIONS}
+_MASSIF_NAMES = {name for name, _ in _MASSIF_OPTIONS} | {f.file_option for f in FORMATS if f.massif_option}
 
 
 def _add_profile_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Massif options (Valgrind's names, defaults and meanings)")
     for name, kwargs in _MASSIF_OPTIONS:
         g.add_argument(name, **kwargs)
-    m = p.add_argument_group("MALT profile (per-stack statistics, lifetimes, timelines, leaks)")
-    m.add_argument(
-        "--malt-out-file",
+    o = p.add_argument_group("output files (%p: the PID, %q{VAR}: an environment variable)")
+    for fmt in FORMATS:
+        group = g if fmt.massif_option else o
+        default = f" (default {fmt.default_file})" if fmt.default_file else "; off by default"
+        group.add_argument(
+            fmt.file_option,
+            default=fmt.default_file,
+            metavar="FILE",
+            help=f"{fmt.summary}{default}".replace("%", "%%"),
+        )
+        if fmt.variant is not None:
+            v = fmt.variant
+            group.add_argument(v.option, choices=v.choices, default=v.default, help=v.help)
+    o.add_argument(
+        "--summary-file",
         default=None,
         metavar="FILE",
-        help="write a MALT JSON profile there at the end (%%p: the PID); off by default",
-    )
-    m.add_argument(
-        "--malt-format",
-        choices=("1.1", "1.6"),
-        default="1.1",
-        help="1.1 (the documented format, default) or 1.6 (what current MALT's reader requires)",
+        help="write the end-of-run summary there as JSON (%%p: the PID); off by default",
     )
     h = p.add_argument_group("heapscope options")
     h.add_argument(
@@ -219,21 +309,26 @@ def _split_program(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return list(argv), []
 
 
-def _takes_value(arg: str) -> bool:
-    """An option written as `--name VALUE` (rather than `--name=VALUE`)."""
-    return arg in _MASSIF_NAMES - {"--heap", "--stacks", "--pages-as-heap"} or arg in (
-        "--sample-interval",
-        "--max-blocks",
-        "--max-stacks",
-        "--unwind",
-        "--malt-out-file",
-        "--malt-format",
-        "--http",
-        "--token",
-        "--output-dir",
-        "--metrics-top-stacks",
-        "--malt",
+def _value_options() -> frozenset[str]:
+    """The options written as `--name VALUE` (rather than `--name=VALUE`), as the parser declares them."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return frozenset(
+        name
+        for parser in sub.choices.values()
+        for action in parser._actions
+        if action.nargs != 0
+        for name in action.option_strings
     )
+
+
+_VALUE_OPTIONS: frozenset[str] | None = None
+
+
+def _takes_value(arg: str) -> bool:
+    global _VALUE_OPTIONS
+    if _VALUE_OPTIONS is None:
+        _VALUE_OPTIONS = _value_options()
+    return arg in _VALUE_OPTIONS
 
 
 def options_from(ns: argparse.Namespace) -> MassifOptions:
@@ -251,9 +346,7 @@ def options_from(ns: argparse.Namespace) -> MassifOptions:
         time_unit=ns.time_unit,
         detailed_freq=ns.detailed_freq,
         max_snapshots=ns.max_snapshots,
-        massif_out_file=ns.massif_out_file,
         xtree_memory=ns.xtree_memory,
-        xtree_memory_file=ns.xtree_memory_file,
     )
     if opts.stacks and opts.pages_as_heap:
         raise UsageError("--stacks=yes cannot be combined with --pages-as-heap=yes (as in Massif)")
@@ -305,14 +398,32 @@ def expand_filename(template: str, pid: int, env: dict[str, str] | None = None) 
     return name
 
 
-# ---- running a session --------------------------------------------------------------------------------
+def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> ProfileSettings:
+    """The pipeline's settings from the command line. A daemon keeps MALT's statistics unless --malt=no (for
+    GET /malt); `run` and `attach` keep them only for a MALT file."""
+    opts = options_from(ns)
+    files = {f.name: getattr(ns, f.dest) for f in FORMATS if getattr(ns, f.dest) is not None}
+    variants = {f.name: getattr(ns, f.variant.dest) for f in FORMATS if f.variant is not None}
+    return ProfileSettings(
+        opts=opts,
+        desc=tuple(desc),
+        files=files,
+        variants=variants,
+        sample_interval=ns.sample_interval,
+        unwind=ns.unwind,
+        max_blocks=ns.max_blocks,
+        max_stacks=ns.max_stacks,
+        malt=ns.malt == "yes" if daemon else "malt" in files,
+    )
+
+
+# ---- running a profile --------------------------------------------------------------------------------
 
 
 @dataclass
 class _Ctx:
-    opts: MassifOptions
+    settings: ProfileSettings
     ns: argparse.Namespace
-    desc: list[str]
 
     def say(self, line: str) -> None:
         if not self.ns.quiet:
@@ -325,106 +436,26 @@ def _require_environment() -> None:
         raise EnvironmentProblem("; ".join(problems))
 
 
-def _settings(ctx: _Ctx, pid: int, run: bool):  # type: ignore[no-untyped-def]
-    from agent.kernel.probes import ProbeSettings  # the BPF layer is only loaded when probes are
-
-    return ProbeSettings(
-        target_tgid=pid,
-        arm_on_exec=run,
-        stop_events=run,
-        unwind=ctx.ns.unwind == "cfi",
-        free_stacks=ctx.opts.xtree_memory == "full",
-        malt=bool(ctx.ns.malt_out_file),
-        heap_admin=ctx.opts.heap_admin,
-        alignment=ctx.opts.alignment,
-        max_depth=ctx.opts.walked_frames,
-        max_blocks=ctx.ns.max_blocks,
-        max_stacks=ctx.ns.max_stacks,
-        pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
-        stacks=ctx.opts.stacks,
-    )
-
-
-def _profile(
-    ctx: _Ctx,
-    pid: int,
-    cmd: str,
-    allocator: Allocator,
-    run: bool,
-    alive: Callable[[], bool],
-    started: Callable[[], None],
-    stop: threading.Event,
-) -> Session:
-    from agent.kernel.probes import HeapProbes
-
-    for line in allocator.describe():
+def _profile(ctx: _Ctx, process: TargetProcess, stop: threading.Event) -> Profile:
+    """`run` and `attach` without --http: the pipeline in this thread, then the files and the summary."""
+    profile = Profile(ctx.settings, process, ctx.say)
+    profile.run(stop)
+    profile.write_outputs(Path("."), expand_filename, strict=True)
+    summary = profile.summary()
+    for line in summary.lines():
         ctx.say(line)
-    if ctx.opts.depth + 12 > MAX_WALKED_FRAMES:
-        ctx.say(f"stacks are walked to {MAX_WALKED_FRAMES} frames at most (the BPF verifier's limit)")
-    points = allocator.points(run, heap=not ctx.opts.pages_as_heap)
-    with HeapProbes(_settings(ctx, pid, run), points) as probes:
-        tables = None
-        if ctx.ns.unwind == "cfi":
-            from agent.symbols.unwind import load_table
-
-            tables = load_table
-        session = Session(
-            ctx.opts, probes, SessionInfo(pid, cmd, ctx.desc, allocator.family), tables=tables, exec_limit=int(run)
-        )
-        if ctx.ns.malt_out_file:
-            from agent.session.maltrec import MaltRecorder
-
-            session.recorder = MaltRecorder(probes, pid)
-        if not run:
-            session.prepare_attach()
-        ctx.say(f"probes attached to {pid} ({probes.attached_through})")
-        started()
-        session.run(alive, stop, ctx.ns.sample_interval)
-        probes.detach()  # the target runs on untouched from here
-        if session.exec_ended():
-            ctx.say(f"process {pid} exec'ed another program: the profile ends there")
-        session.finish()
-        _write_outputs(ctx, session, pid)
-        if session.recorder is not None:
-            _write_malt(ctx, session, points, allocator.path, pid)
-    return session
+    _write_summary(ctx, summary, process.pid, Path("."))
+    return profile
 
 
-def _write_malt(ctx: _Ctx, session: Session, points: Sequence[ProbePoint], allocator: str, pid: int) -> None:
-    from agent.export.malt import check_consistency, symbolizer_resolver, write_malt
-
-    assert session.recorder is not None and session.end_counters is not None
-    profile = session.malt_profile(points, allocator)
-    path = expand_filename(ctx.ns.malt_out_file, pid)
+def _write_summary(ctx: _Ctx, summary: ProfileSummary, pid: int, output_dir: Path) -> None:
+    if ctx.ns.summary_file is None:
+        return
+    path = output_dir / expand_filename(ctx.ns.summary_file, pid)
     try:
-        with open(path, "w") as out:
-            resolve = symbolizer_resolver(session.symbolizer, session.maps.mappings)
-            write_malt(out, profile, format_version=ctx.ns.malt_format, resolve=resolve)
+        path.write_text(json.dumps(summary.to_json(), indent=1) + "\n")
     except OSError as exc:
-        raise HeapscopeError(f"cannot write the MALT profile: {exc}") from exc
-    ctx.say(f"wrote {path}")
-    for problem in check_consistency(profile):
-        ctx.say(f"MALT profile inconsistent (concurrent updates in the kernel?): {problem}")
-
-
-def _write_outputs(ctx: _Ctx, session: Session, pid: int) -> None:
-    path = expand_filename(ctx.opts.massif_out_file, pid)
-    try:
-        _write_file(path, session.massif_text())
-        ctx.say(f"wrote {path}")
-        if ctx.opts.xtree_memory != "none":
-            xpath = expand_filename(ctx.opts.xtree_memory_file, pid)
-            _write_file(xpath, session.xtree_text())
-            ctx.say(f"wrote {xpath}")
-    except OSError as exc:
-        raise HeapscopeError(f"cannot write the profile: {exc}") from exc
-    for line in session.summary():
-        ctx.say(line)
-
-
-def _write_file(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
+        raise HeapscopeError(f"cannot write the summary: {exc}") from exc
 
 
 def _stop_on_signals(stop: threading.Event, forward: Callable[[int], None] | None = None) -> None:
@@ -437,63 +468,39 @@ def _stop_on_signals(stop: threading.Event, forward: Callable[[int], None] | Non
     signal.signal(signal.SIGTERM, handler)
 
 
+def _forward_sigterm(process: TargetProcess) -> Callable[[int], None]:
+    """Ctrl-C reaches a launched child through the terminal already; SIGTERM to us is passed on."""
+
+    def forward(signum: int) -> None:
+        if process.child is not None and signum == signal.SIGTERM:
+            process.child.forward(signum)
+
+    return forward
+
+
 def cmd_run(ctx: _Ctx, program: list[str]) -> int:
     if not program:
         raise UsageError("no program given: heapscope run [options] -- PROG [ARGS]")
     _require_environment()
-    child = HeldChild(program)
-    stop = threading.Event()
-    try:
-        allocator = allocator_of_program(child.path, child.env)
-    except BaseException:
-        child.abandon()
-        raise
-
-    def forward(signum: int) -> None:
-        # Ctrl-C reaches the child through the terminal already; SIGTERM to us is passed on.
-        if signum == signal.SIGTERM:
-            child.forward(signum)
-
-    _stop_on_signals(threading.Event(), forward)  # the run ends when the child does
-    released = False
-
-    def start() -> None:
-        nonlocal released
-        child.release()
-        released = True
-
-    try:
-        _profile(ctx, child.pid, " ".join(program), allocator, True, lambda: child.poll() is None, start, stop)
-    except BaseException:
-        if not released:
-            child.abandon()
-        raise
-    return HeldChild.exit_code(child.wait())
+    process = launch_process(program)
+    _stop_on_signals(threading.Event(), _forward_sigterm(process))  # the run ends when the child does
+    _profile(ctx, process, threading.Event())
+    assert process.child is not None
+    return HeldChild.exit_code(process.child.wait())
 
 
 def cmd_attach(ctx: _Ctx) -> int:
     pid = ctx.ns.pid
     if pid == os.getpid():
         raise UsageError("heapscope cannot profile itself")
-    info = read_process(pid)
+    read_process(pid)  # a missing PID is said before anything else
     _require_environment()
-    allocator = allocator_of_process(pid)
-    try:
-        proc = psutil.Process(pid)
-    except psutil.Error as exc:
-        raise TargetError(f"process {pid} went away: {exc}") from exc
+    process = attach_to(pid)
     stop = threading.Event()
     _stop_on_signals(stop)
-
-    def alive() -> bool:
-        try:
-            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-    ctx.say(f"attaching to {pid} ({' '.join(info.cmdline)}); Ctrl-C or SIGTERM ends the profile")
-    _profile(ctx, pid, " ".join(info.cmdline), allocator, False, alive, lambda: None, stop)
-    if not alive():
+    ctx.say(f"attaching to {pid} ({process.cmdline}); Ctrl-C or SIGTERM ends the profile")
+    _profile(ctx, process, stop)
+    if not process.alive():
         ctx.say(f"process {pid} exited; the profile holds its final state")
     return 0
 
@@ -553,16 +560,7 @@ def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | Non
     sock = bind(settings.host, settings.port)  # first: a bad address fails before anything is attached
     host, port = sock.getsockname()[:2]
     config = DaemonConfig(
-        opts=ctx.opts,
-        desc=ctx.desc,
-        output_dir=settings.output_dir,
-        expand=expand_filename,
-        sample_interval=ctx.ns.sample_interval,
-        unwind=ctx.ns.unwind,
-        max_blocks=ctx.ns.max_blocks,
-        max_stacks=ctx.ns.max_stacks,
-        malt=ctx.ns.malt == "yes",
-        say=ctx.say,
+        profile=ctx.settings, output_dir=settings.output_dir, expand=expand_filename, say=ctx.say
     )
     manager = TargetManager(config)
     app = create_app(settings, manager)
@@ -571,7 +569,8 @@ def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | Non
     try:
         manager.start()
         if program is not None:
-            target, child = manager.launch(program)
+            target = manager.launch(program)
+            child = target.process.child
             until = target.done
         for pid in pids:
             target = manager.attach(pid)
@@ -598,6 +597,10 @@ def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | Non
     return 0
 
 
+def _command(ns: argparse.Namespace, own_args: Sequence[str], daemon: bool) -> _Ctx:
+    return _Ctx(settings_from(ns, massif_desc(own_args), daemon=daemon), ns)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -605,15 +608,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args and args[0] == "run":
             own, program = _split_program(args[1:])
             ns = parser.parse_args(["run", *own])
-            ctx = _Ctx(options_from(ns), ns, massif_desc(own))
+            ctx = _command(ns, own, daemon=ns.http is not None)
             if ns.http is not None:
                 return cmd_daemon(ctx, program=program)
             return cmd_run(ctx, program)
         ns = parser.parse_args(args)
         if ns.command == "serve":
-            ctx = _Ctx(options_from(ns), ns, massif_desc(args[1:]))
-            return cmd_daemon(ctx, pids=ns.pids)
-        ctx = _Ctx(options_from(ns), ns, massif_desc(args[2:]))
+            return cmd_daemon(_command(ns, args[1:], daemon=True), pids=ns.pids)
+        ctx = _command(ns, args[2:], daemon=ns.http is not None)
         if ns.http is not None:
             return cmd_daemon(ctx, pids=[ns.pid])
         return cmd_attach(ctx)

@@ -28,3 +28,22 @@ class EnvironmentProblem(HeapscopeError):
     """The machine lacks something: BPF, uprobes, kernel headers, permission."""
 
     exit_code = 4
+
+
+# ---- the daemon's errors, with the HTTP status the API gives them ----------------------------------------
+
+
+class NoSuchTarget(TargetError):
+    """The daemon profiles no process with that PID (or none at all)."""
+
+    http_status = 404
+
+
+class TargetConflict(HeapscopeError):
+    """The PID is already being profiled, or being attached; or what was asked is not kept for this target."""
+
+    http_status = 409
+
+
+class UnsafePath(UsageError):
+    """A file name that would leave the output directory."""

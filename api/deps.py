@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from fastapi import Depends, Query, Request
 
-from agent.daemon.manager import PID_MAX
+from agent.model.target import PID_MAX
 from api.ports import ManagerPort
 from api.settings import ApiSettings
 

@@ -10,9 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent.daemon.manager import PID_MAX, MonitorResult, ProfileHeader, TargetStatus
 from agent.export.xtree import ALLOCS_EVENTS, FULL_EVENTS
 from agent.model.profile import MassifNode, SiteCounts, Snapshot, SnapshotKind, Stack, massif_tree
+from agent.model.target import PID_MAX, MonitorResult, ProfileHeader, TargetStatus
 
 # ---- requests -------------------------------------------------------------------------------------------
 

@@ -1,15 +1,16 @@
-"""What the API needs from the daemon (agent.daemon.manager.TargetManager and Target implement it). Unit tests give
-the API a fake that implements the same protocol."""
+"""What the API needs from the daemon (agent.daemon.manager.TargetManager and Target implement it). The API depends
+on these ports and on the model, never on the daemon's internals; unit tests give it a fake that implements the
+same protocol."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
-from agent.daemon.manager import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
 from agent.model.counters import Counters
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, Stack
+from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
 
 
 class TargetPort(Protocol):
@@ -30,17 +31,15 @@ class TargetPort(Protocol):
 
     def snapshots(self) -> list[Snapshot]: ...
 
-    def massif_text(self) -> str: ...
-
-    def xtree_text(self) -> str: ...
-
     def xtree_sites(self) -> dict[Stack, SiteCounts]: ...
 
     def top_sites(self, n: int) -> tuple[list[SiteTotal], SiteTotal]: ...
 
     def page_totals(self) -> PageTotals | None: ...
 
-    def malt_json(self, format_version: Literal["1.1", "1.6"]) -> str: ...
+    def render(self, name: str, variant: str | None = None) -> str | bytes:
+        """The output format `name` of agent.export.registry, rendered now."""
+        ...
 
 
 class ManagerPort(Protocol):

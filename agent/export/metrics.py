@@ -16,10 +16,10 @@ from typing import Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent.daemon.manager import SiteTotal
 from agent.errors import HeapscopeError
 from agent.model.counters import Counters
 from agent.model.pages import PageTotals
+from agent.model.target import SiteTotal
 
 TARGET_LABELS = ("pid", "command")
 

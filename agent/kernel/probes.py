@@ -7,6 +7,7 @@ the dataclasses below), never bcc objects.
 
 from __future__ import annotations
 
+import abc
 import array
 import contextlib
 import ctypes
@@ -344,17 +345,103 @@ def _load_bcc():  # type: ignore[no-untyped-def]
     return bcc
 
 
-class HeapProbes:
+class SiteReader(abc.ABC):
+    """Reads a profile's counters: the global counters, the sites' counters and their stacks. The live probes
+    (HeapProbes) read the kernel's maps in place; FrozenProbes reads a copy taken before the program is unloaded,
+    so an exited target's profile can still be queried."""
+
+    settings: ProbeSettings
+    rows_used = 0  # unwind rows loaded into the kernel, all objects together
+    rows_dropped = 0  # rows that did not fit in the table (their objects fall back to frame pointers)
+
+    def __init__(self) -> None:
+        self._stacks: dict[int, tuple[int, ...]] = {}  # site id -> return addresses, read once per site
+
+    @abc.abstractmethod
+    def counters(self) -> Counters: ...
+
+    @abc.abstractmethod
+    def page_counters(self) -> PageCounters: ...
+
+    @abc.abstractmethod
+    def _site_view(self, count: int) -> SiteArray: ...
+
+    @abc.abstractmethod
+    def _read_stack(self, key: int) -> tuple[int, ...]: ...
+
+    def site_count(self) -> int:
+        """Site ids in use so far, the overflow site 0 included: read columns of this many sites."""
+        return min(self.counters().n_sites + 1, self.settings.max_stacks)
+
+    def site_column(self, name: str, count: int, signed: bool | None = None) -> list[int]:
+        """One counter of struct hs_site (probes/heap.h), for sites 0..count-1, read in place. `signed`: read
+        an unsigned counter as signed (a live count a racy read saw below zero comes out negative)."""
+        return self._site_view(count).column(name, count, signed)
+
+    def copy_sites(self, count: int) -> SiteArray:
+        """The counters of sites 0..count-1, copied (they stay readable once the program is unloaded)."""
+        return self._site_view(count).copy(count)
+
+    def used_sites(self, count: int) -> list[int]:
+        """Site ids among 0..count-1 with an allocation or a free charged to them; the others were handed out
+        but never used (another CPU published the same stack first), or their first call is still running."""
+        used = zip(
+            self.site_column("tot_blocks", count),
+            self.site_column("freed_blocks", count),
+            self.site_column("free_count", count),
+            strict=True,
+        )
+        return [key for key, (a, f, n) in enumerate(used) if a or f or n]
+
+    def sites(self, peak_gen: int) -> dict[int, SiteCounts]:
+        """Counters per used site, with the peak values resolved against the global peak numbered `peak_gen`."""
+        n = self.site_count()
+        plain = ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks", "cur_extra")
+        columns = [self.site_column(name, n) for name in plain]
+        peak_bytes = self.peak_column("peak_bytes", "cur_bytes", n, peak_gen)
+        peak_extra = self.peak_column("peak_extra", "cur_extra", n, peak_gen)
+        return {
+            key: SiteCounts(
+                **{name: column[key] for name, column in zip(plain, columns, strict=True)},
+                peak_bytes=peak_bytes[key],
+                peak_extra=peak_extra[key],
+            )
+            for key in self.used_sites(n)
+        }
+
+    def peak_column(self, name: str, live: str, count: int, peak_gen: int, signed: bool | None = None) -> list[int]:
+        """A site's value at the global peak numbered `peak_gen` (peak_bytes, peak_extra): a site untouched
+        since that peak still holds it in its live counter (`live`), as the kernel copies it lazily."""
+        at_peak = self.site_column(name, count, signed)
+        now = self.site_column(live, count, signed)
+        gens = self.site_column("peak_gen", count)
+        return [p if g == peak_gen else c for p, c, g in zip(at_peak, now, gens, strict=True)]
+
+    def stacks(self, keys: Iterable[int]) -> dict[int, tuple[int, ...]]:
+        """Return addresses behind site keys (innermost first). Read from the kernel once per site: they are
+        written before the site's id is published, and never change."""
+        out = {}
+        for key in keys:
+            ips = self._stacks.get(key)
+            if ips is None:
+                ips = self._read_stack(key)
+                if ips:
+                    self._stacks[key] = ips
+            out[key] = ips
+        return out
+
+
+class HeapProbes(SiteReader):
     """Compiled and attached heap probes for one target. Use as a context manager."""
 
     def __init__(self, settings: ProbeSettings, points: Sequence[ProbePoint]) -> None:
+        super().__init__()
         self.settings = settings
         self.points = tuple(points)
         self._bpf = None
         self._fds: list[int] = []  # perf events of the uprobes (bcc closes them)
         self._links: list[int] = []  # uprobe_multi links (closed with os.close)
         self._use_links = uprobe_links_supported()
-        self._stacks: dict[int, tuple[int, ...]] = {}  # site id -> return addresses, read once per site
         self._sites: MappedArray | None = None  # struct hs_site by site id
         self._site_stacks: MappedArray | None = None  # struct hs_stack by site id
         self._events: list[int] = []
@@ -363,8 +450,6 @@ class HeapProbes:
         self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count)
         self._umap_half = 0
         self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
-        self.rows_dropped = 0  # rows that did not fit in the table (their objects fall back to frame pointers)
-        self.rows_used = 0  # rows loaded into the kernel, all objects together
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
 
     # ---- life cycle -------------------------------------------------------------------------------
@@ -641,58 +726,10 @@ class HeapProbes:
         raw = self._bpf["globals"][ctypes.c_int(0)]
         return Counters(**{f.name: int(getattr(raw, f.name)) for f in fields(Counters)})
 
-    def site_count(self) -> int:
-        """Site ids in use so far, the overflow site 0 included: read columns of this many sites."""
-        return min(self.counters().n_sites + 1, self.settings.max_stacks)
-
-    def site_column(self, name: str, count: int, signed: bool | None = None) -> list[int]:
-        """One counter of struct hs_site (probes/heap.h), for sites 0..count-1, read in place. `signed`: read
-        an unsigned counter as signed (a live count a racy read saw below zero comes out negative)."""
-        return self._site_view(count).column(name, count, signed)
-
-    def copy_sites(self, count: int) -> SiteArray:
-        """The counters of sites 0..count-1, copied (they stay readable once the program is unloaded)."""
-        return self._site_view(count).copy(count)
-
     def _site_view(self, count: int) -> SiteArray:
         if self._sites is None:
             raise HeapscopeError("probes are not loaded")
         return self._sites.view(count)
-
-    def used_sites(self, count: int) -> list[int]:
-        """Site ids among 0..count-1 with an allocation or a free charged to them; the others were handed out
-        but never used (another CPU published the same stack first), or their first call is still running."""
-        used = zip(
-            self.site_column("tot_blocks", count),
-            self.site_column("freed_blocks", count),
-            self.site_column("free_count", count),
-            strict=True,
-        )
-        return [key for key, (a, f, n) in enumerate(used) if a or f or n]
-
-    def sites(self, peak_gen: int) -> dict[int, SiteCounts]:
-        """Counters per used site, with the peak values resolved against the global peak numbered `peak_gen`."""
-        n = self.site_count()
-        plain = ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks", "cur_extra")
-        columns = [self.site_column(name, n) for name in plain]
-        peak_bytes = self.peak_column("peak_bytes", "cur_bytes", n, peak_gen)
-        peak_extra = self.peak_column("peak_extra", "cur_extra", n, peak_gen)
-        return {
-            key: SiteCounts(
-                **{name: column[key] for name, column in zip(plain, columns, strict=True)},
-                peak_bytes=peak_bytes[key],
-                peak_extra=peak_extra[key],
-            )
-            for key in self.used_sites(n)
-        }
-
-    def peak_column(self, name: str, live: str, count: int, peak_gen: int, signed: bool | None = None) -> list[int]:
-        """A site's value at the global peak numbered `peak_gen` (peak_bytes, peak_extra): a site untouched
-        since that peak still holds it in its live counter (`live`), as the kernel copies it lazily."""
-        at_peak = self.site_column(name, count, signed)
-        now = self.site_column(live, count, signed)
-        gens = self.site_column("peak_gen", count)
-        return [p if g == peak_gen else c for p, c, g in zip(at_peak, now, gens, strict=True)]
 
     def malt_sites(self) -> dict[int, MaltSiteFields]:
         """MALT's per-stack statistics (settings.malt), by site id."""
@@ -751,19 +788,6 @@ class HeapProbes:
         w.max_heap, w.site = heap_now, 0
         table[ctypes.c_int(0)] = w
         return result
-
-    def stacks(self, keys: Iterable[int]) -> dict[int, tuple[int, ...]]:
-        """Return addresses behind site keys (innermost first). Read from the kernel once per site: they are
-        written before the site's id is published, and never change."""
-        out = {}
-        for key in keys:
-            ips = self._stacks.get(key)
-            if ips is None:
-                ips = self._read_stack(key)
-                if ips:
-                    self._stacks[key] = ips
-            out[key] = ips
-        return out
 
     def _read_stack(self, key: int) -> tuple[int, ...]:
         if self._site_stacks is None or not 0 <= key < self.settings.max_stacks:

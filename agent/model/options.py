@@ -44,13 +44,11 @@ class MassifOptions:
     alloc_fns: list[str] = field(default_factory=list)  # --alloc-fn, added to the defaults
     ignore_fns: list[str] = field(default_factory=list)  # --ignore-fn
     threshold: float = 1.0  # percent
-    peak_inaccuracy: float = 1.0  # percent; heapscope's peak is exact, this only gates extra peak snapshots
+    peak_inaccuracy: float = 1.0  # percent; accepted for Massif's sake: heapscope's peak is always exact
     time_unit: str = "ms"  # i | ms | B; Massif's default i needs hardware instruction counters
     detailed_freq: int = 10
     max_snapshots: int = 100
-    massif_out_file: str = "massif.out.%p"
     xtree_memory: str = "none"  # none | allocs | full
-    xtree_memory_file: str = "xtmemory.kcg.%p"
 
     @property
     def all_alloc_fns(self) -> frozenset[str]:

@@ -1,19 +1,24 @@
-"""Massif's monitor commands as GETs. Each text body is exactly the file the monitor command writes, so
-ms_print and callgrind_annotate read it; ?format=json gives the same data as JSON.
+"""Massif's monitor commands as GETs, and one route per output format of agent.export.registry. Each text body is
+exactly the file the monitor command (or the file option) writes, so ms_print and callgrind_annotate read it;
+?format=json gives the same data as JSON where the API has a model for it.
 
 The handlers are plain functions: FastAPI runs them in its thread pool, so a slow map read never blocks the
 event loop, and the target is never stopped (the reads are syscalls made by the daemon)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel
 
 from agent.export.massif import render_snapshot
+from agent.export.registry import FORMATS, MASSIF, XTREE, OutputFormat
 from api.deps import Format, Manager, Pid
 from api.models import MassifOut, XtreeOut, massif_out, xtree_out
+from api.ports import TargetPort
 from api.routers import ERRORS
 
 router = APIRouter(tags=["profiles"])
@@ -57,48 +62,50 @@ def detailed_snapshot(manager: Manager, pid: Pid = None, fmt: Format = "text") -
     return _snapshot(manager, pid, fmt, detailed=True)
 
 
-@router.get(
-    "/all_snapshots",
-    response_model=MassifOut,
-    responses=_responses("The whole massif.out so far (monitor command `all_snapshots`)."),
-    summary="Every snapshot recorded so far",
-)
-def all_snapshots(manager: Manager, pid: Pid = None, fmt: Format = "text") -> Response | MassifOut:
-    target = manager.get(pid)
-    if fmt == "json":
-        return massif_out(target.header(), target.snapshots())
-    return PlainTextResponse(target.massif_text())
+# The JSON forms of the formats that have one (`?format=json`): the same data as the file.
+_JSON_VIEWS: dict[str, tuple[type[BaseModel], Callable[[TargetPort], BaseModel]]] = {
+    MASSIF.name: (MassifOut, lambda t: massif_out(t.header(), t.snapshots())),
+    XTREE.name: (XtreeOut, lambda t: xtree_out(t.header(), t.xtree_sites())),
+}
 
 
-@router.get(
-    "/xtmemory",
-    response_model=XtreeOut,
-    responses=_responses("The xtree heap memory report in callgrind format (monitor command `xtmemory`)."),
-    summary="The xtree memory report",
-)
-def xtmemory(manager: Manager, pid: Pid = None, fmt: Format = "text") -> Response | XtreeOut:
-    target = manager.get(pid)
-    if fmt == "json":
-        return xtree_out(target.header(), target.xtree_sites())
-    return PlainTextResponse(target.xtree_text())
+def _format_route(fmt: OutputFormat) -> Callable[..., Any]:
+    """GET fmt.route: the file the format writes, rendered now (for an ended target: at its end)."""
+    json_view = _JSON_VIEWS.get(fmt.name)
+    if fmt.variant is not None:
+        v = fmt.variant
+        Choice = Annotated[Literal[v.choices], Query(alias=v.param, description=v.help)]  # type: ignore[name-defined]
+
+        def with_variant(manager: Manager, pid: Pid = None, variant: Choice = v.default) -> Response:
+            return Response(manager.get(pid).render(fmt.name, variant), media_type=fmt.media_type)
+
+        with_variant.__annotations__["variant"] = Choice  # a local type: FastAPI cannot resolve its name
+        return with_variant
+    if json_view is not None:
+        to_json = json_view[1]
+
+        def with_json(manager: Manager, pid: Pid = None, fmt_: Format = "text") -> Response | BaseModel:
+            target = manager.get(pid)
+            if fmt_ == "json":
+                return to_json(target)
+            return Response(target.render(fmt.name), media_type=fmt.media_type)
+
+        return with_json
+
+    def plain(manager: Manager, pid: Pid = None) -> Response:
+        return Response(manager.get(pid).render(fmt.name), media_type=fmt.media_type)
+
+    return plain
 
 
-MaltVersion = Annotated[
-    Literal["1.1", "1.6"],
-    Query(description="1.1: the documented format; 1.6: what current MALT's reader (its viewer) requires."),
-]
-
-
-@router.get(
-    "/malt",
-    responses={
-        **ERRORS,
-        200: {
-            "description": "MALT's JSON profile of the target, as --malt-out-file writes it.",
-            "content": {"application/json": {"schema": {"type": "object"}}},
-        },
-    },
-    summary="MALT's whole profile: per-stack statistics, lifetimes, timelines, memory, threads, leaks",
-)
-def malt(manager: Manager, pid: Pid = None, version: MaltVersion = "1.1") -> Response:
-    return Response(manager.get(pid).malt_json(version), media_type="application/json")
+for _fmt in FORMATS:
+    _view = _JSON_VIEWS.get(_fmt.name)
+    router.add_api_route(
+        _fmt.route,
+        _format_route(_fmt),
+        methods=["GET"],
+        response_model=_view[0] if _view is not None else None,
+        responses={**ERRORS, 200: {"description": f"{_fmt.summary}.", "content": {_fmt.media_type: {}}}},
+        summary=_fmt.summary[0].upper() + _fmt.summary[1:],
+        name=_fmt.name,
+    )

@@ -4,7 +4,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path
 
-from agent.daemon.manager import PID_MAX
+from agent.model.target import PID_MAX
 from api.deps import Manager
 from api.models import AttachRequest, TargetOut, target_out
 from api.routers import ERRORS

@@ -4,27 +4,18 @@ model, rendered by the real writers. Calls the API should never make (attach of 
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.daemon.manager import (
-    MonitorResult,
-    NoSuchTarget,
-    ProfileHeader,
-    SiteTotal,
-    TargetConflict,
-    TargetStatus,
-    run_monitor,
-    top_sites,
-)
-from agent.errors import UsageError
-from agent.export.massif import render_snapshot, write_massif
-from agent.export.xtree import write_xtree
+from agent.daemon.monitor import run_monitor
+from agent.errors import NoSuchTarget, TargetConflict, UsageError
+from agent.export.massif import render_snapshot
+from agent.export.registry import BY_NAME, MaltDocument
 from agent.model.counters import Counters
 from agent.model.pages import PageTotals
 from agent.model.profile import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
+from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus, top_sites
 
 
 def frame(address: int, function: str, line: int, file: str = "prog.c") -> Frame:
@@ -127,26 +118,19 @@ class FakeTarget:
             Snapshot(self.time, c.heap, c.extra, 0, self._tree(), SnapshotKind.PEAK),
         ]
 
-    def massif_text(self) -> str:
-        h = self.header()
-        out = io.StringIO()
-        write_massif(out, self.snapshots(), desc=h.desc, cmd=h.cmd, time_unit=h.time_unit, threshold=h.threshold)
-        return out.getvalue()
-
     def xtree_sites(self) -> dict[Stack, SiteCounts]:
         self._check()
         return dict(self.sites)
 
-    def xtree_text(self) -> str:
-        out = io.StringIO()
-        write_xtree(out, self.xtree_sites(), cmd=self.header().cmd, pid=self.pid, kind="full")
-        return out.getvalue()
+    def render(self, name: str, variant: str | None = None) -> str | bytes:
+        fmt = BY_NAME[name]  # the real renderers, over this fake's data
+        return fmt.render(self, variant if variant is not None else (fmt.variant.default if fmt.variant else ""))
 
     def top_sites(self, n: int) -> tuple[list[SiteTotal], SiteTotal]:
         self._check()
         return top_sites(self.sites, n)
 
-    def malt_json(self, format_version: str) -> str:
+    def malt_document(self) -> MaltDocument:
         self._check()
         raise TargetConflict("MALT statistics are off in this fake daemon")
 

@@ -45,8 +45,8 @@ def test_text_bodies_are_what_the_monitor_commands_write(one: tuple[TestClient, 
     for path, expected in (
         ("/snapshot", target.snapshot_text(False)),
         ("/detailed_snapshot", target.snapshot_text(True)),
-        ("/all_snapshots", target.massif_text()),
-        ("/xtmemory", target.xtree_text()),
+        ("/all_snapshots", target.render("massif")),
+        ("/xtmemory", target.render("xtree")),
     ):
         r = client.get(path)
         assert r.status_code == 200, r.text
@@ -268,11 +268,11 @@ def test_monitor_writes_under_the_output_dir(tmp_path: Path) -> None:
         assert r.json()["file"] == str(tmp_path / "ds.out")
         assert (tmp_path / "ds.out").read_text() == target.snapshot_text(True)
         r = client.post("/monitor", json={"command": "xtmemory"})
-        assert (tmp_path / "xtmemory.kcg.4242.1").read_text() == target.xtree_text()
+        assert (tmp_path / "xtmemory.kcg.4242.1").read_text() == target.render("xtree")
         client.post("/monitor", json={"command": "xtmemory xt.%p.%n"})
         assert (tmp_path / "xt.4242.2").exists()
         client.post("/monitor", json={"command": "all_snapshots"})
-        assert (tmp_path / "massif.vgdb.out").read_text() == target.massif_text()
+        assert (tmp_path / "massif.vgdb.out").read_text() == target.render("massif")
         help_text = client.post("/monitor", json={"command": "help"}).json()["output"]
         assert "detailed_snapshot [<filename>]" in help_text
 

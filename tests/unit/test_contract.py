@@ -54,7 +54,7 @@ def test_counters_mirror_hs_global() -> None:
 def test_page_counters_mirror_the_enum() -> None:
     members = sorted((v, k) for k, v in HEAP_H.enum("hs_page_counter").items() if k != "HS_PGC_COUNT")
     assert [k.removeprefix("HS_PGC_").lower() for _, k in members] == [f.name for f in fields(PageCounters)]
-    assert probes.PAGE_COUNTER_COUNT == len(fields(PageCounters))
+    assert len(fields(PageCounters)) == probes.PAGE_COUNTER_COUNT
 
 
 def test_malt_site_fields_are_hs_site_fields() -> None:
@@ -66,13 +66,13 @@ def test_unwind_row_is_hs_row() -> None:
     assert unwind.ROW.format == _format_of("hs_row")
     assert struct.calcsize(unwind.ROW.format) == 12
     cfa = HEAP_H.enum("hs_cfa_type")
-    assert (unwind.CFA_RSP, unwind.CFA_RBP, unwind.CFA_PLT, unwind.CFA_NONE, unwind.CFA_END) == (
+    assert (
         cfa["HS_CFA_RSP"],
         cfa["HS_CFA_RBP"],
         cfa["HS_CFA_PLT"],
         cfa["HS_CFA_NONE"],
         cfa["HS_CFA_END"],
-    )
+    ) == (unwind.CFA_RSP, unwind.CFA_RBP, unwind.CFA_PLT, unwind.CFA_NONE, unwind.CFA_END)
     # Row flags must not collide with the rule cache's own flag.
     flags = (unwind.FLAG_RBP_SAVED, unwind.FLAG_RBP_UNKNOWN, HEAP_H.value("HS_RULE_MAPPED"))
     assert len(set(flags)) == 3 and all(f & (f - 1) == 0 for f in flags)
@@ -85,13 +85,13 @@ def test_page_event_is_hs_page_event() -> None:
 
 def test_control_words_and_events() -> None:
     control = HEAP_H.enum("hs_control")
-    assert (probes.CTL_ARMED, probes.CTL_STOPPED, probes.CTL_UMAPS, probes.CTL_STACK_EPOCH, probes.CTL_STACK_END) == (
+    assert (
         control["HS_CTL_ARMED"],
         control["HS_CTL_STOPPED"],
         control["HS_CTL_UMAPS"],
         control["HS_CTL_STACK_EPOCH"],
         control["HS_CTL_STACK_END"],
-    )
+    ) == (probes.CTL_ARMED, probes.CTL_STOPPED, probes.CTL_UMAPS, probes.CTL_STACK_EPOCH, probes.CTL_STACK_END)
     # The BPF side reads the first published index as (word >> 32) & (2 * HS_MAX_UMAPS - 1): below the generation.
     assert (2 * probes.MAX_UMAPS - 1).bit_length() + 32 <= probes.UMAPS_GEN_SHIFT
     assert f"& {hex(2 * probes.MAX_UMAPS - 1)}" in BPF_SOURCE

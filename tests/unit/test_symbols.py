@@ -588,7 +588,7 @@ def test_symbolize_stack_flattens_inline_levels() -> None:
 def test_maps_recorder_keeps_the_main_stack_end(tmp_path: Path) -> None:
     """The stack walk's reads stop just above argc on the main thread's stack (/proc/PID/stat startstack),
     read with the maps."""
-    from agent.session.session import MapsRecorder
+    from agent.process.maps import MapsRecorder
 
     (tmp_path / "42").mkdir()
     fields = ["0"] * 50

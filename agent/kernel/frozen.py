@@ -1,0 +1,35 @@
+"""A target's last state: its maps copied before the BPF program is unloaded, so its profile stays queryable."""
+
+from __future__ import annotations
+
+from agent.kernel.probes import HeapProbes, SiteArray, SiteReader
+from agent.model.counters import Counters, PageCounters
+
+
+class FrozenProbes(SiteReader):
+    """A copy of a target's maps taken before its BPF program is unloaded: the Session reads it as it read the
+    live maps."""
+
+    def __init__(self, live: HeapProbes, counters: Counters) -> None:
+        super().__init__()
+        self.settings = live.settings
+        self._counters = counters
+        count = min(counters.n_sites + 1, live.settings.max_stacks)
+        self._frozen_sites = live.copy_sites(count)
+        # Every site's stack, those of sites that only made page syscalls too (used_sites() leaves them out).
+        self._stacks = {k: ips for k, ips in live.stacks(range(count)).items() if ips}
+        self._page_counters = live.page_counters()
+        # What the end-of-run summary says of the live probes.
+        self.rows_used, self.rows_dropped = live.rows_used, live.rows_dropped
+
+    def counters(self) -> Counters:
+        return self._counters
+
+    def page_counters(self) -> PageCounters:
+        return self._page_counters
+
+    def _site_view(self, count: int) -> SiteArray:
+        return self._frozen_sites
+
+    def _read_stack(self, key: int) -> tuple[int, ...]:
+        return ()  # every stack was copied

@@ -1,0 +1,109 @@
+"""The end-of-run summary as a value: what the CLI prints, what `--summary-file` writes as JSON, what tests read."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.model.counters import Counters, PageCounters
+from agent.model.pages import PageStats
+
+
+@dataclass(frozen=True)
+class PageSummary:
+    """The page map at the end (--pages-as-heap, or the mapped total beside the heap)."""
+
+    stats: PageStats
+    mapped: int  # bytes mapped at the end
+    peak_mapped: int
+    kernel: PageCounters  # events the kernel sent and could not send
+
+
+@dataclass(frozen=True)
+class UnwindSummary:
+    """The unwind tables the stack walk used (--unwind=cfi)."""
+
+    rows_used: int
+    rows_dropped: int  # rows that did not fit in the kernel table
+    objects: int  # objects whose table was built or loaded
+    seconds: float  # building or loading them
+    problems: dict[str, str] = field(default_factory=dict)  # object path -> why it has no table
+
+
+@dataclass(frozen=True)
+class ProfileSummary:
+    counters: Counters
+    pages: PageSummary | None = None
+    unwind: UnwindSummary | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def lines(self) -> list[str]:
+        c = self.counters
+        lines = [
+            f"{c.n_allocs} allocations, {c.n_frees} frees, {c.n_reallocs} reallocs; "
+            f"peak {c.peak_heap} B useful + {c.peak_extra} B extra; {c.blocks} blocks ({c.heap} B) live at the end"
+        ]
+        if c.untracked_frees:
+            lines.append(f"{c.untracked_frees} frees of blocks allocated before the probes were attached (not counted)")
+        if c.failed_allocs:
+            lines.append(f"{c.failed_allocs} allocation calls returned NULL")
+        if c.dropped:
+            lines.append(
+                f"NOT COUNTED: {c.dropped_blocks} blocks (block table full), {c.dropped_stacks} stacks "
+                f"(stack table full), {c.dropped_sites} sites (site table full), {c.dropped_pending} calls "
+                "(thread table full): raise --max-blocks / --max-stacks"
+            )
+        if c.lost_returns:
+            lines.append(f"{c.lost_returns} allocation calls whose return was not seen")
+        if c.walks_interrupted:
+            lines.append(
+                f"{c.walks_interrupted} stack walks overtaken by another thread's on the same CPU (a preemptible "
+                "kernel): their calls are charged to [stack not recorded] (or, at a tail call, not seen)"
+            )
+        if self.pages is not None:
+            lines.extend(_page_lines(self.pages))
+        if self.unwind is not None:
+            lines.extend(_unwind_lines(self.unwind, c))
+        return lines
+
+
+def _page_lines(p: PageSummary) -> list[str]:
+    st, kc = p.stats, p.kernel
+    lines = [
+        f"pages: {st.applied} mmap/munmap/mremap/brk calls applied ({st.failed} failed); mapped "
+        f"{p.mapped} B at the end, {p.peak_mapped} B at the peak"
+    ]
+    if kc.dropped:
+        lines.append(
+            f"pages: NOT COUNTED: {kc.lost} syscalls (event buffer full), {kc.calls_full} (thread table "
+            "full): the page figures are inexact from there on"
+        )
+    odd = {
+        "bytes unmapped that were not mapped": st.unknown_unmapped_bytes,
+        "bytes mapped over others without MAP_FIXED": st.replaced_without_fixed_bytes,
+        "brk changes before the break was known": st.brk_unknown_base,
+        "invalid calls": st.invalid,
+    }
+    shown = [f"{n} {what}" for what, n in odd.items() if n]
+    if shown:
+        lines.append("pages: " + ", ".join(shown))
+    return lines
+
+
+def _unwind_lines(u: UnwindSummary, c: Counters) -> list[str]:
+    lines = [
+        f"unwind: {u.rows_used} table rows ({u.rows_used * 12 // 1024} KiB) for "
+        f"{u.objects} objects, built or loaded in {u.seconds:.2f} s; "
+        f"frames: {c.unwind_frames} by table, {c.unwind_fp} by frame pointer (no table), "
+        f"{c.unwind_no_rule} with no rule, {c.unwind_bad_read} bad reads "
+        f"({c.unwind_short_reads} runs read again to a page end), {c.unwind_depth_cut} stacks cut "
+        "at the depth limit"
+    ]
+    if u.rows_dropped:
+        lines.append(f"unwind: {u.rows_dropped} rows did not fit in the kernel table")
+    for path, problem in u.problems.items():
+        lines.append(f"unwind: no table for {path}: {problem}")
+    return lines

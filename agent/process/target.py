@@ -1,0 +1,81 @@
+"""The process a profile is of: a running one attached to, or a program launched held before its exec (`run`).
+
+Either way the pipeline gets the same thing: the PID, what to call it, the allocator it uses, a way to tell
+whether it still runs, and `release()`, which lets a held program exec once the probes are in place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import psutil
+
+from agent.errors import TargetError
+from agent.process.discovery import Allocator, allocator_of_process, allocator_of_program, read_process
+from agent.process.launch import HeldChild
+
+
+@dataclass
+class TargetProcess:
+    pid: int
+    name: str  # the process name (comm): short, for metric labels
+    cmdline: str  # the command line, for the files' cmd: lines
+    allocator: Allocator
+    alive: Callable[[], bool]
+    child: HeldChild | None = None  # launched (`run`): held until release()
+    _released: bool = False
+
+    @property
+    def launched(self) -> bool:
+        return self.child is not None
+
+    def release(self) -> None:
+        """The probes are in place: a held program may exec now."""
+        if self.child is not None and not self._released:
+            self._released = True
+            self.child.release()
+
+    def abandon(self) -> None:
+        """Setting up failed: a held program that never ran is ended."""
+        if self.child is not None and not self._released:
+            self._released = True
+            self.child.abandon()
+
+
+def attach_to(pid: int, proc: str = "/proc") -> TargetProcess:
+    """A running process, by PID."""
+    info = read_process(pid, proc)
+    allocator = allocator_of_process(pid, proc)
+    try:
+        ps = psutil.Process(pid)
+        name = ps.name()
+    except psutil.Error as exc:
+        raise TargetError(f"process {pid} went away: {exc}") from exc
+
+    def alive() -> bool:
+        try:
+            return ps.is_running() and ps.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    return TargetProcess(pid, name, " ".join(info.cmdline), allocator, alive)
+
+
+def launch(argv: Sequence[str]) -> TargetProcess:
+    """A program started held before its exec: the probes arm at the exec, so nothing it allocates is missed."""
+    child = HeldChild(argv)
+    try:
+        allocator = allocator_of_program(child.path, child.env)
+    except BaseException:
+        child.abandon()
+        raise
+    return TargetProcess(
+        child.pid,
+        os.path.basename(argv[0])[:15],
+        " ".join(argv),
+        allocator,
+        lambda: child.poll() is None,
+        child=child,
+    )

@@ -1,0 +1,247 @@
+"""The one profile pipeline that `run`, `attach` and every daemon target go through:
+
+    settings -> probes -> session and its recorders -> outputs
+
+ProfileSettings holds what a profile is run with (Massif's options, heapscope's own, the output files).
+Profile takes one target process through the pipeline: it attaches the probes, samples until the target exits or
+is let go, detaches, keeps the last state readable, and renders and writes the outputs of the registry
+(agent.export.registry). The CLI and the daemon only build these and say where the lines and files go.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.errors import HeapscopeError, TargetConflict
+from agent.export.malt import check_consistency, symbolizer_resolver
+from agent.export.registry import BY_NAME, FORMATS, MaltDocument, OutputFormat
+from agent.kernel.frozen import FrozenProbes
+from agent.kernel.probes import HeapProbes, ProbeSettings
+from agent.model.counters import Counters
+from agent.model.options import MAX_WALKED_FRAMES, MassifOptions
+from agent.model.pages import PageTotals
+from agent.model.profile import SiteCounts, Snapshot, Stack
+from agent.model.summary import ProfileSummary
+from agent.model.target import ProfileHeader, SiteTotal, TargetState, top_sites
+from agent.process.target import TargetProcess
+from agent.session.session import Session, SessionInfo
+
+
+def _quiet(line: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """What every profile of one command is run with."""
+
+    opts: MassifOptions
+    desc: tuple[str, ...] = ()  # the Massif options as the user wrote them (massif.out's desc:)
+    files: Mapping[str, str] = field(default_factory=dict)  # output format name -> file name template (%p)
+    variants: Mapping[str, str] = field(default_factory=dict)  # output format name -> its variant (MALT's version)
+    sample_interval: float = 0.05  # seconds between samples of the kernel's counters
+    unwind: str = "cfi"  # cfi: .eh_frame tables; fp: frame pointers only
+    max_blocks: int = 1 << 20
+    max_stacks: int = 1 << 16
+    malt: bool = False  # keep MALT's statistics in the kernel (GET /malt, --malt-out-file)
+
+    def probe_settings(self, pid: int, launched: bool) -> ProbeSettings:
+        o = self.opts
+        return ProbeSettings(
+            target_tgid=pid,
+            arm_on_exec=launched,
+            stop_events=launched,
+            unwind=self.unwind == "cfi",
+            free_stacks=o.xtree_memory == "full",
+            malt=self.malt,
+            heap_admin=o.heap_admin,
+            alignment=o.alignment,
+            max_depth=o.walked_frames,
+            max_blocks=self.max_blocks,
+            max_stacks=self.max_stacks,
+            pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
+            stacks=o.stacks,
+        )
+
+    def outputs(self) -> list[tuple[OutputFormat, str]]:
+        """The formats written at the end, with their file name templates."""
+        return [(f, self.files[f.name]) for f in FORMATS if f.name in self.files and f.written_if(self.opts)]
+
+
+class Profile:
+    """One target's profile, from the probes to the outputs. Readers (HTTP requests) may call the methods below
+    from any thread while run() samples; the target itself is never stopped by a read."""
+
+    def __init__(self, settings: ProfileSettings, process: TargetProcess, say: Callable[[str], None] = _quiet) -> None:
+        self.settings = settings
+        self.process = process
+        self.pid = process.pid
+        self.command = process.name
+        self.cmdline = process.cmdline
+        self.allocator = process.allocator.family
+        self.say = say
+        o = settings.opts
+        self._header = ProfileHeader(
+            desc=tuple(settings.desc),
+            cmd=process.cmdline,
+            pid=process.pid,
+            time_unit=o.time_unit,
+            threshold=o.threshold,
+            xtree_kind="full" if o.xtree_memory == "full" else "allocs",
+        )
+        self.state: TargetState = "profiling"
+        self.started_at = time.time()
+        self.ended_at: float | None = None
+        self.session: Session | None = None
+        # Held by readers and by the swap to the frozen copy, so no read meets a half-closed BPF object.
+        self.lock = threading.Lock()
+        self._malt_final: MaltDocument | None = None  # MALT's profile at the end, once the probes are closed
+
+    # ---- the pipeline -----------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event, ready: Callable[[], None] = lambda: None) -> None:
+        """Attach, let a held target go, sample until it exits or `stop` is set, detach, and keep the last state.
+        `ready` is called once the probes are live."""
+        s, p = self.settings, self.process
+        for line in p.allocator.describe():
+            self.say(line)
+        if s.opts.depth + 12 > MAX_WALKED_FRAMES:
+            self.say(f"stacks are walked to {MAX_WALKED_FRAMES} frames at most (the BPF verifier's limit)")
+        points = p.allocator.points(p.launched, heap=not s.opts.pages_as_heap)
+        tables = None
+        if s.unwind == "cfi":
+            from agent.symbols.unwind import load_table
+
+            tables = load_table
+        try:
+            with HeapProbes(s.probe_settings(p.pid, p.launched), points) as probes:
+                session = Session(
+                    s.opts,
+                    probes,
+                    SessionInfo(p.pid, p.cmdline, list(s.desc), p.allocator.family),
+                    tables=tables,
+                    exec_limit=int(p.launched),
+                )
+                if s.malt:
+                    from agent.session.maltrec import MaltRecorder
+
+                    session.recorder = MaltRecorder(probes, p.pid)
+                if not p.launched:
+                    session.prepare_attach()
+                self.say(f"probes attached to {p.pid} ({probes.attached_through})")
+                p.release()
+                self.session = session
+                ready()
+                try:
+                    session.run(p.alive, stop, s.sample_interval)
+                finally:
+                    probes.detach()  # the target runs on untouched from here
+                    if session.exec_ended():
+                        self.say(f"process {p.pid} exec'ed another program: its profile ends there")
+                    session.finish()
+                    assert session.end_counters is not None
+                    if session.recorder is not None:  # built while the maps are open: readable after the end
+                        self._malt_final = MaltDocument(
+                            session.malt_profile(points, p.allocator.path),
+                            symbolizer_resolver(session.symbolizer, session.maps.mappings),
+                        )
+                        for problem in check_consistency(self._malt_final.profile):
+                            self.say(f"MALT profile inconsistent (concurrent updates in the kernel?): {problem}")
+                    frozen = FrozenProbes(probes, session.end_counters)
+                    with self.lock:
+                        session.freeze(frozen)
+        finally:
+            p.abandon()  # a held program that never ran is ended; one released runs on
+        self.state = "detached" if p.alive() else "exited"
+        self.ended_at = time.time()
+
+    def write_outputs(self, output_dir: Path, expand: Callable[[str, int], str], strict: bool) -> tuple[str, ...]:
+        """Write every output the settings ask for under `output_dir` (file names from their templates). A file
+        that cannot be written raises when `strict` (the CLI), and is reported and skipped otherwise (a daemon
+        keeps serving)."""
+        written = []
+        for fmt, template in self.settings.outputs():
+            path = output_dir / expand(template, self.pid)
+            try:
+                data = self.render(fmt.name)
+                if isinstance(data, bytes):
+                    path.write_bytes(data)
+                else:
+                    path.write_text(data)
+            except (OSError, HeapscopeError) as exc:
+                if strict:
+                    raise HeapscopeError(f"cannot write the {fmt.name} profile: {exc}") from exc
+                self.say(f"cannot write {path}: {exc}")
+                continue
+            written.append(str(path))
+            self.say(f"wrote {path}")
+        return tuple(written)
+
+    # ---- what readers read ------------------------------------------------------------------------
+
+    def _session(self) -> Session:
+        if self.session is None:
+            raise TargetConflict(f"target {self.pid} is not attached yet")
+        return self.session
+
+    def header(self) -> ProfileHeader:
+        return self._header
+
+    def render(self, name: str, variant: str | None = None) -> str | bytes:
+        fmt = BY_NAME[name]
+        if variant is None:
+            variant = self.settings.variants.get(name, fmt.variant.default if fmt.variant else "")
+        return fmt.render(self, variant)
+
+    def counters(self) -> Counters:
+        s = self._session()
+        with self.lock:
+            return s.end_counters or s.counters()
+
+    def page_totals(self) -> PageTotals | None:
+        s = self._session()
+        with self.lock:
+            return s.page_totals()
+
+    def snapshot(self, detailed: bool) -> Snapshot:
+        """A snapshot taken now; for a target that is no longer profiled, its final state."""
+        s = self._session()
+        with self.lock:
+            return s.snapshot_model(detailed)
+
+    def snapshots(self) -> list[Snapshot]:
+        s = self._session()
+        with self.lock:
+            return s.snapshot_list()
+
+    def xtree_sites(self) -> dict[Stack, SiteCounts]:
+        s = self._session()
+        with self.lock:
+            return s.merged_sites(massif_trim=False)
+
+    def top_sites(self, n: int) -> tuple[list[SiteTotal], SiteTotal]:
+        s = self._session()
+        with self.lock:
+            merged = s.merged_sites(massif_trim=True)
+        return top_sites(merged, n)
+
+    def malt_document(self) -> MaltDocument:
+        """MALT's whole profile: of now, or of the end for a target no longer profiled."""
+        s = self._session()
+        if self._malt_final is not None:
+            return self._malt_final
+        if s.recorder is None:
+            raise TargetConflict("MALT statistics are off for this target (the daemon runs with --malt=no)")
+        points = s.live.points if s.live is not None else ()
+        with self.lock:
+            profile = s.malt_profile(points, self.process.allocator.path)
+        return MaltDocument(profile, symbolizer_resolver(s.symbolizer, s.maps.mappings))
+
+    def summary(self) -> ProfileSummary:
+        s = self._session()
+        with self.lock:
+            return s.summary()
