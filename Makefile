@@ -7,7 +7,7 @@ HEAPSCOPE := $(VENV)/bin/heapscope
 CC        := gcc
 OUT       := out
 
-.PHONY: setup demo test lint bench bench-quick bench-latency clean
+.PHONY: setup demo test unit lint bench bench-quick bench-latency clean
 
 setup:
 	bash scripts/setup.sh
@@ -33,14 +33,27 @@ demo: setup demo/build/phases
 lint: setup
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/mypy agent api
+	$(VENV)/bin/lint-imports
 
-# All three run even if one fails, so a CI log shows every problem at once; any failure fails the target,
-# including pytest's exit code 5 (no tests collected).
+# All of them run even if one fails, so a CI log shows every problem at once; any failure fails the target,
+# including pytest's exit code 5 (no tests collected). lint-imports checks the layers (pyproject.toml).
 test: setup
 	@status=0; \
 	echo "+ ruff check"; $(VENV)/bin/ruff check || status=1; \
 	echo "+ mypy agent api"; $(VENV)/bin/mypy agent api || status=1; \
+	echo "+ lint-imports"; $(VENV)/bin/lint-imports || status=1; \
 	echo "+ pytest -v tests"; $(VENV)/bin/pytest -v tests || status=1; \
+	exit $$status
+
+# The checks that need no root: the virtualenv only (no Debian packages), then the linters and tests/unit
+# (tests that need gcc, Valgrind or gdb skip without them).
+unit:
+	bash scripts/setup.sh venv
+	@status=0; \
+	echo "+ ruff check"; $(VENV)/bin/ruff check || status=1; \
+	echo "+ mypy agent api"; $(VENV)/bin/mypy agent api || status=1; \
+	echo "+ lint-imports"; $(VENV)/bin/lint-imports || status=1; \
+	echo "+ pytest -v tests/unit"; $(VENV)/bin/pytest -v tests/unit || status=1; \
 	exit $$status
 
 bench: setup

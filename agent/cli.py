@@ -560,7 +560,11 @@ def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | Non
     sock = bind(settings.host, settings.port)  # first: a bad address fails before anything is attached
     host, port = sock.getsockname()[:2]
     config = DaemonConfig(
-        profile=ctx.settings, output_dir=settings.output_dir, expand=expand_filename, say=ctx.say
+        profile=ctx.settings,
+        output_dir=settings.output_dir,
+        expand=expand_filename,
+        say=ctx.say,
+        summary_file=ctx.ns.summary_file,
     )
     manager = TargetManager(config)
     app = create_app(settings, manager)

@@ -10,7 +10,7 @@ and the daemon's RSS and CPU while idle.
 2. Once every site has been seen: the target's allocation rate for a few seconds with no client, then while
    one client requests /detailed_snapshot back to back (latency p50/p99 of those requests), then quiet again.
 3. Idle: the daemon's RSS and CPU over 10 s with no target, and with an attached target that sleeps.
-Results go to bench/results/latency.json. Goal (issue 4): p99 at most 100 ms for 10,000 sites.
+Results go to bench/results/latency.json. Goal: p99 at most 100 ms for 10,000 sites.
 The machine's load average is recorded before and after the requests: on a small machine other work moves the
 latencies more than most changes do, so compare variants run alternately, under the same load.
 """

@@ -8,7 +8,7 @@ Every measurement runs in a fresh interpreter (imports done before the clock sta
 reading the object's build-id, as it would for a process seen for the first time:
 - cold:   load_table() with an empty cache directory (parse the CFI, build the rows, write the cache file);
 - cached: load_table() with the file written by the cold run.
-Goals (issue 3): at most 2 s cold, at most 50 ms from cache. The median of the repeats is reported, and the
+Goals: at most 2 s cold, at most 50 ms from cache. The median of the repeats is reported, and the
 table's contents: rows and bytes, rows per CFA type, and the rows the format cannot express and why.
 Results also go to bench/results/unwind_tables.json.
 """

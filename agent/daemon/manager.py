@@ -10,6 +10,7 @@ copy of its last maps.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -76,6 +77,7 @@ class DaemonConfig:
     # Output file names from their templates (the CLI's expand_filename: %p, %q{VAR}).
     expand: Callable[[str, int], str]
     say: Callable[[str], None] = field(default=_no_say)
+    summary_file: str | None = None  # each target's end-of-run summary as JSON (--summary-file)
 
 
 class TargetManager:
@@ -197,8 +199,12 @@ class TargetManager:
             t.run(t.stop, ready=t.ready.set)
             say(f"target {t.pid} {t.state}; its profile stays queryable")
             t.files = t.write_outputs(self.config.output_dir, self.config.expand, strict=False)
-            for line in t.summary().lines():
+            summary = t.summary()
+            for line in summary.lines():
                 say(f"{t.pid}: {line}")
+            if self.config.summary_file is not None:
+                path = self.config.output_dir / self.config.expand(self.config.summary_file, t.pid)
+                path.write_text(json.dumps(summary.to_json(), indent=1) + "\n")
         except BaseException as exc:  # reported to the attacher, or logged
             t.error = exc
             if t.ready.is_set():

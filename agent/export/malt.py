@@ -1,7 +1,7 @@
 """MALT profile: the model of MALT's per-stack allocator statistics, and its JSON writer.
 
-The format is MALT's JSON profile (seed 002: sections `run`, `config`, `stacks`, `sites`, `timeline`,
-`scatter`, `threads`, `memStats`, `globals`, `leaks`). `formatVersion` 1.1 is what the seed documents;
+The format is MALT's documented JSON profile (sections `run`, `config`, `stacks`, `sites`, `timeline`,
+`scatter`, `threads`, `memStats`, `globals`, `leaks`). `formatVersion` 1.1 is what that document describes;
 1.6 is what the reader of current MALT (libreader, MALT 1.5/1.6) requires: it refuses any other
 `formatVersion`, needs a top-level `domains`, `mmap`/`munmap` in each stack's infos, `stacks.count`, `fields`
 and `callsite` in every timeline, `aslrOffset` in each map entry, its own `config` keys, the extra fields of
@@ -29,7 +29,7 @@ Pure: no bcc, no I/O except writing to the given text stream. Symbols are resolv
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
@@ -192,19 +192,6 @@ class MaltLeak:
     key: StackKey
     count: int
     memory: int
-
-
-def group_leaks(blocks: Iterable[tuple[StackKey, int]]) -> list[MaltLeak]:
-    """Leaks from the blocks still alive at exit, given as (allocating stack, requested size): grouped by
-    stack, largest memory first (ties: more blocks first, then the stack's addresses)."""
-    counts: dict[StackKey, list[int]] = {}
-    for key, size in blocks:
-        acc = counts.setdefault(key, [0, 0])
-        acc[0] += 1
-        acc[1] += size
-    leaks = [MaltLeak(key, n, mem) for key, (n, mem) in counts.items()]
-    leaks.sort(key=lambda lk: (-lk.memory, -lk.count, lk.key.addresses, lk.key.function))
-    return leaks
 
 
 # ----------------------------------------------------------------------------------------------------------

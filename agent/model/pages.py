@@ -122,17 +122,6 @@ def parse_maps_full(text: str) -> list[MapsEntry]:
     return out
 
 
-def mapped_total(maps_text: str) -> int:
-    """The target's mapped bytes: the sum of (end - start) over every maps line but [vsyscall].
-
-    [vsyscall] is the kernel's fixed legacy gate page above the user address space: it is not a VMA of the
-    process, no syscall can map or unmap it, and the kernel leaves it out of VmSize. [vvar], [vvar_vclock]
-    and [vdso] are real VMAs set up by execve and count. With that rule this equals VmSize in
-    /proc/PID/status, and it is the figure `PageMap.from_maps` starts from.
-    """
-    return sum(e.size for e in parse_maps_full(maps_text) if e.path != VSYSCALL)
-
-
 def _stat_field(stat_text: str, number: int) -> int | None:
     """Field `number` (1-based, as in proc(5)) of /proc/PID/stat, or None when absent or 0."""
     close = stat_text.rfind(")")  # comm may hold spaces and parentheses

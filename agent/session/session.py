@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from agent.kernel.probes import EV_EXEC, EV_EXIT, HeapProbes, SiteReader
 from agent.model.counters import Counters
@@ -49,8 +49,17 @@ from agent.symbols.symbolizer import Symbolizer
 if TYPE_CHECKING:
     from agent.export.malt import MaltProfile
     from agent.process.discovery import ProbePoint
-    from agent.session.maltrec import MaltRecorder
     from agent.symbols.unwind import UnwindTable
+
+
+class Recorder(Protocol):
+    """What the session asks of MALT's recorder (agent.session.maltrec): a sample at each tick, the profile
+    when asked."""
+
+    def sample(self, c: Counters, mapped: int | None = None) -> None: ...
+
+    def build(self, session: Session, c: Counters, probe_points: Sequence[ProbePoint], allocator: str) -> MaltProfile:
+        ...
 
 
 @dataclass
@@ -88,7 +97,7 @@ class Session:
         root_label = PAGES_ROOT_LABEL if opts.pages_as_heap else HEAP_ROOT_LABEL
         self.symbolizer = symbolizer or Symbolizer()
         self.sites = SiteTrees(opts, self.maps, self.symbolizer, root_label, Frame(address=0, function=pre_existing))
-        self.recorder: MaltRecorder | None = None  # MALT's timelines, when a MALT profile is wanted
+        self.recorder: Recorder | None = None  # MALT's timelines, when a MALT profile is wanted
         self.series = SnapshotSeries(detailed_freq=opts.detailed_freq, max_snapshots=opts.max_snapshots)
         self.start_ns = time.monotonic_ns()  # the same clock as bpf_ktime_get_ns
         self._ended_ns: int | None = None  # when run() stopped sampling

@@ -20,7 +20,7 @@ from agent.symbols.symbolizer import demangle
 STT_OBJECT = 1
 STT_TLS = 6
 
-# The sections whose objects MALT counts as global variables (issue 5, memStats.globalVariables).
+# The sections whose objects MALT counts as global variables (its memStats.globalVariables).
 GLOBAL_SECTIONS: frozenset[str] = frozenset({".data", ".bss", ".tdata", ".tbss"})
 TLS_SECTIONS: frozenset[str] = frozenset({".tdata", ".tbss"})
 

@@ -43,7 +43,7 @@ import struct
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -507,50 +507,6 @@ def lookup(table: UnwindTable, vaddr: int) -> Rule:
     return Rule(pc, cfa_type, flags, cfa_off, rbp_off)
 
 
-def unwind_python(
-    table_for: Callable[[int], tuple[UnwindTable, int] | None],
-    regs: Mapping[str, int],
-    read_u64: Callable[[int], int | None],
-    max_frames: int = 128,
-) -> list[int]:
-    """Walk a recorded stack with the tables: [rip, return address, return address, ...].
-
-    table_for(pc) gives the table of the object mapped at pc and its load bias (runtime - ELF address), or None
-    when nothing is mapped there. regs holds "rip", "rsp" and "rbp". read_u64(addr) is None for unreadable
-    memory. Stops at an outermost frame, a pc without a rule, an unreadable slot or a zero return address.
-    """
-    pc, sp, bp = regs["rip"], regs["rsp"], regs["rbp"]
-    frames = [pc]
-    lookup_pc = pc
-    while len(frames) < max_frames:
-        found = table_for(pc)
-        if found is None:
-            break
-        table, bias = found
-        rule = lookup(table, lookup_pc - bias)
-        if rule.cfa_type == CFA_RSP:
-            cfa = sp + rule.cfa_offset
-        elif rule.cfa_type == CFA_RBP:
-            cfa = bp + rule.cfa_offset
-        elif rule.cfa_type == CFA_PLT:
-            cfa = sp + 8 + (8 if (pc & 15) >= 11 else 0)
-        else:
-            break
-        ra = read_u64(cfa - 8)
-        if ra is None or ra == 0:
-            break
-        if rule.flags & FLAG_RBP_SAVED:
-            saved = read_u64(cfa + rule.rbp_offset)
-            if saved is None:
-                break
-            bp = saved
-        sp = cfa
-        pc = ra
-        lookup_pc = ra - 1
-        frames.append(ra)
-    return frames
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The on-disk cache
 #
@@ -680,5 +636,4 @@ __all__ = [
     "default_cache_dir",
     "load_table",
     "lookup",
-    "unwind_python",
 ]

@@ -8,7 +8,6 @@ failure: a CI run that silently skips every integration test would prove nothing
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -39,8 +38,6 @@ def bpf_ready() -> None:
     """Root, BPF, uprobes and headers, asked through the product's own probe."""
     if os.geteuid() != 0:
         unavailable("integration tests need root (BPF uprobes)")
-    if importlib.util.find_spec("agent.process.capability") is None:
-        unavailable("agent.process.capability does not exist yet")
     from agent.process.capability import check_environment
 
     problems = check_environment()
@@ -51,8 +48,6 @@ def bpf_ready() -> None:
 @pytest.fixture(scope="session")
 def cli_cmd() -> list[str]:
     """The command that runs the heapscope CLI (for checks that need no probes, such as bad options)."""
-    if importlib.util.find_spec("agent.cli") is None:
-        unavailable("agent.cli does not exist yet")
     exe = REPO / ".venv" / "bin" / "heapscope"
     if exe.exists():
         return [str(exe)]
@@ -139,7 +134,9 @@ def run_heapscope(heapscope_cmd: list[str], tmp_path_factory: pytest.TempPathFac
         tmp_path = tmp_path_factory.mktemp("heapscope")
         out = tmp_path / "heapscope.out"
         xt = tmp_path / "heapscope.xtree" if xtree else None
+        summary = tmp_path / "summary.json"
         cmd = [*heapscope_cmd, "run", *ORACLE_OPTIONS, *options, f"--massif-out-file={out}"]
+        cmd.append(f"--summary-file={summary}")
         if xt is not None:
             cmd += ["--xtree-memory=full", f"--xtree-memory-file={xt}"]
         done = subprocess.run(
@@ -152,6 +149,6 @@ def run_heapscope(heapscope_cmd: list[str], tmp_path_factory: pytest.TempPathFac
             env={**os.environ, **(env or {})},
         )
         assert "Traceback" not in done.stderr, done.stderr
-        return Completed(done.returncode, done.stdout, done.stderr, out, xt)
+        return Completed(done.returncode, done.stdout, done.stderr, out, xt, summary)
 
     return _run

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,6 +48,17 @@ class Completed:
     stderr: str
     massif_out: Path
     xtree_out: Path | None
+    summary_out: Path | None = None  # heapscope's --summary-file
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """heapscope's end-of-run summary (agent.model.summary.ProfileSummary as JSON)."""
+        assert self.summary_out is not None and self.summary_out.exists(), f"no summary written:\n{self.stderr}"
+        return json.loads(self.summary_out.read_text())  # type: ignore[no-any-return]
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.summary["counters"]  # type: ignore[no-any-return]
 
     @property
     def massif_text(self) -> str:

@@ -14,8 +14,9 @@ from agent.export.massif import render_snapshot
 from agent.export.registry import BY_NAME, MaltDocument
 from agent.model.counters import Counters
 from agent.model.pages import PageTotals
-from agent.model.profile import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
+from agent.model.profile import Frame, SiteCounts, Snapshot, SnapshotKind, Stack
 from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus, top_sites
+from tests.support.reference import HeapTree
 
 
 def frame(address: int, function: str, line: int, file: str = "prog.c") -> Frame:

