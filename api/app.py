@@ -13,7 +13,7 @@ from agent import __version__
 from agent.export.metrics import HeapscopeCollector
 from api.errors import install_error_handlers
 from api.ports import ManagerPort
-from api.routers import health, metrics, monitor, profiles, targets
+from api.routers import health, metrics, monitor, pprof, profiles, targets
 from api.security import token_dependency
 from api.settings import ApiSettings, check_exposure
 
@@ -22,6 +22,7 @@ heapscope's daemon: heap profiles of running processes, taken with eBPF, in Valg
 
 `/snapshot`, `/detailed_snapshot`, `/all_snapshots` and `/xtmemory` return exactly what Massif's monitor
 commands write (read them with `ms_print` and `callgrind_annotate`); `?format=json` gives the same data as JSON.
+`/pprof` (and Go's `/debug/pprof/heap`) give the heap as a pprof profile, for `go tool pprof`, Pyroscope and Parca.
 """
 
 
@@ -47,6 +48,6 @@ def create_app(settings: ApiSettings, manager: ManagerPort) -> FastAPI:
     auth = token_dependency(settings)
     guarded = [Depends(auth)] if auth is not None else []
     app.include_router(health.router)
-    for r in (profiles.router, monitor.router, targets.router, metrics.router):
+    for r in (profiles.router, monitor.router, targets.router, metrics.router, pprof.router):
         app.include_router(r, dependencies=guarded)
     return app

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from agent.export.malt import MaltProfile, SiteResolver, write_malt
 from agent.export.massif import write_massif
+from agent.export.pprof import DEFAULT_SAMPLE_TYPE, SAMPLE_TYPES, PprofContext, render_pprof
 from agent.export.xtree import write_xtree
 from agent.model.options import MassifOptions
 from agent.model.profile import SiteCounts, Snapshot, Stack
@@ -38,6 +39,8 @@ class ProfileSource(Protocol):
     def xtree_sites(self) -> dict[Stack, SiteCounts]: ...
 
     def malt_document(self) -> MaltDocument: ...
+
+    def pprof_context(self) -> PprofContext: ...
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,22 @@ def render_malt(source: ProfileSource, variant: str = "1.1") -> str:
     return out.getvalue()
 
 
+def render_pprof_profile(source: ProfileSource, variant: str = "") -> bytes:
+    c = source.pprof_context()
+    return render_pprof(
+        source.xtree_sites(),  # the xtree's stacks: bytes per function equal callgrind_annotate's
+        c.mappings,
+        build_ids=c.build_ids,
+        main_path=c.main_path,
+        sample_rate=c.sample_rate,
+        prescaled=c.prescaled,
+        time_ns=c.time_ns,
+        duration_ns=c.duration_ns,
+        comments=c.comments,
+        default_sample_type=variant or DEFAULT_SAMPLE_TYPE,
+    )
+
+
 MASSIF = OutputFormat(
     name="massif",
     route="/all_snapshots",
@@ -141,5 +160,22 @@ MALT = OutputFormat(
     ),
 )
 
-FORMATS: tuple[OutputFormat, ...] = (MASSIF, XTREE, MALT)
+PPROF = OutputFormat(
+    name="pprof",
+    route="/pprof",
+    media_type="application/octet-stream",  # gzipped protobuf, as Go's net/http/pprof serves it
+    summary="the heap as a gzipped pprof profile (go tool pprof, Pyroscope, Parca)",
+    file_option="--pprof-out-file",
+    default_file=None,
+    render=render_pprof_profile,
+    variant=Variant(
+        option="--pprof-sample-index",
+        param="sample_index",
+        choices=tuple(name for name, _ in SAMPLE_TYPES),
+        default=DEFAULT_SAMPLE_TYPE,
+        help="the sample type pprof shows first; inuse_space (default), as in Go's heap profile",
+    ),
+)
+
+FORMATS: tuple[OutputFormat, ...] = (MASSIF, XTREE, MALT, PPROF)
 BY_NAME: dict[str, OutputFormat] = {f.name: f for f in FORMATS}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from agent.errors import HeapscopeError, TargetConflict
 from agent.export.malt import check_consistency, symbolizer_resolver
+from agent.export.pprof import PprofContext
 from agent.export.registry import BY_NAME, FORMATS, MaltDocument, OutputFormat
 from agent.kernel.frozen import FrozenProbes
 from agent.kernel.probes import HeapProbes, ProbeSettings
@@ -28,6 +29,7 @@ from agent.model.profile import SiteCounts, Snapshot, Stack
 from agent.model.summary import ProfileSummary
 from agent.model.target import ProfileHeader, SiteTotal, TargetState, top_sites
 from agent.process.target import TargetProcess
+from agent.session.pprof_context import pprof_context
 from agent.session.session import Session, SessionInfo
 
 
@@ -222,6 +224,12 @@ class Profile:
         s = self._session()
         with self.lock:
             return s.merged_sites(massif_trim=False)
+
+    def pprof_context(self) -> PprofContext:
+        """The mappings with their build ids, and the times, of a pprof profile of now (of the end, once ended)."""
+        s = self._session()
+        with self.lock:
+            return pprof_context(s, self.started_at, self.ended_at)
 
     def top_sites(self, n: int) -> tuple[list[SiteTotal], SiteTotal]:
         s = self._session()

@@ -11,12 +11,17 @@ from pathlib import Path
 from agent.daemon.monitor import run_monitor
 from agent.errors import NoSuchTarget, TargetConflict, UsageError
 from agent.export.massif import render_snapshot
+from agent.export.pprof import PprofContext
 from agent.export.registry import BY_NAME, MaltDocument
 from agent.model.counters import Counters
 from agent.model.pages import PageTotals
 from agent.model.profile import Frame, SiteCounts, Snapshot, SnapshotKind, Stack
 from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus, top_sites
+from agent.symbols.symbolizer import Mapping
 from tests.support.reference import HeapTree
+
+# The fake program's code: every frame address of sample_sites() lies in it.
+PROG_MAPPING = Mapping(0x400000, 0x403000, 0, "/bin/prog", "r-xp", build_id="0123456789abcdef")
 
 
 def frame(address: int, function: str, line: int, file: str = "prog.c") -> Frame:
@@ -134,6 +139,10 @@ class FakeTarget:
     def malt_document(self) -> MaltDocument:
         self._check()
         raise TargetConflict("MALT statistics are off in this fake daemon")
+
+    def pprof_context(self) -> PprofContext:
+        self._check()
+        return PprofContext(mappings=(PROG_MAPPING,), time_ns=1_700_000_060 * 10**9, duration_ns=60 * 10**9)
 
     def next_xtmemory_seq(self) -> int:
         self._xt_seq += 1

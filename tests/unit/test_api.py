@@ -233,6 +233,9 @@ def test_with_a_token_every_endpoint_but_healthz_requires_it(tmp_path: Path) -> 
             ("get", "/xtmemory"),
             ("get", "/targets"),
             ("get", "/metrics"),
+            ("get", "/pprof"),
+            ("get", "/debug/pprof/heap"),
+            ("get", "/targets/10/debug/pprof/allocs"),
             ("delete", "/targets/10"),
         ):
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
