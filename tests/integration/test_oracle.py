@@ -374,7 +374,7 @@ def test_ms_print_reads_heapscope_output(
         assert re.search(line, text), f"{label} with {nbytes} B not in ms_print output"
 
 
-_COUNT = r"([\d,]+)(?: \([\d.]+%\))?\s+"
+_COUNT = r"([\d,]+)(?: \(\s*[\d.]+%\))?\s+"  # a percentage may be padded: ( 8.71%)
 # One row of callgrind_annotate's table: six event counts (with optional percentages), then file:function.
 _ANNOTATE_ROW = re.compile(r"^\s*" + _COUNT * 6 + r"(\S.*)$")
 
