@@ -34,6 +34,7 @@ import pytest
 
 from agent.kernel.probes import uprobe_links_supported
 from tests.integration.harness import DEBUG_FLAGS, OPTIMIZED_FLAGS, PROGRAMS, Completed
+from tests.support.annotate import annotate_inclusive
 from tests.support.massif_reader import parse_massif, paths
 
 pytestmark = pytest.mark.integration
@@ -372,32 +373,6 @@ def test_ms_print_reads_heapscope_output(
     for label, nbytes in tops.items():
         line = rf"->\d+\.\d+% \({re.escape(_grouped(nbytes))}B\) 0x[0-9A-F]+: {re.escape(label)}"
         assert re.search(line, text), f"{label} with {nbytes} B not in ms_print output"
-
-
-_COUNT = r"([\d,]+)(?: \(\s*[\d.]+%\))?\s+"  # a percentage may be padded: ( 8.71%)
-# One row of callgrind_annotate's table: six event counts (with optional percentages), then file:function.
-_ANNOTATE_ROW = re.compile(r"^\s*" + _COUNT * 6 + r"(\S.*)$")
-
-
-def annotate_inclusive(xtree: Path) -> dict[tuple[str, str], tuple[int, ...]]:
-    """callgrind_annotate --inclusive=yes: (source base name, function) ->
-    (curB, curBk, totB, totBk, totFdB, totFdBk)."""
-    done = subprocess.run(
-        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", "--auto=no", str(xtree)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    rows: dict[tuple[str, str], tuple[int, ...]] = {}
-    for line in done.stdout.splitlines():
-        m = _ANNOTATE_ROW.match(line)
-        if not m or m.group(7) == "PROGRAM TOTALS" or ":" not in m.group(7):
-            continue
-        where, _, fn = m.group(7).rpartition(":")
-        rows[(Path(where).name, fn)] = tuple(int(m.group(i).replace(",", "")) for i in range(1, 7))
-    assert rows, done.stdout
-    return rows
 
 
 XTREE_CASES = [("example.c", ()), ("sites.c", ()), ("wrappers.c", ("--alloc-fn=xmalloc",)), ("peak.c", ())]

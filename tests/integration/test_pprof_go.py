@@ -30,6 +30,7 @@ from agent.export.pprof import render_pprof
 from agent.model.profile import Frame, SiteCounts
 from tests.integration.harness import PROGRAMS, Completed, unavailable
 from tests.integration.test_daemon import Daemon, Target, start_daemon, stop_daemon
+from tests.support.annotate import annotate_inclusive
 from tests.support.massif_reader import parse_massif
 
 pytestmark = pytest.mark.integration
@@ -234,27 +235,9 @@ def test_the_mapping_carries_the_programs_build_id(known: KnownRun, go_env: dict
     assert f"File: {known.program.name}" in header and f"Build ID: {build_id.group(1)}" in header
 
 
-# One row of callgrind_annotate's table: six event counts (with optional percentages), then file:function.
-_COUNT = r"([\d,]+)(?: \(\s*[\d.]+%\))?\s+"
-_ANNOTATE_ROW = re.compile(r"^\s*" + _COUNT * 6 + r"(\S.*)$")
-
-
 def annotate(xtree: Path) -> dict[str, tuple[int, int]]:
     """callgrind_annotate --inclusive=yes on heapscope's xtree: function -> (curB, totB)."""
-    done = subprocess.run(
-        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", "--auto=no", str(xtree)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    rows = {}
-    for line in done.stdout.splitlines():
-        m = _ANNOTATE_ROW.match(line)
-        if m and ":" in m.group(7) and m.group(7) != "PROGRAM TOTALS":
-            rows[m.group(7).rpartition(":")[2]] = (int(m.group(1).replace(",", "")), int(m.group(3).replace(",", "")))
-    assert rows, done.stdout
-    return rows
+    return {fn: (row[0], row[2]) for (_, fn), row in annotate_inclusive(xtree).items()}
 
 
 def test_top_bytes_per_function(known: KnownRun, go_env: dict[str, str]) -> None:
