@@ -1,0 +1,468 @@
+"""The store's reader: snapshots by time, back as model objects, from files that may have been cut short or
+damaged. Whatever cannot be read is skipped and reported (`StoreReader.skipped`), never raised.
+
+    reader = StoreReader(directory)            # a target's directory (or one segment file)
+    for ref in reader.snapshots(start_ns, end_ns):
+        snap = reader.load(ref)
+        snap.sites()                           # dict[Stack, SiteCounts]
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from agent.model.profile import Frame, SiteCounts, Stack
+from agent.store import format as fmt
+from agent.store.format import FormatError, SnapshotUnavailable
+from agent.store.sample import PeakState, StoreMeta
+from agent.store.writer import segment_paths
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """Something the reader could not use: where, how much, and why."""
+
+    path: str
+    what: str  # "3 snapshots (12..14)", "517 bytes at the end"
+    reason: str
+    snapshots: int = 0  # complete-looking snapshots lost (0 for a torn tail: it never was complete)
+
+    def __str__(self) -> str:
+        return f"{self.path}: skipped {self.what}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class SnapshotRef:
+    """Where one snapshot is: its segment, its number there, its wall clock and its table of contents."""
+
+    segment: SegmentReader
+    seq: int
+    wall_ns: int
+    toc: fmt.TocEntry
+
+    @property
+    def info(self) -> dict:  # type: ignore[type-arg]
+        return self.segment.info(self)
+
+    @property
+    def time(self) -> int:
+        return int(self.info["time"])
+
+    @property
+    def total_B(self) -> int:
+        i = self.info
+        return int(i["heap"]) + int(i["extra"]) + int(i["stacks"])
+
+    @property
+    def peak(self) -> PeakState | None:
+        return _peak(self.info.get("peak"))
+
+
+def _peak(obj: object) -> PeakState | None:
+    if not isinstance(obj, dict):
+        return None
+    wall = obj.get("wall_ns")
+    return PeakState(int(obj["time"]), int(obj["heap"]), int(obj["extra"]), int(obj.get("stacks", 0)), wall)
+
+
+class StoredSnapshot:
+    """One snapshot read back: totals, and counters per site (numbers of the segment's site table)."""
+
+    def __init__(self, ref: SnapshotRef, info: dict, counters: np.ndarray, stacks: list[Stack]) -> None:  # type: ignore[type-arg]
+        self.ref = ref
+        self.info = info
+        self.counters = counters  # (9, n_sites) in format.COUNTER_FIELDS order
+        self.site_stacks = stacks  # by site number (the segment's, shared)
+
+    @property
+    def wall_ns(self) -> int:
+        return int(self.info["wall_ns"])
+
+    @property
+    def time(self) -> int:
+        return int(self.info["time"])
+
+    @property
+    def heap_B(self) -> int:
+        return int(self.info["heap"])
+
+    @property
+    def extra_B(self) -> int:
+        return int(self.info["extra"])
+
+    @property
+    def stacks_B(self) -> int:
+        return int(self.info["stacks"])
+
+    @property
+    def mapped_B(self) -> int | None:
+        v = self.info.get("mapped")
+        return None if v is None else int(v)
+
+    @property
+    def rss_B(self) -> int | None:
+        v = self.info.get("rss")
+        return None if v is None else int(v)
+
+    @property
+    def peak(self) -> PeakState | None:
+        return _peak(self.info.get("peak"))
+
+    def column(self, name: str) -> np.ndarray:
+        return self.counters[fmt.COUNTER_FIELDS.index(name)]
+
+    def sites(self) -> dict[Stack, SiteCounts]:
+        """Counters per stack; sites with equal stacks add up."""
+        out: dict[Stack, SiteCounts] = {}
+        rows = self.counters.T.tolist()
+        for stack, row in zip(self.site_stacks, rows, strict=False):
+            have = out.get(stack)
+            if have is None:
+                out[stack] = SiteCounts(**dict(zip(fmt.COUNTER_FIELDS, row, strict=True)))
+            else:
+                for name, v in zip(fmt.COUNTER_FIELDS, row, strict=True):
+                    setattr(have, name, getattr(have, name) + v)
+        return out
+
+
+class SegmentReader:
+    """One segment file: its index from the outer TOC chain (or, when the tail is torn, a forward scan), and
+    snapshots decoded on demand, rolled forward from the nearest checkpoint."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.skipped: list[Skipped] = []
+        self._refs: list[SnapshotRef] = []
+        self._infos: dict[int, dict] = {}  # type: ignore[type-arg]
+        self.filemeta: dict = {}  # type: ignore[type-arg]
+        self.meta = StoreMeta(pid=0, cmd="")
+        # Tables, decoded up to snapshot _tables_upto (inclusive)
+        self.strings: list[str] = []
+        self.frames: list[Frame] = []
+        self.site_stacks: list[Stack] = []
+        self._tables_upto = -1
+        self._tables_broken: int | None = None  # first snapshot whose tables could not be read
+        self._state: tuple[int, np.ndarray] | None = None  # (seq, counters) of the last decoded snapshot
+        self._bad: dict[int, str] = {}  # seq -> why it cannot be decoded
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                self._data: bytes | mmap.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        except OSError as exc:
+            self._data = b""
+            self._skip("the file", f"cannot read it: {exc.strerror}")
+            return
+        self._open()
+
+    def _skip(self, what: str, reason: str, snapshots: int = 0) -> None:
+        self.skipped.append(Skipped(str(self.path), what, reason, snapshots))
+
+    # ---- index ----------------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        data = self._data
+        if len(data) < len(fmt.MAGIC) or data[: len(fmt.MAGIC)] != fmt.MAGIC:
+            self._skip("the file", "no heapscope store identification at its start")
+            return
+        try:
+            b = fmt.read_block(data, len(fmt.MAGIC))
+            if b.kind != fmt.K_FILEMETA:
+                raise FormatError(f"first block is {b.kind.decode()}, not filemeta")
+            self.filemeta = fmt.parse_json(b)
+        except FormatError as exc:
+            self._skip("the file", f"its filemeta block is unreadable ({exc})")
+            return
+        self.meta = StoreMeta.from_json(self.filemeta)
+        self.checkpoint_every = max(1, int(self.filemeta.get("checkpoint_every", 1)))
+        self._body = b.end
+        refs = self._index_from_tail()
+        if refs is None:
+            refs = self._index_by_scan()
+        self._refs = refs
+
+    def _index_from_tail(self) -> list[SnapshotRef] | None:
+        """The index from the outer TOC chain, when the file ends with a whole outer TOC and its offset."""
+        data = self._data
+        if len(data) < self._body + 8:
+            return None if len(data) > self._body else []
+        (at,) = fmt.U64.unpack_from(data, len(data) - 8)
+        entries: list[fmt.TocEntry] = []
+        expect_end = len(data) - 8
+        try:
+            while True:
+                b = fmt.read_block(data, at)
+                if b.kind != fmt.K_OUTERTOC or b.end != expect_end:
+                    return None
+                toc = fmt.decode_toc(b)
+                entries[:0] = [e for e in toc if e.kind == fmt.K_SNAPTOC]
+                prev = [e for e in toc if e.kind == fmt.K_PREVTOC]
+                if not prev:
+                    break
+                at, expect_end = prev[0].start, prev[0].end
+        except FormatError:
+            return None
+        return [SnapshotRef(self, i, e.key, e) for i, e in enumerate(entries)]
+
+    def _index_by_scan(self) -> list[SnapshotRef]:
+        """Read the blocks from the start, as MoarVM's readers do when the end does not point at a TOC. A damaged
+        block is stepped over when its header is sound, else the scan resumes at the next snapinfo block."""
+        data = self._data
+        at = self._body
+        refs: list[SnapshotRef] = []
+        pending_since: int | None = None  # start of the current snapshot's blocks
+        while at < len(data):
+            try:
+                b = fmt.read_block(data, at)
+            except FormatError as exc:
+                nxt = data.find(fmt.kind_bytes(fmt.K_SNAPINFO), at + 1)
+                if nxt < 0:
+                    self._skip(f"{len(data) - at} bytes at the end", f"an incomplete snapshot ({exc})")
+                    break
+                lost = self._lost_between(at, nxt)
+                self._skip(f"{nxt - at} bytes at offset {at}", str(exc), lost)
+                at, pending_since = nxt, None
+                continue
+            if b.kind == fmt.K_SNAPINFO:
+                pending_since = b.start
+            elif b.kind == fmt.K_SNAPTOC and pending_since is not None:
+                wall = 0
+                try:
+                    first = fmt.decode_toc(b)[0]
+                    wall = int(fmt.parse_json(fmt.read_block(data, first.start)).get("wall_ns", 0))
+                except (FormatError, IndexError, ValueError, TypeError):
+                    pass
+                refs.append(SnapshotRef(self, len(refs), wall, fmt.TocEntry(fmt.K_SNAPTOC, b.start, b.end, wall)))
+                pending_since = None
+            at = b.end
+            if b.kind == fmt.K_OUTERTOC:
+                at += 8
+        return refs
+
+    def _lost_between(self, start: int, end: int) -> int:
+        """Snapshots whose snapinfo started in a damaged region (each begins with one)."""
+        n = 0
+        at = start
+        mark = fmt.kind_bytes(fmt.K_SNAPINFO)
+        while True:
+            at = self._data.find(mark, at, end)
+            if at < 0:
+                return n
+            n += 1
+            at += 1
+
+    def snapshots(self) -> list[SnapshotRef]:
+        return list(self._refs)
+
+    def info(self, ref: SnapshotRef) -> dict:  # type: ignore[type-arg]
+        info = self._infos.get(ref.seq)
+        if info is None:
+            info = self._infos[ref.seq] = self._read_info(ref)
+        return info
+
+    def _toc(self, ref: SnapshotRef) -> list[fmt.TocEntry]:
+        b = fmt.read_block(self._data, ref.toc.start)
+        if b.kind != fmt.K_SNAPTOC:
+            raise FormatError(f"no snaptoc at {ref.toc.start}")
+        return fmt.decode_toc(b)
+
+    def _read_info(self, ref: SnapshotRef) -> dict:  # type: ignore[type-arg]
+        try:
+            toc = self._toc(ref)
+            info = fmt.parse_json(fmt.read_block(self._data, toc[0].start))
+            for key in ("wall_ns", "time", "heap", "extra", "stacks", "sites", "listed"):
+                int(info[key])
+        except (FormatError, IndexError, KeyError, ValueError, TypeError) as exc:
+            return {"error": f"snapshot {ref.seq}: {exc}"}
+        return info
+
+    # ---- decoding -------------------------------------------------------------------------------------
+
+    def _blocks(self, ref: SnapshotRef) -> tuple[dict, dict[bytes, fmt.Block]]:  # type: ignore[type-arg]
+        info = self.info(ref)
+        if "error" in info:
+            raise FormatError(info["error"])
+        blocks = {}
+        for e in self._toc(ref)[1:]:
+            b = fmt.read_block(self._data, e.start)
+            if b.kind != e.kind:
+                raise FormatError(f"snapshot {ref.seq}: {e.kind.decode()} expected at {e.start}")
+            blocks[b.kind] = b
+        return info, blocks
+
+    def _extend_tables(self, upto: int) -> None:
+        """Decode the string, frame and site tables of snapshots up to `upto`."""
+        while self._tables_upto < upto:
+            if self._tables_broken is not None:
+                return
+            seq = self._tables_upto + 1
+            ref = self._refs[seq]
+            try:
+                info = self.info(ref)
+                if "error" in info:
+                    raise FormatError(info["error"])
+                toc = self._toc(ref)
+                kinds = {e.kind: e for e in toc}
+                if fmt.K_STRINGS in kinds:
+                    self.strings += fmt.decode_strings(fmt.read_block(self._data, kinds[fmt.K_STRINGS].start))
+                if fmt.FRAME_COLUMNS[0] in kinds:
+                    cols = [fmt.decode_column(fmt.read_block(self._data, kinds[k].start)) for k in fmt.FRAME_COLUMNS]
+                    self.frames += [self._frame(*row) for row in zip(*(c.tolist() for c in cols), strict=True)]
+                if fmt.K_STK_LEN in kinds:
+                    lens = fmt.decode_column(fmt.read_block(self._data, kinds[fmt.K_STK_LEN].start)).tolist()
+                    frm = fmt.decode_column(fmt.read_block(self._data, kinds[fmt.K_STK_FRM].start), sum(lens))
+                    frames = [self.frames[i] for i in frm.tolist()]
+                    at = 0
+                    for n in lens:
+                        self.site_stacks.append(tuple(frames[at : at + n]))
+                        at += n
+                if len(self.site_stacks) != int(info["sites"]) or len(self.frames) != int(info["frames"]):
+                    raise FormatError(f"snapshot {seq}: tables do not add up to its counts")
+            except (FormatError, IndexError, KeyError, ValueError) as exc:
+                self._tables_broken = seq
+                lost = len(self._refs) - seq
+                self._skip(
+                    f"{lost} snapshots ({seq}..{len(self._refs) - 1})",
+                    f"the stack tables are unreadable from snapshot {seq} on ({exc})",
+                    lost,
+                )
+                for s in range(seq, len(self._refs)):
+                    self._bad[s] = f"stack tables unreadable from snapshot {seq}"
+                return
+            self._tables_upto = seq
+
+    def _string(self, ref: int) -> str | None:
+        return None if ref == 0 else self.strings[ref - 1]
+
+    def _frame(self, addr: int, func: int, file: int, line: int, obj: int, path: int) -> Frame:
+        return Frame(
+            address=addr & 0xFFFF_FFFF_FFFF_FFFF,
+            function=self._string(func),
+            file=self._string(file),
+            line=line or None,
+            obj=self._string(obj),
+            path=self._string(path),
+        )
+
+    def _decode_counters(self, ref: SnapshotRef, prev: np.ndarray | None) -> np.ndarray:
+        info, blocks = self._blocks(ref)
+        n = int(info["sites"])
+        listed = int(info["listed"])
+        checkpoint = bool(info.get("checkpoint"))
+        if checkpoint:
+            prev_full = np.zeros((len(fmt.COUNTER_FIELDS), n), dtype=np.int64)
+        else:
+            if prev is None:
+                raise FormatError(f"snapshot {ref.seq}: a delta without its previous snapshot")
+            prev_full = np.zeros((len(fmt.COUNTER_FIELDS), n), dtype=np.int64)
+            prev_full[:, : prev.shape[1]] = prev
+        gap = blocks.get(fmt.K_SITE_GAP)
+        gaps = fmt.decode_column(gap, listed) if gap is not None else np.zeros(listed, dtype=np.int64)
+        idx = np.cumsum(gaps + 1) - 1
+        if listed and (idx[-1] >= n or idx[0] < 0):
+            raise FormatError(f"snapshot {ref.seq}: a listed site is beyond its {n} sites")
+        res = np.zeros((len(fmt.COUNTER_FIELDS), listed), dtype=np.int64)
+        for i, kind in enumerate(fmt.COUNTER_COLUMNS):
+            b = blocks.get(kind)
+            if b is not None:
+                res[i] = fmt.decode_column(b, listed)
+        base = np.zeros_like(prev_full) if checkpoint else prev_full
+        out = base.copy()
+        if listed:
+            out[:, idx] = fmt.decode_counters(base[:, idx], res)
+        return out
+
+    def load(self, ref: SnapshotRef) -> StoredSnapshot:
+        """Decode one snapshot: from the last decoded one when it is on the way, else from its checkpoint."""
+        seq = ref.seq
+        if seq in self._bad:
+            raise SnapshotUnavailable(self._bad[seq])
+        self._extend_tables(seq)
+        if seq in self._bad:
+            raise SnapshotUnavailable(self._bad[seq])
+        start = seq - seq % self.checkpoint_every
+        counters: np.ndarray | None = None
+        at = start
+        if self._state is not None and start <= self._state[0] <= seq:
+            at, counters = self._state[0] + 1, self._state[1]
+            if at > seq:
+                return StoredSnapshot(ref, self.info(ref), counters, self.site_stacks)
+        for s in range(at, seq + 1):
+            try:
+                counters = self._decode_counters(self._refs[s], counters)
+            except FormatError as exc:
+                end = min(len(self._refs), start + self.checkpoint_every)
+                for b in range(s, end):
+                    self._bad[b] = str(exc)
+                self._skip(
+                    f"{end - s} snapshots ({s}..{end - 1})", f"{exc}; the next checkpoint is snapshot {end}", end - s
+                )
+                self._state = None
+                raise SnapshotUnavailable(str(exc)) from None
+            self._state = (s, counters)
+        assert counters is not None
+        return StoredSnapshot(ref, self.info(ref), counters, self.site_stacks)
+
+    def verify(self) -> int:
+        """Decode every snapshot (what load() would report, found now). Returns how many decode."""
+        good = 0
+        for ref in self._refs:
+            try:
+                self.load(ref)
+                good += 1
+            except SnapshotUnavailable:
+                pass
+        return good
+
+
+class StoreReader:
+    """A target's history: its segments in order, read as one series of snapshots."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        p = Path(path)
+        files = [p] if p.is_file() else segment_paths(p)
+        self.path = p
+        self.segments = [SegmentReader(f) for f in files]
+
+    @property
+    def skipped(self) -> list[Skipped]:
+        return [s for seg in self.segments for s in seg.skipped]
+
+    @property
+    def meta(self) -> StoreMeta:
+        for seg in reversed(self.segments):
+            if seg.filemeta:
+                return seg.meta
+        return StoreMeta(pid=0, cmd="")
+
+    def snapshots(self, start_ns: int | None = None, end_ns: int | None = None) -> list[SnapshotRef]:
+        """The snapshots whose wall clock is within [start_ns, end_ns], in time order."""
+        out = []
+        for seg in self.segments:
+            for ref in seg.snapshots():
+                if (start_ns is None or ref.wall_ns >= start_ns) and (end_ns is None or ref.wall_ns <= end_ns):
+                    out.append(ref)
+        return out
+
+    def __iter__(self) -> Iterator[SnapshotRef]:
+        return iter(self.snapshots())
+
+    def load(self, ref: SnapshotRef) -> StoredSnapshot:
+        return ref.segment.load(ref)
+
+    def at(self, wall_ns: int) -> StoredSnapshot | None:
+        """The last snapshot taken at or before `wall_ns` that can be decoded."""
+        for ref in reversed(self.snapshots(None, wall_ns)):
+            try:
+                return self.load(ref)
+            except SnapshotUnavailable:
+                continue
+        return None
+
+    def verify(self) -> int:
+        return sum(seg.verify() for seg in self.segments)
