@@ -44,7 +44,7 @@ def test_every_snapshot_comes_back_in_any_order(tmp_path: Path) -> None:
     reader = StoreReader(tmp_path)
     refs = reader.snapshots()
     assert len(refs) == 40
-    order = list(range(40)) + [39, 0, 17, 9, 8, 26, 25, 3]
+    order = [*range(40), 39, 0, 17, 9, 8, 26, 25, 3]
     for k in order:
         snap = reader.load(refs[k])
         sample, expected = truth[k]
