@@ -139,6 +139,7 @@ class SegmentReader:
         self.path = Path(path)
         self.skipped: list[Skipped] = []
         self._refs: list[SnapshotRef] = []
+        self._by_seq: dict[int, SnapshotRef] = {}
         self._infos: dict[int, dict] = {}  # type: ignore[type-arg]
         self.filemeta: dict = {}  # type: ignore[type-arg]
         self.meta = StoreMeta(pid=0, cmd="")
@@ -185,6 +186,7 @@ class SegmentReader:
         if refs is None:
             refs = self._index_by_scan()
         self._refs = refs
+        self._by_seq = {r.seq: r for r in refs}
 
     def _index_from_tail(self) -> list[SnapshotRef] | None:
         """The index from the outer TOC chain, when the file ends with a whole outer TOC and its offset."""
@@ -231,13 +233,15 @@ class SegmentReader:
             if b.kind == fmt.K_SNAPINFO:
                 pending_since = b.start
             elif b.kind == fmt.K_SNAPTOC and pending_since is not None:
-                wall = 0
                 try:
                     first = fmt.decode_toc(b)[0]
-                    wall = int(fmt.parse_json(fmt.read_block(data, first.start)).get("wall_ns", 0))
-                except (FormatError, IndexError, ValueError, TypeError):
-                    pass
-                refs.append(SnapshotRef(self, len(refs), wall, fmt.TocEntry(fmt.K_SNAPTOC, b.start, b.end, wall)))
+                    info = fmt.parse_json(fmt.read_block(data, first.start))
+                    wall, seq = int(info["wall_ns"]), int(info["seq"])
+                except (FormatError, IndexError, KeyError, ValueError, TypeError) as exc:
+                    self._skip(f"the snapshot at offset {pending_since}", f"its snapinfo is unreadable ({exc})", 1)
+                else:
+                    if not refs or seq > refs[-1].seq:
+                        refs.append(SnapshotRef(self, seq, wall, fmt.TocEntry(fmt.K_SNAPTOC, b.start, b.end, wall)))
                 pending_since = None
             at = b.end
             if b.kind == fmt.K_OUTERTOC:
@@ -301,7 +305,10 @@ class SegmentReader:
             if self._tables_broken is not None:
                 return
             seq = self._tables_upto + 1
-            ref = self._refs[seq]
+            ref = self._by_seq.get(seq)
+            if ref is None:  # lost: if it added to the tables, the next snapshot's counts say so
+                self._tables_upto = seq
+                continue
             try:
                 info = self.info(ref)
                 if "error" in info:
@@ -325,13 +332,13 @@ class SegmentReader:
                     raise FormatError(f"snapshot {seq}: tables do not add up to its counts")
             except (FormatError, IndexError, KeyError, ValueError) as exc:
                 self._tables_broken = seq
-                lost = len(self._refs) - seq
+                later = [r.seq for r in self._refs if r.seq >= seq]
                 self._skip(
-                    f"{lost} snapshots ({seq}..{len(self._refs) - 1})",
+                    f"{len(later)} snapshots ({seq}..{later[-1]})",
                     f"the stack tables are unreadable from snapshot {seq} on ({exc})",
-                    lost,
+                    len(later),
                 )
-                for s in range(seq, len(self._refs)):
+                for s in later:
                     self._bad[s] = f"stack tables unreadable from snapshot {seq}"
                 return
             self._tables_upto = seq
@@ -394,13 +401,17 @@ class SegmentReader:
                 return StoredSnapshot(ref, self.info(ref), counters, self.site_stacks)
         for s in range(at, seq + 1):
             try:
-                counters = self._decode_counters(self._refs[s], counters)
+                here = self._by_seq.get(s)
+                if here is None:
+                    raise FormatError(f"snapshot {s} is missing")
+                counters = self._decode_counters(here, counters)
             except FormatError as exc:
-                end = min(len(self._refs), start + self.checkpoint_every)
-                for b in range(s, end):
+                end = start + self.checkpoint_every
+                hit = [r.seq for r in self._refs if s <= r.seq < end]
+                for b in hit:
                     self._bad[b] = str(exc)
                 self._skip(
-                    f"{end - s} snapshots ({s}..{end - 1})", f"{exc}; the next checkpoint is snapshot {end}", end - s
+                    f"{len(hit)} snapshots ({s}..{end - 1})", f"{exc}; the next checkpoint is snapshot {end}", len(hit)
                 )
                 self._state = None
                 raise SnapshotUnavailable(str(exc)) from None
