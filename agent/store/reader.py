@@ -246,6 +246,11 @@ class SegmentReader:
             at = b.end
             if b.kind == fmt.K_OUTERTOC:
                 at += 8
+        else:
+            if pending_since is not None:  # whole blocks, but the snapshot's TOC never came
+                self._skip(f"{len(data) - pending_since} bytes at the end", "an incomplete snapshot (no snaptoc)")
+            elif at > len(data):  # an outer TOC without its offset
+                self._skip(f"{len(data) - (at - 8)} bytes at the end", "an outer TOC's offset cut short")
         return refs
 
     def _lost_between(self, start: int, end: int) -> int:
@@ -262,6 +267,12 @@ class SegmentReader:
 
     def snapshots(self) -> list[SnapshotRef]:
         return list(self._refs)
+
+    def close(self) -> None:
+        """Release the file's mapping (loads after this fail)."""
+        if isinstance(self._data, mmap.mmap):
+            self._data.close()
+        self._data = b""
 
     def info(self, ref: SnapshotRef) -> dict:  # type: ignore[type-arg]
         info = self._infos.get(ref.seq)
@@ -477,3 +488,13 @@ class StoreReader:
 
     def verify(self) -> int:
         return sum(seg.verify() for seg in self.segments)
+
+    def close(self) -> None:
+        for seg in self.segments:
+            seg.close()
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
