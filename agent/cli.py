@@ -3,6 +3,7 @@
     heapscope run [options] -- PROG [ARGS]    launch PROG held until the probes are attached
     heapscope attach PID [options]            profile a running process until Ctrl-C, SIGTERM or its exit
     heapscope serve [--pid PID]... [options]  the daemon: targets, monitor commands and metrics over HTTP
+    heapscope report STORE / diff STORE       read a stored history (agent.offline.commands)
     (run and attach take --http HOST:PORT to serve their one profile over HTTP while it runs)
 
 Every error the user can act on is a HeapscopeError: main() prints it as one line and exits with its code.
@@ -26,6 +27,7 @@ import psutil
 from agent import __version__
 from agent.errors import EnvironmentProblem, HeapscopeError, TargetError, UsageError
 from agent.model.options import MAX_WALKED_FRAMES, MassifOptions
+from agent.offline import commands as offline_commands
 from agent.process.capability import check_environment
 from agent.process.discovery import Allocator, ProbePoint, allocator_of_process, allocator_of_program, read_process
 from agent.process.launch import HeldChild
@@ -172,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_profile_options(serve)
     _add_http_options(serve, serve=True)
+    offline_commands.register(sub)
     return parser
 
 
@@ -610,6 +613,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return cmd_daemon(ctx, program=program)
             return cmd_run(ctx, program)
         ns = parser.parse_args(args)
+        if ns.command in offline_commands.COMMANDS:
+            return offline_commands.run(ns)
         if ns.command == "serve":
             ctx = _Ctx(options_from(ns), ns, massif_desc(args[1:]))
             return cmd_daemon(ctx, pids=ns.pids)
