@@ -64,6 +64,9 @@ COUNTER_FIELDS = (
     "peak_extra",
 )
 COUNTER_COLUMNS = (b"c_totbk", b"c_totb", b"c_frdbk", b"c_frdb", b"c_curbk", b"c_curb", b"c_curx", b"c_pkb", b"c_pkx")
+# Blocks that add to a segment's tables: the outer TOC lists them too, so a reader finds them without
+# reading every snapshot's TOC.
+TABLE_KINDS = (K_STRINGS, *FRAME_COLUMNS, K_STK_LEN, K_STK_FRM)
 COLUMN_KINDS = frozenset((*FRAME_COLUMNS, K_STK_LEN, K_STK_FRM, K_SITE_GAP, *COUNTER_COLUMNS))
 KNOWN_KINDS = frozenset((K_FILEMETA, K_SNAPINFO, K_STRINGS, K_SNAPTOC, K_OUTERTOC, *COLUMN_KINDS))
 
@@ -252,10 +255,12 @@ def _fdiv(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
-def encode_counters(prev: np.ndarray, new: np.ndarray) -> np.ndarray:
+def encode_counters(prev: np.ndarray, new: np.ndarray, peak_moved: bool = False) -> np.ndarray:
     """Residuals of the listed sites' counters: `prev` and `new` are (9, n) arrays in COUNTER_FIELDS order
     (prev is all zeros in a checkpoint). Each field is predicted from the previous state and the fields
-    before it; the residual is what the prediction missed (docs/store-format.md, "Counters")."""
+    before it; the residual is what the prediction missed (docs/store-format.md, "Counters"). When the peak
+    moved since the previous snapshot, the peak counters are predicted by the live ones (a growing heap peaks
+    near the sample that sees it)."""
     p_tbk, p_tb, p_fbk, p_fb, p_cbk, p_cb, p_cx, p_pb, p_px = prev
     n_tbk, n_tb, n_fbk, n_fb, n_cbk, n_cb, n_cx, n_pb, n_px = new
     mean = _fdiv(p_tb, p_tbk)  # the site's mean block size so far: one size per site is the common case
@@ -269,12 +274,12 @@ def encode_counters(prev: np.ndarray, new: np.ndarray) -> np.ndarray:
     res[4] = n_cbk - (p_cbk + d_tbk - d_fbk)
     res[5] = n_cb - (p_cb + (n_tb - p_tb) - (n_fb - p_fb))
     res[6] = n_cx - (p_cx + (n_cbk - p_cbk) * _fdiv(p_cx, p_cbk))
-    res[7] = n_pb - p_pb
-    res[8] = n_px - p_px
+    res[7] = n_pb - (n_cb if peak_moved else p_pb)
+    res[8] = n_px - (n_cx if peak_moved else p_px)
     return res
 
 
-def decode_counters(prev: np.ndarray, res: np.ndarray) -> np.ndarray:
+def decode_counters(prev: np.ndarray, res: np.ndarray, peak_moved: bool = False) -> np.ndarray:
     """The inverse of encode_counters."""
     p_tbk, p_tb, p_fbk, p_fb, p_cbk, p_cb, p_cx, p_pb, p_px = prev
     new = np.empty_like(res)
@@ -288,6 +293,6 @@ def decode_counters(prev: np.ndarray, res: np.ndarray) -> np.ndarray:
     new[4] = p_cbk + d_tbk - d_fbk + res[4]
     new[5] = p_cb + (new[1] - p_tb) - (new[3] - p_fb) + res[5]
     new[6] = p_cx + (new[4] - p_cbk) * _fdiv(p_cx, p_cbk) + res[6]
-    new[7] = p_pb + res[7]
-    new[8] = p_px + res[8]
+    new[7] = (new[5] if peak_moved else p_pb) + res[7]
+    new[8] = (new[6] if peak_moved else p_px) + res[8]
     return new

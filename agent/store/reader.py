@@ -12,7 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,10 @@ from agent.store import format as fmt
 from agent.store.format import FormatError, SnapshotUnavailable
 from agent.store.sample import PeakState, StoreMeta
 from agent.store.writer import segment_paths
+
+# SiteCounts' own field order, and where each field is among the stored counters
+_SITECOUNTS_FIELDS = tuple(f.name for f in fields(SiteCounts))
+_TO_SITECOUNTS = [fmt.COUNTER_FIELDS.index(name) for name in _SITECOUNTS_FIELDS]
 
 
 @dataclass(frozen=True)
@@ -120,13 +124,13 @@ class StoredSnapshot:
     def sites(self) -> dict[Stack, SiteCounts]:
         """Counters per stack; sites with equal stacks add up."""
         out: dict[Stack, SiteCounts] = {}
-        rows = self.counters.T.tolist()
+        rows = self.counters[_TO_SITECOUNTS].T.tolist()
         for stack, row in zip(self.site_stacks, rows, strict=False):
             have = out.get(stack)
             if have is None:
-                out[stack] = SiteCounts(**dict(zip(fmt.COUNTER_FIELDS, row, strict=True)))
+                out[stack] = SiteCounts(*row)
             else:
-                for name, v in zip(fmt.COUNTER_FIELDS, row, strict=True):
+                for name, v in zip(_SITECOUNTS_FIELDS, row, strict=True):
                     setattr(have, name, getattr(have, name) + v)
         return out
 
@@ -140,6 +144,7 @@ class SegmentReader:
         self.skipped: list[Skipped] = []
         self._refs: list[SnapshotRef] = []
         self._by_seq: dict[int, SnapshotRef] = {}
+        self._table_blocks: dict[int, dict[bytes, fmt.TocEntry]] = {}  # seq -> its table blocks
         self._infos: dict[int, dict] = {}  # type: ignore[type-arg]
         self.filemeta: dict = {}  # type: ignore[type-arg]
         self.meta = StoreMeta(pid=0, cmd="")
@@ -195,6 +200,7 @@ class SegmentReader:
             return None if len(data) > self._body else []
         (at,) = fmt.U64.unpack_from(data, len(data) - 8)
         entries: list[fmt.TocEntry] = []
+        tables: list[fmt.TocEntry] = []
         expect_end = len(data) - 8
         try:
             while True:
@@ -203,12 +209,15 @@ class SegmentReader:
                     return None
                 toc = fmt.decode_toc(b)
                 entries[:0] = [e for e in toc if e.kind == fmt.K_SNAPTOC]
+                tables[:0] = [e for e in toc if e.kind in fmt.TABLE_KINDS]
                 prev = [e for e in toc if e.kind == fmt.K_PREVTOC]
                 if not prev:
                     break
                 at, expect_end = prev[0].start, prev[0].end
         except FormatError:
             return None
+        for e in tables:
+            self._table_blocks.setdefault(e.key, {})[e.kind] = e
         return [SnapshotRef(self, i, e.key, e) for i, e in enumerate(entries)]
 
     def _index_by_scan(self) -> list[SnapshotRef]:
@@ -218,6 +227,8 @@ class SegmentReader:
         at = self._body
         refs: list[SnapshotRef] = []
         pending_since: int | None = None  # start of the current snapshot's blocks
+        pending_tables: dict[bytes, fmt.TocEntry] = {}
+        self._table_blocks = {}
         while at < len(data):
             try:
                 b = fmt.read_block(data, at)
@@ -228,10 +239,13 @@ class SegmentReader:
                     break
                 lost = self._lost_between(at, nxt)
                 self._skip(f"{nxt - at} bytes at offset {at}", str(exc), lost)
-                at, pending_since = nxt, None
+                at, pending_since, pending_tables = nxt, None, {}
                 continue
             if b.kind == fmt.K_SNAPINFO:
                 pending_since = b.start
+                pending_tables = {}
+            elif b.kind in fmt.TABLE_KINDS:
+                pending_tables[b.kind] = fmt.TocEntry(b.kind, b.start, b.end)
             elif b.kind == fmt.K_SNAPTOC and pending_since is not None:
                 try:
                     first = fmt.decode_toc(b)[0]
@@ -242,6 +256,8 @@ class SegmentReader:
                 else:
                     if not refs or seq > refs[-1].seq:
                         refs.append(SnapshotRef(self, seq, wall, fmt.TocEntry(fmt.K_SNAPTOC, b.start, b.end, wall)))
+                        if pending_tables:
+                            self._table_blocks[seq] = pending_tables
                 pending_since = None
             at = b.end
             if b.kind == fmt.K_OUTERTOC:
@@ -311,48 +327,56 @@ class SegmentReader:
         return info, blocks
 
     def _extend_tables(self, upto: int) -> None:
-        """Decode the string, frame and site tables of snapshots up to `upto`."""
-        while self._tables_upto < upto:
-            if self._tables_broken is not None:
-                return
-            seq = self._tables_upto + 1
-            ref = self._by_seq.get(seq)
-            if ref is None:  # lost: if it added to the tables, the next snapshot's counts say so
-                self._tables_upto = seq
-                continue
-            try:
+        """Apply the table blocks (strings, frames, sites) of snapshots up to `upto`, found through the outer
+        TOCs (or the scan), then check the tables against snapshot `upto`'s counts."""
+        if self._tables_broken is not None:
+            return
+        seq = self._tables_upto
+        try:
+            for seq in sorted(k for k in self._table_blocks if self._tables_upto < k <= upto):
+                self._apply_tables(self._table_blocks[seq])
+            seq = upto
+            ref = self._by_seq.get(upto)
+            if ref is not None:
                 info = self.info(ref)
                 if "error" in info:
                     raise FormatError(info["error"])
-                toc = self._toc(ref)
-                kinds = {e.kind: e for e in toc}
-                if fmt.K_STRINGS in kinds:
-                    self.strings += fmt.decode_strings(fmt.read_block(self._data, kinds[fmt.K_STRINGS].start))
-                if fmt.FRAME_COLUMNS[0] in kinds:
-                    cols = [fmt.decode_column(fmt.read_block(self._data, kinds[k].start)) for k in fmt.FRAME_COLUMNS]
-                    self.frames += [self._frame(*row) for row in zip(*(c.tolist() for c in cols), strict=True)]
-                if fmt.K_STK_LEN in kinds:
-                    lens = fmt.decode_column(fmt.read_block(self._data, kinds[fmt.K_STK_LEN].start)).tolist()
-                    frm = fmt.decode_column(fmt.read_block(self._data, kinds[fmt.K_STK_FRM].start), sum(lens))
-                    frames = [self.frames[i] for i in frm.tolist()]
-                    at = 0
-                    for n in lens:
-                        self.site_stacks.append(tuple(frames[at : at + n]))
-                        at += n
-                if len(self.site_stacks) != int(info["sites"]) or len(self.frames) != int(info["frames"]):
-                    raise FormatError(f"snapshot {seq}: tables do not add up to its counts")
-            except (FormatError, IndexError, KeyError, ValueError) as exc:
-                self._tables_broken = seq
-                later = [r.seq for r in self._refs if r.seq >= seq]
-                self._skip(
-                    f"{len(later)} snapshots ({seq}..{later[-1]})",
-                    f"the stack tables are unreadable from snapshot {seq} on ({exc})",
-                    len(later),
-                )
-                for s in later:
-                    self._bad[s] = f"stack tables unreadable from snapshot {seq}"
-                return
-            self._tables_upto = seq
+                if len(self.site_stacks) < int(info["sites"]) or len(self.frames) < int(info["frames"]):
+                    raise FormatError(f"snapshot {upto}: its tables are incomplete (a snapshot before it was lost)")
+        except (FormatError, IndexError, KeyError, ValueError) as exc:
+            self._tables_broken = seq
+            later = [r.seq for r in self._refs if r.seq >= seq]
+            self._skip(
+                f"{len(later)} snapshots ({seq}..{later[-1] if later else seq})",
+                f"the stack tables are unreadable from snapshot {seq} on ({exc})",
+                len(later),
+            )
+            for s in later:
+                self._bad[s] = f"stack tables unreadable from snapshot {seq}"
+            return
+        self._tables_upto = max(self._tables_upto, upto)
+
+    def _apply_tables(self, kinds: dict[bytes, fmt.TocEntry]) -> None:
+        data = self._data
+        if fmt.K_STRINGS in kinds:
+            self.strings += fmt.decode_strings(self._checked(kinds[fmt.K_STRINGS]))
+        if fmt.FRAME_COLUMNS[0] in kinds:
+            cols = [fmt.decode_column(self._checked(kinds[k])).tolist() for k in fmt.FRAME_COLUMNS]
+            self.frames += [self._frame(*row) for row in zip(*cols, strict=True)]
+        if fmt.K_STK_LEN in kinds:
+            lens = fmt.decode_column(self._checked(kinds[fmt.K_STK_LEN])).tolist()
+            frm = fmt.decode_column(fmt.read_block(data, kinds[fmt.K_STK_FRM].start), sum(lens)).tolist()
+            frames = self.frames
+            at = 0
+            for n in lens:
+                self.site_stacks.append(tuple([frames[i] for i in frm[at : at + n]]))
+                at += n
+
+    def _checked(self, e: fmt.TocEntry) -> fmt.Block:
+        b = fmt.read_block(self._data, e.start)
+        if b.kind != e.kind or b.end != e.end:
+            raise FormatError(f"{e.kind.decode()} expected at {e.start}")
+        return b
 
     def _string(self, ref: int) -> str | None:
         return None if ref == 0 else self.strings[ref - 1]
@@ -371,28 +395,31 @@ class SegmentReader:
         info, blocks = self._blocks(ref)
         n = int(info["sites"])
         listed = int(info["listed"])
-        checkpoint = bool(info.get("checkpoint"))
-        if checkpoint:
-            prev_full = np.zeros((len(fmt.COUNTER_FIELDS), n), dtype=np.int64)
+        peak_moved = bool(info.get("peak_moved"))
+        if info.get("checkpoint"):
+            base = np.zeros((len(fmt.COUNTER_FIELDS), n), dtype=np.int64)
+        elif prev is None:
+            raise FormatError(f"snapshot {ref.seq}: a delta without its previous snapshot")
+        elif prev.shape[1] == n:
+            base = prev
         else:
-            if prev is None:
-                raise FormatError(f"snapshot {ref.seq}: a delta without its previous snapshot")
-            prev_full = np.zeros((len(fmt.COUNTER_FIELDS), n), dtype=np.int64)
-            prev_full[:, : prev.shape[1]] = prev
-        gap = blocks.get(fmt.K_SITE_GAP)
-        gaps = fmt.decode_column(gap, listed) if gap is not None else np.zeros(listed, dtype=np.int64)
-        idx = np.cumsum(gaps + 1) - 1
-        if listed and (idx[-1] >= n or idx[0] < 0):
-            raise FormatError(f"snapshot {ref.seq}: a listed site is beyond its {n} sites")
+            base = np.zeros((len(fmt.COUNTER_FIELDS), n), dtype=np.int64)
+            base[:, : prev.shape[1]] = prev
         res = np.zeros((len(fmt.COUNTER_FIELDS), listed), dtype=np.int64)
         for i, kind in enumerate(fmt.COUNTER_COLUMNS):
             b = blocks.get(kind)
             if b is not None:
                 res[i] = fmt.decode_column(b, listed)
-        base = np.zeros_like(prev_full) if checkpoint else prev_full
+        gap = blocks.get(fmt.K_SITE_GAP)
+        if gap is None and listed == n:  # every site, in order: no scatter
+            return fmt.decode_counters(base, res, peak_moved)
+        gaps = fmt.decode_column(gap, listed) if gap is not None else np.zeros(listed, dtype=np.int64)
+        idx = np.cumsum(gaps + 1) - 1
+        if listed and (idx[-1] >= n or idx[0] < 0):
+            raise FormatError(f"snapshot {ref.seq}: a listed site is beyond its {n} sites")
         out = base.copy()
         if listed:
-            out[:, idx] = fmt.decode_counters(base[:, idx], res)
+            out[:, idx] = fmt.decode_counters(base[:, idx], res, peak_moved)
         return out
 
     def load(self, ref: SnapshotRef) -> StoredSnapshot:

@@ -197,8 +197,12 @@ def read_segment(path: str) -> SpecSegment:
             N[5] = _wrap(P[5] + (N[1] - P[1]) - (N[3] - P[3]) + R[5])
             xpb = P[6] // P[4] if P[4] > 0 else 0
             N[6] = _wrap(P[6] + (N[4] - P[4]) * xpb + R[6])
-            N[7] = _wrap(P[7] + R[7])
-            N[8] = _wrap(P[8] + R[8])
+            if info.get("peak_moved"):
+                N[7] = _wrap(N[5] + R[7])
+                N[8] = _wrap(N[6] + R[8])
+            else:
+                N[7] = _wrap(P[7] + R[7])
+                N[8] = _wrap(P[8] + R[8])
             state[site] = N
         by_stack: dict[tuple, list[int]] = {}
         for stack, counters in zip(stacks, state, strict=True):
