@@ -8,18 +8,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from agent.errors import UsageError
 from agent.model.options import DEFAULT_ALLOC_FNS
 from agent.model.profile import (
     HEAP_ROOT_LABEL,
     Frame,
-    HeapNode,
     HeapTree,
+    IndexedTree,
     SiteCounts,
     Snapshot,
     SnapshotKind,
     SnapshotSeries,
     Stack,
+    StackIndex,
+    Tree,
+    TreeNode,
     trim_stack,
 )
 from agent.store import SnapshotRef, SnapshotUnavailable, StoredSnapshot, StoreReader
@@ -115,31 +120,67 @@ class Trimmer:
         return merged
 
 
+class TreeBuilder:
+    """Heap trees of stored snapshots through one StackIndex (as the session builds its trees): each site is
+    trimmed and numbered once, and a snapshot's tree is then one pass over its counter column."""
+
+    def __init__(self, trim: Trimmer, root_label: str) -> None:
+        self.trim = trim
+        self.index = StackIndex(root_label)
+        self._numbers: dict[int, np.ndarray] = {}  # id(segment) -> stack number per site (-1: left out)
+        self._by_raw: dict[Stack, int] = {}  # raw stack -> stack number: segments repeat their sites' stacks
+
+    def numbers(self, snap: StoredSnapshot) -> np.ndarray:
+        """The trimmed stack's number of every site of the snapshot's segment (-1: ignored or empty)."""
+        key = id(snap.ref.segment)
+        have = self._numbers.get(key)
+        n = snap.counters.shape[1]
+        if have is None or len(have) < n:
+            done = 0 if have is None else len(have)
+            more = []
+            for stack in snap.site_stacks[done:n]:
+                number = self._by_raw.get(stack)
+                if number is None:
+                    t = self.trim(stack)
+                    number = self._by_raw[stack] = -1 if not t else self.index.add(t)
+                more.append(number)
+            grown = np.array(more, dtype=np.int64)
+            have = grown if have is None else np.concatenate([have, grown])
+            self._numbers[key] = have
+        return have[:n]
+
+    def values(self, snap: StoredSnapshot, field: str) -> list[int]:
+        """Bytes per stack number of one counter (sites with equal trimmed stacks add up)."""
+        nums = self.numbers(snap)
+        col = snap.column(field)
+        keep = nums >= 0
+        out = np.zeros(self.index.n_stacks, dtype=np.int64)
+        np.add.at(out, nums[keep], col[keep])
+        return out.tolist()
+
+    def tree(self, snap: StoredSnapshot, field: str) -> IndexedTree:
+        return self.index.tree(self.values(snap, field))
+
+
 class LazyTree:
     """A snapshot's heap tree, built when a writer first reads it: Massif's culling drops most detailed
     snapshots of a long range before anyone looks at their trees."""
 
-    def __init__(self, reader: StoreReader, ref: SnapshotRef, trim: Trimmer, root_label: str, peak: bool = False):
+    def __init__(self, reader: StoreReader, ref: SnapshotRef, builder: TreeBuilder, peak: bool = False):
         self._reader = reader
         self._ref = ref
-        self._trim = trim
+        self._builder = builder
         self._peak = peak
-        self.root_label = root_label
-        self._tree: HeapTree | None = None
+        self.root_label = builder.index.root_label
+        self._tree: Tree | None = None
 
-    def _built(self) -> HeapTree:
+    def _built(self) -> Tree:
         if self._tree is None:
             try:
                 snap = self._reader.load(self._ref)
-                sites = snap.sites()
+                self._tree = self._builder.tree(snap, "peak_bytes" if self._peak else "cur_bytes")
             except SnapshotUnavailable:
-                sites = {}
-            per_stack: dict[Stack, int] = {}
-            for stack, c in sites.items():
-                t = self._trim(stack)
-                if t is not None:
-                    per_stack[t] = per_stack.get(t, 0) + (c.peak_bytes if self._peak else c.cur_bytes)
-            self._tree = HeapTree.from_stacks(per_stack, self.root_label)
+                self._tree = HeapTree(root_label=self.root_label)
         return self._tree
 
     @property
@@ -151,7 +192,7 @@ class LazyTree:
         return self._built().n_stacks
 
     @property
-    def children(self) -> dict[str, HeapNode]:
+    def children(self) -> Mapping[str, TreeNode]:
         return self._built().children
 
 
@@ -169,8 +210,7 @@ def massif_series(
     stored snapshot is offered in order, the peak (when it falls in the range) is the exact one, the last
     snapshot is the final, detailed state."""
     meta = reader.meta
-    trim = Trimmer(meta.options)
-    root = meta.root_label or HEAP_ROOT_LABEL
+    builder = TreeBuilder(Trimmer(meta.options), meta.root_label or HEAP_ROOT_LABEL)
     series = SnapshotSeries(detailed_freq=detailed_freq, max_snapshots=max_snapshots)
     refs = sel.refs
     notes = list(sel.notes)
@@ -185,7 +225,7 @@ def massif_series(
             backwards += 1
             continue
         last_time = t
-        tree = LazyTree(reader, ref, trim, root) if series.next_kind(t) is SnapshotKind.DETAILED else None
+        tree = LazyTree(reader, ref, builder) if series.next_kind(t) is SnapshotKind.DETAILED else None
         series.add(t, int(i["heap"]), int(i["extra"]), int(i["stacks"]), tree)
     if backwards:
         notes.append(f"{backwards} snapshots with a time before the previous one were left out")
@@ -193,14 +233,14 @@ def massif_series(
     peak = final.peak
     if peak is not None and peak.time >= refs[0].time:
         # The first snapshot that knew this peak holds its tree in the sites' peak_bytes.
-        holder = next(r for r in refs if r.peak == peak)
+        holder = next((r for r in refs if r.peak == peak), final)
         series.set_peak(peak.time, peak.heap_B, peak.extra_B, peak.stacks_B,
-                        LazyTree(reader, holder, trim, root, peak=True))
+                        LazyTree(reader, holder, builder, peak=True))
     elif peak is not None:
         notes.append("the profile's peak is before the range: no peak snapshot")
     fi = final.info
     ft = max(int(fi["time"]), last_time or 0)
-    series.finish(ft, int(fi["heap"]), int(fi["extra"]), int(fi["stacks"]), LazyTree(reader, final, trim, root))
+    series.finish(ft, int(fi["heap"]), int(fi["extra"]), int(fi["stacks"]), LazyTree(reader, final, builder))
     return MassifSeries(series.snapshots, meta.time_unit, notes)
 
 
