@@ -52,6 +52,10 @@ K_STK_LEN = b"stk_len"
 K_STK_FRM = b"stk_frm"
 # Per-snapshot counter columns: one row per site listed in the snapshot.
 K_SITE_GAP = b"site_gap"
+# Per-snapshot hint columns: sites whose hints are set by this snapshot (gaps as site_gap), and the hints.
+K_HINT_GAP = b"h_gap"
+K_HINT_SIZE = b"h_size"
+K_HINT_XPB = b"h_xpb"
 COUNTER_FIELDS = (
     "tot_blocks",
     "tot_bytes",
@@ -67,7 +71,9 @@ COUNTER_COLUMNS = (b"c_totbk", b"c_totb", b"c_frdbk", b"c_frdb", b"c_curbk", b"c
 # Blocks that add to a segment's tables: the outer TOC lists them too, so a reader finds them without
 # reading every snapshot's TOC.
 TABLE_KINDS = (K_STRINGS, *FRAME_COLUMNS, K_STK_LEN, K_STK_FRM)
-COLUMN_KINDS = frozenset((*FRAME_COLUMNS, K_STK_LEN, K_STK_FRM, K_SITE_GAP, *COUNTER_COLUMNS))
+COLUMN_KINDS = frozenset(
+    (*FRAME_COLUMNS, K_STK_LEN, K_STK_FRM, K_SITE_GAP, K_HINT_GAP, K_HINT_SIZE, K_HINT_XPB, *COUNTER_COLUMNS)
+)
 KNOWN_KINDS = frozenset((K_FILEMETA, K_SNAPINFO, K_STRINGS, K_SNAPTOC, K_OUTERTOC, *COLUMN_KINDS))
 
 ZSTD_LEVEL = 3
@@ -256,50 +262,64 @@ def lowbit(k: int) -> int:
 
 def _fdiv(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a // b (floor) where b > 0, else 0."""
-    out = np.zeros_like(a)
-    pos = b > 0
-    np.floor_divide(a, b, out=out, where=pos)
+    out = np.floor_divide(a, np.maximum(b, 1))
+    out *= b > 0
     return out
 
 
-def encode_counters(prev: np.ndarray, new: np.ndarray, peak_moved: bool = False) -> np.ndarray:
+def hints_of(state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The hints a writer derives from counters: mean block size and extra bytes per live block."""
+    return _fdiv(state[1], state[0]), _fdiv(state[6], state[4])
+
+
+def encode_counters(
+    prev: np.ndarray, new: np.ndarray, size: np.ndarray, xpb: np.ndarray, peak_moved: bool = False
+) -> np.ndarray:
     """Residuals of the listed sites' counters: `prev` and `new` are (9, n) arrays in COUNTER_FIELDS order
-    (prev is all zeros in a checkpoint). Each field is predicted from the previous state and the fields
-    before it; the residual is what the prediction missed (docs/store-format.md, "Counters"). When the peak
-    moved since the previous snapshot, the peak counters are predicted by the live ones (a growing heap peaks
-    near the sample that sees it)."""
-    p_tbk, p_tb, p_fbk, p_fb, p_cbk, p_cb, p_cx, p_pb, p_px = prev
-    n_tbk, n_tb, n_fbk, n_fb, n_cbk, n_cb, n_cx, n_pb, n_px = new
-    mean = _fdiv(p_tb, p_tbk)  # the site's mean block size so far: one size per site is the common case
-    d_tbk = n_tbk - p_tbk
-    d_fbk = n_fbk - p_fbk
+    (prev is all zeros in a checkpoint), `size` and `xpb` the sites' hints (block size, extra bytes per
+    block). Each field is predicted linearly from the previous state and the fields before it; the residual
+    is what the prediction missed (docs/store-format.md, "Counters"). When the peak moved since the previous
+    snapshot, the peak counters are predicted by the live ones (a growing heap peaks near the sample that
+    sees it)."""
+    d = new - prev
     res = np.empty_like(new)
-    res[0] = d_tbk
-    res[1] = n_tb - (p_tb + d_tbk * mean)
-    res[2] = d_fbk
-    res[3] = n_fb - (p_fb + d_fbk * mean)
-    res[4] = n_cbk - (p_cbk + d_tbk - d_fbk)
-    res[5] = n_cb - (p_cb + (n_tb - p_tb) - (n_fb - p_fb))
-    res[6] = n_cx - (p_cx + (n_cbk - p_cbk) * _fdiv(p_cx, p_cbk))
-    res[7] = n_pb - (n_cb if peak_moved else p_pb)
-    res[8] = n_px - (n_cx if peak_moved else p_px)
+    res[0] = d[0]
+    res[1] = d[1] - d[0] * size
+    res[2] = d[2]
+    res[3] = d[3] - d[2] * size
+    res[4] = d[4] - (d[0] - d[2])
+    res[5] = d[5] - d[1] + d[3]
+    res[6] = d[6] - d[4] * xpb
+    res[7] = new[7] - (new[5] if peak_moved else prev[7])
+    res[8] = new[8] - (new[6] if peak_moved else prev[8])
     return res
 
 
-def decode_counters(prev: np.ndarray, res: np.ndarray, peak_moved: bool = False) -> np.ndarray:
+def advance(prev: np.ndarray, res: np.ndarray, size: np.ndarray, xpb: np.ndarray) -> np.ndarray:
+    """Counters from `prev` and residuals (of one snapshot, or the sum of several whose peak did not move and
+    whose hints did not change: every prediction is linear in the residuals), peak fields as not moved."""
+    r0, r1, r2, r3, r4, r5, r6, r7, r8 = res
+    new = np.empty_like(prev)
+    live = r0 - r2
+    np.add(prev[0], r0, out=new[0])
+    new[1] = prev[1] + r0 * size + r1
+    np.add(prev[2], r2, out=new[2])
+    new[3] = prev[3] + r2 * size + r3
+    live += r4
+    np.add(prev[4], live, out=new[4])
+    new[5] = prev[5] + (r0 - r2) * size + r1 - r3 + r5
+    new[6] = prev[6] + live * xpb + r6
+    np.add(prev[7], r7, out=new[7])
+    np.add(prev[8], r8, out=new[8])
+    return new
+
+
+def decode_counters(
+    prev: np.ndarray, res: np.ndarray, size: np.ndarray, xpb: np.ndarray, peak_moved: bool = False
+) -> np.ndarray:
     """The inverse of encode_counters."""
-    p_tbk, p_tb, p_fbk, p_fb, p_cbk, p_cb, p_cx, p_pb, p_px = prev
-    new = np.empty_like(res)
-    mean = _fdiv(p_tb, p_tbk)
-    d_tbk = res[0]
-    d_fbk = res[2]
-    new[0] = p_tbk + d_tbk
-    new[1] = p_tb + d_tbk * mean + res[1]
-    new[2] = p_fbk + d_fbk
-    new[3] = p_fb + d_fbk * mean + res[3]
-    new[4] = p_cbk + d_tbk - d_fbk + res[4]
-    new[5] = p_cb + (new[1] - p_tb) - (new[3] - p_fb) + res[5]
-    new[6] = p_cx + (new[4] - p_cbk) * _fdiv(p_cx, p_cbk) + res[6]
-    new[7] = (new[5] if peak_moved else p_pb) + res[7]
-    new[8] = (new[6] if peak_moved else p_px) + res[8]
+    new = advance(prev, res, size, xpb)
+    if peak_moved:
+        new[7] = new[5] + res[7]
+        new[8] = new[6] + res[8]
     return new

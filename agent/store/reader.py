@@ -135,6 +135,9 @@ class StoredSnapshot:
         return out
 
 
+_State = tuple[int, np.ndarray, np.ndarray, np.ndarray]  # (seq, counters, size hints, extra hints)
+
+
 class SegmentReader:
     """One segment file: its index from the outer TOC chain (or, when the tail is torn, a forward scan), and
     snapshots decoded on demand, rolled forward from the nearest checkpoint."""
@@ -154,7 +157,8 @@ class SegmentReader:
         self.site_stacks: list[Stack] = []
         self._tables_upto = -1
         self._tables_broken: int | None = None  # first snapshot whose tables could not be read
-        self._state: tuple[int, np.ndarray] | None = None  # (seq, counters) of the last decoded snapshot
+        self._state: _State | None = None  # the last decoded snapshot
+        self._rolling = 0  # the snapshot _roll is at
         self._bad: dict[int, str] = {}  # seq -> why it cannot be decoded
         try:
             with open(self.path, "rb") as f:
@@ -361,8 +365,15 @@ class SegmentReader:
         if fmt.K_STRINGS in kinds:
             self.strings += fmt.decode_strings(self._checked(kinds[fmt.K_STRINGS]))
         if fmt.FRAME_COLUMNS[0] in kinds:
-            cols = [fmt.decode_column(self._checked(kinds[k])).tolist() for k in fmt.FRAME_COLUMNS]
-            self.frames += [self._frame(*row) for row in zip(*cols, strict=True)]
+            addr, func, file, line, obj, path = (
+                fmt.decode_column(self._checked(kinds[k])).tolist() for k in fmt.FRAME_COLUMNS
+            )
+            strs: list[str | None] = [None, *self.strings]  # string index + 1, 0 for none
+            mask = 0xFFFF_FFFF_FFFF_FFFF
+            self.frames += [
+                Frame(a & mask, strs[fn], strs[fl], ln or None, strs[ob], strs[pa])
+                for a, fn, fl, ln, ob, pa in zip(addr, func, file, line, obj, path, strict=True)
+            ]
         if fmt.K_STK_LEN in kinds:
             lens = fmt.decode_column(self._checked(kinds[fmt.K_STK_LEN])).tolist()
             frm = fmt.decode_column(fmt.read_block(data, kinds[fmt.K_STK_FRM].start), sum(lens)).tolist()
@@ -378,84 +389,128 @@ class SegmentReader:
             raise FormatError(f"{e.kind.decode()} expected at {e.start}")
         return b
 
-    def _string(self, ref: int) -> str | None:
-        return None if ref == 0 else self.strings[ref - 1]
-
-    def _frame(self, addr: int, func: int, file: int, line: int, obj: int, path: int) -> Frame:
-        return Frame(
-            address=addr & 0xFFFF_FFFF_FFFF_FFFF,
-            function=self._string(func),
-            file=self._string(file),
-            line=line or None,
-            obj=self._string(obj),
-            path=self._string(path),
-        )
-
-    def _decode_counters(self, ref: SnapshotRef, prev: np.ndarray | None) -> np.ndarray:
-        info, blocks = self._blocks(ref)
-        n = int(info["sites"])
+    def _residuals(self, ref: SnapshotRef, blocks: dict[bytes, fmt.Block], info: dict, n: int):  # type: ignore[no-untyped-def,type-arg]
+        """(site numbers or None for all, residual rows) of a snapshot's counter columns."""
         listed = int(info["listed"])
-        peak_moved = bool(info.get("peak_moved"))
-        if info.get("checkpoint"):
-            base = np.zeros((len(fmt.COUNTER_FIELDS), n), dtype=np.int64)
-        elif prev is None:
-            raise FormatError(f"snapshot {ref.seq}: a delta without its previous snapshot")
-        elif prev.shape[1] == n:
-            base = prev
-        else:
-            base = np.zeros((len(fmt.COUNTER_FIELDS), n), dtype=np.int64)
-            base[:, : prev.shape[1]] = prev
         res = np.zeros((len(fmt.COUNTER_FIELDS), listed), dtype=np.int64)
         for i, kind in enumerate(fmt.COUNTER_COLUMNS):
             b = blocks.get(kind)
             if b is not None:
                 res[i] = fmt.decode_column(b, listed)
         gap = blocks.get(fmt.K_SITE_GAP)
-        if gap is None and listed == n:  # every site, in order: no scatter
-            return fmt.decode_counters(base, res, peak_moved)
-        gaps = fmt.decode_column(gap, listed) if gap is not None else np.zeros(listed, dtype=np.int64)
-        idx = np.cumsum(gaps + 1) - 1
-        if listed and (idx[-1] >= n or idx[0] < 0):
-            raise FormatError(f"snapshot {ref.seq}: a listed site is beyond its {n} sites")
-        out = base.copy()
-        if listed:
-            out[:, idx] = fmt.decode_counters(base[:, idx], res, peak_moved)
-        return out
+        if gap is None and listed == n:  # every site, in order
+            return None, res
+        return self._sites_of(gap, listed, n, ref), res
 
-    def load(self, ref: SnapshotRef) -> StoredSnapshot:
-        """Decode one snapshot: from the last decoded one when it is on the way, else from its checkpoint."""
+    @staticmethod
+    def _sites_of(gap: fmt.Block | None, rows: int, n: int, ref: SnapshotRef) -> np.ndarray:
+        gaps = fmt.decode_column(gap, rows) if gap is not None else np.zeros(rows, dtype=np.int64)
+        idx = np.cumsum(gaps + 1) - 1
+        if rows and (idx[-1] >= n or int(gaps.min()) < 0):
+            raise FormatError(f"snapshot {ref.seq}: a listed site is beyond its {n} sites")
+        return idx
+
+    def _roll(self, refs: list[SnapshotRef], state: _State | None) -> _State:
+        """Apply snapshots in order to `state` (None before a checkpoint). Residuals of consecutive snapshots
+        that change no hint and do not move the peak are summed first and applied once: every prediction is
+        linear in them (docs/store-format.md, "Reading fast")."""
+        nf = len(fmt.COUNTER_FIELDS)
+        prev = size = xpb = None
+        if state is not None:
+            _, prev, size, xpb = state
+        acc: np.ndarray | None = None  # summed residuals not yet applied to prev
+        seq = -1
+        for ref in refs:
+            seq = self._rolling = ref.seq
+            info, blocks = self._blocks(ref)
+            n = int(info["sites"])
+            checkpoint = bool(info.get("checkpoint"))
+            moved = bool(info.get("peak_moved"))
+            hinted = int(info.get("hinted", 0))
+            if checkpoint:
+                prev = np.zeros((nf, n), dtype=np.int64)
+                size = np.zeros(n, dtype=np.int64)
+                xpb = np.zeros(n, dtype=np.int64)
+                acc = None
+            elif prev is None or size is None or xpb is None:
+                raise FormatError(f"snapshot {seq}: a delta without its previous snapshot")
+            elif prev.shape[1] != n:
+                if prev.shape[1] > n:
+                    raise FormatError(f"snapshot {seq}: {n} sites, fewer than before")
+                grow = n - prev.shape[1]
+                prev = np.concatenate([prev, np.zeros((nf, grow), dtype=np.int64)], axis=1)
+                size = np.concatenate([size, np.zeros(grow, dtype=np.int64)])
+                xpb = np.concatenate([xpb, np.zeros(grow, dtype=np.int64)])
+                if acc is not None:
+                    acc = np.concatenate([acc, np.zeros((nf, grow), dtype=np.int64)], axis=1)
+            idx, res = self._residuals(ref, blocks, info, n)
+            if not (checkpoint or moved or hinted):
+                if acc is None:
+                    acc = np.zeros((nf, n), dtype=np.int64)
+                if idx is None:
+                    acc += res
+                else:
+                    acc[:, idx] += res
+                continue
+            if acc is not None:
+                prev = fmt.advance(prev, acc, size, xpb)
+                acc = None
+            if hinted:
+                rows = self._sites_of(blocks.get(fmt.K_HINT_GAP), hinted, n, ref)
+                for kind, target in ((fmt.K_HINT_SIZE, size), (fmt.K_HINT_XPB, xpb)):
+                    b = blocks.get(kind)
+                    target[rows] = fmt.decode_column(b, hinted) if b is not None else 0
+            if idx is None:
+                prev = fmt.decode_counters(prev, res, size, xpb, moved)
+            else:
+                prev = prev.copy()
+                prev[:, idx] = fmt.decode_counters(prev[:, idx], res, size[idx], xpb[idx], moved)
+        assert prev is not None and size is not None and xpb is not None
+        if acc is not None:
+            prev = fmt.advance(prev, acc, size, xpb)
+        return seq, prev, size, xpb
+
+    def load(self, ref: SnapshotRef, stacks: bool = True) -> StoredSnapshot:
+        """Decode one snapshot: from the last decoded one when it is on the way, else from its checkpoint.
+        stacks=False leaves the stack tables alone (their Frame objects are most of a first read's cost), for
+        callers that read the counter columns only: the snapshot's site_stacks is then not filled."""
         seq = ref.seq
         if seq in self._bad:
             raise SnapshotUnavailable(self._bad[seq])
-        self._extend_tables(seq)
-        if seq in self._bad:
-            raise SnapshotUnavailable(self._bad[seq])
+        if stacks:
+            self._extend_tables(seq)
+            if seq in self._bad:
+                raise SnapshotUnavailable(self._bad[seq])
         start = seq - seq % self.checkpoint_every
-        counters: np.ndarray | None = None
+        state: _State | None = None
         at = start
         if self._state is not None and start <= self._state[0] <= seq:
-            at, counters = self._state[0] + 1, self._state[1]
-            if at > seq:
-                return StoredSnapshot(ref, self.info(ref), counters, self.site_stacks)
-        for s in range(at, seq + 1):
-            try:
+            state = self._state
+            at = state[0] + 1
+        try:
+            todo = []
+            for s in range(at, seq + 1):
                 here = self._by_seq.get(s)
                 if here is None:
+                    self._rolling = s
                     raise FormatError(f"snapshot {s} is missing")
-                counters = self._decode_counters(here, counters)
-            except FormatError as exc:
-                end = start + self.checkpoint_every
-                hit = [r.seq for r in self._refs if s <= r.seq < end]
-                for b in hit:
-                    self._bad[b] = str(exc)
-                self._skip(
-                    f"{len(hit)} snapshots ({s}..{end - 1})", f"{exc}; the next checkpoint is snapshot {end}", len(hit)
-                )
-                self._state = None
-                raise SnapshotUnavailable(str(exc)) from None
-            self._state = (s, counters)
-        assert counters is not None
-        return StoredSnapshot(ref, self.info(ref), counters, self.site_stacks)
+                todo.append(here)
+            if todo:
+                state = self._roll(todo, state)
+        except FormatError as exc:
+            end = start + self.checkpoint_every
+            first = self._rolling  # the snapshot that failed: from it to the next checkpoint, nothing decodes
+            hit = [r.seq for r in self._refs if first <= r.seq < end]
+            for b in hit:
+                self._bad[b] = str(exc)
+            self._skip(
+                f"{len(hit)} snapshots ({first}..{end - 1})", f"{exc}; the next checkpoint is snapshot {end}", len(hit)
+            )
+            self._state = None
+            raise SnapshotUnavailable(str(exc)) from None
+        assert state is not None
+        self._state = state
+        return StoredSnapshot(ref, self.info(ref), state[1], self.site_stacks if stacks else [])
 
     def verify(self) -> int:
         """Decode every snapshot (what load() would report, found now). Returns how many decode."""
@@ -501,8 +556,8 @@ class StoreReader:
     def __iter__(self) -> Iterator[SnapshotRef]:
         return iter(self.snapshots())
 
-    def load(self, ref: SnapshotRef) -> StoredSnapshot:
-        return ref.segment.load(ref)
+    def load(self, ref: SnapshotRef, stacks: bool = True) -> StoredSnapshot:
+        return ref.segment.load(ref, stacks)
 
     def at(self, wall_ns: int) -> StoredSnapshot | None:
         """The last snapshot taken at or before `wall_ns` that can be decoded."""

@@ -89,6 +89,22 @@ def _frame_strings(f: Frame) -> tuple[str | None, ...]:
     return (f.function, f.file, f.obj, f.path)
 
 
+@dataclass
+class _Pending:
+    """What a snapshot adds to a segment's state, committed once its bytes are written."""
+
+    strings: dict[str, int]
+    frames: dict[Frame, int]
+    n_sites: int
+    state: np.ndarray
+    size: np.ndarray
+    xpb: np.ndarray
+    snaptoc: fmt.TocEntry
+    tables: list[fmt.TocEntry]
+    peak: object
+    outer: tuple[int, int]
+
+
 class SegmentFile:
     """One segment being written: its tables (strings, frames, sites) and the counters last written."""
 
@@ -101,6 +117,8 @@ class SegmentFile:
         self.frames: dict[Frame, int] = {}
         self.n_sites = 0
         self.prev = np.zeros((N_FIELDS, 0), dtype=np.int64)
+        self.size_hint = np.zeros(0, dtype=np.int64)  # the sites' hints (docs/store-format.md, "Counters")
+        self.xpb_hint = np.zeros(0, dtype=np.int64)
         self.n_snapshots = 0
         self.outer: list[tuple[int, int]] = []  # (start, end) of outer TOC k, at k-1
         self.snaptocs: list[fmt.TocEntry] = []  # inner TOC of snapshot k, at k-1 (key: wall clock ns)
@@ -125,7 +143,7 @@ class SegmentFile:
 
     def encode(
         self, info: dict[str, object], state: np.ndarray, stacks: Sequence[Stack]
-    ) -> tuple[bytes, dict[str, object]]:
+    ) -> tuple[bytes, _Pending]:
         """The bytes of one snapshot (blocks, inner TOC, outer TOC, trailing offset) at the current end, and the
         table changes to commit once they are written. `state` is (9, n_sites) in COUNTER_FIELDS order, `stacks`
         the stacks of the sites this segment has not listed yet (sites n_sites.. in order)."""
@@ -135,11 +153,24 @@ class SegmentFile:
         seq = self.n_snapshots
         checkpoint = seq % self.checkpoint_every == 0
         prev = np.zeros((N_FIELDS, n), dtype=np.int64)
+        new_size, new_xpb = fmt.hints_of(state)
         if checkpoint:
             listed = np.arange(n, dtype=np.int64)
+            # hints start afresh at a checkpoint: each site's mean block size and extra per block now
+            size, xpb = new_size, new_xpb
+            hinted = np.flatnonzero((size != 0) | (xpb != 0))
         else:
             prev[:, : self.n_sites] = self.prev
             listed = np.flatnonzero(np.any(state != prev, axis=0))
+            size = np.zeros(n, dtype=np.int64)
+            xpb = np.zeros(n, dtype=np.int64)
+            size[: self.n_sites] = self.size_hint
+            xpb[: self.n_sites] = self.xpb_hint
+            # a site without a hint gets one as soon as it has blocks; hints do not change until the checkpoint
+            fresh = ((size == 0) & (new_size != 0)) | ((xpb == 0) & (new_xpb != 0))
+            hinted = np.flatnonzero(fresh)
+            size[hinted] = np.where(size[hinted] == 0, new_size[hinted], size[hinted])
+            xpb[hinted] = np.where(xpb[hinted] == 0, new_xpb[hinted], xpb[hinted])
         # New strings, frames and sites: only what this segment has not written yet.
         new_strings: dict[str, int] = {}
         new_frames: dict[Frame, int] = {}
@@ -183,6 +214,7 @@ class SegmentFile:
             "seq": seq,
             "checkpoint": checkpoint,
             "listed": len(listed),
+            "hinted": len(hinted),
             "sites": n,
             "frames": len(self.frames) + len(new_frames),
             "strings": len(self.strings) + len(new_strings),
@@ -196,14 +228,20 @@ class SegmentFile:
         if stacks:
             parts.append((fmt.K_STK_LEN, fmt.column_block(fmt.K_STK_LEN, np.array(stk_len, dtype=np.int64))))
             parts.append((fmt.K_STK_FRM, fmt.column_block(fmt.K_STK_FRM, np.array(stk_frm, dtype=np.int64))))
+        if len(hinted):
+            gaps = np.diff(hinted, prepend=-1) - 1
+            if gaps.any():
+                parts.append((fmt.K_HINT_GAP, fmt.column_block(fmt.K_HINT_GAP, gaps)))
+            parts.append((fmt.K_HINT_SIZE, fmt.column_block(fmt.K_HINT_SIZE, size[hinted])))
+            parts.append((fmt.K_HINT_XPB, fmt.column_block(fmt.K_HINT_XPB, xpb[hinted])))
         if len(listed):
             gaps = np.diff(listed, prepend=-1) - 1
             if gaps.any():
                 parts.append((fmt.K_SITE_GAP, fmt.column_block(fmt.K_SITE_GAP, gaps)))
             if len(listed) == n:  # every site: no gather needed
-                res = fmt.encode_counters(prev, state, peak_moved)
+                res = fmt.encode_counters(prev, state, size, xpb, peak_moved)
             else:
-                res = fmt.encode_counters(prev[:, listed], state[:, listed], peak_moved)
+                res = fmt.encode_counters(prev[:, listed], state[:, listed], size[listed], xpb[listed], peak_moved)
             for kind, col in zip(fmt.COUNTER_COLUMNS, res, strict=True):
                 if col.any():  # an all-zero column is left out
                     parts.append((kind, fmt.column_block(kind, col)))
@@ -230,27 +268,21 @@ class SegmentFile:
         out += fmt.toc_block(fmt.K_OUTERTOC, outer_entries)
         outer_end = at + len(out)
         out += fmt.U64.pack(outer_start)
-        pending = {
-            "strings": new_strings,
-            "frames": new_frames,
-            "n_sites": n,
-            "state": state,
-            "snaptoc": snaptoc,
-            "tables": tables,
-            "peak": info.get("peak"),
-            "outer": (outer_start, outer_end),
-        }
+        pending = _Pending(new_strings, new_frames, n, state, size, xpb, snaptoc, tables, info.get("peak"),
+                           (outer_start, outer_end))
         return bytes(out), pending
 
-    def commit(self, written: int, pending: dict[str, object]) -> None:
-        self.strings.update(pending["strings"])  # type: ignore[call-overload]
-        self.frames.update(pending["frames"])  # type: ignore[call-overload]
-        self.n_sites = pending["n_sites"]  # type: ignore[assignment]
-        self.prev = pending["state"]  # type: ignore[assignment]
-        self.snaptocs.append(pending["snaptoc"])  # type: ignore[arg-type]
-        self.tables.append(pending["tables"])  # type: ignore[arg-type]
-        self.last_peak = pending["peak"]
-        self.outer.append(pending["outer"])  # type: ignore[arg-type]
+    def commit(self, written: int, pending: _Pending) -> None:
+        self.strings.update(pending.strings)
+        self.frames.update(pending.frames)
+        self.n_sites = pending.n_sites
+        self.prev = pending.state
+        self.size_hint = pending.size
+        self.xpb_hint = pending.xpb
+        self.snaptocs.append(pending.snaptoc)
+        self.tables.append(pending.tables)
+        self.last_peak = pending.peak
+        self.outer.append(pending.outer)
         self.n_snapshots += 1
         self.offset += written
 

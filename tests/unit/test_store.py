@@ -267,9 +267,14 @@ def test_interval_sync_happens_without_further_appends(tmp_path: Path, monkeypat
 def test_residuals_are_zero_for_a_steady_single_size_site() -> None:
     prev = np.array([[10], [160], [4], [64], [6], [96], [48], [0], [0]], dtype=np.int64)
     new = np.array([[13], [208], [9], [144], [4], [64], [32], [0], [0]], dtype=np.int64)
-    res = fmt.encode_counters(prev, new)
+    size, xpb = fmt.hints_of(prev)  # 16 bytes a block, 8 extra bytes a block
+    res = fmt.encode_counters(prev, new, size, xpb)
     assert res[:, 0].tolist() == [3, 0, 5, 0, 0, 0, 0, 0, 0]
-    assert (fmt.decode_counters(prev, res) == new).all()
+    assert (fmt.decode_counters(prev, res, size, xpb) == new).all()
+    # summed residuals of two snapshots decode in one step (the reader's fast path)
+    newer = np.array([[20], [320], [11], [176], [9], [144], [72], [0], [0]], dtype=np.int64)
+    res2 = fmt.encode_counters(new, newer, size, xpb)
+    assert (fmt.advance(prev, res + res2, size, xpb) == newer).all()
 
 
 def test_writer_does_not_import_above_its_layer() -> None:
