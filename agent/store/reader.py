@@ -138,6 +138,43 @@ class StoredSnapshot:
 _State = tuple[int, np.ndarray, np.ndarray, np.ndarray]  # (seq, counters, size hints, extra hints)
 
 
+class _Run:
+    """Residuals of consecutive snapshots with the same hints, summed. Where a site's peak moved, the peak is
+    its live counters at that (last) move plus the peak residuals since: kept as the sum at the move."""
+
+    def __init__(self, n: int) -> None:
+        self.acc = np.zeros((len(fmt.COUNTER_FIELDS), n), dtype=np.int64)
+        self.moved: np.ndarray | None = None  # sites whose peak moved in the run
+        self.at_move: np.ndarray | None = None  # acc at each site's last move
+        self.peak_since: np.ndarray | None = None  # peak residuals from that move on
+
+    def add(self, idx: np.ndarray | None, res: np.ndarray, peak_moved: bool) -> None:
+        sel = slice(None) if idx is None else idx
+        self.acc[:, sel] += res
+        if peak_moved:
+            if self.moved is None:
+                n = self.acc.shape[1]
+                self.moved = np.zeros(n, dtype=bool)
+                self.at_move = np.zeros_like(self.acc)
+                self.peak_since = np.zeros((2, n), dtype=np.int64)
+            assert self.at_move is not None and self.peak_since is not None
+            self.moved[sel] = True
+            self.at_move[:, sel] = self.acc[:, sel]
+            self.peak_since[:, sel] = res[7:9]
+        elif self.peak_since is not None:
+            self.peak_since[:, sel] += res[7:9]
+
+    def apply(self, prev: np.ndarray, size: np.ndarray, xpb: np.ndarray) -> np.ndarray:
+        new = fmt.advance(prev, self.acc, size, xpb)
+        if self.moved is not None:
+            assert self.at_move is not None and self.peak_since is not None
+            at = fmt.advance(prev, self.at_move, size, xpb)
+            m = self.moved
+            new[7, m] = at[5, m] + self.peak_since[0, m]
+            new[8, m] = at[6, m] + self.peak_since[1, m]
+        return new
+
+
 class SegmentReader:
     """One segment file: its index from the outer TOC chain (or, when the tail is torn, a forward scan), and
     snapshots decoded on demand, rolled forward from the nearest checkpoint."""
@@ -412,62 +449,50 @@ class SegmentReader:
 
     def _roll(self, refs: list[SnapshotRef], state: _State | None) -> _State:
         """Apply snapshots in order to `state` (None before a checkpoint). Residuals of consecutive snapshots
-        that change no hint and do not move the peak are summed first and applied once: every prediction is
-        linear in them (docs/store-format.md, "Reading fast")."""
+        that set no hint are summed and applied once: every prediction is linear in them, the peak's too once
+        the counters at its last move are known (docs/store-format.md, "Reading fast")."""
         nf = len(fmt.COUNTER_FIELDS)
         prev = size = xpb = None
         if state is not None:
             _, prev, size, xpb = state
-        acc: np.ndarray | None = None  # summed residuals not yet applied to prev
+        run: _Run | None = None  # residuals summed since prev
         seq = -1
         for ref in refs:
             seq = self._rolling = ref.seq
             info, blocks = self._blocks(ref)
             n = int(info["sites"])
             checkpoint = bool(info.get("checkpoint"))
-            moved = bool(info.get("peak_moved"))
             hinted = int(info.get("hinted", 0))
             if checkpoint:
                 prev = np.zeros((nf, n), dtype=np.int64)
                 size = np.zeros(n, dtype=np.int64)
                 xpb = np.zeros(n, dtype=np.int64)
-                acc = None
+                run = None
             elif prev is None or size is None or xpb is None:
                 raise FormatError(f"snapshot {seq}: a delta without its previous snapshot")
             elif prev.shape[1] != n:
                 if prev.shape[1] > n:
                     raise FormatError(f"snapshot {seq}: {n} sites, fewer than before")
+                if run is not None:
+                    prev, run = run.apply(prev, size, xpb), None
                 grow = n - prev.shape[1]
                 prev = np.concatenate([prev, np.zeros((nf, grow), dtype=np.int64)], axis=1)
                 size = np.concatenate([size, np.zeros(grow, dtype=np.int64)])
                 xpb = np.concatenate([xpb, np.zeros(grow, dtype=np.int64)])
-                if acc is not None:
-                    acc = np.concatenate([acc, np.zeros((nf, grow), dtype=np.int64)], axis=1)
             idx, res = self._residuals(ref, blocks, info, n)
-            if not (checkpoint or moved or hinted):
-                if acc is None:
-                    acc = np.zeros((nf, n), dtype=np.int64)
-                if idx is None:
-                    acc += res
-                else:
-                    acc[:, idx] += res
-                continue
-            if acc is not None:
-                prev = fmt.advance(prev, acc, size, xpb)
-                acc = None
-            if hinted:
+            if hinted:  # hints change the predictions: what was summed so far goes in first
+                if run is not None:
+                    prev, run = run.apply(prev, size, xpb), None
                 rows = self._sites_of(blocks.get(fmt.K_HINT_GAP), hinted, n, ref)
                 for kind, target in ((fmt.K_HINT_SIZE, size), (fmt.K_HINT_XPB, xpb)):
                     b = blocks.get(kind)
                     target[rows] = fmt.decode_column(b, hinted) if b is not None else 0
-            if idx is None:
-                prev = fmt.decode_counters(prev, res, size, xpb, moved)
-            else:
-                prev = prev.copy()
-                prev[:, idx] = fmt.decode_counters(prev[:, idx], res, size[idx], xpb[idx], moved)
+            if run is None:
+                run = _Run(n)
+            run.add(idx, res, bool(info.get("peak_moved")))
         assert prev is not None and size is not None and xpb is not None
-        if acc is not None:
-            prev = fmt.advance(prev, acc, size, xpb)
+        if run is not None:
+            prev = run.apply(prev, size, xpb)
         return seq, prev, size, xpb
 
     def load(self, ref: SnapshotRef, stacks: bool = True) -> StoredSnapshot:
