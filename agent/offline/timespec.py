@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from datetime import datetime, time
 
 from agent.errors import UsageError
+from agent.store import ThinRule
 
 _RELATIVE = re.compile(r"^-(\d+(?:\.\d+)?)(s|m|h|d|w)$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -61,3 +63,20 @@ def parse_duration(text: str) -> float:
 def iso(ns: int) -> str:
     """Local time, to the second, with its zone."""
     return datetime.fromtimestamp(ns / 1e9).astimezone().isoformat(timespec="seconds")
+
+
+def parse_thin_rules(text: str) -> tuple[ThinRule, ...]:
+    """`AGE:EVERY[,AGE:EVERY...]`, e.g. `1h:10s,1d:1m`: history older than AGE keeps one snapshot per EVERY.
+    Ages must grow and intervals with them (an older rule never keeps more than a younger one)."""
+    rules = []
+    for part in text.split(","):
+        age, sep, every = part.strip().partition(":")
+        if not sep:
+            raise UsageError(f"cannot read the thinning rule {part.strip()!r}: expected AGE:EVERY, e.g. 1h:10s")
+        rules.append(ThinRule(parse_duration(age), parse_duration(every)))
+    for a, b in itertools.pairwise(rules):
+        if not (b.older_than_s > a.older_than_s and b.keep_every_s >= a.keep_every_s):
+            raise UsageError(f"thinning rules must go to older ages and longer intervals: {text!r}")
+    if any(r.keep_every_s <= 0 for r in rules):
+        raise UsageError(f"a thinning interval must be positive: {text!r}")
+    return tuple(rules)

@@ -16,8 +16,8 @@ import pytest
 from agent.cli import main
 from agent.errors import UsageError
 from agent.model.profile import Frame, SiteCounts
-from agent.offline.timespec import parse_duration, parse_moment
-from agent.store import PeakState, SegmentReader, StoreMeta, StoreSample, StoreWriter, SyncPolicy
+from agent.offline.timespec import parse_duration, parse_moment, parse_thin_rules
+from agent.store import PeakState, SegmentReader, StoreMeta, StoreSample, StoreWriter, SyncPolicy, ThinRule
 from tests.support.massif_reader import read_massif
 from tests.support.store_workload import Workload
 
@@ -157,6 +157,13 @@ def test_relative_and_absolute_times() -> None:
     assert parse_duration("500ms") == 0.5 and parse_duration("2d") == 172800 and parse_duration("10") == 10
     with pytest.raises(UsageError, match="cannot read the time"):
         parse_moment("yesterday-ish", now)
+
+
+def test_thinning_rules() -> None:
+    assert parse_thin_rules("1h:10s, 1d:1m") == (ThinRule(3600, 10), ThinRule(86400, 60))
+    for bad in ("1h", "1d:1m,1h:10s", "1h:1m,1d:10s", "1h:0s", "1x:1s"):
+        with pytest.raises(UsageError):
+            parse_thin_rules(bad)
 
 
 def test_bad_input_is_one_line_and_an_exit_code(tmp_path: Path) -> None:
