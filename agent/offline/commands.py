@@ -22,7 +22,7 @@ from agent.export.massif import write_massif
 from agent.export.xtree import write_xtree
 from agent.offline import history
 from agent.offline.timespec import iso, parse_moment
-from agent.store import StoreReader
+from agent.store import SnapshotUnavailable, StoreReader
 
 COMMANDS = ("report", "diff")
 
@@ -114,37 +114,54 @@ def _option(reader: StoreReader, name: str, given: object, default: object) -> o
 
 def _report(ns: argparse.Namespace, reader: StoreReader, start: int | None, end: int | None,
             out: TextIO, err: TextIO) -> int:
+    text, notes = render_report(reader, start, end, ns.format, max_snapshots=ns.max_snapshots,
+                                detailed_freq=ns.detailed_freq, threshold=ns.threshold)
+    for note in notes:
+        err.write(f"heapscope: {note}\n")
+    _emit(text, ns.output, out)
+    return 0
+
+
+def render_report(
+    reader: StoreReader,
+    start: int | None,
+    end: int | None,
+    format: str,
+    *,
+    max_snapshots: int | None = None,
+    detailed_freq: int | None = None,
+    threshold: float | None = None,
+) -> tuple[str, list[str]]:
+    """The report of [start, end] (ns since the epoch, None: open) as text, massif, xtree or json, and notes
+    on what it left out. Options left None take the profile's own (else Massif's defaults). For the daemon's
+    /all_snapshots?from=&to= as for `heapscope report`."""
     sel = history.select(reader, start, end)
     if not sel.refs:
         raise HeapscopeError(f"no snapshot in that range of {reader.path}" + _extent(reader))
     meta = reader.meta
     buf = io.StringIO()
-    if ns.format == "massif":
+    if format == "massif":
         series = history.massif_series(
             reader, sel,
-            max_snapshots=int(_option(reader, "max_snapshots", ns.max_snapshots, 100)),  # type: ignore[call-overload]
-            detailed_freq=int(_option(reader, "detailed_freq", ns.detailed_freq, 10)),  # type: ignore[call-overload]
+            max_snapshots=int(_option(reader, "max_snapshots", max_snapshots, 100)),  # type: ignore[call-overload]
+            detailed_freq=int(_option(reader, "detailed_freq", detailed_freq, 10)),  # type: ignore[call-overload]
         )
-        threshold = float(_option(reader, "threshold", ns.threshold, 1.0))  # type: ignore[arg-type]
         write_massif(buf, series.snapshots, desc=meta.desc, cmd=meta.cmd, time_unit=meta.time_unit,
-                     threshold=threshold)
-        notes = series.notes
-    elif ns.format == "xtree":
+                     threshold=float(_option(reader, "threshold", threshold, 1.0)))  # type: ignore[arg-type]
+        return buf.getvalue(), series.notes
+    if format == "xtree":
         snap = history.load_at_end(reader, sel)
         if snap is None:
-            raise HeapscopeError("no snapshot of the range can be read (see the lines above)")
+            raise HeapscopeError("no snapshot of the range can be read")
         sites = history.Trimmer(meta.options, massif=False).merge(snap.sites())
         kind = meta.options.get("xtree_memory")
         write_xtree(buf, sites, cmd=meta.cmd, pid=meta.pid, kind=kind if kind in ("allocs", "full") else "full")
-        notes = sel.notes
-    else:
+        return buf.getvalue(), sel.notes
+    if format == "json":
         json.dump(_report_json(reader, sel), buf, indent=1)
         buf.write("\n")
-        notes = sel.notes
-    for note in notes:
-        err.write(f"heapscope: {note}\n")
-    _emit(buf.getvalue(), ns.output, out)
-    return 0
+        return buf.getvalue(), sel.notes
+    raise UsageError(f"unknown report format {format!r}: massif, xtree or json")
 
 
 def _emit(text: str, path: str | None, out: TextIO) -> None:
@@ -195,17 +212,26 @@ def _report_json(reader: StoreReader, sel: history.Selection) -> dict[str, objec
 
 def _diff(ns: argparse.Namespace, reader: StoreReader, start: int | None, end: int | None, out: TextIO) -> int:
     assert start is not None and end is not None
+    d = diff_between(reader, start, end)
+    meta = reader.meta
+    if ns.json:
+        out.write(json.dumps(diff_json(d, ns.threshold), indent=1) + "\n")
+    else:
+        out.write(diff_text(d, meta.pid, meta.cmd, ns.threshold))
+    return 0
+
+
+def diff_between(reader: StoreReader, start: int, end: int) -> history.Diff:
+    """The difference between the last readable snapshots at or before `start` and `end` (ns since the epoch)."""
     before = reader.at(start)
     after = reader.at(end)
     if before is None or after is None:
         raise HeapscopeError(f"no snapshot at or before {iso(start if before is None else end)}" + _extent(reader))
     meta = reader.meta
-    d = history.diff(before, after, history.Trimmer(meta.options), meta.root_label)
-    if ns.json:
-        out.write(json.dumps(_diff_json(d, ns.threshold), indent=1) + "\n")
-    else:
-        out.write(_diff_text(d, meta.pid, meta.cmd, ns.threshold))
-    return 0
+    try:
+        return history.diff(before, after, history.Trimmer(meta.options), meta.root_label)
+    except SnapshotUnavailable as exc:
+        raise HeapscopeError(f"the stored stacks cannot be read: {exc}") from None
 
 
 def _shown(node: history.DeltaNode, sig: int) -> tuple[list[history.DeltaNode], int, int]:
@@ -233,7 +259,7 @@ def _side(snap: history.StoredSnapshot) -> dict[str, object]:
             "heap_extra_B": snap.extra_B, "stacks_B": snap.stacks_B, "mapped_B": snap.mapped_B, "rss_B": snap.rss_B}
 
 
-def _diff_json(d: history.Diff, threshold: float) -> dict[str, object]:
+def diff_json(d: history.Diff, threshold: float) -> dict[str, object]:
     return {
         "from": _side(d.before),
         "to": _side(d.after),
@@ -249,7 +275,7 @@ def _signed(n: int) -> str:
     return f"{n:+,}"
 
 
-def _diff_text(d: history.Diff, pid: int, cmd: str, threshold: float) -> str:
+def diff_text(d: history.Diff, pid: int, cmd: str, threshold: float) -> str:
     b, a = d.before, d.after
     lines = [
         f"pid {pid}: {cmd}",
