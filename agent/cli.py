@@ -3,6 +3,7 @@
     heapscope run [options] -- PROG [ARGS]    launch PROG held until the probes are attached
     heapscope attach PID [options]            profile a running process until Ctrl-C, SIGTERM or its exit
     heapscope serve [--pid PID]... [options]  the daemon: targets, monitor commands and metrics over HTTP
+    heapscope report STORE / diff STORE       read a stored history (agent.offline.commands)
     (run and attach take --http HOST:PORT to serve their one profile over HTTP while it runs)
 
 Every error the user can act on is a HeapscopeError: main() prints it as one line and exits with its code.
@@ -28,6 +29,7 @@ from agent.errors import EnvironmentProblem, HeapscopeError, UsageError
 from agent.export.registry import FORMATS
 from agent.model.options import MassifOptions
 from agent.model.summary import ProfileSummary
+from agent.offline import commands as offline_commands
 from agent.process.capability import check_environment
 from agent.process.discovery import read_process
 from agent.process.launch import HeldChild
@@ -262,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_profile_options(serve)
     _add_http_options(serve, serve=True)
+    offline_commands.register(sub)
     return parser
 
 
@@ -617,6 +620,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return cmd_daemon(ctx, program=program)
             return cmd_run(ctx, program)
         ns = parser.parse_args(args)
+        if ns.command in offline_commands.COMMANDS:
+            return offline_commands.run(ns)
         if ns.command == "serve":
             return cmd_daemon(_command(ns, args[1:], daemon=True), pids=ns.pids)
         ctx = _command(ns, args[2:], daemon=ns.http is not None)

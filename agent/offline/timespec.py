@@ -1,0 +1,82 @@
+"""Moments given on the command line: absolute (ISO 8601, or a time of day) or relative (`-24h`, `now`)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from datetime import datetime, time
+
+from agent.errors import UsageError
+from agent.store import ThinRule
+
+_RELATIVE = re.compile(r"^-(\d+(?:\.\d+)?)(s|m|h|d|w)$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?$")
+
+
+def parse_moment(text: str, now_ns: int, base_ns: int | None = None) -> int:
+    """Nanoseconds since the epoch for `text`:
+    - `now`;
+    - `-N` followed by s, m, h, d or w: that long before now (`-24h`, `-30m`, `-1.5d`);
+    - an ISO 8601 date and time (`2026-11-23T08:00`, `2026-11-23 08:00:00+01:00`); without a zone, local time;
+    - a time of day (`09:00`, `09:00:30`): on the day of `base_ns` (the other end of the range) or today.
+    """
+    t = text.strip()
+    if t == "now":
+        return now_ns
+    m = _RELATIVE.match(t)
+    if m:
+        return now_ns - int(float(m.group(1)) * _UNIT_S[m.group(2)] * 1e9)
+    try:
+        day_time = time.fromisoformat(t) if re.match(r"^\d{1,2}:\d{2}", t) else None
+    except ValueError:
+        day_time = None
+    if day_time is not None:
+        day = datetime.fromtimestamp((base_ns if base_ns is not None else now_ns) / 1e9).date()
+        return _ns(datetime.combine(day, day_time))
+    try:
+        moment = datetime.fromisoformat(t)
+    except ValueError:
+        raise UsageError(
+            f"cannot read the time {text!r}: give an ISO date and time (2026-11-23T08:00), a time of day (09:00), "
+            "`now`, or a time before now (-30m, -24h, -7d)"
+        ) from None
+    return _ns(moment)
+
+
+def _ns(moment: datetime) -> int:
+    if moment.tzinfo is None:
+        moment = moment.astimezone()  # local time
+    return int(moment.timestamp() * 1_000_000) * 1000
+
+
+def parse_duration(text: str) -> float:
+    """Seconds for `500ms`, `10s`, `5m`, `1h`, `2d`, `1w` (a bare number is seconds)."""
+    m = _DURATION.match(text.strip())
+    if not m:
+        raise UsageError(f"cannot read the duration {text!r}: expected a number and a unit (10s, 5m, 1h, 2d)")
+    value = float(m.group(1))
+    unit = m.group(2) or "s"
+    return value / 1000 if unit == "ms" else value * _UNIT_S[unit]
+
+
+def iso(ns: int) -> str:
+    """Local time, to the second, with its zone."""
+    return datetime.fromtimestamp(ns / 1e9).astimezone().isoformat(timespec="seconds")
+
+
+def parse_thin_rules(text: str) -> tuple[ThinRule, ...]:
+    """`AGE:EVERY[,AGE:EVERY...]`, e.g. `1h:10s,1d:1m`: history older than AGE keeps one snapshot per EVERY.
+    Ages must grow and intervals with them (an older rule never keeps more than a younger one)."""
+    rules = []
+    for part in text.split(","):
+        age, sep, every = part.strip().partition(":")
+        if not sep:
+            raise UsageError(f"cannot read the thinning rule {part.strip()!r}: expected AGE:EVERY, e.g. 1h:10s")
+        rules.append(ThinRule(parse_duration(age), parse_duration(every)))
+    for a, b in itertools.pairwise(rules):
+        if not (b.older_than_s > a.older_than_s and b.keep_every_s >= a.keep_every_s):
+            raise UsageError(f"thinning rules must go to older ages and longer intervals: {text!r}")
+    if any(r.keep_every_s <= 0 for r in rules):
+        raise UsageError(f"a thinning interval must be positive: {text!r}")
+    return tuple(rules)

@@ -1,0 +1,308 @@
+"""The history store: what goes in comes back out, across checkpoints, segments, retention and thinning."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.model.profile import Frame, SiteCounts
+from agent.store import (
+    Retention,
+    StoreMeta,
+    StoreReader,
+    StoreSample,
+    StoreWriteError,
+    StoreWriter,
+    SyncPolicy,
+    ThinRule,
+)
+from agent.store import format as fmt
+from agent.store import writer as writer_mod
+from agent.store.reader import SegmentReader
+from tests.support.store_workload import Workload
+
+META = StoreMeta(pid=4242, cmd="./app --serve", desc=("--depth=30",), options={"depth": 30})
+
+
+def write(directory: Path, wl: Workload, steps: int, **kwargs) -> list:
+    truth = []
+    with StoreWriter(directory, META, sync=SyncPolicy("never"), **kwargs) as w:
+        for sample, expected in wl.samples(steps):
+            w.append(sample)
+            truth.append((sample, expected))
+    return truth
+
+
+def test_every_snapshot_comes_back_in_any_order(tmp_path: Path) -> None:
+    truth = write(tmp_path, Workload(n_sites=200, new_sites_per_step=7), 40, checkpoint_every=9)
+    reader = StoreReader(tmp_path)
+    refs = reader.snapshots()
+    assert len(refs) == 40
+    order = [*range(40), 39, 0, 17, 9, 8, 26, 25, 3]
+    for k in order:
+        snap = reader.load(refs[k])
+        sample, expected = truth[k]
+        assert snap.sites() == expected
+        assert (snap.wall_ns, snap.time, snap.heap_B, snap.extra_B) == (
+            sample.wall_ns, sample.time, sample.heap_B, sample.extra_B)
+        assert (snap.mapped_B, snap.rss_B, snap.peak) == (sample.mapped_B, sample.rss_B, sample.peak)
+    assert reader.skipped == []
+    assert reader.meta == META
+
+
+def test_time_range_selects_by_wall_clock(tmp_path: Path) -> None:
+    wl = Workload(n_sites=20)
+    write(tmp_path, wl, 30)
+    reader = StoreReader(tmp_path)
+    second = 1_000_000_000
+    got = reader.snapshots(wl.start_ns + 10 * second, wl.start_ns + 19 * second)
+    assert [r.time for r in got] == [1000 * k for k in range(10, 20)]
+    at = reader.at(wl.start_ns + 15 * second + 500_000_000)
+    assert at is not None and at.time == 15000
+
+
+def test_unchanged_sites_are_not_listed_and_sites_left_out_keep_their_counters(tmp_path: Path) -> None:
+    frames = {i: (Frame(0x10 + i, f"f{i}"), Frame(0x99, "main")) for i in range(3)}
+    same = (Frame(0x10, "f0"), Frame(0x99, "main"))  # site 3 has site 0's stack: they add up
+    c = [SiteCounts(cur_bytes=10 * i, cur_blocks=i, tot_bytes=10 * i, tot_blocks=i) for i in range(4)]
+    with StoreWriter(tmp_path, META, sync=SyncPolicy("never"), checkpoint_every=50) as w:
+        w.append(StoreSample(1, 0, 60, 0, 0, dict(enumerate(c)), {**frames, 3: same}))
+        c2 = SiteCounts(cur_bytes=25, cur_blocks=2, tot_bytes=35, tot_blocks=3, freed_bytes=10, freed_blocks=1)
+        w.append(StoreSample(2, 1, 65, 0, 0, {2: c2}))
+    reader = StoreReader(tmp_path)
+    seg = reader.segments[0]
+    second = reader.snapshots()[1]
+    assert second.info["listed"] == 1
+    sites = reader.load(second).sites()
+    assert sites[frames[2]] == c2
+    assert sites[frames[1]] == c[1]
+    assert sites[same].cur_bytes == c[0].cur_bytes + c[3].cur_bytes
+    assert len(seg.site_stacks) == 4
+
+
+def test_unknown_site_is_refused(tmp_path: Path) -> None:
+    with StoreWriter(tmp_path, META) as w, pytest.raises(ValueError, match="site 7"):
+        w.append(StoreSample(1, 0, 0, 0, 0, {7: SiteCounts(cur_bytes=1)}))
+
+
+def test_awkward_values_round_trip(tmp_path: Path) -> None:
+    odd = (
+        Frame(0xFFFF_FFFF_FFFF_FFF0, None, None, None, None),
+        Frame(0x7FFF_0000_1234, "ünïcode ∑ fn", "dir/ä.c", 2**31 + 5, "/lib/x.so", "/very/long/" + "p" * 3000),
+    )
+    big = SiteCounts(cur_bytes=-5, cur_blocks=-1, tot_bytes=2**61, tot_blocks=2**40, freed_bytes=2**61 + 5,
+                     freed_blocks=3, peak_bytes=2**50, cur_extra=-7, peak_extra=1)
+    with StoreWriter(tmp_path, META, sync=SyncPolicy("always")) as w:
+        w.append(StoreSample(1, 0, 0, 0, 0, {0: big}, {0: odd}))
+        w.append(StoreSample(2, 5, 0, 0, 0, {0: SiteCounts()}))
+    reader = StoreReader(tmp_path)
+    a, b = (reader.load(r).sites() for r in reader.snapshots())
+    assert a == {odd: big}
+    (stack,) = a
+    assert stack[1].path == odd[1].path  # not part of a Frame's equality: checked on its own
+    assert b == {odd: SiteCounts()}
+
+
+def test_outer_toc_chain_indexes_in_log2_reads(tmp_path: Path) -> None:
+    write(tmp_path, Workload(n_sites=5), 77)
+    (path,) = writer_mod.segment_paths(tmp_path)
+    reads = []
+    real = fmt.read_block
+
+    def counting(data, at):  # type: ignore[no-untyped-def]
+        b = real(data, at)
+        reads.append(b.kind)
+        return b
+
+    fmt.read_block = counting  # type: ignore[assignment]
+    try:
+        seg = SegmentReader(path)
+    finally:
+        fmt.read_block = real  # type: ignore[assignment]
+    assert len(seg.snapshots()) == 77
+    # 77 = 0b1001101: four outer TOCs cover it (77, 76, 72, 64), plus the filemeta block
+    assert reads.count(fmt.K_OUTERTOC) == bin(77).count("1")
+    assert reads.count(fmt.K_SNAPTOC) == 0
+
+
+def test_segments_rotate_and_each_stands_alone(tmp_path: Path) -> None:
+    truth = write(tmp_path, Workload(n_sites=50), 60, retention=Retention(segment_bytes=6000, max_bytes=None),
+                  checkpoint_every=7)
+    paths = writer_mod.segment_paths(tmp_path)
+    assert len(paths) > 3
+    reader = StoreReader(tmp_path)
+    refs = reader.snapshots()
+    assert [reader.load(r).sites() for r in refs] == [e for _, e in truth]
+    paths[0].unlink()
+    paths[2].unlink()
+    reader = StoreReader(tmp_path)
+    kept = {r.time for r in reader.snapshots()}
+    for r in reader.snapshots():
+        assert reader.load(r).sites() == truth[r.time // 1000][1]
+    assert len(kept) < 60 and reader.skipped == []
+
+
+def test_retention_by_size_deletes_oldest_segments(tmp_path: Path) -> None:
+    limit = 20_000
+    with StoreWriter(tmp_path, META, sync=SyncPolicy("never"),
+                     retention=Retention(segment_bytes=4000, max_bytes=limit)) as w:
+        for sample, _ in Workload(n_sites=40).samples(120):
+            w.append(sample)
+            sizes = [p.stat().st_size for p in writer_mod.segment_paths(tmp_path)]
+            # the bound holds after each rotation; the open segment may pass its own size by one snapshot
+            assert sum(sizes[:-1]) <= limit
+        assert w.stats.segments_deleted > 0
+    reader = StoreReader(tmp_path)
+    times = [r.time for r in reader.snapshots()]
+    assert times == sorted(times) and times[-1] == 119_000 and times[0] > 0
+
+
+def test_retention_by_age(tmp_path: Path) -> None:
+    now = [time.time()]
+    w = StoreWriter(tmp_path, META, sync=SyncPolicy("never"), clock=lambda: now[0],
+                    retention=Retention(segment_bytes=3000, max_age_s=3600, max_bytes=None))
+    samples = Workload(n_sites=30).samples(60)
+    for _ in range(20):
+        w.append(next(samples)[0])
+    old = writer_mod.segment_paths(tmp_path)[:-1]
+    assert old
+    for p in old:
+        os.utime(p, (now[0] - 7200, now[0] - 7200))
+    for _ in range(20):
+        w.append(next(samples)[0])
+    w.close()
+    left = writer_mod.segment_paths(tmp_path)
+    assert not set(old) & set(left)
+    assert w.stats.segments_deleted == len(old)
+
+
+def test_thinning_keeps_first_last_and_one_per_interval(tmp_path: Path) -> None:
+    now = [time.time()]
+    wl = Workload(n_sites=30)
+    truth = []
+    w = StoreWriter(tmp_path, META, sync=SyncPolicy("never"), clock=lambda: now[0], checkpoint_every=4,
+                    retention=Retention(segment_bytes=1 << 30, thin=(ThinRule(3600, 10),)))
+    samples = wl.samples(100)
+    for _ in range(60):
+        s, e = next(samples)
+        w.append(s)
+        truth.append(e)
+    first = w._segment.path  # type: ignore[union-attr]
+    w.retention = Retention(segment_bytes=1, thin=(ThinRule(3600, 10),))  # close it at the next append
+    os.utime(first, (now[0] - 4000, now[0] - 4000))
+    s, e = next(samples)
+    w.append(s)
+    truth.append(e)
+    w.close()
+    assert w.stats.segments_thinned == 1
+    seg = SegmentReader(first)
+    times = [r.time // 1000 for r in seg.snapshots()]
+    assert times == [0, 10, 20, 30, 40, 50, 59]
+    assert w.stats.snapshots_thinned == 60 - len(times)
+    for r in seg.snapshots():
+        assert seg.load(r).sites() == truth[r.time // 1000]
+    assert seg.filemeta["thinned_every_s"] == 10
+    assert abs(first.stat().st_mtime - (now[0] - 4000)) < 1
+
+
+def test_full_disk_is_a_clear_error_and_the_store_stays_whole(tmp_path: Path, monkeypatch) -> None:
+    samples = Workload(n_sites=40).samples(10)
+    truth = []
+    w = StoreWriter(tmp_path, META, sync=SyncPolicy("never"), checkpoint_every=3)
+    for _ in range(4):
+        s, e = next(samples)
+        w.append(s)
+        truth.append(e)
+    real = os.pwrite
+    calls = [0]
+
+    def half_then_fail(fd, data, offset):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 1:
+            return real(fd, bytes(data[: len(data) // 2]), offset)  # a short write, then no room
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(writer_mod.os, "pwrite", half_then_fail)
+    lost, _ = next(samples)
+    with pytest.raises(StoreWriteError, match="the disk is full"):
+        w.append(lost)
+    assert w.stats.write_errors == 1
+    reader = StoreReader(tmp_path)
+    assert [reader.load(r).sites() for r in reader.snapshots()] == truth
+    assert reader.skipped == []  # cut back to the last whole snapshot
+    monkeypatch.setattr(writer_mod.os, "pwrite", real)
+    for _ in range(3):  # room again: the history goes on (the lost sample's changes come with the next)
+        s, e = next(samples)
+        w.append(s)
+        truth.append(e)
+    w.close()
+    reader = StoreReader(tmp_path)
+    assert [reader.load(r).sites() for r in reader.snapshots()] == truth
+
+
+def test_interval_sync_happens_without_further_appends(tmp_path: Path, monkeypatch) -> None:
+    synced = threading.Event()
+    real = os.fdatasync
+
+    def spy(fd: int) -> None:
+        real(fd)
+        synced.set()
+
+    monkeypatch.setattr(writer_mod.os, "fdatasync", spy)
+    w = StoreWriter(tmp_path, META, sync=SyncPolicy("interval", 0.2))
+    samples = Workload(n_sites=5).samples(3)
+    w.append(next(samples)[0])  # the first write: the last sync (at open) is recent, so it waits
+    w.append(next(samples)[0])
+    assert synced.wait(5.0)
+    w.close()
+    assert w.stats.syncs >= 1
+
+
+def test_residuals_are_zero_for_a_steady_single_size_site() -> None:
+    prev = np.array([[10], [160], [4], [64], [6], [96], [48], [0], [0]], dtype=np.int64)
+    new = np.array([[13], [208], [9], [144], [4], [64], [32], [0], [0]], dtype=np.int64)
+    size, xpb = fmt.hints_of(prev)  # 16 bytes a block, 8 extra bytes a block
+    res = fmt.encode_counters(prev, new, size, xpb)
+    assert res[:, 0].tolist() == [3, 0, 5, 0, 0, 0, 0, 0, 0]
+    assert (fmt.decode_counters(prev, res, size, xpb) == new).all()
+    # summed residuals of two snapshots decode in one step (the reader's fast path)
+    newer = np.array([[20], [320], [11], [176], [9], [144], [72], [0], [0]], dtype=np.int64)
+    res2 = fmt.encode_counters(new, newer, size, xpb)
+    assert (fmt.advance(prev, res + res2, size, xpb) == newer).all()
+
+
+def test_writer_does_not_import_above_its_layer() -> None:
+    import ast
+
+    root = Path(__file__).resolve().parents[2] / "agent" / "store"
+    for py in root.glob("*.py"):
+        for node in ast.walk(ast.parse(py.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("agent."):
+                assert node.module.split(".")[1] in ("model", "errors", "store"), (py.name, node.module)
+
+
+def test_sync_interval_default_is_one_second() -> None:
+    assert SyncPolicy() == SyncPolicy("interval", 1.0)
+
+
+def test_summed_runs_match_with_sparse_listings_new_hints_and_peak_moves(tmp_path: Path) -> None:
+    # few allocations per site and step: many sites unchanged (partial listings), sites appearing (hints set
+    # between checkpoints), a heap that rises and falls (the peak moves now and then)
+    wl = Workload(n_sites=150, rate=0.5, new_sites_per_step=5, seed=11)
+    truth = write(tmp_path, wl, 80, checkpoint_every=25)
+    reader = StoreReader(tmp_path)
+    refs = reader.snapshots()
+    infos = [r.info for r in refs]
+    assert any(0 < i["listed"] < i["sites"] for i in infos)
+    assert any(i["hinted"] and not i["checkpoint"] for i in infos)
+    moved = [i["peak_moved"] for i in infos if not i["checkpoint"]]
+    assert any(moved) and not all(moved)
+    for k in (79, 24, 49, 60, 33, 74):  # each from a fresh reader: summed from its checkpoint
+        cold = StoreReader(tmp_path)
+        assert cold.load(cold.snapshots()[k]).sites() == truth[k][1], k
