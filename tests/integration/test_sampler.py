@@ -25,7 +25,6 @@ from agent.process.sampler import (
     PROBE_FUNCTIONS,
     SamplerControl,
     build_sampler,
-    mapped_base,
     read_map_lines,
 )
 from agent.symbols.elf import open_elf
@@ -128,12 +127,15 @@ EXPECTED_SITE_BYTES = {
 }
 
 
-def run_sites(program: Path, lib: Path, tmp_path: Path, control: Callable[[int], SamplerControl]) -> dict:
+def run_sites(
+    program: Path, lib: Path, tmp_path: Path, control: Callable[[int], SamplerControl], load_itself: bool = True
+) -> dict:
     """Run the sites program armed at a rate giving each big site >= 1600 expected samples (so that 10% is
-    4 standard errors: the issue asks for >= 400), free site 0, disarm; returns what was seen."""
+    4 standard errors: the issue asks for >= 400), free site 0, disarm; returns what was seen. With
+    load_itself the program dlopens the sampler; else `control` must bring it in."""
     rate = site_rate({k: int(v) for k, v in EXPECTED_SITE_BYTES.items()}, 1600)
     log = tmp_path / "blocks.bin"
-    conv = Conversation([str(program), str(log), str(lib)])
+    conv = Conversation([str(program), str(log)] + ([str(lib)] if load_itself else []))
     seen: dict = {"rate": rate, "pid": conv.pid}
     try:
         conv.expect("ready")
