@@ -310,10 +310,18 @@ static inline void forget(void *p)
     }
 }
 
-/* Marks the thread busy for a scope; cleared on return and on unwinding (built with -fexceptions), so a
+/* Marks the thread busy for a scope; restored on return and on unwinding (built with -fexceptions), so a
  * std::bad_alloc thrown through an operator new hook leaves the thread sampling. */
-static inline void unbusy(struct thread_state **t) { (*t)->busy = 0; }
-#define BUSY_SCOPE struct thread_state *busy_guard __attribute__((cleanup(unbusy))) = &tls; busy_guard->busy = 1
+struct busy_guard {
+    struct thread_state *t;
+    uint8_t was;
+};
+static inline void unbusy(struct busy_guard *g) { g->t->busy = g->was; }
+/* Nested operators (new[] calling new through its PLT) restore the outer state, so only the outermost
+ * hook counts the allocation. */
+#define BUSY_SCOPE                                                                                               \
+    struct busy_guard busy_guard __attribute__((cleanup(unbusy))) = {&tls, tls.busy};                           \
+    busy_guard.t->busy = 1
 
 /* ---- the hooks ------------------------------------------------------------------------------------------------- */
 static void *h_malloc(size_t n)

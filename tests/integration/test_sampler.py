@@ -10,6 +10,7 @@ import os
 import struct
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +29,6 @@ from agent.process.sampler import (
     read_map_lines,
 )
 from agent.symbols.elf import open_elf
-from tests.integration.harness import PROGRAMS
 from tests.integration.sampler_support import Conversation, sample_trace
 
 pytestmark = pytest.mark.integration
@@ -275,3 +275,43 @@ def test_sampler_goes_inert_when_its_controller_is_killed(
         if conv.proc.poll() is None:
             conv.proc.kill()
             conv.proc.wait()
+
+
+def test_cxx_operators_and_libraries_loaded_after_arming(
+    sampler_lib: Path, build: Callable[..., Path]
+) -> None:
+    """new, new[], aligned and nothrow new are sampled once each (not again through the malloc they call); a
+    bad_alloc thrown through the hook leaves the thread sampling; a library dlopened while armed is patched;
+    the matching deletes (sized and aligned ones included) report the frees."""
+    program = build("sampler_cxx.cpp")
+    plugin = build("plugin.c", shared=True)
+    conv = Conversation([str(program), str(sampler_lib), str(plugin)])
+    try:
+        conv.expect("ready")
+        ctl = SamplerControl(conv.pid, sampler_lib)
+        with sample_trace(sampler_lib) as read:
+            ctl.arm(65536)
+            conv.say("go")
+            addresses = {}
+            assert conv.proc.stdout is not None
+            while (line := conv.proc.stdout.readline().strip()) != "done":
+                assert line, "the program ended early"
+                name, value = line.split()
+                addresses[name] = int(value, 16)
+            conv.say("exit")
+            assert conv.finish() == 0
+            samples = read()
+        ctl.close()
+    finally:
+        if conv.proc.poll() is None:
+            conv.proc.kill()
+            conv.proc.wait()
+    assert addresses.pop("threw") == 1
+    sampled = Counter(p for p, _, _ in samples.allocs)
+    sizes = {p: (s, w) for p, s, w in samples.allocs}
+    for name, ptr in addresses.items():
+        assert sampled[ptr] == 1, f"{name} sampled {sampled[ptr]} times"
+        assert sizes[ptr] == (1 << 20, 1 << 20), name
+    freed = Counter(samples.frees)
+    for name in ("new[]", "new", "aligned_new", "nothrow_new", "after_throw"):
+        assert freed[addresses[name]] == 1, name
