@@ -218,6 +218,7 @@ class ProbeSettings:
     max_stacks: int = 1 << 16
     pages: bool = False  # trace mmap/munmap/mremap/brk: one PageEvent per call (page_events())
     stacks: bool = False  # keep each thread's stack extent (--stacks=yes: stack_bytes())
+    sampled: bool = False  # also compile probes/sampled.bpf.c (points of kind sample_alloc / sample_free)
 
 
 # bpf(2) uprobe_multi links: include/uapi/linux/bpf.h.
@@ -452,7 +453,13 @@ class HeapProbes:
         ]
         with _captured_stderr() as messages:
             try:
-                bpf = self._bpf = bcc.BPF(src_file=os.path.join(probes_dir, "heap.bpf.c").encode(), cflags=cflags)
+                if s.sampled:  # sampled.bpf.c uses heap.bpf.c's helpers: one translation unit
+                    source = "".join(
+                        open(os.path.join(probes_dir, name)).read() for name in ("heap.bpf.c", "sampled.bpf.c")
+                    )
+                    bpf = self._bpf = bcc.BPF(text=source.encode(), cflags=cflags)
+                else:
+                    bpf = self._bpf = bcc.BPF(src_file=os.path.join(probes_dir, "heap.bpf.c").encode(), cflags=cflags)
             except Exception as exc:  # bcc raises bare Exception for compile and load failures
                 first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
                 raise EnvironmentProblem(f"cannot compile or load the BPF program: {first.strip()}") from exc
@@ -548,7 +555,7 @@ class HeapProbes:
     def _attach(self, point: ProbePoint) -> None:
         kind = point.kind
         self._attach_one(point, self._load_uprobe_program(f"{kind}_enter".encode()), is_return=False)
-        if kind not in ("free", "exit", "loader"):
+        if kind not in ("free", "exit", "loader", "sample_alloc", "sample_free"):
             # A return probe at the same emulated instruction: the kernel takes the return address from
             # [rsp], which is still the caller's there (placement keeps %rsp untouched).
             self._attach_one(point, self._load_uprobe_program(b"alloc_return"), is_return=True)

@@ -30,11 +30,12 @@ from agent.symbols.elf import open_elf
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "probes" / "sampler"
 SOURCES = ("hs_sampler.c", "hs_sampler.h")
-# -fomit-frame-pointer and -fcf-protection=none: nothing may precede the probe functions' 5-byte nop.
+# -fcf-protection=none: nothing may precede the probe functions' 5-byte nop (they are built without a frame;
+# the hooks keep frame pointers so that a frame-pointer walk from a probe reaches the program's frames).
 # -fexceptions: a C++ exception thrown through an operator-new hook runs its cleanup. initial-exec TLS:
 # one %fs access on the fast path. nodelete: dlclose never unloads it. now+relro: its own GOT sealed.
 CFLAGS = (
-    "-O2", "-g", "-fPIC", "-shared", "-fvisibility=hidden", "-ftls-model=initial-exec", "-fomit-frame-pointer",
+    "-O2", "-g", "-fPIC", "-shared", "-fvisibility=hidden", "-ftls-model=initial-exec", "-fno-omit-frame-pointer",
     "-fcf-protection=none", "-fexceptions", "-fno-stack-protector", "-Wall", "-Wextra", "-Werror",
     "-Wl,-z,now", "-Wl,-z,relro", "-Wl,-z,nodelete",
 )  # fmt: skip

@@ -61,14 +61,15 @@ EXPORT struct hs_sampler_control hs_control = {
 
 /* ---- the probe functions ------------------------------------------------------------------------------
  * Each starts with the 5-byte nop (0f 1f 44 00 00) on which Linux 6.18 runs a uprobe through a trampoline
- * instead of a trap. noipa keeps every call (the compiler may not reason about the body); the build uses
- * -fomit-frame-pointer and -fcf-protection=none so nothing comes before the nop (checked by a test). */
-EXPORT __attribute__((noipa, used)) void hs_sample_alloc(void *ptr, size_t size, size_t weight)
+ * instead of a trap. noipa keeps every call (the compiler may not reason about the body); these two have no
+ * frame and the build uses -fcf-protection=none, so nothing comes before the nop (checked by a test). The
+ * rest of the library keeps frame pointers, so that a frame-pointer walk from a probe reaches the program. */
+EXPORT __attribute__((noipa, used, optimize("omit-frame-pointer"))) void hs_sample_alloc(void *ptr, size_t size, size_t weight)
 {
     __asm__ volatile(".byte 0x0f, 0x1f, 0x44, 0x00, 0x00" : : "r"(ptr), "r"(size), "r"(weight) : "memory");
 }
 
-EXPORT __attribute__((noipa, used)) void hs_sample_free(void *ptr)
+EXPORT __attribute__((noipa, used, optimize("omit-frame-pointer"))) void hs_sample_free(void *ptr)
 {
     __asm__ volatile(".byte 0x0f, 0x1f, 0x44, 0x00, 0x00" : : "r"(ptr) : "memory");
 }
