@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
+from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
 
@@ -455,7 +456,7 @@ class HeapProbes:
             try:
                 if s.sampled:  # sampled.bpf.c uses heap.bpf.c's helpers: one translation unit
                     source = "".join(
-                        open(os.path.join(probes_dir, name)).read() for name in ("heap.bpf.c", "sampled.bpf.c")
+                        Path(probes_dir, name).read_text() for name in ("heap.bpf.c", "sampled.bpf.c")
                     )
                     bpf = self._bpf = bcc.BPF(text=source.encode(), cflags=cflags)
                 else:
