@@ -12,13 +12,19 @@ How a call is made safe:
   loader (ld.so, libc's dl* functions) and fork, and outside a signal handler (__restore_rt on its stack).
   A stale word can only make a thread look unsafe, never safe: it is then released and another one, or the
   same one a little later, is tried.
-- The call runs on the thread's own stack below the red zone, 16-byte aligned, with orig_rax = -1 so an
-  interrupted system call is not restarted in the middle of the call; it returns to address 0, and the
-  SIGSEGV stop that gives is the end of the call.
-- Afterwards every register is put back: the general ones (orig_rax and rax included, so the interrupted
-  system call restarts as if nothing had happened: no EINTR reaches the program) and the whole XSAVE area
-  (x87, SSE, AVX, AVX-512). The stack bytes written are restored too. Signals that arrived during the call
-  are held and delivered after it.
+- The call goes through a small stub (probes/sampler/inject_stub.S) that heapscope writes into a fresh
+  mapping of the target (the mmap and mprotect for it are single system calls, single-stepped on a `syscall`
+  instruction of libc). heapscope fills the stub's data with the thread's own registers, the general ones
+  and the whole XSAVE area (x87, SSE, AVX, AVX-512), points the thread at the stub with a stack below its
+  red zone, and lets it go (PTRACE_DETACH) before the call runs. The stub blocks signals, makes the call,
+  puts the signal mask back, restores every register itself and jumps back. So if heapscope dies during
+  the call, even by SIGKILL, the thread still resumes exactly where it was; heapscope only reads a `done`
+  word to learn the result.
+- A system call the stop interrupted is set to run again: rax = its number and rip on its `syscall`
+  instruction, as the kernel does for the ERESTART* codes when no handler runs (the stub resumes the thread
+  in user space, where the kernel's restart no longer applies), and also for the calls that Linux fails
+  with EINTR after a mere stop (epoll_wait, semop, ...). No EINTR reaches the program. Signals that
+  arrive while the thread is seized are sent again after it is released.
 - The library is loaded RTLD_NOW | RTLD_NODELETE and never dlclosed: a second attach finds it mapped and
   injects nothing.
 
@@ -42,9 +48,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from elftools.elf.elffile import ELFFile
+
 from agent.errors import EnvironmentProblem, TargetError
 from agent.process.discovery import allocator_of_process
-from agent.process.sampler import MapLine, mapped_base, read_map_lines
+from agent.process.sampler import MapLine, build_stub, mapped_base, read_map_lines
 from agent.symbols.elf import ElfObject, open_elf
 from agent.symbols.symbolizer import DEFAULT_DEBUG_ROOTS, find_debug_file
 
@@ -128,6 +136,69 @@ class Injection:
     seconds: float = 0.0
     threads_tried: int = 0  # seize attempts that found a thread not at a safe point
     deferred_signals: list[int] = field(default_factory=list)
+
+
+# ---- the stub -----------------------------------------------------------------------------------------
+
+SYS_MMAP, SYS_MPROTECT, SYS_RESTART = 9, 10, 219
+PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
+MAP_PRIVATE, MAP_ANONYMOUS = 0x02, 0x20
+# Kernel-internal return values of an interrupted system call (include/linux/errno.h).
+ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND, ERESTART_RESTARTBLOCK = 512, 513, 514, 516
+PTRACE_SINGLESTEP = 9
+
+
+@dataclass(frozen=True)
+class Stub:
+    """probes/sampler/inject_stub.S assembled: the blob and the offsets of its labels."""
+
+    blob: bytes
+    labels: dict[str, int]
+
+    @property
+    def code_size(self) -> int:
+        return self.labels["data_start"]
+
+    @property
+    def extra(self) -> int:
+        """Where a call's string goes: after the last slot, in the data page."""
+        return self.labels["saved_rip"] + 8
+
+    @property
+    def xsave(self) -> int:
+        return self.labels["xsave_area"]
+
+    @property
+    def xsave_room(self) -> int:
+        return self.labels["blob_end"] - self.labels["xsave_area"]
+
+
+def load_stub(obj: Path) -> Stub:
+    with open(obj, "rb") as f:
+        elf = ELFFile(f)
+        text = elf.get_section_by_name(".text")
+        symtab = elf.get_section_by_name(".symtab")
+        if text is None or symtab is None or elf.get_section_by_name(".rela.text") is not None:
+            raise EnvironmentProblem(f"{obj} is not a self-contained injection stub")
+        labels = {sym.name: sym["st_value"] for sym in symtab.iter_symbols() if sym.name}  # type: ignore[attr-defined]
+        return Stub(text.data(), labels)
+
+
+def _resume_context(saved: list[int]) -> list[int]:
+    """The registers the thread resumes with: its own, except that a system call our stop interrupted is set
+    to run again, as the kernel does when no handler runs (the stub resumes it in user space, where the
+    kernel's restart logic no longer applies)."""
+    regs = list(saved)
+    nr = regs[REG["orig_rax"]]
+    rax = regs[REG["rax"]] - (1 << 64) if regs[REG["rax"]] >= 1 << 63 else regs[REG["rax"]]
+    if nr < 1 << 63:
+        if rax in (-ERESTARTSYS, -ERESTARTNOINTR, -ERESTARTNOHAND):
+            regs[REG["rax"]] = nr
+            regs[REG["rip"]] -= 2
+        elif rax == -ERESTART_RESTARTBLOCK:
+            regs[REG["rax"]] = SYS_RESTART
+            regs[REG["rip"]] -= 2
+    return regs
 
 
 # ---- refusals ------------------------------------------------------------------------------------------
@@ -374,51 +445,99 @@ class _Thread:
         if os.pwrite(self.mem, data, address) != len(data):
             raise TargetError(f"short write into process {self.pid}")
 
-    def call(self, function: int, args: tuple[int, ...], extra: bytes = b"", timeout: float = 30.0) -> tuple[int, int]:
-        """Call function(*args) on this thread; `extra` is copied to its stack first and its address replaces
-        each argument equal to -1. Returns (rax, address of extra). Every register and the stack are restored."""
+    def _syscall(self, at: int, base: list[int], nr: int, *args: int) -> int:
+        """Run one system call on this thread by single-stepping a `syscall` instruction at `at`."""
+        regs = list(base)
+        regs[REG["rip"]] = at
+        regs[REG["rax"]] = nr
+        regs[REG["orig_rax"]] = -1
+        regs[REG["eflags"]] &= ~(EFLAGS_TF | EFLAGS_DF)
+        for reg, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
+            regs[REG[reg]] = value
+        self.set_regs(regs)
+        while True:
+            _ptrace(PTRACE_SINGLESTEP, self.tid, 0, 0)
+            status = self._wait(5.0)
+            if status is None:
+                raise TargetError(f"a system call in thread {self.tid} of process {self.pid} did not return")
+            if os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGTRAP and (status >> 16) == 0:
+                now = self.regs()
+                if now[REG["rip"]] == at + 2:
+                    return now[REG["rax"]]
+                raise TargetError(f"thread {self.tid} of process {self.pid} stepped somewhere unexpected")
+            if os.WIFSTOPPED(status) and (status >> 16) == 0:
+                self._defer(os.WSTOPSIG(status))  # delivered after the thread is released
+
+    def run_detached(self, stub: Stub, syscall_at: int, function: int, arg0: int, arg1: int, error_function: int,
+                     extra: bytes = b"") -> Callable[[], tuple[int, int]]:
+        """Start function(arg0, arg1) on this thread through the stub, then let the thread go: the stub puts
+        every register back and resumes the thread where it was, whether or not heapscope is still there.
+        `extra` is copied into the stub's data and its address replaces an argument equal to -1. Returns a
+        function that waits for the call to finish and gives (result, error message address)."""
         saved = self.regs()
         saved_x = self.xstate()
-        sp = (saved[REG["rsp"]] - RED_ZONE - len(extra) - 64) & ~0xF
-        extra_at = sp
-        sp -= 16
-        low = sp - 8
-        stack_before = self.read(low, saved[REG["rsp"]] - RED_ZONE - low)
+        if len(saved_x) > stub.xsave_room:
+            raise TargetError(f"thread {self.tid}: its XSAVE area ({len(saved_x)} bytes) does not fit the stub")
+        context = _resume_context(saved)
         try:
-            self.write(extra_at, extra)
-            self.write(sp - 8, struct.pack("<Q", 0))  # return address 0: the call ends in a SIGSEGV stop
-            regs = list(saved)
-            regs[REG["rsp"]] = sp - 8  # at entry (rsp + 8) % 16 == 0, as after a call
-            regs[REG["rip"]] = function
-            regs[REG["orig_rax"]] = -1  # not inside a system call: no restart in the middle of our call
-            regs[REG["rax"]] = 0
-            regs[REG["eflags"]] &= ~(EFLAGS_TF | EFLAGS_DF)
-            for reg, value in zip(("rdi", "rsi", "rdx", "rcx", "r8", "r9"), args, strict=False):
-                regs[REG[reg]] = extra_at if value == -1 else value
-            self.set_regs(regs)
-            _ptrace(PTRACE_CONT, self.tid, 0, 0)
-            while True:
-                status = self._wait(timeout)
-                if status is None:
-                    raise TargetError(
-                        f"the call in thread {self.tid} of process {self.pid} did not return within {timeout:.0f} s"
-                    )
-                if os.WIFSTOPPED(status) and (status >> 16) == 0:
-                    sig = os.WSTOPSIG(status)
-                    now = self.regs()
-                    if sig == signal.SIGSEGV and now[REG["rip"]] == 0:
-                        return now[REG["rax"]], extra_at
-                    if sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE):
-                        raise TargetError(
-                            f"the injected call faulted in process {self.pid} ({signal.Signals(sig).name} at "
-                            f"0x{now[REG['rip']]:x})"
-                        )
-                    self._defer(sig)
-                _ptrace(PTRACE_CONT, self.tid, 0, 0)
-        finally:
-            self.write(low, stack_before)
+            page = self._syscall(syscall_at, saved, SYS_MMAP, 0, len(stub.blob), PROT_READ | PROT_WRITE,
+                                 MAP_PRIVATE | MAP_ANONYMOUS, (1 << 64) - 1, 0)
+            if page >= (1 << 64) - 4095:
+                err = os.strerror((1 << 64) - page)
+                raise TargetError(f"process {self.pid}: mmap for the injection failed: {err}")
+            data = bytearray(stub.blob)
+            extra_at = page + stub.extra
+            words = {
+                "function": function,
+                "arg0": extra_at if arg0 == -1 else arg0,
+                "arg1": extra_at if arg1 == -1 else arg1,
+                "error_function": error_function,
+                "saved_rflags": context[REG["eflags"]],
+                "saved_rip": context[REG["rip"]],
+            }
+            for reg in ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r9", "r10", "r11", "r12",
+                        "r13", "r14", "r15"):
+                words[f"saved_{reg}"] = context[REG[reg]]
+            for name, value in words.items():
+                struct.pack_into("<Q", data, stub.labels[name], value & 0xFFFFFFFFFFFFFFFF)
+            data[stub.extra : stub.extra + len(extra)] = extra
+            data[stub.xsave : stub.xsave + len(saved_x)] = saved_x
+            self.write(page, bytes(data))
+            r = self._syscall(syscall_at, saved, SYS_MPROTECT, page, stub.code_size, PROT_READ | PROT_EXEC)
+            if r != 0:
+                raise TargetError(f"process {self.pid}: mprotect for the injection failed")
+        except BaseException:
             self.set_xstate(saved_x)
             self.set_regs(saved)
+            raise
+        regs = list(saved)
+        regs[REG["rip"]] = page + stub.labels["stub_entry"]
+        regs[REG["rsp"]] = (saved[REG["rsp"]] - RED_ZONE - 512) & ~0xF
+        regs[REG["orig_rax"]] = -1  # no system call restart on the way into the stub
+        regs[REG["eflags"]] &= ~(EFLAGS_TF | EFLAGS_DF)
+        self.set_regs(regs)
+        self.release()  # from here the thread needs nobody
+        done_at = page + stub.labels["done"]
+        pid = self.pid
+
+        def wait(timeout: float = 30.0) -> tuple[int, int]:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    done = struct.unpack("<Q", read_memory(pid, done_at, 8))[0]
+                    if done:
+                        result, error = struct.unpack("<QQ", read_memory(pid, page + stub.labels["result"], 16))
+                        return result, error
+                except OSError as exc:
+                    raise TargetError(f"process {pid} went away during the injected call") from exc
+                if time.monotonic() > deadline:
+                    raise TargetError(
+                        f"the injected call in process {pid} has not returned after {timeout:.0f} s (it will "
+                        "resume the thread by itself when it does)"
+                    )
+                time.sleep(0.0005)
+
+        return wait
 
     def release(self) -> None:
         """Detach, delivering the first held signal (with its siginfo) and re-sending the others."""
@@ -511,14 +630,44 @@ def _on_safe_thread(
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
+def read_memory(pid: int, address: int, n: int) -> bytes:
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    try:
+        return os.pread(fd, n, address)
+    finally:
+        os.close(fd)
+
+
+def _syscall_instruction(pid: int, proc_root: str) -> int:
+    """Address of a `syscall` instruction in the target's libc (inside its syscall() function)."""
+    libc = _libc_mapping(read_map_lines(pid))
+    obj = open_elf(f"{proc_root}/{pid}/root{libc.path}") if libc else None
+    found = obj.find_symbol("syscall") if obj else None
+    if libc is None or obj is None or found is None:
+        raise TargetError(f"process {pid} has no glibc syscall()")
+    at = obj.code_bytes(found[0], max(found[1], 16)).find(b"\x0f\x05")
+    if at < 0:
+        raise TargetError(f"process {pid}: no syscall instruction in libc's syscall()")
+    return libc.start + found[0] + at
+
+
+def _stub() -> Stub:
+    return load_stub(build_stub())
+
+
 def call_function(pid: int, name: str, wait: float = 5.0, proc_root: str = "/proc", rotate: int = 0) -> tuple[int, int]:
     """Call libc's `name`() (no arguments) in the target as inject() calls dlopen; returns (rax, thread).
     For checking the injection path itself (tests, diagnostics)."""
     preflight_ptrace(pid)
+    stub = _stub()
     function = _libc_function(pid, name, proc_root)
+    syscall_at = _syscall_instruction(pid, proc_root)
     ranges = unsafe_ranges(pid, proc_root)
-    rax, t, _ = _on_safe_thread(pid, ranges, lambda t: t.call(function, ())[0], wait, proc_root, rotate)
-    return rax, t.tid
+    waiter, t, _ = _on_safe_thread(
+        pid, ranges, lambda t: t.run_detached(stub, syscall_at, function, 0, 0, 0), wait, proc_root, rotate
+    )
+    result, _ = waiter()
+    return result, t.tid
 
 
 def inject(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc") -> Injection:
@@ -527,18 +676,20 @@ def inject(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc")
     if mapped_base(pid, library) is not None:
         return Injection(pid, library, reused=True)
     preflight(pid, library, proc_root)
+    stub = _stub()
     ranges = unsafe_ranges(pid, proc_root)
     dlopen_at = _libc_function(pid, "dlopen", proc_root)
     dlerror_at = _libc_function(pid, "dlerror", proc_root)
+    syscall_at = _syscall_instruction(pid, proc_root)
     started = time.monotonic()
+    path = os.fsencode(library) + b"\0"
 
-    def load(t: _Thread) -> int:
-        handle, _ = t.call(dlopen_at, (-1, RTLD_NOW | RTLD_NODELETE), os.fsencode(library) + b"\0")
-        if handle == 0:
-            msg_at, _ = t.call(dlerror_at, ())
-            msg = t.read(msg_at, 512).split(b"\0", 1)[0].decode(errors="replace") if msg_at else "?"
-            raise TargetError(f"dlopen of the sampler failed in process {pid}: {msg}")
-        return handle
+    def start(t: _Thread) -> Callable[[], tuple[int, int]]:
+        return t.run_detached(stub, syscall_at, dlopen_at, -1, RTLD_NOW | RTLD_NODELETE, dlerror_at, path)
 
-    _, t, tried = _on_safe_thread(pid, ranges, load, wait, proc_root)
+    waiter, t, tried = _on_safe_thread(pid, ranges, start, wait, proc_root)
+    handle, error = waiter()
+    if handle == 0:
+        msg = read_memory(pid, error, 512).split(b"\0", 1)[0].decode(errors="replace") if error else "?"
+        raise TargetError(f"dlopen of the sampler failed in process {pid}: {msg}")
     return Injection(pid, library, False, t.tid, time.monotonic() - started, tried, [s for s, _ in t.deferred])

@@ -68,11 +68,11 @@ _libc = ctypes.CDLL(None, use_errno=True)
 # ---- building ------------------------------------------------------------------------------------------
 
 
-def _source_hash(cc: str) -> str:
+def _source_hash(cc: str, source: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
-    for name in SOURCES:
+    for name in sorted({source, *SOURCES}):
         h.update((SOURCE_DIR / name).read_bytes())
-    h.update("\0".join((*CFLAGS, *LIBS)).encode())
+    h.update("\0".join(flags).encode())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     h.update(version.encode())
     return h.hexdigest()[:16]
@@ -92,24 +92,34 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HEAPSCOPE_CACHE_DIR", DEFAULT_CACHE_DIR))
 
 
+def build_stub(directory: Path | None = None, cc: str = "gcc") -> Path:
+    """The injection stub (probes/sampler/inject_stub.S) assembled, built if it is not in the cache yet."""
+    return _build(directory, cc, "inject_stub.S", "inject_stub", ".o", ("-c",), ())
+
+
 def build_sampler(directory: Path | None = None, cc: str = "gcc") -> Path:
     """The sampler library for the current source, built if it is not in the cache yet."""
+    return _build(directory, cc, "hs_sampler.c", "libhs_sampler", ".so", CFLAGS, LIBS)
+
+
+def _build(directory: Path | None, cc: str, source: str, stem: str, suffix: str, flags: tuple[str, ...],
+           libs: tuple[str, ...]) -> Path:
     if shutil.which(cc) is None:
         raise EnvironmentProblem(f"sampled mode builds its sampler with {cc}, which is not installed")
     directory = directory or cache_dir()
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)
     _check_private_dir(directory)
-    target = directory / f"libhs_sampler-{_source_hash(cc)}.so"
+    target = directory / f"{stem}-{_source_hash(cc, source, flags + libs)}{suffix}"
     if target.exists():
         return target
-    fd, tmp = tempfile.mkstemp(prefix=".libhs_sampler-", suffix=".so", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{stem}-", suffix=suffix, dir=directory)
     os.close(fd)
     try:
-        cmd = [cc, *CFLAGS, "-o", tmp, str(SOURCE_DIR / "hs_sampler.c"), *LIBS]
+        cmd = [cc, *flags, "-o", tmp, str(SOURCE_DIR / source), *libs]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no output"])[0]
-            raise EnvironmentProblem(f"building the sampler failed: {first}")
+            raise EnvironmentProblem(f"building {source} failed: {first}")
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)  # atomic: a process never sees half a file
     finally:

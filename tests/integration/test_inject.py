@@ -162,3 +162,42 @@ def test_refusal_is_one_line_and_an_exit_code(sampler_lib: Path, build: Callable
         if conv.proc.poll() is None:
             conv.proc.kill()
             conv.proc.wait()
+
+
+def test_controller_killed_in_the_middle_of_the_injected_call(
+    build: Callable[..., Path], tmp_path: Path
+) -> None:
+    """heapscope lets the thread go before the call runs; the stub puts the thread back by itself. Killing
+    the injecting process while dlopen is still inside a 1.5 s constructor leaves the program running
+    correctly, and the call completes."""
+    if os.geteuid() != 0:
+        pytest.skip("injection needs root (ptrace)")
+    program = build("sampler_stress.c", flags=("-g", "-O2"))
+    plugin = build("plugin.c", shared=True)
+    slow = build("slow_init.c", shared=True)
+    conv = Conversation([str(program), str(plugin)])
+    try:
+        conv.expect("ready")
+        time.sleep(0.2)
+        script = (
+            "from pathlib import Path\n"
+            "from agent.process.inject import inject\n"
+            f"inject({conv.pid}, Path({str(slow)!r}))\n"
+            "print('returned', flush=True)\n"
+        )
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+        controller = subprocess.Popen([os.sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + 10
+        while mapped_base(conv.pid, slow) is None:  # the loader has mapped it: dlopen is under way
+            assert time.monotonic() < deadline and controller.poll() is None
+            time.sleep(0.002)
+        controller.kill()
+        controller.wait()
+        assert controller.stdout is not None and controller.stdout.read() == ""  # killed before the call returned
+        # The constructor finishes, the thread resumes by itself, and the program never notices.
+        time.sleep(2.0)
+        finish_stress(conv)
+    finally:
+        if conv.proc.poll() is None:
+            conv.proc.kill()
+            conv.proc.wait()
