@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.errors import EnvironmentProblem, TargetError
+from agent.errors import EnvironmentProblem, TargetError, UsageError
 from agent.symbols.elf import open_elf
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "probes" / "sampler"
@@ -56,6 +56,7 @@ CONTROL_FORMAT = "<" + "".join(f for _, f in CONTROL_FIELDS)
 CONTROL_SIZE = struct.calcsize(CONTROL_FORMAT)
 OFFSETS = {name: i * 8 for i, (name, _) in enumerate(CONTROL_FIELDS)}
 MAGIC = 0x4853534D504C5231
+MAX_RATE = 1 << 40  # hs_sampler.c refuses more
 VERSION = 1
 REQ_ARM, REQ_DISARM = 1, 2
 STATE_NAMES = {0: "loading", 1: "idle", 2: "armed", 3: "broken"}
@@ -270,6 +271,8 @@ class SamplerControl:
             time.sleep(0.005)
 
     def arm(self, rate: int) -> ControlState:
+        if isinstance(rate, bool) or not isinstance(rate, int) or not 1 <= rate <= MAX_RATE:
+            raise UsageError(f"--sample-rate must be a whole number of bytes from 1 to {MAX_RATE}, not {rate!r}")
         st = self.wait_ready()
         if st.state == "armed":
             raise TargetError(f"process {self.pid}: its sampler is already armed by another heapscope")

@@ -315,3 +315,30 @@ def test_cxx_operators_and_libraries_loaded_after_arming(
     freed = Counter(samples.frees)
     for name in ("new[]", "new", "aligned_new", "nothrow_new", "after_throw"):
         assert freed[addresses[name]] == 1, name
+
+
+def test_program_closing_the_lease_and_forking_is_left_alone(sampler_lib: Path, build: Callable[..., Path]) -> None:
+    """A program that closes all its descriptors (the sampler's lease among them) and reuses the numbers:
+    the sampler notices the lease is gone and disarms, without ever reading or closing the program's new
+    descriptors; a child forked while armed runs on with pass-through hooks."""
+    program = build("sampler_fds.c")
+    conv = Conversation([str(program), str(sampler_lib)])
+    try:
+        conv.expect("ready")
+        ctl = SamplerControl(conv.pid, sampler_lib)
+        armed = ctl.arm(4096)
+        lease_fd = ctl.read()["lease_fd"]
+        assert armed.state == "armed" and lease_fd == -1  # heapscope holds the only write end
+        conv.say("go")
+        conv.expect("checked 0")
+        st = ctl.read()
+        assert st.state == "idle"
+        assert st.disarm_reason == "lease descriptor lost"
+        assert st["slots_patched"] == 0
+        conv.say("exit")
+        assert conv.finish() == 0
+        ctl.close()
+    finally:
+        if conv.proc.poll() is None:
+            conv.proc.kill()
+            conv.proc.wait()
