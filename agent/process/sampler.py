@@ -50,14 +50,14 @@ CONTROL_FIELDS: tuple[tuple[str, str], ...] = (
     ("ack_seq", "Q"), ("result", "q"), ("state", "Q"), ("lease_fd", "q"), ("lease_ino", "Q"),
     ("disarm_reason", "Q"), ("arm_count", "Q"), ("slots_patched", "Q"), ("slots_unwritable", "Q"),
     ("objects_scanned", "Q"), ("scans", "Q"), ("samples", "Q"), ("sampled_frees", "Q"), ("set_full", "Q"),
-    ("realloc_failed_sampled", "Q"), ("control_tid", "Q"), ("hooks_resolved", "Q"),
+    ("realloc_failed_sampled", "Q"), ("control_tid", "Q"), ("hooks_resolved", "Q"), ("lazy_skipped", "Q"),
 )  # fmt: skip
 CONTROL_FORMAT = "<" + "".join(f for _, f in CONTROL_FIELDS)
 CONTROL_SIZE = struct.calcsize(CONTROL_FORMAT)
 OFFSETS = {name: i * 8 for i, (name, _) in enumerate(CONTROL_FIELDS)}
 MAGIC = 0x4853534D504C5231
 MAX_RATE = 1 << 40  # hs_sampler.c refuses more
-VERSION = 1
+VERSION = 2
 REQ_ARM, REQ_DISARM = 1, 2
 STATE_NAMES = {0: "loading", 1: "idle", 2: "armed", 3: "broken"}
 DISARM_REASONS = {0: "none", 1: "requested", 2: "controller gone", 3: "lease descriptor lost"}

@@ -557,6 +557,7 @@ struct scan {
     uint64_t patched_delta;
     uint64_t unwritable;
     uint64_t objects;
+    uint64_t lazy_skipped;
 };
 
 static int hook_of_name(const char *name)
@@ -750,6 +751,8 @@ static void scan_relocs(const Elf64_Rela *rel, size_t bytes, const struct dyn_in
              * one object that defines the name, the function dlsym gave us, so the hook is what it would
              * get. With several definers (another allocator, another namespace) it is left alone. */
             write_slot(slot, cur, to, d->relro_start, d->relro_end, s);
+        } else if (!s->restore && type == R_X86_64_JUMP_SLOT && cur >= d->lo && cur < d->hi) {
+            s->lazy_skipped++; /* bound at its first call, to the allocator: a later rescan patches it */
         }
     }
 }
@@ -789,6 +792,8 @@ static void scan_all(int restore)
     ADD(hs_control.slots_patched, s.patched_delta);
     STORE(hs_control.slots_unwritable, s.unwritable);
     STORE(hs_control.objects_scanned, s.objects);
+    if (!restore)
+        STORE(hs_control.lazy_skipped, s.lazy_skipped);
     ADD(hs_control.scans, 1);
 }
 
@@ -901,6 +906,7 @@ static void *control_thread(void *arg)
     prctl(PR_SET_NAME, "hs-sampler", 0, 0, 0);
     STORE(hs_control.control_tid, (uint64_t)syscall(SYS_gettid));
     unsigned long long adds_seen = 0;
+    unsigned ticks = 0;
     for (;;) {
         int is_armed = LOAD(armed);
         /* events = 0: a pipe's read end still reports POLLHUP (no writer left), POLLERR and POLLNVAL, and
@@ -916,7 +922,10 @@ static void *control_thread(void *arg)
         handle_request();
         if (LOAD(armed)) {
             unsigned long long adds = loader_adds();
-            if (adds != adds_seen) {
+            /* New objects at once; lazy slots left alone are looked at again every second (20 polls), as
+             * they get bound at their first call. */
+            int lazy_due = LOAD(hs_control.lazy_skipped) != 0 && ++ticks % 20 == 0;
+            if (adds != adds_seen || lazy_due) {
                 pthread_mutex_lock(&patch_lock);
                 if (LOAD(armed))
                     scan_all(0);

@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 #define HS_CONTROL_MAGIC 0x4853534d504c5231ULL /* "HSSMPLR1" */
-#define HS_CONTROL_VERSION 1
+#define HS_CONTROL_VERSION 2
 
 /* request: what heapscope asks for; it writes the request fields, then request_seq (last). */
 enum hs_request { HS_REQ_NONE = 0, HS_REQ_ARM = 1, HS_REQ_DISARM = 2 };
@@ -55,6 +55,7 @@ struct hs_sampler_control {
     uint64_t realloc_failed_sampled;
     uint64_t control_tid;
     uint64_t hooks_resolved; /* bit i: hook i found its real function */
+    uint64_t lazy_skipped;   /* lazy slots not bound yet, left alone (several objects define the name) */
 };
 
 #endif

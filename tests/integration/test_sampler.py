@@ -342,3 +342,32 @@ def test_program_closing_the_lease_and_forking_is_left_alone(sampler_lib: Path, 
         if conv.proc.poll() is None:
             conv.proc.kill()
             conv.proc.wait()
+
+
+def test_lazy_slot_with_two_definers_is_patched_once_bound(sampler_lib: Path, build: Callable[..., Path]) -> None:
+    """With a second object defining malloc, an unbound lazy slot is not redirected (the loader might bind it
+    elsewhere); it is counted, and patched within a second of its first call binding it."""
+    second = build("second_malloc.c", shared=True)
+    program = build("sampler_lazy.c", flags=("-g", "-O0", "-Wl,-z,lazy"))
+    conv = Conversation([str(program), str(sampler_lib), str(second)])
+    try:
+        conv.expect("ready")
+        ctl = SamplerControl(conv.pid, sampler_lib)
+        with sample_trace(sampler_lib) as read:
+            armed = ctl.arm(65536)
+            assert armed["lazy_skipped"] > 0
+            conv.say("go")
+            first = conv.proc.stdout.readline().split()  # type: ignore[union-attr]
+            second_line = conv.proc.stdout.readline().split()  # type: ignore[union-attr]
+            samples = read()
+            conv.say("exit")
+            assert conv.finish() == 0
+        ctl.close()
+    finally:
+        if conv.proc.poll() is None:
+            conv.proc.kill()
+            conv.proc.wait()
+    sampled = {p for p, _, _ in samples.allocs}
+    assert first[0] == "first" and second_line[0] == "second"
+    assert int(first[1], 16) not in sampled  # the call that bound the slot went straight to malloc
+    assert int(second_line[1], 16) in sampled  # patched since

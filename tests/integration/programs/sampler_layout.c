@@ -21,7 +21,7 @@ int main(int argc, char **argv)
     F(magic); F(version); F(request_seq); F(request); F(sample_rate); F(ack_seq); F(result); F(state);
     F(lease_fd); F(lease_ino); F(disarm_reason); F(arm_count); F(slots_patched); F(slots_unwritable);
     F(objects_scanned); F(scans); F(samples); F(sampled_frees); F(set_full); F(realloc_failed_sampled);
-    F(control_tid); F(hooks_resolved);
+    F(control_tid); F(hooks_resolved); F(lazy_skipped);
     printf("size %zu\n", sizeof(struct hs_sampler_control));
     void *lib = dlopen(argv[1], RTLD_NOW | RTLD_NODELETE);
     if (!lib) {
