@@ -601,7 +601,10 @@ def _on_safe_thread(
     deadline = time.monotonic() + wait
     tried = 0
     maps = read_map_lines(pid)
-    mem = os.open(f"{proc_root}/{pid}/mem", os.O_RDWR)
+    try:
+        mem = os.open(f"{proc_root}/{pid}/mem", os.O_RDWR)
+    except OSError as exc:
+        raise TargetError(f"cannot open the memory of process {pid}: {exc.strerror}") from exc
     # Ctrl-C or SIGTERM in the middle of a call would leave the thread running our call with nobody to
     # restore it: hold them until the thread is released.
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
@@ -618,6 +621,8 @@ def _on_safe_thread(
                         tried += 1
                         continue
                     return work(t), t, tried
+                except OSError as exc:  # ptrace or /proc/PID/mem refused something: one line, not a traceback
+                    raise TargetError(f"injecting into thread {tid} of process {pid} failed: {exc.strerror}") from exc
                 finally:
                     t.release()
             time.sleep(0.01)

@@ -51,13 +51,17 @@ CONTROL_FIELDS: tuple[tuple[str, str], ...] = (
     ("disarm_reason", "Q"), ("arm_count", "Q"), ("slots_patched", "Q"), ("slots_unwritable", "Q"),
     ("objects_scanned", "Q"), ("scans", "Q"), ("samples", "Q"), ("sampled_frees", "Q"), ("set_full", "Q"),
     ("realloc_failed_sampled", "Q"), ("control_tid", "Q"), ("hooks_resolved", "Q"), ("lazy_skipped", "Q"),
+    ("counts_address", "Q"),
+    ("counts_used", "Q"),
 )  # fmt: skip
 CONTROL_FORMAT = "<" + "".join(f for _, f in CONTROL_FIELDS)
 CONTROL_SIZE = struct.calcsize(CONTROL_FORMAT)
 OFFSETS = {name: i * 8 for i, (name, _) in enumerate(CONTROL_FIELDS)}
 MAGIC = 0x4853534D504C5231
 MAX_RATE = 1 << 40  # hs_sampler.c refuses more
-VERSION = 2
+COUNT_SLOTS = 16384  # hs_sampler.h: HS_COUNT_SLOTS
+COUNTS = struct.Struct("<3Q40x")  # struct hs_counts: allocs, frees, alloc_bytes, padding to 64 bytes
+VERSION = 3
 REQ_ARM, REQ_DISARM = 1, 2
 STATE_NAMES = {0: "loading", 1: "idle", 2: "armed", 3: "broken"}
 DISARM_REASONS = {0: "none", 1: "requested", 2: "controller gone", 3: "lease descriptor lost"}
@@ -227,7 +231,10 @@ class SamplerControl:
             raise TargetError(f"the sampler is not loaded in process {pid}")
         self.address = base + symbol_value(library, CONTROL_SYMBOL)
         self.base = base
-        self._mem = os.open(f"/proc/{pid}/mem", os.O_RDWR)
+        try:
+            self._mem = os.open(f"/proc/{pid}/mem", os.O_RDWR)
+        except OSError as exc:
+            raise TargetError(f"cannot open the memory of process {pid}: {exc.strerror}") from exc
         self._lease: int | None = None
 
     def read(self) -> ControlState:
@@ -294,6 +301,18 @@ class SamplerControl:
             self.close()
             raise TargetError(f"process {self.pid}: the sampler refused to arm: {os.strerror(-st['result'])}")
         return st
+
+    def counts(self) -> dict[str, int]:
+        """Exact counts since arming, all threads together: allocs, frees, alloc_bytes."""
+        st = self.read()
+        used = min(st["counts_used"], COUNT_SLOTS)
+        raw = os.pread(self._mem, used * COUNTS.size, st["counts_address"]) if used else b""
+        totals = {"allocs": 0, "frees": 0, "alloc_bytes": 0}
+        for allocs, frees, alloc_bytes in COUNTS.iter_unpack(raw[: len(raw) // COUNTS.size * COUNTS.size]):
+            totals["allocs"] += allocs
+            totals["frees"] += frees
+            totals["alloc_bytes"] += alloc_bytes
+        return totals
 
     def disarm(self) -> ControlState:
         st = self._request(REQ_DISARM)

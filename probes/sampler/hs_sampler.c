@@ -76,10 +76,12 @@ EXPORT __attribute__((noipa, used, optimize("omit-frame-pointer"))) void hs_samp
 
 /* ---- per-thread state (initial-exec TLS: one %fs-relative access, no __tls_get_addr) --------------------- */
 struct thread_state {
-    int64_t remaining; /* bytes until the next sample; 0 until the thread is seeded */
-    uint64_t rng;      /* xorshift64* state, never 0 once seeded */
+    int64_t remaining;        /* bytes until the next sample; 0 until the thread is seeded */
+    uint64_t rng;             /* xorshift64* state, never 0 once seeded */
+    struct hs_counts *counts; /* this thread's exact counts; NULL until its first call */
     uint8_t seeded;
-    uint8_t busy; /* inside a hook that calls another hooked function (C++ operators) */
+    uint8_t busy;          /* inside a hook that calls another hooked function (C++ operators) */
+    uint8_t counts_shared; /* counts is the shared last slot: atomic adds */
 };
 static __thread struct thread_state tls __attribute__((tls_model("initial-exec")));
 
@@ -215,6 +217,48 @@ static void set_clear(void)
     STORE(live_samples, 0);
 }
 
+/* ---- exact counts ------------------------------------------------------------------------------------------ */
+static struct hs_counts *count_slots;
+static uint64_t count_slots_used;
+
+static __attribute__((noinline)) struct hs_counts *claim_counts(struct thread_state *t)
+{
+    uint64_t i = ADD(count_slots_used, 1);
+    if (i >= HS_COUNT_SLOTS - 1) {
+        i = HS_COUNT_SLOTS - 1;
+        t->counts_shared = 1;
+        STORE(count_slots_used, (uint64_t)HS_COUNT_SLOTS);
+    }
+    STORE(hs_control.counts_used, LOAD(count_slots_used) < HS_COUNT_SLOTS ? LOAD(count_slots_used) : HS_COUNT_SLOTS);
+    t->counts = &count_slots[i];
+    return t->counts;
+}
+
+static inline void count(uint64_t *field, uint64_t n, struct thread_state *t)
+{
+    if (LIKELY(!t->counts_shared))
+        *field += n; /* one writer: this thread */
+    else
+        ADD(*field, n);
+}
+
+static inline void count_alloc(struct thread_state *t, size_t n)
+{
+    struct hs_counts *c = t->counts;
+    if (UNLIKELY(!c))
+        c = claim_counts(t);
+    count(&c->allocs, 1, t);
+    count(&c->alloc_bytes, n, t);
+}
+
+static inline void count_free(struct thread_state *t)
+{
+    struct hs_counts *c = t->counts;
+    if (UNLIKELY(!c))
+        c = claim_counts(t);
+    count(&c->frees, 1, t);
+}
+
 /* ---- sampling ---------------------------------------------------------------------------------------------- */
 static inline uint64_t splitmix64(uint64_t x)
 {
@@ -293,6 +337,8 @@ static inline void account(void *p, size_t n)
     struct thread_state *t = &tls;
     if (UNLIKELY(!LOAD(armed) || t->busy))
         return;
+    if (p)
+        count_alloc(t, n);
     int64_t r = t->remaining - (int64_t)n;
     if (LIKELY(r > 0 && n < LOAD(sample_rate))) {
         t->remaining = r;
@@ -305,7 +351,11 @@ static inline void account(void *p, size_t n)
  * address and report it first. */
 static inline void forget(void *p)
 {
-    if (UNLIKELY(LOAD(live_samples) != 0) && p && set_remove((uintptr_t)p)) {
+    struct thread_state *t = &tls;
+    if (!p || t->busy) /* busy: the outer hook (a delete calling free) counted it */
+        return;
+    count_free(t);
+    if (UNLIKELY(LOAD(live_samples) != 0) && set_remove((uintptr_t)p)) {
         ADD(hs_control.sampled_frees, 1);
         hs_sample_free(p);
     }
@@ -346,6 +396,8 @@ static void *h_calloc(size_t nmemb, size_t size)
 }
 static void *h_realloc(void *p, size_t n)
 {
+    if (p && !tls.busy)
+        count_free(&tls);
     int was_sampled = 0;
     if (UNLIKELY(LOAD(live_samples) != 0) && p && set_remove((uintptr_t)p)) {
         was_sampled = 1;
@@ -364,6 +416,8 @@ static void *h_reallocarray(void *p, size_t nmemb, size_t size)
     size_t n;
     if (__builtin_mul_overflow(nmemb, size, &n))
         return REAL(H_REALLOCARRAY, reallocarray_fn)(p, nmemb, size); /* fails with ENOMEM, p untouched */
+    if (p && !tls.busy)
+        count_free(&tls);
     int was_sampled = 0;
     if (UNLIKELY(LOAD(live_samples) != 0) && p && set_remove((uintptr_t)p)) {
         was_sampled = 1;
@@ -464,20 +518,76 @@ NEW_AL_HOOK(h_new_arr_al, H_NEW_ARR_AL)
 NEW_AL_NT_HOOK(h_new_al_nt, H_NEW_AL_NT)
 NEW_AL_NT_HOOK(h_new_arr_al_nt, H_NEW_ARR_AL_NT)
 
-static void h_del(void *p) { forget(p); REAL(H_DEL, free_fn)(p); }
-static void h_del_arr(void *p) { forget(p); REAL(H_DEL_ARR, free_fn)(p); }
-static void h_del_sz(void *p, size_t n) { forget(p); REAL(H_DEL_SZ, free2_fn)(p, n); }
-static void h_del_arr_sz(void *p, size_t n) { forget(p); REAL(H_DEL_ARR_SZ, free2_fn)(p, n); }
-static void h_del_nt(void *p, const void *nt) { forget(p); REAL(H_DEL_NT, free_nt_fn)(p, nt); }
-static void h_del_arr_nt(void *p, const void *nt) { forget(p); REAL(H_DEL_ARR_NT, free_nt_fn)(p, nt); }
-static void h_del_al(void *p, size_t al) { forget(p); REAL(H_DEL_AL, free2_fn)(p, al); }
-static void h_del_arr_al(void *p, size_t al) { forget(p); REAL(H_DEL_ARR_AL, free2_fn)(p, al); }
-static void h_del_sz_al(void *p, size_t n, size_t al) { forget(p); REAL(H_DEL_SZ_AL, free3_fn)(p, n, al); }
-static void h_del_arr_sz_al(void *p, size_t n, size_t al) { forget(p); REAL(H_DEL_ARR_SZ_AL, free3_fn)(p, n, al); }
-static void h_del_al_nt(void *p, size_t al, const void *nt) { forget(p); REAL(H_DEL_AL_NT, free_al_nt_fn)(p, al, nt); }
+static void h_del(void *p)
+{
+    forget(p);
+    BUSY_SCOPE;
+    REAL(H_DEL, free_fn)(p);
+}
+static void h_del_arr(void *p)
+{
+    forget(p);
+    BUSY_SCOPE;
+    REAL(H_DEL_ARR, free_fn)(p);
+}
+static void h_del_sz(void *p, size_t n)
+{
+    forget(p);
+    BUSY_SCOPE;
+    REAL(H_DEL_SZ, free2_fn)(p, n);
+}
+static void h_del_arr_sz(void *p, size_t n)
+{
+    forget(p);
+    BUSY_SCOPE;
+    REAL(H_DEL_ARR_SZ, free2_fn)(p, n);
+}
+static void h_del_nt(void *p, const void *nt)
+{
+    forget(p);
+    BUSY_SCOPE;
+    REAL(H_DEL_NT, free_nt_fn)(p, nt);
+}
+static void h_del_arr_nt(void *p, const void *nt)
+{
+    forget(p);
+    BUSY_SCOPE;
+    REAL(H_DEL_ARR_NT, free_nt_fn)(p, nt);
+}
+static void h_del_al(void *p, size_t al)
+{
+    forget(p);
+    BUSY_SCOPE;
+    REAL(H_DEL_AL, free2_fn)(p, al);
+}
+static void h_del_arr_al(void *p, size_t al)
+{
+    forget(p);
+    BUSY_SCOPE;
+    REAL(H_DEL_ARR_AL, free2_fn)(p, al);
+}
+static void h_del_sz_al(void *p, size_t n, size_t al)
+{
+    forget(p);
+    BUSY_SCOPE;
+    REAL(H_DEL_SZ_AL, free3_fn)(p, n, al);
+}
+static void h_del_arr_sz_al(void *p, size_t n, size_t al)
+{
+    forget(p);
+    BUSY_SCOPE;
+    REAL(H_DEL_ARR_SZ_AL, free3_fn)(p, n, al);
+}
+static void h_del_al_nt(void *p, size_t al, const void *nt)
+{
+    forget(p);
+    BUSY_SCOPE;
+    REAL(H_DEL_AL_NT, free_al_nt_fn)(p, al, nt);
+}
 static void h_del_arr_al_nt(void *p, size_t al, const void *nt)
 {
     forget(p);
+    BUSY_SCOPE;
     REAL(H_DEL_ARR_AL_NT, free_al_nt_fn)(p, al, nt);
 }
 
@@ -491,6 +601,8 @@ static void *h_mallocx(size_t n, int flags)
 }
 static void *h_rallocx(void *p, size_t n, int flags)
 {
+    if (p && !tls.busy)
+        count_free(&tls);
     int was_sampled = 0;
     if (UNLIKELY(LOAD(live_samples) != 0) && p && set_remove((uintptr_t)p)) {
         was_sampled = 1;
@@ -871,6 +983,7 @@ static int64_t arm(uint64_t rate)
     lease_write_fd = -1;
     STORE(hs_control.lease_fd, (int64_t)-1);
     set_clear();
+    madvise(count_slots, sizeof(struct hs_counts) * HS_COUNT_SLOTS, MADV_DONTNEED); /* counts start at arming */
     STORE(sample_rate, rate);
     pthread_mutex_lock(&patch_lock);
     STORE(armed, 1);
@@ -977,8 +1090,11 @@ __attribute__((constructor)) static void hs_sampler_init(void)
         global_seed = splitmix64((uint64_t)time(NULL) ^ (uint64_t)getpid());
     set_buckets = mmap(NULL, set_bytes(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     set_filter = mmap(NULL, (size_t)1 << FILTER_BITS, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (set_buckets == MAP_FAILED || set_filter == MAP_FAILED)
+    count_slots = mmap(NULL, sizeof(struct hs_counts) * HS_COUNT_SLOTS, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (set_buckets == MAP_FAILED || set_filter == MAP_FAILED || count_slots == MAP_FAILED)
         { broken(); return; }
+    STORE(hs_control.counts_address, (uint64_t)(uintptr_t)count_slots);
     if (new_lease() != 0)
         { broken(); return; }
     pthread_atfork(NULL, NULL, after_fork_in_child);

@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 #define HS_CONTROL_MAGIC 0x4853534d504c5231ULL /* "HSSMPLR1" */
-#define HS_CONTROL_VERSION 2
+#define HS_CONTROL_VERSION 3
 
 /* request: what heapscope asks for; it writes the request fields, then request_seq (last). */
 enum hs_request { HS_REQ_NONE = 0, HS_REQ_ARM = 1, HS_REQ_DISARM = 2 };
@@ -56,6 +56,18 @@ struct hs_sampler_control {
     uint64_t control_tid;
     uint64_t hooks_resolved; /* bit i: hook i found its real function */
     uint64_t lazy_skipped;   /* lazy slots not bound yet, left alone (several objects define the name) */
+    uint64_t counts_address; /* struct hs_counts[counts_used]: exact per-thread counts since arming */
+    uint64_t counts_used;
+};
+
+/* Exact counts of one thread (one cache line, written only by its thread; the last slot is shared by the
+ * threads beyond HS_COUNT_SLOTS - 1, with atomic adds). */
+#define HS_COUNT_SLOTS 16384
+struct hs_counts {
+    uint64_t allocs;      /* allocation calls that returned a block */
+    uint64_t frees;       /* free calls (and deletes) with a non-null pointer */
+    uint64_t alloc_bytes; /* bytes those allocations asked for */
+    uint64_t pad[5];
 };
 
 #endif

@@ -22,6 +22,8 @@ from agent.model.sampling import sample_probability, weight_hint
 from agent.process.sampler import (
     CONTROL_FIELDS,
     CONTROL_SIZE,
+    COUNT_SLOTS,
+    COUNTS,
     OFFSETS,
     PROBE_FUNCTIONS,
     SamplerControl,
@@ -69,6 +71,8 @@ def test_control_layout_and_weights_match_python(sampler_lib: Path, build: Calla
             fields[rest[0]] = int(rest[1])
         elif kind == "size":
             assert int(rest[0]) == CONTROL_SIZE
+        elif kind == "counts":
+            assert [int(x) for x in rest] == [0, 8, 16, COUNTS.size, COUNT_SLOTS]
         elif kind == "weight":
             weights[int(rest[0])] = int(rest[1])
     assert fields == OFFSETS
@@ -148,10 +152,13 @@ def run_sites(
             armed = ctl.arm(rate)
             seen["armed"] = armed
             seen["slot_armed"] = read_word(conv.pid, malloc_slot)
+            seen["counts_armed"] = ctl.counts()
             conv.say("go")
             conv.expect("allocated")
+            seen["counts_allocated"] = ctl.counts()
             conv.say("free")
             conv.expect("freed")
+            seen["counts_freed"] = ctl.counts()
             seen["samples"] = read()
             disarmed = ctl.disarm()
             seen["disarmed"] = disarmed
@@ -205,6 +212,14 @@ def check_sites(seen: dict) -> None:
     expected = sum(sample_probability(s, rate) for _, s in blocks.values())
     known = sum(1 for p, _, _ in samples.allocs if p in blocks)
     assert abs(known - expected) <= Z * expected**0.5
+    # Exact counts: the free phase frees exactly the site-0 blocks and allocates nothing; the allocation phase
+    # makes at least the logged calls and bytes.
+    before, allocated, freed = seen["counts_armed"], seen["counts_allocated"], seen["counts_freed"]
+    site0_blocks = sum(1 for site, _ in blocks.values() if site == 0)
+    assert freed["frees"] - allocated["frees"] == site0_blocks
+    assert freed["allocs"] == allocated["allocs"]
+    assert allocated["allocs"] - before["allocs"] >= len(blocks)
+    assert allocated["alloc_bytes"] - before["alloc_bytes"] >= sum(truth.values())
     # The executable's malloc slot went to the hook while armed and back to libc's malloc after.
     lo, hi = seen["lib_range"]
     assert lo <= seen["slot_armed"] < hi

@@ -22,7 +22,10 @@ int main(int argc, char **argv)
     F(lease_fd); F(lease_ino); F(disarm_reason); F(arm_count); F(slots_patched); F(slots_unwritable);
     F(objects_scanned); F(scans); F(samples); F(sampled_frees); F(set_full); F(realloc_failed_sampled);
     F(control_tid); F(hooks_resolved); F(lazy_skipped);
+    F(counts_address); F(counts_used);
     printf("size %zu\n", sizeof(struct hs_sampler_control));
+    printf("counts %zu %zu %zu %zu %d\n", offsetof(struct hs_counts, allocs), offsetof(struct hs_counts, frees),
+           offsetof(struct hs_counts, alloc_bytes), sizeof(struct hs_counts), HS_COUNT_SLOTS);
     void *lib = dlopen(argv[1], RTLD_NOW | RTLD_NODELETE);
     if (!lib) {
         fprintf(stderr, "dlopen: %s\n", dlerror());
