@@ -127,6 +127,10 @@ def test_refuses_a_static_program(sampler_lib: Path, build: Callable[..., Path])
     assert "no glibc dlopen" in refused([str(program)], sampler_lib)
 
 
+def test_refuses_an_allocator_linked_into_the_executable(sampler_lib: Path, build: Callable[..., Path]) -> None:
+    assert "linked into its executable" in refused([str(build("sampler_own_malloc.c"))], sampler_lib)
+
+
 def test_refuses_a_library_the_target_cannot_see(sampler_lib: Path, build: Callable[..., Path]) -> None:
     """A target in its own mount namespace with the sampler's folder hidden under a tmpfs (as in a
     container that does not share it)."""
