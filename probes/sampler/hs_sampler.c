@@ -966,8 +966,8 @@ static void disarm(uint64_t reason)
     scan_all(1);
     pthread_mutex_unlock(&patch_lock);
     STORE(hs_control.disarm_reason, reason);
-    STORE(hs_control.state, HS_STATE_IDLE);
-    new_lease();
+    new_lease(); /* before the state says idle: whoever sees idle can take the new lease */
+    __atomic_store_n(&hs_control.state, HS_STATE_IDLE, __ATOMIC_RELEASE);
 }
 
 static int64_t arm(uint64_t rate)
