@@ -2,7 +2,7 @@
 # Sets heapscope up on a fresh Debian 12 machine, and does nothing that is already done.
 #
 #   scripts/setup.sh                 every step, in order
-#   scripts/setup.sh STEP...         only these steps: apt kernel tracefs venv
+#   scripts/setup.sh STEP...         only these steps: apt kernel tracefs venv sampler
 #
 # Every step checks before it acts, so a second run takes about a second and a run
 # that was interrupted half way simply carries on.
@@ -173,13 +173,26 @@ step_venv() {
     "$VENV/bin/python" -c 'import bcc' || die "bcc does not import in $VENV"
 }
 
+step_sampler() {
+    # The in-process sampler of sampled mode (probes/sampler/hs_sampler.c), built ahead into the root-only
+    # cache (HEAPSCOPE_CACHE_DIR, default /var/cache/heapscope) so that attaching never waits for gcc.
+    # Not fatal: exact mode does not need it, and heapscope builds it on first use otherwise.
+    local built
+    if built=$(as_root env ${HEAPSCOPE_CACHE_DIR:+HEAPSCOPE_CACHE_DIR="$HEAPSCOPE_CACHE_DIR"} PYTHONPATH="$ROOT" \
+        "$VENV/bin/python" -c 'from agent.process.sampler import build_sampler; print(build_sampler())'); then
+        say "sampler: $built"
+    else
+        say "WARNING: could not build the sampler library; sampled mode will try again at attach"
+    fi
+}
+
 main() {
     local steps=("$@") s
-    [ "${#steps[@]}" -gt 0 ] || steps=(apt kernel tracefs venv)
+    [ "${#steps[@]}" -gt 0 ] || steps=(apt kernel tracefs venv sampler)
     for s in "${steps[@]}"; do
         case $s in
-            apt | kernel | tracefs | venv) "step_$s" ;;
-            *) die "unknown step '$s' (steps: apt kernel tracefs venv)" ;;
+            apt | kernel | tracefs | venv | sampler) "step_$s" ;;
+            *) die "unknown step '$s' (steps: apt kernel tracefs venv sampler)" ;;
         esac
     done
     if [[ " ${steps[*]} " == *" venv "* ]]; then

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
+from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
 
@@ -161,6 +162,7 @@ class ProbeSettings:
     max_stacks: int = 1 << 16
     pages: bool = False  # trace mmap/munmap/mremap/brk: one PageEvent per call (page_events())
     stacks: bool = False  # keep each thread's stack extent (--stacks=yes: stack_bytes())
+    sampled: bool = False  # also compile probes/sampled.bpf.c (points of kind sample_alloc / sample_free)
 
 
 # bpf(2) uprobe_multi links: include/uapi/linux/bpf.h.
@@ -479,7 +481,13 @@ class HeapProbes(SiteReader):
         ]
         with _captured_stderr() as messages:
             try:
-                bpf = self._bpf = bcc.BPF(src_file=os.path.join(probes_dir, "heap.bpf.c").encode(), cflags=cflags)
+                if s.sampled:  # sampled.bpf.c uses heap.bpf.c's helpers: one translation unit
+                    source = "".join(
+                        Path(probes_dir, name).read_text() for name in ("heap.bpf.c", "sampled.bpf.c")
+                    )
+                    bpf = self._bpf = bcc.BPF(text=source.encode(), cflags=cflags)
+                else:
+                    bpf = self._bpf = bcc.BPF(src_file=os.path.join(probes_dir, "heap.bpf.c").encode(), cflags=cflags)
             except Exception as exc:  # bcc raises bare Exception for compile and load failures
                 first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
                 raise EnvironmentProblem(f"cannot compile or load the BPF program: {first.strip()}") from exc

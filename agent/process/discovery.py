@@ -28,6 +28,8 @@ from agent.symbols.symbolizer import Mapping, parse_maps
 # the loader calls its debugger hook after every change to the loaded objects (new unwind tables).
 EXIT_FUNCTION = "exit"
 LOADER_HOOK = "_dl_debug_state"
+# Probe kinds that are no allocation call: exit(), the loader's hook, and sampled mode's probe functions.
+HOOK_KINDS = frozenset({"exit", "loader", "sample_alloc", "sample_free"})
 
 _FAMILIES = (("jemalloc", "jemalloc"), ("tcmalloc", "tcmalloc"), ("mimalloc", "mimalloc"), ("libc.so", "glibc"))
 
@@ -180,7 +182,7 @@ class ProbePoint:
     @property
     def needs_return(self) -> bool:
         """An allocation call: the kernel reads its result at the return probe."""
-        return self.kind not in ENTRY_ONLY_KINDS and self.kind not in ("exit", "loader")
+        return self.kind not in ENTRY_ONLY_KINDS and self.kind not in HOOK_KINDS
 
 
 @dataclass(frozen=True)

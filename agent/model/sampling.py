@@ -1,0 +1,119 @@
+"""Poisson sampling by bytes: which allocations a sampler reports, and what each report stands for.
+
+Pure Python (no I/O, no bcc). The in-process sampler (probes/sampler/hs_sampler.c) follows the same rule:
+every thread counts bytes down from a distance drawn from an exponential distribution with mean T (the
+sample rate); an allocation of s < T bytes that crosses it is sampled, and the next distance is drawn
+afresh from the end of that allocation. Because the exponential has no memory, each allocation of s < T
+bytes is sampled independently with probability p(s) = 1 - e^(-s/T). Allocations of T bytes or more are
+always sampled (p = 1) and do not move the counter.
+
+Weighting each sample by 1/p (Horvitz-Thompson, as Go's `scaleHeapSample` does) makes every sum an unbiased
+estimate: a sampled block of s bytes stands for s/p bytes and 1/p blocks. Weight each sample first, then sum.
+The relative standard error of a site's bytes is about 1/sqrt(samples at that site) when its blocks are
+small beside T; `SiteEstimate.relative_stderr` gives the figure estimated from the samples themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+DEFAULT_SAMPLE_RATE = 524288  # bytes: jemalloc's lg_prof_sample 19, Go's MemProfileRate, gperftools' advice
+
+
+def validate_rate(rate: int) -> int:
+    """The rate as the sampler takes it: a positive whole number of bytes."""
+    if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
+        raise ValueError(f"sample rate must be a positive number of bytes, not {rate!r}")
+    return rate
+
+
+def sample_probability(size: int, rate: int) -> float:
+    """P(an allocation of `size` bytes is sampled) at mean distance `rate` between samples."""
+    if size >= rate:
+        return 1.0
+    if size <= 0:
+        return 0.0
+    return -math.expm1(-size / rate)  # 1 - e^(-s/T) without cancellation for s << T
+
+
+def weight_blocks(size: int, rate: int) -> float:
+    """How many blocks one sampled block of `size` bytes stands for: 1/p."""
+    p = sample_probability(size, rate)
+    if p == 0.0:
+        raise ValueError("an allocation of 0 bytes is never sampled, so it has no weight")
+    return 1.0 if size >= rate else 1.0 / p
+
+
+def weight_bytes(size: int, rate: int) -> float:
+    """How many bytes one sampled block of `size` bytes stands for: s/p (exactly s at or above the rate)."""
+    return float(size) if size >= rate else size * weight_blocks(size, rate)
+
+
+def weight_hint(size: int, rate: int) -> int:
+    """The byte weight the in-process sampler passes with each sample: weight_bytes rounded to an integer.
+    (Rounding moves a weight of at least T by at most half a byte.)"""
+    return size if size >= rate else math.floor(weight_bytes(size, rate) + 0.5)
+
+
+def sampling_variance(size: int, rate: int) -> float:
+    """Variance of the bytes estimate contributed by ONE allocation of `size` bytes: s^2 (1-p)/p."""
+    p = sample_probability(size, rate)
+    return 0.0 if p in (0.0, 1.0) else size * size * (1.0 - p) / p
+
+
+@dataclass
+class SiteEstimate:
+    """The estimate for one call site (or any group of samples)."""
+
+    samples: int = 0
+    bytes: float = 0.0  # estimated bytes
+    blocks: float = 0.0  # estimated blocks
+    variance: float = 0.0  # unbiased estimate of the variance of `bytes`: sum over samples of s^2 (1-p)/p^2
+
+    @property
+    def relative_stderr(self) -> float:
+        """Estimated standard error of `bytes`, relative to it (0 when every sample was certain)."""
+        return math.sqrt(self.variance) / self.bytes if self.bytes > 0 else math.inf
+
+    def add(self, size: int, rate: int) -> None:
+        p = sample_probability(size, rate)
+        self.samples += 1
+        self.bytes += weight_bytes(size, rate)
+        self.blocks += weight_blocks(size, rate)
+        if p < 1.0:
+            self.variance += size * size * (1.0 - p) / (p * p)
+
+
+def estimate_sites(samples: Iterable[tuple[Hashable, int]], rate: int) -> dict[Hashable, SiteEstimate]:
+    """Per-site estimates from (site, size) samples taken at `rate`."""
+    validate_rate(rate)
+    sites: dict[Hashable, SiteEstimate] = {}
+    for site, size in samples:
+        sites.setdefault(site, SiteEstimate()).add(size, rate)
+    return sites
+
+
+class PoissonSampler:
+    """One thread's sampling decisions, step for step as hs_sampler.c takes them (the reference the
+    Monte Carlo tests check, and a way to replay a size sequence)."""
+
+    def __init__(self, rate: int, rng: random.Random) -> None:
+        self.rate = validate_rate(rate)
+        self._rng = rng
+        self._remaining = self._draw()
+
+    def _draw(self) -> float:
+        return self._rng.expovariate(1.0 / self.rate)
+
+    def sample(self, size: int) -> bool:
+        """Whether an allocation of `size` bytes is reported."""
+        if size >= self.rate:
+            return True  # always sampled, at its true size; the countdown is left as it was
+        self._remaining -= size
+        if self._remaining > 0:
+            return False
+        self._remaining = self._draw()
+        return size > 0

@@ -1,0 +1,700 @@
+"""Bringing the sampler library into a running process: ptrace, then a call of the target's own dlopen.
+
+Own code over ctypes rather than pyinjector (kubo/injector): the safety rules below need control of which
+thread runs the call and when, which that library does not give (it calls dlopen from whichever thread it
+attached, and its README warns that a thread stopped inside malloc deadlocks the process).
+
+How a call is made safe:
+- One thread at a time is seized (PTRACE_SEIZE + PTRACE_INTERRUPT); the others run on, so any lock they hold
+  is released as usual. The seized thread is used only at a safe point: its instruction pointer and every
+  word of its live stack (a conservative scan from %rsp up) lie outside the allocator (malloc and its
+  internal functions, the whole allocator library when it is not libc, C++ operators new/delete), the
+  loader (ld.so, libc's dl* functions) and fork, and outside a signal handler (__restore_rt on its stack).
+  A stale word can only make a thread look unsafe, never safe: it is then released and another one, or the
+  same one a little later, is tried.
+- The call goes through a small stub (probes/sampler/inject_stub.S) that heapscope writes into a fresh
+  mapping of the target (the mmap and mprotect for it are single system calls, single-stepped on a `syscall`
+  instruction of libc). heapscope fills the stub's data with the thread's own registers, the general ones
+  and the whole XSAVE area (x87, SSE, AVX, AVX-512), points the thread at the stub with a stack below its
+  red zone, and lets it go (PTRACE_DETACH) before the call runs. The stub blocks signals, makes the call,
+  puts the signal mask back, restores every register itself and jumps back. So if heapscope dies during
+  the call, even by SIGKILL, the thread still resumes exactly where it was; heapscope only reads a `done`
+  word to learn the result.
+- A system call the stop interrupted is set to run again: rax = its number and rip on its `syscall`
+  instruction, as the kernel does for the ERESTART* codes when no handler runs (the stub resumes the thread
+  in user space, where the kernel's restart no longer applies), and also for the calls that Linux fails
+  with EINTR after a mere stop (epoll_wait, semop, ...). No EINTR reaches the program. Signals that
+  arrive while the thread is seized are sent again after it is released.
+- The library is loaded RTLD_NOW | RTLD_NODELETE and never dlclosed: a second attach finds it mapped and
+  injects nothing.
+
+Refused, with one line and an exit code: ptrace forbidden (yama ptrace_scope 3, or already traced), a
+target under seccomp (its filter may kill the process on a system call dlopen or the sampler makes), a
+process without glibc's dlopen (static, musl), an allocator linked into the executable (its calls do not go
+through the GOT), a sampler library the target cannot see through its own root (containers).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import errno
+import os
+import signal
+import struct
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from elftools.elf.elffile import ELFFile
+
+from agent.errors import EnvironmentProblem, TargetError
+from agent.process.discovery import allocator_of_process
+from agent.process.sampler import MapLine, build_stub, mapped_base, read_map_lines
+from agent.symbols.elf import ElfObject, open_elf
+from agent.symbols.symbolizer import DEFAULT_DEBUG_ROOTS, find_debug_file
+
+T = TypeVar("T")
+
+PTRACE_CONT = 7
+PTRACE_DETACH = 17
+PTRACE_GETREGS = 12
+PTRACE_SETREGS = 13
+PTRACE_GETSIGINFO = 0x4202
+PTRACE_SETSIGINFO = 0x4203
+PTRACE_GETREGSET = 0x4204
+PTRACE_SETREGSET = 0x4205
+PTRACE_SEIZE = 0x4206
+PTRACE_INTERRUPT = 0x4207
+PTRACE_EVENT_STOP = 128
+NT_X86_XSTATE = 0x202
+WALL = 0x40000000
+RTLD_NOW = 0x2
+RTLD_NODELETE = 0x1000
+
+# struct user_regs_struct (x86_64), 27 words.
+REG_NAMES = (
+    "r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx", "rdx", "rsi", "rdi",
+    "orig_rax", "rip", "cs", "eflags", "rsp", "ss", "fs_base", "gs_base", "ds", "es", "fs", "gs",
+)  # fmt: skip
+REG = {name: i for i, name in enumerate(REG_NAMES)}
+RED_ZONE = 128
+STACK_SCAN = 32 * 1024  # bytes of live stack checked for return addresses into the allocator or loader
+XSTATE_MAX = 16384
+SIGINFO_SIZE = 128
+EFLAGS_TF, EFLAGS_DF = 0x100, 0x400
+
+# Functions a thread must not be inside when it runs the call: exact names and name prefixes.
+UNSAFE_NAMES = frozenset(
+    {
+        "malloc", "free", "calloc", "realloc", "reallocarray", "memalign", "aligned_alloc", "posix_memalign",
+        "valloc", "pvalloc", "cfree", "malloc_trim", "malloc_usable_size", "mallinfo", "mallinfo2",
+        "malloc_stats", "malloc_info", "mallopt", "fork", "_Fork", "vfork", "dlopen", "dlclose", "dlsym",
+        "dlvsym", "dladdr", "dladdr1", "dlinfo", "dlmopen", "dlerror", "dl_iterate_phdr", "__restore_rt",
+        "pthread_create", "exit", "_exit",
+    }
+)  # fmt: skip
+UNSAFE_PREFIXES = (
+    "_int_", "sysmalloc", "malloc_", "arena_", "tcache", "__malloc", "__libc_malloc", "__libc_free",
+    "__libc_calloc", "__libc_realloc", "__libc_memalign", "_dl_", "__libc_dl", "_Znw", "_Zna", "_Zdl", "_Zda",
+    "__libc_fork", "__run_fork_handlers", "__pthread_create", "__nptl_", "__free_stacks", "__pthread_exit",
+    "pthread_exit", "__libc_thread_freeres",
+)  # fmt: skip
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.ptrace.restype = ctypes.c_long
+_libc.ptrace.argtypes = (ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = (("base", ctypes.c_void_p), ("len", ctypes.c_size_t))
+
+
+def _ptrace(request: int, tid: int, addr: int = 0, data: int | ctypes.Array | ctypes.Structure | None = None) -> int:
+    if isinstance(data, ctypes.Array | ctypes.Structure):
+        data_arg: int | None = ctypes.addressof(data)
+    else:
+        data_arg = data
+    ctypes.set_errno(0)
+    r = _libc.ptrace(request, tid, addr, data_arg)
+    err = ctypes.get_errno()
+    if r == -1 and err:
+        raise OSError(err, f"ptrace({request:#x}, {tid}): {os.strerror(err)}")
+    return int(r)
+
+
+@dataclass
+class Injection:
+    """What an injection did."""
+
+    pid: int
+    library: Path
+    reused: bool  # the library was already loaded: nothing injected
+    tid: int = 0  # the thread that ran dlopen
+    seconds: float = 0.0
+    threads_tried: int = 0  # seize attempts that found a thread not at a safe point
+    deferred_signals: list[int] = field(default_factory=list)
+
+
+# ---- the stub -----------------------------------------------------------------------------------------
+
+SYS_MMAP, SYS_MPROTECT, SYS_RESTART = 9, 10, 219
+PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
+MAP_PRIVATE, MAP_ANONYMOUS = 0x02, 0x20
+# Kernel-internal return values of an interrupted system call (include/linux/errno.h).
+ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND, ERESTART_RESTARTBLOCK = 512, 513, 514, 516
+PTRACE_SINGLESTEP = 9
+
+
+@dataclass(frozen=True)
+class Stub:
+    """probes/sampler/inject_stub.S assembled: the blob and the offsets of its labels."""
+
+    blob: bytes
+    labels: dict[str, int]
+
+    @property
+    def code_size(self) -> int:
+        return self.labels["data_start"]
+
+    @property
+    def extra(self) -> int:
+        """Where a call's string goes: after the last slot, in the data page."""
+        return self.labels["saved_rip"] + 8
+
+    @property
+    def xsave(self) -> int:
+        return self.labels["xsave_area"]
+
+    @property
+    def xsave_room(self) -> int:
+        return self.labels["blob_end"] - self.labels["xsave_area"]
+
+
+def load_stub(obj: Path) -> Stub:
+    with open(obj, "rb") as f:
+        elf = ELFFile(f)
+        text = elf.get_section_by_name(".text")
+        symtab = elf.get_section_by_name(".symtab")
+        if text is None or symtab is None or elf.get_section_by_name(".rela.text") is not None:
+            raise EnvironmentProblem(f"{obj} is not a self-contained injection stub")
+        labels = {sym.name: sym["st_value"] for sym in symtab.iter_symbols() if sym.name}  # type: ignore[attr-defined]
+        return Stub(text.data(), labels)
+
+
+def _resume_context(saved: list[int]) -> list[int]:
+    """The registers the thread resumes with: its own, except that a system call our stop interrupted is set
+    to run again, as the kernel does when no handler runs (the stub resumes it in user space, where the
+    kernel's restart logic no longer applies)."""
+    regs = list(saved)
+    nr = regs[REG["orig_rax"]]
+    rax = regs[REG["rax"]] - (1 << 64) if regs[REG["rax"]] >= 1 << 63 else regs[REG["rax"]]
+    if nr < 1 << 63:
+        if rax in (-ERESTARTSYS, -ERESTARTNOINTR, -ERESTARTNOHAND):
+            regs[REG["rax"]] = nr
+            regs[REG["rip"]] -= 2
+        elif rax == -ERESTART_RESTARTBLOCK:
+            regs[REG["rax"]] = SYS_RESTART
+            regs[REG["rip"]] -= 2
+    return regs
+
+
+# ---- refusals ------------------------------------------------------------------------------------------
+
+
+def _status_fields(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+    except FileNotFoundError as exc:
+        raise TargetError(f"no process with PID {pid}") from exc
+
+
+def _libc_mapping(maps: Iterable[MapLine]) -> MapLine | None:
+    for m in maps:
+        if m.offset == 0 and os.path.basename(m.path).startswith("libc.so"):
+            return m
+    return None
+
+
+def preflight_ptrace(pid: int) -> dict[str, str]:
+    """Refuse where ptrace itself is not allowed or not safe."""
+    yama = Path("/proc/sys/kernel/yama/ptrace_scope")
+    if yama.exists() and yama.read_text().strip() == "3":
+        raise EnvironmentProblem("ptrace is disabled on this machine (kernel.yama.ptrace_scope=3); use --mode=exact")
+    status = _status_fields(pid)
+    if status.get("TracerPid", "0").strip() != "0":
+        raise TargetError(f"process {pid} is already traced by PID {status['TracerPid'].strip()}; use --mode=exact")
+    seccomp = status.get("Seccomp", "0").strip()
+    if seccomp != "0":
+        raise TargetError(
+            f"process {pid} runs under seccomp (mode {seccomp}): its filter could kill it on a system call the "
+            "sampler makes; use --mode=exact"
+        )
+    if status.get("State", "").startswith(("T", "t")):
+        raise TargetError(f"process {pid} is stopped; resume it or use --mode=exact")
+    return status
+
+
+def preflight(pid: int, library: Path, proc_root: str = "/proc") -> None:
+    """Refuse, with one line, where injecting cannot be made safe."""
+    preflight_ptrace(pid)
+    try:
+        inside = os.stat(f"{proc_root}/{pid}/root{library}")
+    except FileNotFoundError:
+        inside = None
+    ours = os.stat(library)
+    if inside is None or (inside.st_dev, inside.st_ino) != (ours.st_dev, ours.st_ino):
+        raise TargetError(
+            f"process {pid} cannot see the sampler library {library} through its own root (a container?); "
+            "use --mode=exact"
+        )
+    maps = read_map_lines(pid)
+    libc = _libc_mapping(maps)
+    if libc is None or open_elf(f"{proc_root}/{pid}/root{libc.path}").find_symbol("dlopen") is None:
+        raise TargetError(f"process {pid} has no glibc dlopen (a static or non-glibc program); use --mode=exact")
+    allocator = allocator_of_process(pid, proc_root)
+    exe = os.path.realpath(f"{proc_root}/{pid}/exe")
+    if os.path.realpath(allocator.path) == exe:
+        raise TargetError(
+            f"process {pid}'s allocator ({allocator.family}) is linked into its executable: its calls do not go "
+            "through the GOT and cannot be sampled; use --mode=exact"
+        )
+
+
+# ---- the unsafe ranges ---------------------------------------------------------------------------------
+
+
+def _is_unsafe_name(name: str) -> bool:
+    bare = name.split("@", 1)[0]
+    return bare in UNSAFE_NAMES or bare.startswith(UNSAFE_PREFIXES)
+
+
+def _symbol_ranges(obj: ElfObject, debug: ElfObject | None) -> list[tuple[int, int]]:
+    ranges = []
+    for source in (obj, debug) if debug is not None else (obj,):
+        for sym in source.function_symbols():
+            if sym.size and _is_unsafe_name(sym.name):
+                ranges.append((sym.value, sym.value + sym.size))
+    return ranges
+
+
+def unsafe_ranges(pid: int, proc_root: str = "/proc") -> list[tuple[int, int]]:
+    """Address ranges of the target where a thread must not be (or return to) when it runs the call."""
+    maps = read_map_lines(pid)
+    allocator = allocator_of_process(pid, proc_root)
+    allocator_real = os.path.realpath(allocator.path)
+    out: list[tuple[int, int]] = []
+    by_path: dict[str, list[MapLine]] = {}
+    for m in maps:
+        if m.path.startswith("/"):
+            by_path.setdefault(m.path, []).append(m)
+    for path, lines in by_path.items():
+        base = min(m.start for m in lines if m.offset == 0) if any(m.offset == 0 for m in lines) else None
+        execs = [m for m in lines if "x" in m.perms]
+        if not execs or base is None:
+            continue
+        name = os.path.basename(path)
+        seen_as = f"{proc_root}/{pid}/root{path}"
+        whole = name.startswith("ld-linux") or (
+            os.path.realpath(seen_as) == allocator_real and not name.startswith("libc.so")
+        )
+        if whole:  # the loader, or an allocator library (jemalloc, tcmalloc, mimalloc): all of its code
+            out.extend((m.start, m.end) for m in execs)
+            continue
+        if not (name.startswith(("libc.so", "libstdc++", "libc++")) or os.path.realpath(seen_as) == allocator_real):
+            continue
+        try:
+            obj = open_elf(seen_as)
+        except Exception:  # unreadable object: all of its code counts as unsafe
+            out.extend((m.start, m.end) for m in execs)
+            continue
+        debug = find_debug_file(obj, DEFAULT_DEBUG_ROOTS)
+        bias = base if obj.is_pie_or_shared else 0
+        out.extend((lo + bias, hi + bias) for lo, hi in _symbol_ranges(obj, debug))
+    return _merge(out)
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, overlapping or touching ranges joined (aliases of one function overlap)."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _inside(ranges: list[tuple[int, int]], address: int) -> bool:
+    i = bisect.bisect_right(ranges, (address, 1 << 64)) - 1
+    return i >= 0 and ranges[i][0] <= address < ranges[i][1]
+
+
+# ---- one seized thread ---------------------------------------------------------------------------------
+
+
+class _Thread:
+    def __init__(self, pid: int, tid: int, mem_fd: int) -> None:
+        self.pid = pid
+        self.tid = tid
+        self.mem = mem_fd
+        self.deferred: list[tuple[int, bytes]] = []  # (signal, siginfo) that arrived while seized
+        self.seized = False
+        self.restarted_eintr = False  # a system call our stop made fail with EINTR was set to start again
+
+    def seize(self) -> bool:
+        """Seize and stop the thread; False if it went away."""
+        try:
+            _ptrace(PTRACE_SEIZE, self.tid, 0, 0)
+        except OSError as exc:
+            if exc.errno == errno.ESRCH:
+                return False
+            if exc.errno == errno.EPERM:
+                raise TargetError(f"ptrace of process {self.pid} is not permitted: {exc.strerror}") from exc
+            raise
+        self.seized = True
+        _ptrace(PTRACE_INTERRUPT, self.tid, 0, 0)
+        while True:
+            status = self._wait(5.0)
+            if status is None:
+                raise TargetError(f"thread {self.tid} of process {self.pid} did not stop within 5 s")
+            if (status >> 16) == PTRACE_EVENT_STOP:
+                self._undo_stop_eintr()
+                return True
+            if os.WIFSTOPPED(status):  # a signal on its way in: hold it, deliver it at the end
+                self._defer(os.WSTOPSIG(status))
+                _ptrace(PTRACE_CONT, self.tid, 0, 0)
+
+    def _undo_stop_eintr(self) -> None:
+        """Some blocking calls fail with EINTR when their thread is merely stopped, with no handler run
+        (epoll_wait, semop, sigtimedwait, sockets with SO_RCVTIMEO: signal(7), "Interruption ... by stop
+        signals"). A thread we stopped in one of them is set back onto its `syscall` instruction with the
+        call number in rax, so the call starts again when the thread resumes, as the kernel does for the
+        ERESTART* codes. Not when a signal is pending for it: then the EINTR may be that signal's."""
+        regs = self.regs()
+        if regs[REG["rax"]] != (-errno.EINTR) & 0xFFFFFFFFFFFFFFFF:
+            return
+        nr = regs[REG["orig_rax"]]
+        if nr >= 1 << 63 or self._signal_pending():
+            return
+        rip = regs[REG["rip"]]
+        if self.read(rip - 2, 2) != b"\x0f\x05":  # `syscall`
+            return
+        regs[REG["rax"]] = nr
+        regs[REG["rip"]] = rip - 2
+        self.set_regs(regs)
+        self.restarted_eintr = True
+
+    def _signal_pending(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/task/{self.tid}/status") as f:
+                fields = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+        except FileNotFoundError:
+            return True
+        pending = int(fields.get("SigPnd", "0"), 16) | int(fields.get("ShdPnd", "0"), 16)
+        return bool(pending & ~int(fields.get("SigBlk", "0"), 16))
+
+    def _defer(self, sig: int) -> None:
+        info = (ctypes.c_ubyte * SIGINFO_SIZE)()
+        _ptrace(PTRACE_GETSIGINFO, self.tid, 0, info)
+        self.deferred.append((sig, bytes(info)))
+
+    def _wait(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got, status = os.waitpid(self.tid, WALL | os.WNOHANG)
+            except ChildProcessError as exc:
+                raise TargetError(f"thread {self.tid} of process {self.pid} went away") from exc
+            if got == self.tid:
+                if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+                    self.seized = False
+                    raise TargetError(f"process {self.pid} exited during the injection")
+                return status
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.0005)
+
+    def regs(self) -> list[int]:
+        buf = (ctypes.c_ulonglong * len(REG_NAMES))()
+        _ptrace(PTRACE_GETREGS, self.tid, 0, buf)
+        return list(buf)
+
+    def set_regs(self, values: list[int]) -> None:
+        buf = (ctypes.c_ulonglong * len(REG_NAMES))(*[v & 0xFFFFFFFFFFFFFFFF for v in values])
+        _ptrace(PTRACE_SETREGS, self.tid, 0, buf)
+
+    def xstate(self) -> bytes:
+        buf = (ctypes.c_ubyte * XSTATE_MAX)()
+        iov = _Iovec(ctypes.addressof(buf), XSTATE_MAX)
+        _ptrace(PTRACE_GETREGSET, self.tid, NT_X86_XSTATE, iov)
+        return bytes(buf[: iov.len])
+
+    def set_xstate(self, data: bytes) -> None:
+        buf = (ctypes.c_ubyte * len(data)).from_buffer_copy(data)
+        iov = _Iovec(ctypes.addressof(buf), len(data))
+        _ptrace(PTRACE_SETREGSET, self.tid, NT_X86_XSTATE, iov)
+
+    def read(self, address: int, n: int) -> bytes:
+        return os.pread(self.mem, n, address)
+
+    def write(self, address: int, data: bytes) -> None:
+        if os.pwrite(self.mem, data, address) != len(data):
+            raise TargetError(f"short write into process {self.pid}")
+
+    def _syscall(self, at: int, base: list[int], nr: int, *args: int) -> int:
+        """Run one system call on this thread by single-stepping a `syscall` instruction at `at`."""
+        regs = list(base)
+        regs[REG["rip"]] = at
+        regs[REG["rax"]] = nr
+        regs[REG["orig_rax"]] = -1
+        regs[REG["eflags"]] &= ~(EFLAGS_TF | EFLAGS_DF)
+        for reg, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
+            regs[REG[reg]] = value
+        self.set_regs(regs)
+        while True:
+            _ptrace(PTRACE_SINGLESTEP, self.tid, 0, 0)
+            status = self._wait(5.0)
+            if status is None:
+                raise TargetError(f"a system call in thread {self.tid} of process {self.pid} did not return")
+            if os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGTRAP and (status >> 16) == 0:
+                now = self.regs()
+                if now[REG["rip"]] == at + 2:
+                    return now[REG["rax"]]
+                raise TargetError(f"thread {self.tid} of process {self.pid} stepped somewhere unexpected")
+            if os.WIFSTOPPED(status) and (status >> 16) == 0:
+                self._defer(os.WSTOPSIG(status))  # delivered after the thread is released
+
+    def run_detached(self, stub: Stub, syscall_at: int, function: int, arg0: int, arg1: int, error_function: int,
+                     extra: bytes = b"") -> Callable[[], tuple[int, int]]:
+        """Start function(arg0, arg1) on this thread through the stub, then let the thread go: the stub puts
+        every register back and resumes the thread where it was, whether or not heapscope is still there.
+        `extra` is copied into the stub's data and its address replaces an argument equal to -1. Returns a
+        function that waits for the call to finish and gives (result, error message address)."""
+        saved = self.regs()
+        saved_x = self.xstate()
+        if len(saved_x) > stub.xsave_room:
+            raise TargetError(f"thread {self.tid}: its XSAVE area ({len(saved_x)} bytes) does not fit the stub")
+        context = _resume_context(saved)
+        try:
+            page = self._syscall(syscall_at, saved, SYS_MMAP, 0, len(stub.blob), PROT_READ | PROT_WRITE,
+                                 MAP_PRIVATE | MAP_ANONYMOUS, (1 << 64) - 1, 0)
+            if page >= (1 << 64) - 4095:
+                err = os.strerror((1 << 64) - page)
+                raise TargetError(f"process {self.pid}: mmap for the injection failed: {err}")
+            data = bytearray(stub.blob)
+            extra_at = page + stub.extra
+            words = {
+                "function": function,
+                "arg0": extra_at if arg0 == -1 else arg0,
+                "arg1": extra_at if arg1 == -1 else arg1,
+                "error_function": error_function,
+                "saved_rflags": context[REG["eflags"]],
+                "saved_rip": context[REG["rip"]],
+            }
+            for reg in ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r9", "r10", "r11", "r12",
+                        "r13", "r14", "r15"):
+                words[f"saved_{reg}"] = context[REG[reg]]
+            for name, value in words.items():
+                struct.pack_into("<Q", data, stub.labels[name], value & 0xFFFFFFFFFFFFFFFF)
+            data[stub.extra : stub.extra + len(extra)] = extra
+            data[stub.xsave : stub.xsave + len(saved_x)] = saved_x
+            self.write(page, bytes(data))
+            r = self._syscall(syscall_at, saved, SYS_MPROTECT, page, stub.code_size, PROT_READ | PROT_EXEC)
+            if r != 0:
+                raise TargetError(f"process {self.pid}: mprotect for the injection failed")
+        except BaseException:
+            self.set_xstate(saved_x)
+            self.set_regs(saved)
+            raise
+        regs = list(saved)
+        regs[REG["rip"]] = page + stub.labels["stub_entry"]
+        regs[REG["rsp"]] = (saved[REG["rsp"]] - RED_ZONE - 512) & ~0xF
+        regs[REG["orig_rax"]] = -1  # no system call restart on the way into the stub
+        regs[REG["eflags"]] &= ~(EFLAGS_TF | EFLAGS_DF)
+        self.set_regs(regs)
+        self.release()  # from here the thread needs nobody
+        done_at = page + stub.labels["done"]
+        pid = self.pid
+
+        def wait(timeout: float = 30.0) -> tuple[int, int]:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    done = struct.unpack("<Q", read_memory(pid, done_at, 8))[0]
+                    if done:
+                        result, error = struct.unpack("<QQ", read_memory(pid, page + stub.labels["result"], 16))
+                        return result, error
+                except OSError as exc:
+                    raise TargetError(f"process {pid} went away during the injected call") from exc
+                if time.monotonic() > deadline:
+                    raise TargetError(
+                        f"the injected call in process {pid} has not returned after {timeout:.0f} s (it will "
+                        "resume the thread by itself when it does)"
+                    )
+                time.sleep(0.0005)
+
+        return wait
+
+    def release(self) -> None:
+        """Detach, delivering the first held signal (with its siginfo) and re-sending the others."""
+        if not self.seized:
+            return
+        sig = 0
+        if self.deferred:
+            first, info = self.deferred[0]
+            try:
+                buf = (ctypes.c_ubyte * SIGINFO_SIZE).from_buffer_copy(info)
+                _ptrace(PTRACE_SETSIGINFO, self.tid, 0, buf)
+                sig = first
+            except OSError:  # not in a signal-delivery stop: send it to the thread instead
+                _tgkill(self.pid, self.tid, first)
+        try:
+            _ptrace(PTRACE_DETACH, self.tid, 0, sig)
+        except OSError as exc:
+            if exc.errno != errno.ESRCH:
+                raise
+        self.seized = False
+        for other, _ in self.deferred[1:]:
+            _tgkill(self.pid, self.tid, other)
+
+
+def _tgkill(pid: int, tid: int, sig: int) -> None:
+    _libc.syscall(234, pid, tid, sig)  # SYS_tgkill on x86_64
+
+
+def _at_safe_point(t: _Thread, ranges: list[tuple[int, int]], maps: list[MapLine]) -> bool:
+    regs = t.regs()
+    if _inside(ranges, regs[REG["rip"]]):
+        return False
+    rsp = regs[REG["rsp"]]
+    stack = next((m for m in maps if m.start <= rsp < m.end), None)
+    if stack is None:
+        return False
+    end = min(stack.end, rsp + STACK_SCAN)
+    try:
+        data = t.read(rsp, end - rsp)
+    except OSError:
+        return False
+    return not any(_inside(ranges, w) for (w,) in struct.iter_unpack("<Q", data[: len(data) // 8 * 8]))
+
+
+# ---- the injection -------------------------------------------------------------------------------------
+
+
+def _libc_function(pid: int, name: str, proc_root: str) -> int:
+    libc = _libc_mapping(read_map_lines(pid))
+    found = open_elf(f"{proc_root}/{pid}/root{libc.path}").find_symbol(name) if libc else None
+    if libc is None or found is None:
+        raise TargetError(f"process {pid} has no glibc {name}")
+    return libc.start + found[0]
+
+
+def _on_safe_thread(
+    pid: int, ranges: list[tuple[int, int]], work: Callable[[_Thread], T], wait: float, proc_root: str, rotate: int = 0
+) -> tuple[T, _Thread, int]:
+    """Run work(thread) on the first thread found at a safe point; returns (its result, the thread, how many
+    threads were seized and found unsafe). `rotate` changes which thread is tried first."""
+    deadline = time.monotonic() + wait
+    tried = 0
+    maps = read_map_lines(pid)
+    try:
+        mem = os.open(f"{proc_root}/{pid}/mem", os.O_RDWR)
+    except OSError as exc:
+        raise TargetError(f"cannot open the memory of process {pid}: {exc.strerror}") from exc
+    # Ctrl-C or SIGTERM in the middle of a call would leave the thread running our call with nobody to
+    # restore it: hold them until the thread is released.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+    try:
+        while time.monotonic() < deadline:
+            tids = sorted(int(t) for t in os.listdir(f"{proc_root}/{pid}/task"))
+            k = rotate % len(tids) if tids else 0
+            for tid in tids[k:] + tids[:k]:
+                t = _Thread(pid, tid, mem)
+                try:
+                    if not t.seize():
+                        continue
+                    if not _at_safe_point(t, ranges, maps):
+                        tried += 1
+                        continue
+                    return work(t), t, tried
+                except OSError as exc:  # ptrace or /proc/PID/mem refused something: one line, not a traceback
+                    raise TargetError(f"injecting into thread {tid} of process {pid} failed: {exc.strerror}") from exc
+                finally:
+                    t.release()
+            time.sleep(0.01)
+            maps = read_map_lines(pid)
+        raise TargetError(
+            f"no thread of process {pid} reached a safe point (outside the allocator and the loader) in {wait:.0f} s"
+        )
+    finally:
+        os.close(mem)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def read_memory(pid: int, address: int, n: int) -> bytes:
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    try:
+        return os.pread(fd, n, address)
+    finally:
+        os.close(fd)
+
+
+def _syscall_instruction(pid: int, proc_root: str) -> int:
+    """Address of a `syscall` instruction in the target's libc (inside its syscall() function)."""
+    libc = _libc_mapping(read_map_lines(pid))
+    obj = open_elf(f"{proc_root}/{pid}/root{libc.path}") if libc else None
+    found = obj.find_symbol("syscall") if obj else None
+    if libc is None or obj is None or found is None:
+        raise TargetError(f"process {pid} has no glibc syscall()")
+    at = obj.code_bytes(found[0], max(found[1], 16)).find(b"\x0f\x05")
+    if at < 0:
+        raise TargetError(f"process {pid}: no syscall instruction in libc's syscall()")
+    return libc.start + found[0] + at
+
+
+def _stub() -> Stub:
+    return load_stub(build_stub())
+
+
+def call_function(pid: int, name: str, wait: float = 5.0, proc_root: str = "/proc", rotate: int = 0) -> tuple[int, int]:
+    """Call libc's `name`() (no arguments) in the target as inject() calls dlopen; returns (rax, thread).
+    For checking the injection path itself (tests, diagnostics)."""
+    preflight_ptrace(pid)
+    stub = _stub()
+    function = _libc_function(pid, name, proc_root)
+    syscall_at = _syscall_instruction(pid, proc_root)
+    ranges = unsafe_ranges(pid, proc_root)
+    waiter, t, _ = _on_safe_thread(
+        pid, ranges, lambda t: t.run_detached(stub, syscall_at, function, 0, 0, 0), wait, proc_root, rotate
+    )
+    result, _ = waiter()
+    return result, t.tid
+
+
+def inject(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc") -> Injection:
+    """Load `library` into process `pid` (no-op if it is loaded already)."""
+    library = Path(os.path.realpath(library))
+    if mapped_base(pid, library) is not None:
+        return Injection(pid, library, reused=True)
+    preflight(pid, library, proc_root)
+    stub = _stub()
+    ranges = unsafe_ranges(pid, proc_root)
+    dlopen_at = _libc_function(pid, "dlopen", proc_root)
+    dlerror_at = _libc_function(pid, "dlerror", proc_root)
+    syscall_at = _syscall_instruction(pid, proc_root)
+    started = time.monotonic()
+    path = os.fsencode(library) + b"\0"
+
+    def start(t: _Thread) -> Callable[[], tuple[int, int]]:
+        return t.run_detached(stub, syscall_at, dlopen_at, -1, RTLD_NOW | RTLD_NODELETE, dlerror_at, path)
+
+    waiter, t, tried = _on_safe_thread(pid, ranges, start, wait, proc_root)
+    handle, error = waiter()
+    if handle == 0:
+        msg = read_memory(pid, error, 512).split(b"\0", 1)[0].decode(errors="replace") if error else "?"
+        raise TargetError(f"dlopen of the sampler failed in process {pid}: {msg}")
+    return Injection(pid, library, False, t.tid, time.monotonic() - started, tried, [s for s, _ in t.deferred])

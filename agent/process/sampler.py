@@ -1,0 +1,328 @@
+"""The in-process sampler library (probes/sampler/hs_sampler.c): building it, finding it in a target, and
+talking to it through its control block.
+
+The library is compiled with gcc on first use into a cache folder that only root can write (the target
+runs code from it), under a name that is the hash of its source and flags, so a changed source is a new
+file and a loaded old one is never overwritten. `scripts/setup.sh sampler` builds it ahead.
+
+Control (probes/sampler/hs_sampler.h): heapscope writes a request into `hs_control` through /proc/PID/mem
+and the sampler's control thread, which polls it, answers in the same block. Before arming, heapscope takes
+a duplicate of the lease pipe's write end with pidfd_getfd; the sampler then closes its own copy, so that
+heapscope's exit, even by SIGKILL, closes the pipe and the sampler disarms itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import stat
+import struct
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.errors import EnvironmentProblem, TargetError, UsageError
+from agent.symbols.elf import open_elf
+
+SOURCE_DIR = Path(__file__).resolve().parents[2] / "probes" / "sampler"
+SOURCES = ("hs_sampler.c", "hs_sampler.h")
+# -fcf-protection=none: nothing may precede the probe functions' 5-byte nop (they are built without a frame;
+# the hooks keep frame pointers so that a frame-pointer walk from a probe reaches the program's frames).
+# -fexceptions: a C++ exception thrown through an operator-new hook runs its cleanup. initial-exec TLS:
+# one %fs access on the fast path. nodelete: dlclose never unloads it. now+relro: its own GOT sealed.
+CFLAGS = (
+    "-O2", "-g", "-fPIC", "-shared", "-fvisibility=hidden", "-ftls-model=initial-exec", "-fno-omit-frame-pointer",
+    "-fcf-protection=none", "-fexceptions", "-fno-stack-protector", "-Wall", "-Wextra", "-Werror",
+    "-Wl,-z,now", "-Wl,-z,relro", "-Wl,-z,nodelete",
+)  # fmt: skip
+LIBS = ("-lm",)
+DEFAULT_CACHE_DIR = "/var/cache/heapscope"
+CONTROL_SYMBOL = "hs_control"
+PROBE_FUNCTIONS = ("hs_sample_alloc", "hs_sample_free")
+
+# struct hs_sampler_control, field by field (all 8 bytes; q = signed).
+CONTROL_FIELDS: tuple[tuple[str, str], ...] = (
+    ("magic", "Q"), ("version", "Q"), ("request_seq", "Q"), ("request", "Q"), ("sample_rate", "Q"),
+    ("ack_seq", "Q"), ("result", "q"), ("state", "Q"), ("lease_fd", "q"), ("lease_ino", "Q"),
+    ("disarm_reason", "Q"), ("arm_count", "Q"), ("slots_patched", "Q"), ("slots_unwritable", "Q"),
+    ("objects_scanned", "Q"), ("scans", "Q"), ("samples", "Q"), ("sampled_frees", "Q"), ("set_full", "Q"),
+    ("realloc_failed_sampled", "Q"), ("control_tid", "Q"), ("hooks_resolved", "Q"), ("lazy_skipped", "Q"),
+    ("counts_address", "Q"),
+    ("counts_used", "Q"),
+)  # fmt: skip
+CONTROL_FORMAT = "<" + "".join(f for _, f in CONTROL_FIELDS)
+CONTROL_SIZE = struct.calcsize(CONTROL_FORMAT)
+OFFSETS = {name: i * 8 for i, (name, _) in enumerate(CONTROL_FIELDS)}
+MAGIC = 0x4853534D504C5231
+MAX_RATE = 1 << 40  # hs_sampler.c refuses more
+COUNT_SLOTS = 16384  # hs_sampler.h: HS_COUNT_SLOTS
+COUNTS = struct.Struct("<3Q40x")  # struct hs_counts: allocs, frees, alloc_bytes, padding to 64 bytes
+VERSION = 3
+REQ_ARM, REQ_DISARM = 1, 2
+STATE_NAMES = {0: "loading", 1: "idle", 2: "armed", 3: "broken"}
+DISARM_REASONS = {0: "none", 1: "requested", 2: "controller gone", 3: "lease descriptor lost"}
+
+_SYS_PIDFD_GETFD = 438  # x86_64
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+# ---- building ------------------------------------------------------------------------------------------
+
+
+def _source_hash(cc: str, source: str, flags: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for name in sorted({source, *SOURCES}):
+        h.update((SOURCE_DIR / name).read_bytes())
+    h.update("\0".join(flags).encode())
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    h.update(version.encode())
+    return h.hexdigest()[:16]
+
+
+def _check_private_dir(path: Path) -> None:
+    """The folder the target loads code from: ours, and writable by nobody else."""
+    st = path.stat()
+    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise EnvironmentProblem(
+            f"sampler cache {path} must belong to uid {os.geteuid()} and not be group/other-writable "
+            "(processes load code from it)"
+        )
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HEAPSCOPE_CACHE_DIR", DEFAULT_CACHE_DIR))
+
+
+def build_stub(directory: Path | None = None, cc: str = "gcc") -> Path:
+    """The injection stub (probes/sampler/inject_stub.S) assembled, built if it is not in the cache yet."""
+    return _build(directory, cc, "inject_stub.S", "inject_stub", ".o", ("-c",), ())
+
+
+def build_sampler(directory: Path | None = None, cc: str = "gcc") -> Path:
+    """The sampler library for the current source, built if it is not in the cache yet."""
+    return _build(directory, cc, "hs_sampler.c", "libhs_sampler", ".so", CFLAGS, LIBS)
+
+
+def _build(directory: Path | None, cc: str, source: str, stem: str, suffix: str, flags: tuple[str, ...],
+           libs: tuple[str, ...]) -> Path:
+    if shutil.which(cc) is None:
+        raise EnvironmentProblem(f"sampled mode builds its sampler with {cc}, which is not installed")
+    directory = directory or cache_dir()
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+    _check_private_dir(directory)
+    target = directory / f"{stem}-{_source_hash(cc, source, flags + libs)}{suffix}"
+    if target.exists():
+        return target
+    fd, tmp = tempfile.mkstemp(prefix=f".{stem}-", suffix=suffix, dir=directory)
+    os.close(fd)
+    try:
+        cmd = [cc, *flags, "-o", tmp, str(SOURCE_DIR / source), *libs]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            raise EnvironmentProblem(f"building {source} failed: {first}")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)  # atomic: a process never sees half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+# ---- finding it in a target ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MapLine:
+    """One line of /proc/PID/maps, with the device and inode (which symbolizer.Mapping leaves out)."""
+
+    start: int
+    end: int
+    perms: str
+    offset: int
+    dev_major: int
+    dev_minor: int
+    inode: int
+    path: str
+
+
+def read_map_lines(pid: int) -> list[MapLine]:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            text = f.read()
+    except FileNotFoundError as exc:
+        raise TargetError(f"process {pid} exited") from exc
+    except PermissionError as exc:
+        raise TargetError(f"no permission to read /proc/{pid}/maps (heapscope needs root)", 4) from exc
+    lines = []
+    for line in text.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 5:
+            continue
+        lo, hi = parts[0].split("-")
+        major, minor = parts[3].split(":")
+        path = parts[5] if len(parts) == 6 else ""
+        lines.append(
+            MapLine(int(lo, 16), int(hi, 16), parts[1], int(parts[2], 16), int(major, 16), int(minor, 16),
+                    int(parts[4]), path)
+        )  # fmt: skip
+    return lines
+
+
+def mapped_base(pid: int, library: Path) -> int | None:
+    """Load address of `library` in process `pid` (matched by device and inode, so a path seen differently
+    from inside a container still matches), or None when it is not loaded."""
+    st = os.stat(library)
+    wanted = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for m in read_map_lines(pid):
+        if m.offset == 0 and (m.dev_major, m.dev_minor, m.inode) == wanted:
+            return m.start
+    return None
+
+
+def symbol_value(library: Path, name: str) -> int:
+    found = open_elf(str(library)).find_symbol(name)
+    if found is None:
+        raise EnvironmentProblem(f"{library} has no symbol {name}: not a heapscope sampler")
+    return found[0]
+
+
+# ---- the control block ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ControlState:
+    fields: dict[str, int]
+
+    def __getitem__(self, name: str) -> int:
+        return self.fields[name]
+
+    @property
+    def state(self) -> str:
+        return STATE_NAMES.get(self.fields["state"], str(self.fields["state"]))
+
+    @property
+    def disarm_reason(self) -> str:
+        return DISARM_REASONS.get(self.fields["disarm_reason"], str(self.fields["disarm_reason"]))
+
+
+def _pidfd_getfd(pidfd: int, fd: int) -> int:
+    got = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+    if got < 0:
+        err = ctypes.get_errno()
+        raise TargetError(f"pidfd_getfd of the sampler's lease failed: {os.strerror(err)}")
+    return int(got)
+
+
+class SamplerControl:
+    """The sampler loaded in one process. Holding the lease (after arm()) keeps it armed; close() or the
+    end of this process lets it go inert."""
+
+    def __init__(self, pid: int, library: Path, timeout: float = 3.0) -> None:
+        self.pid = pid
+        self.library = library
+        self.timeout = timeout
+        base = mapped_base(pid, library)
+        if base is None:
+            raise TargetError(f"the sampler is not loaded in process {pid}")
+        self.address = base + symbol_value(library, CONTROL_SYMBOL)
+        self.base = base
+        try:
+            self._mem = os.open(f"/proc/{pid}/mem", os.O_RDWR)
+        except OSError as exc:
+            raise TargetError(f"cannot open the memory of process {pid}: {exc.strerror}") from exc
+        self._lease: int | None = None
+
+    def read(self) -> ControlState:
+        raw = os.pread(self._mem, CONTROL_SIZE, self.address)
+        if len(raw) != CONTROL_SIZE:
+            raise TargetError(f"process {self.pid}: short read of the sampler's control block")
+        values = struct.unpack(CONTROL_FORMAT, raw)
+        return ControlState({name: v for (name, _), v in zip(CONTROL_FIELDS, values, strict=True)})
+
+    def _write(self, name: str, value: int) -> None:
+        fmt = "<" + dict(CONTROL_FIELDS)[name]
+        os.pwrite(self._mem, struct.pack(fmt, value), self.address + OFFSETS[name])
+
+    def wait_ready(self) -> ControlState:
+        """Wait for the control thread to start (just after the library is loaded)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            st = self.read()
+            if st["magic"] != MAGIC or st["version"] != VERSION:
+                raise TargetError(f"process {self.pid}: the sampler's control block is not version {VERSION}")
+            if st.state == "broken":
+                raise TargetError(f"process {self.pid}: the sampler could not start (state broken)")
+            if st.state != "loading" and st["control_tid"] != 0:
+                return st
+            if time.monotonic() > deadline:
+                raise TargetError(f"process {self.pid}: the sampler's control thread did not start")
+            time.sleep(0.005)
+
+    def _request(self, request: int) -> ControlState:
+        st = self.read()
+        seq = st["ack_seq"] + 1
+        self._write("request", request)
+        self._write("request_seq", seq)  # last: the sampler acts on a new sequence number
+        deadline = time.monotonic() + self.timeout
+        while True:
+            st = self.read()
+            if st["ack_seq"] == seq:
+                return st
+            if time.monotonic() > deadline:
+                raise TargetError(f"process {self.pid}: the sampler did not answer within {self.timeout:.0f} s")
+            time.sleep(0.005)
+
+    def arm(self, rate: int) -> ControlState:
+        if isinstance(rate, bool) or not isinstance(rate, int) or not 1 <= rate <= MAX_RATE:
+            raise UsageError(f"--sample-rate must be a whole number of bytes from 1 to {MAX_RATE}, not {rate!r}")
+        st = self.wait_ready()
+        if st.state == "armed":
+            raise TargetError(f"process {self.pid}: its sampler is already armed by another heapscope")
+        if st["lease_fd"] < 0:
+            raise TargetError(f"process {self.pid}: the sampler has no lease to give (held by another heapscope)")
+        pidfd = os.pidfd_open(self.pid)
+        try:
+            lease = _pidfd_getfd(pidfd, st["lease_fd"])
+        finally:
+            os.close(pidfd)
+        fst = os.fstat(lease)
+        if not stat.S_ISFIFO(fst.st_mode) or fst.st_ino != st["lease_ino"]:
+            os.close(lease)  # the program reused that descriptor number: not our pipe
+            raise TargetError(f"process {self.pid}: the sampler's lease descriptor was taken over by the program")
+        self._lease = lease
+        self._write("sample_rate", rate)
+        st = self._request(REQ_ARM)
+        if st["result"] != 0:
+            self.close()
+            raise TargetError(f"process {self.pid}: the sampler refused to arm: {os.strerror(-st['result'])}")
+        return st
+
+    def counts(self) -> dict[str, int]:
+        """Exact counts since arming, all threads together: allocs, frees, alloc_bytes."""
+        st = self.read()
+        used = min(st["counts_used"], COUNT_SLOTS)
+        raw = os.pread(self._mem, used * COUNTS.size, st["counts_address"]) if used else b""
+        totals = {"allocs": 0, "frees": 0, "alloc_bytes": 0}
+        for allocs, frees, alloc_bytes in COUNTS.iter_unpack(raw[: len(raw) // COUNTS.size * COUNTS.size]):
+            totals["allocs"] += allocs
+            totals["frees"] += frees
+            totals["alloc_bytes"] += alloc_bytes
+        return totals
+
+    def disarm(self) -> ControlState:
+        st = self._request(REQ_DISARM)
+        self.close()
+        return st
+
+    def close(self) -> None:
+        if self._lease is not None:
+            os.close(self._lease)
+            self._lease = None
+        if self._mem >= 0:
+            os.close(self._mem)
+            self._mem = -1

@@ -1,0 +1,73 @@
+/* The contract between the in-process sampler (hs_sampler.c) and heapscope (agent/process/sampler.py).
+ *
+ * heapscope reads and writes `hs_sampler_control` in the target through /proc/PID/mem; the layout is fixed
+ * (every field 8 bytes, in this order) and checked by tests/integration/test_sampler.py against the Python
+ * mirror. Bump HS_CONTROL_VERSION on any change.
+ */
+#ifndef HS_SAMPLER_H
+#define HS_SAMPLER_H
+
+#include <stdint.h>
+
+#define HS_CONTROL_MAGIC 0x4853534d504c5231ULL /* "HSSMPLR1" */
+#define HS_CONTROL_VERSION 3
+
+/* request: what heapscope asks for; it writes the request fields, then request_seq (last). */
+enum hs_request { HS_REQ_NONE = 0, HS_REQ_ARM = 1, HS_REQ_DISARM = 2 };
+
+/* state, as the sampler's control thread last left it. */
+enum hs_state { HS_STATE_LOADING = 0, HS_STATE_IDLE = 1, HS_STATE_ARMED = 2, HS_STATE_BROKEN = 3 };
+
+/* Why the sampler last disarmed. */
+enum hs_disarm_reason {
+    HS_DISARM_NONE = 0,
+    HS_DISARM_REQUEST = 1,         /* heapscope asked */
+    HS_DISARM_CONTROLLER_GONE = 2, /* the last write end of the lease pipe closed: heapscope exited or died */
+    HS_DISARM_PIPE_LOST = 3,       /* the program closed or reused the lease pipe's descriptor */
+};
+
+/* Results of a request (negative errno values are also used). */
+#define HS_OK 0
+
+struct hs_sampler_control {
+    uint64_t magic;
+    uint64_t version;
+    /* written by heapscope */
+    uint64_t request_seq;
+    uint64_t request;     /* enum hs_request */
+    uint64_t sample_rate; /* mean bytes between samples */
+    /* written by the sampler */
+    uint64_t ack_seq; /* request_seq of the last request handled */
+    int64_t result;   /* of that request: HS_OK or -errno */
+    uint64_t state;   /* enum hs_state */
+    int64_t lease_fd; /* write end of the lease pipe, for pidfd_getfd; -1 while a controller holds the lease */
+    uint64_t lease_ino;
+    uint64_t disarm_reason; /* enum hs_disarm_reason */
+    uint64_t arm_count;
+    /* statistics (relaxed, approximate while armed) */
+    uint64_t slots_patched;    /* GOT slots now pointing at a hook */
+    uint64_t slots_unwritable; /* slots left alone: read-only and not RELRO */
+    uint64_t objects_scanned;
+    uint64_t scans;
+    uint64_t samples;
+    uint64_t sampled_frees;
+    uint64_t set_full; /* samples whose address did not fit the set: their free is not reported */
+    uint64_t realloc_failed_sampled;
+    uint64_t control_tid;
+    uint64_t hooks_resolved; /* bit i: hook i found its real function */
+    uint64_t lazy_skipped;   /* lazy slots not bound yet, left alone (several objects define the name) */
+    uint64_t counts_address; /* struct hs_counts[counts_used]: exact per-thread counts since arming */
+    uint64_t counts_used;
+};
+
+/* Exact counts of one thread (one cache line, written only by its thread; the last slot is shared by the
+ * threads beyond HS_COUNT_SLOTS - 1, with atomic adds). */
+#define HS_COUNT_SLOTS 16384
+struct hs_counts {
+    uint64_t allocs;      /* allocation calls that returned a block */
+    uint64_t frees;       /* free calls (and deletes) with a non-null pointer */
+    uint64_t alloc_bytes; /* bytes those allocations asked for */
+    uint64_t pad[5];
+};
+
+#endif

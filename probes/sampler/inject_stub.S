@@ -1,0 +1,95 @@
+/* The code heapscope's injection runs in a target thread (agent/process/inject.py): call one function, then
+ * put every register of the thread back and jump to where it was, by itself. heapscope detaches before the
+ * call runs, so if heapscope dies meanwhile, even by SIGKILL, the thread still comes back exactly.
+ *
+ * One blob, one section: page 0 is code (made read+exec), pages 1-3 data (read+write). heapscope fills the
+ * data (labels below, found by name in the assembled object; local, so the assembler resolves every
+ * reference itself) and sets %rip = stub_entry and %rsp to a
+ * 16-byte aligned spot below the thread's red zone. Everything is %rip-relative: no relocation.
+ *
+ * Signals are blocked around the call (the thread's own mask is put back before the context), so a
+ * handler never runs inside the loader on our account.
+ */
+    .text
+stub_entry:
+    mov     $14, %eax               /* rt_sigprocmask(SIG_SETMASK, &all_mask, &old_mask, 8) */
+    mov     $2, %edi
+    lea     all_mask(%rip), %rsi
+    lea     old_mask(%rip), %rdx
+    mov     $8, %r10d
+    syscall
+    mov     arg0(%rip), %rdi
+    mov     arg1(%rip), %rsi
+    call    *function(%rip)
+    mov     %rax, result(%rip)
+    test    %rax, %rax
+    jnz     1f
+    mov     error_function(%rip), %rax
+    test    %rax, %rax
+    jz      1f
+    call    *%rax                   /* dlerror(): its message, for heapscope to read */
+    mov     %rax, error(%rip)
+1:
+    mov     $14, %eax               /* rt_sigprocmask(SIG_SETMASK, &old_mask, NULL, 8) */
+    mov     $2, %edi
+    lea     old_mask(%rip), %rsi
+    xor     %edx, %edx
+    mov     $8, %r10d
+    syscall
+    mov     $-1, %eax               /* every component the saved area holds */
+    mov     $-1, %edx
+    xrstor64 xsave_area(%rip)
+    movq    $1, done(%rip)
+    mov     saved_rax(%rip), %rax
+    mov     saved_rbx(%rip), %rbx
+    mov     saved_rcx(%rip), %rcx
+    mov     saved_rdx(%rip), %rdx
+    mov     saved_rsi(%rip), %rsi
+    mov     saved_rdi(%rip), %rdi
+    mov     saved_rbp(%rip), %rbp
+    mov     saved_r8(%rip), %r8
+    mov     saved_r9(%rip), %r9
+    mov     saved_r10(%rip), %r10
+    mov     saved_r11(%rip), %r11
+    mov     saved_r12(%rip), %r12
+    mov     saved_r13(%rip), %r13
+    mov     saved_r14(%rip), %r14
+    mov     saved_r15(%rip), %r15
+    lea     saved_rflags(%rip), %rsp /* lea and mov leave the flags alone: popfq is the last to set them */
+    popfq
+    mov     saved_rsp(%rip), %rsp
+    jmp     *saved_rip(%rip)
+
+    .org    4096
+data_start:
+function:       .quad 0
+arg0:           .quad 0
+arg1:           .quad 0
+error_function: .quad 0
+result:         .quad 0
+error:          .quad 0
+done:           .quad 0
+all_mask:       .quad -1
+old_mask:       .quad 0
+saved_rax:      .quad 0
+saved_rbx:      .quad 0
+saved_rcx:      .quad 0
+saved_rdx:      .quad 0
+saved_rsi:      .quad 0
+saved_rdi:      .quad 0
+saved_rbp:      .quad 0
+saved_rsp:      .quad 0
+saved_r8:       .quad 0
+saved_r9:       .quad 0
+saved_r10:      .quad 0
+saved_r11:      .quad 0
+saved_r12:      .quad 0
+saved_r13:      .quad 0
+saved_r14:      .quad 0
+saved_r15:      .quad 0
+saved_rflags:   .quad 0
+saved_rip:      .quad 0
+    .org    8192                    /* XRSTOR wants 64-byte alignment; two pages hold any XSAVE layout */
+xsave_area:
+    .org    16384
+blob_end:

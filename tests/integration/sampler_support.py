@@ -1,0 +1,116 @@
+"""Helpers for the sampler's integration tests: a uprobe on the sampler's probe functions through tracefs (in
+a private trace instance, so other users of the machine's tracing are not disturbed), and a driver for the
+programs that talk over stdin/stdout."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.symbols.elf import open_elf
+
+TRACEFS = Path("/sys/kernel/tracing")
+_LINE = re.compile(r"\s(alloc|free): \(0x[0-9a-f]+\) ptr=0x([0-9a-f]+)(?: size=(\d+) weight=(\d+))?")
+
+
+def _append(path: Path, line: str) -> None:
+    """One line to a tracefs control file (Python's append mode seeks, which tracefs refuses)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Samples:
+    allocs: list[tuple[int, int, int]]  # (ptr, size, weight)
+    frees: list[int]
+    lost: int  # events the trace buffer dropped
+
+
+@contextmanager
+def sample_trace(library: Path) -> Iterator[callable]:  # type: ignore[valid-type]
+    """Trace hs_sample_alloc(ptr, size, weight) and hs_sample_free(ptr) in `library`; yields a function that
+    returns the Samples recorded so far."""
+    elf = open_elf(str(library))
+    tag = f"hst{os.getpid()}_{secrets.token_hex(3)}"
+    offsets = {}
+    for name in ("hs_sample_alloc", "hs_sample_free"):
+        found = elf.find_symbol(name)
+        assert found is not None, f"{library} lacks {name}"
+        offsets[name] = elf.vaddr_to_file_offset(found[0])
+    events = [
+        f"p:{tag}/alloc {library}:0x{offsets['hs_sample_alloc']:x} ptr=%di:x64 size=%si:u64 weight=%dx:u64",
+        f"p:{tag}/free {library}:0x{offsets['hs_sample_free']:x} ptr=%di:x64",
+    ]
+    instance = TRACEFS / "instances" / tag
+    for e in events:
+        _append(TRACEFS / "uprobe_events", e)
+    instance.mkdir()
+    try:
+        (instance / "buffer_size_kb").write_text("16384\n")
+        for ev in ("alloc", "free"):
+            (instance / "events" / tag / ev / "enable").write_text("1\n")
+
+        def read() -> Samples:
+            allocs, frees = [], []
+            for line in (instance / "trace").read_text().splitlines():
+                m = _LINE.search(line)
+                if not m:
+                    continue
+                if m.group(1) == "alloc":
+                    allocs.append((int(m.group(2), 16), int(m.group(3)), int(m.group(4))))
+                else:
+                    frees.append(int(m.group(2), 16))
+            lost = 0
+            for line in (instance / "per_cpu").glob("cpu*/stats"):
+                for stat in line.read_text().splitlines():
+                    if stat.startswith("overrun:") or stat.startswith("dropped events:"):
+                        lost += int(stat.split(":")[1])
+            return Samples(allocs, frees, lost)
+
+        yield read
+    finally:
+        for ev in ("alloc", "free"):
+            enable = instance / "events" / tag / ev / "enable"
+            if enable.exists():
+                enable.write_text("0\n")
+        instance.rmdir()
+        for ev in ("alloc", "free"):
+            _append(TRACEFS / "uprobe_events", f"-:{tag}/{ev}")
+
+
+class Conversation:
+    """A program that prints a word when it reaches a step and waits for a word to go on."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def expect(self, word: str) -> None:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        assert line == word, f"expected {word!r} from the program, got {line!r} (exit {self.proc.poll()})"
+
+    def say(self, word: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(word + "\n")
+        self.proc.stdin.flush()
+
+    def finish(self, timeout: float = 30) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()

@@ -1,0 +1,207 @@
+"""Bringing the sampler into running processes with ptrace (agent/process/inject.py): a busy multi-threaded
+program checks its own results through call cycles on every thread, an injection and arm/disarm cycles;
+estimates through an injected sampler; and the refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from agent.errors import TargetError
+from agent.process.inject import call_function, inject
+from agent.process.sampler import SamplerControl, build_sampler, mapped_base
+from tests.integration.sampler_support import Conversation
+from tests.integration.test_sampler import check_sites, run_sites
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="session")
+def sampler_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if os.geteuid() != 0:
+        pytest.skip("injection needs root (ptrace)")
+    directory = tmp_path_factory.mktemp("sampler-cache")
+    os.chmod(directory, 0o755)
+    return build_sampler(directory)
+
+
+def finish_stress(conv: Conversation) -> str:
+    conv.say("exit")
+    assert conv.proc.stdout is not None
+    out = conv.proc.stdout.read()
+    rc = conv.finish()
+    assert rc == 0 and out.strip().endswith("ok"), out
+    return out
+
+
+def test_calls_on_every_thread_and_arm_cycles_change_nothing(
+    sampler_lib: Path, build: Callable[..., Path]
+) -> None:
+    """Threads in malloc storms, in read/nanosleep/futex/epoll_wait, spinning on loaded vector registers and
+    churning dlopen/dlclose: 45 injected calls rotating over all of them, the injection, and 10 arm/disarm
+    cycles (half by request, half by dropping the lease) leave 0 EINTR, 0 wrong results, no crash."""
+    program = build("sampler_stress.c", flags=("-g", "-O2"))
+    plugin = build("plugin.c", shared=True)
+    conv = Conversation([str(program), str(plugin)])
+    try:
+        conv.expect("ready")
+        time.sleep(0.2)  # every thread reaches its blocking call or loop
+        used: Counter[int] = Counter()
+        for i in range(45):
+            rax, tid = call_function(conv.pid, "getpid", rotate=i)
+            assert rax == conv.pid
+            used[tid] += 1
+        threads = len(os.listdir(f"/proc/{conv.pid}/task"))
+        assert len(used) == threads  # every thread ran a call (none is ever inside the allocator for long)
+        injected = inject(conv.pid, sampler_lib)
+        assert not injected.reused
+        assert inject(conv.pid, sampler_lib).reused  # never loaded twice
+        for cycle in range(10):
+            ctl = SamplerControl(conv.pid, sampler_lib)
+            armed = ctl.arm(4096)
+            assert armed.state == "armed" and armed["slots_patched"] > 0
+            time.sleep(0.1)
+            if cycle % 2:
+                st = ctl.disarm()
+                assert st.state == "idle" and st.disarm_reason == "requested"
+            else:
+                ctl.close()  # the lease goes: the sampler disarms itself
+                watch = SamplerControl(conv.pid, sampler_lib)
+                deadline = time.monotonic() + 1.0
+                while (st := watch.read()).state == "armed":
+                    assert time.monotonic() < deadline
+                    time.sleep(0.005)
+                watch.close()
+                assert st.disarm_reason == "controller gone"
+            assert st["slots_patched"] == 0
+        final = SamplerControl(conv.pid, sampler_lib).read()
+        assert final["samples"] > 0 and final["sampled_frees"] > 0
+        assert final["arm_count"] == 10
+        finish_stress(conv)
+    finally:
+        if conv.proc.poll() is None:
+            conv.proc.kill()
+            conv.proc.wait()
+
+
+def test_sampled_bytes_per_site_via_injection(sampler_lib: Path, build: Callable[..., Path], tmp_path: Path) -> None:
+    program = build("sampler_sites.c")
+
+    def bring_in(pid: int) -> SamplerControl:
+        done = inject(pid, sampler_lib)
+        assert not done.reused and done.tid == pid  # the main thread, blocked in read(), was a safe point
+        return SamplerControl(pid, sampler_lib)
+
+    check_sites(run_sites(program, sampler_lib, tmp_path, bring_in, load_itself=False))
+
+
+def refused(argv: list[str], lib: Path) -> str:
+    conv = Conversation(argv)
+    try:
+        conv.expect("ready")
+        with pytest.raises(TargetError) as info:
+            inject(conv.pid, lib)
+        assert mapped_base(conv.pid, lib) is None
+        conv.say("x")
+        assert conv.finish() == 0  # the program ran on untouched
+        assert info.value.exit_code == 3
+        return str(info.value)
+    finally:
+        if conv.proc.poll() is None:
+            conv.proc.kill()
+            conv.proc.wait()
+
+
+def test_refuses_a_seccomp_target(sampler_lib: Path, build: Callable[..., Path]) -> None:
+    assert "seccomp" in refused([str(build("sampler_seccomp.c"))], sampler_lib)
+
+
+def test_refuses_a_static_program(sampler_lib: Path, build: Callable[..., Path]) -> None:
+    program = build("sampler_wait.c", flags=("-g", "-O0", "-static"))
+    assert "no glibc dlopen" in refused([str(program)], sampler_lib)
+
+
+def test_refuses_an_allocator_linked_into_the_executable(sampler_lib: Path, build: Callable[..., Path]) -> None:
+    assert "linked into its executable" in refused([str(build("sampler_own_malloc.c"))], sampler_lib)
+
+
+def test_refuses_a_library_the_target_cannot_see(sampler_lib: Path, build: Callable[..., Path]) -> None:
+    """A target in its own mount namespace with the sampler's folder hidden under a tmpfs (as in a
+    container that does not share it)."""
+    program = build("sampler_wait.c")
+    hide = f"mount -t tmpfs none {sampler_lib.parent} && exec {program}"
+    msg = refused(["unshare", "-m", "--propagation", "private", "sh", "-c", hide], sampler_lib)
+    assert "cannot see the sampler library" in msg
+
+
+def test_refusal_is_one_line_and_an_exit_code(sampler_lib: Path, build: Callable[..., Path]) -> None:
+    """The error carries one line and the target's exit code, as the CLI prints it."""
+    conv = Conversation([str(build("sampler_seccomp.c"))])
+    try:
+        conv.expect("ready")
+        script = (
+            "import sys\n"
+            "from pathlib import Path\n"
+            "from agent.errors import HeapscopeError\n"
+            "from agent.process.inject import inject\n"
+            "try:\n"
+            f"    inject({conv.pid}, Path({str(sampler_lib)!r}))\n"
+            "except HeapscopeError as e:\n"
+            "    print(f'heapscope: error: {e}', file=sys.stderr)\n"
+            "    sys.exit(e.exit_code)\n"
+        )
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+        done = subprocess.run([os.sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
+        assert done.returncode == 3
+        assert len(done.stderr.strip().splitlines()) == 1 and "seccomp" in done.stderr
+        conv.say("x")
+        assert conv.finish() == 0
+    finally:
+        if conv.proc.poll() is None:
+            conv.proc.kill()
+            conv.proc.wait()
+
+
+def test_controller_killed_in_the_middle_of_the_injected_call(
+    build: Callable[..., Path], tmp_path: Path
+) -> None:
+    """heapscope lets the thread go before the call runs; the stub puts the thread back by itself. Killing
+    the injecting process while dlopen is still inside a 1.5 s constructor leaves the program running
+    correctly, and the call completes."""
+    if os.geteuid() != 0:
+        pytest.skip("injection needs root (ptrace)")
+    program = build("sampler_stress.c", flags=("-g", "-O2"))
+    plugin = build("plugin.c", shared=True)
+    slow = build("slow_init.c", shared=True)
+    conv = Conversation([str(program), str(plugin)])
+    try:
+        conv.expect("ready")
+        time.sleep(0.2)
+        script = (
+            "from pathlib import Path\n"
+            "from agent.process.inject import inject\n"
+            f"inject({conv.pid}, Path({str(slow)!r}))\n"
+            "print('returned', flush=True)\n"
+        )
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+        controller = subprocess.Popen([os.sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + 10
+        while mapped_base(conv.pid, slow) is None:  # the loader has mapped it: dlopen is under way
+            assert time.monotonic() < deadline and controller.poll() is None
+            time.sleep(0.002)
+        controller.kill()
+        controller.wait()
+        assert controller.stdout is not None and controller.stdout.read() == ""  # killed before the call returned
+        # The constructor finishes, the thread resumes by itself, and the program never notices.
+        time.sleep(2.0)
+        finish_stress(conv)
+    finally:
+        if conv.proc.poll() is None:
+            conv.proc.kill()
+            conv.proc.wait()
