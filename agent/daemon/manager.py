@@ -26,6 +26,7 @@ import psutil
 from agent.errors import HeapscopeError, TargetError, UsageError
 from agent.export.massif import render_snapshot
 from agent.kernel.probes import Counters, HeapProbes, PageCounters, ProbeSettings, SiteArray, UnwindMapping
+from agent.model.memline import MemoryLine, MemoryPoint
 from agent.model.options import MassifOptions
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, SnapshotKind, Stack
@@ -345,6 +346,7 @@ class Target:
         self._xt_seq = 0
         self.malt_source: tuple[tuple[ProbePoint, ...], str] | None = None  # probes and allocator, with MALT on
         self.malt_final: MaltProfile | None = None  # MALT's profile at the end, once the probes are closed
+        self.memory = MemoryLine()  # mapped bytes and RSS beside the snapshots, for the web page's lines
 
     # ---- what the API reads ----
 
@@ -421,6 +423,21 @@ class Target:
         with self.lock:
             merged = s.merged_sites(massif_trim=True)
         return top_sites(merged, n)
+
+    def memory_line(self) -> list[MemoryPoint]:
+        """Mapped bytes and RSS sampled over the profile's time (the web page draws them beside the heap)."""
+        return self.memory.points()
+
+    def record_memory(self, session: Session, proc: psutil.Process | None) -> None:
+        """One point of the memory line, at the profile's time of now (called by the sampling thread)."""
+        rss = None
+        if proc is not None:
+            try:
+                rss = proc.memory_info().rss
+            except psutil.Error:
+                rss = None
+        pages = session.pages
+        self.memory.add(MemoryPoint(session.now(session.counters()), pages.total if pages else None, rss))
 
     def malt_json(self, format_version: Literal["1.1", "1.6"]) -> str:
         """MALT's whole profile as JSON: of now, or of the end for a target no longer profiled."""
@@ -668,7 +685,7 @@ class TargetManager:
                 say(f"probes attached to {t.pid} ({t.cmdline}; {probes.attached_through})")
                 t.ready.set()
                 try:
-                    session.run(alive, t.stop, self.config.sample_interval)
+                    session.run(self._memory_sampler(t, session, alive), t.stop, self.config.sample_interval)
                 finally:
                     probes.detach()  # the target runs on untouched from here
                     if session.exec_ended():
@@ -691,6 +708,26 @@ class TargetManager:
         finally:
             t.ready.set()
             t.done.set()
+
+    def _memory_sampler(self, t: Target, session: Session, alive: Callable[[], bool]) -> Callable[[], bool]:
+        """`alive`, which the session's loop asks at every turn, also records the target's memory line at most
+        once per sampling interval (the session's own samples carry the heap only)."""
+        try:
+            proc: psutil.Process | None = psutil.Process(t.pid)
+        except psutil.Error:
+            proc = None
+        interval = self.config.sample_interval
+        next_at = 0.0
+
+        def check() -> bool:
+            nonlocal next_at
+            now = time.monotonic()
+            if now >= next_at:
+                next_at = now + interval
+                t.record_memory(session, proc)
+            return alive()
+
+        return check
 
     def _write_outputs(self, t: Target, session: Session) -> tuple[str, ...]:
         o = self.config.opts
