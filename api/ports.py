@@ -8,6 +8,7 @@ from typing import Literal, Protocol
 
 from agent.daemon.manager import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
 from agent.kernel.probes import Counters
+from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, Stack
 
@@ -41,6 +42,8 @@ class TargetPort(Protocol):
     def page_totals(self) -> PageTotals | None: ...
 
     def malt_json(self, format_version: Literal["1.1", "1.6"]) -> str: ...
+
+    def memory_line(self) -> Sequence[MemoryPoint]: ...
 
 
 class ManagerPort(Protocol):
