@@ -23,7 +23,7 @@ from typing import NoReturn
 
 import psutil
 
-from agent import __version__
+from agent import __version__, view
 from agent.errors import EnvironmentProblem, HeapscopeError, TargetError, UsageError
 from agent.model.options import MAX_WALKED_FRAMES, MassifOptions
 from agent.process.capability import check_environment
@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_profile_options(serve)
     _add_http_options(serve, serve=True)
+    view.add_parser(sub)
     return parser
 
 
@@ -610,6 +611,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return cmd_daemon(ctx, program=program)
             return cmd_run(ctx, program)
         ns = parser.parse_args(args)
+        if ns.command == "view":
+            return view.run(ns)
         if ns.command == "serve":
             ctx = _Ctx(options_from(ns), ns, massif_desc(args[1:]))
             return cmd_daemon(ctx, pids=ns.pids)
