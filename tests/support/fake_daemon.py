@@ -23,6 +23,7 @@ from agent.errors import UsageError
 from agent.export.massif import render_snapshot, write_massif
 from agent.export.xtree import write_xtree
 from agent.kernel.probes import Counters
+from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
 from agent.model.profile import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
 
@@ -64,6 +65,8 @@ class FakeTarget:
     sites: dict[Stack, SiteCounts] = field(default_factory=sample_sites)
     time: int = 1234
     fail_with: BaseException | None = None  # raised by every read: an unexpected error in the daemon
+    history: list[Snapshot] | None = None  # the kept snapshots, when a test gives them (else three made up)
+    memory: list[MemoryPoint] = field(default_factory=list)  # the mapped/RSS line
     _xt_seq: int = 0
 
     def header(self) -> ProfileHeader:
@@ -120,6 +123,8 @@ class FakeTarget:
 
     def snapshots(self) -> list[Snapshot]:
         self._check()
+        if self.history is not None:
+            return list(self.history)
         c = self.counters()
         return [
             Snapshot(0, 0, 0, 0, None, SnapshotKind.NORMAL),
@@ -153,6 +158,10 @@ class FakeTarget:
     def next_xtmemory_seq(self) -> int:
         self._xt_seq += 1
         return self._xt_seq
+
+    def memory_line(self) -> list[MemoryPoint]:
+        self._check()
+        return list(self.memory)
 
 
 class FakeManager:

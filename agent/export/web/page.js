@@ -65,7 +65,7 @@
   }
 
   const embedded = $("heapscope-data");
-  const src = embedded ? fileSource(JSON.parse(embedded.textContent)) : liveSource();
+  const source = embedded ? fileSource(JSON.parse(embedded.textContent)) : liveSource();
 
   // ---- formatting ------------------------------------------------------------------------------------------
   function fmtBytes(n) {
@@ -138,7 +138,7 @@
   // ---- timeline --------------------------------------------------------------------------------------------
   async function refreshTimeline() {
     if (state.pid === null) return;
-    const tl = await src.timeline(state.pid);
+    const tl = await source.timeline(state.pid);
     state.timeline = tl;
     const ids = new Set(tl.points.map((p) => p.id));
     state.marks = state.marks.filter((id) => ids.has(id));
@@ -302,7 +302,7 @@
       return;
     }
     try {
-      state.tree = await src.tree(state.pid, id);
+      state.tree = await source.tree(state.pid, id);
     } catch (e) { status(String(e.message || e)); await refreshTimeline(); return; }
     state.treeId = id;
     state.zoom = state.tree.root;
@@ -404,7 +404,7 @@
   async function showDiff() {
     const [a, b] = state.marks;
     let d;
-    try { d = await src.diff(state.pid, a, b); } catch (e) { status(String(e.message || e)); return; }
+    try { d = await source.diff(state.pid, a, b); } catch (e) { status(String(e.message || e)); return; }
     const panel = $("diff-panel");
     panel.hidden = false;
     $("diff-title").textContent = `Diff: snapshot #${d.a.index} (${d.a.time} ${state.timeline.time_unit}) → #${d.b.index} (${d.b.time} ${state.timeline.time_unit})` + (d.estimate ? " — estimates" : "");
@@ -444,7 +444,7 @@
   // ---- wiring ----------------------------------------------------------------------------------------------
   $("compare").addEventListener("click", showDiff);
   $("clear-marks").addEventListener("click", () => { state.marks = []; renderTimeline(); });
-  $("source").textContent = src.name;
+  $("source").textContent = source.name;
   let resizeTimer = null;
   window.addEventListener("resize", () => { clearTimeout(resizeTimer); resizeTimer = setTimeout(() => { if (state.timeline) renderTimeline(); if (state.tree) renderTree(); }, 150); });
 
@@ -452,7 +452,7 @@
     if (state.busy) return;
     state.busy = true;
     try {
-      state.targets = await src.targets();
+      state.targets = await source.targets();
       renderTargets();
       if (state.pid === null && state.targets.length) await selectTarget(state.targets[0].pid);
       else if (state.pid !== null) {
@@ -461,7 +461,7 @@
         if (t) state.lastState = t.state;
       }
       const live = state.targets.filter((q) => q.state === "profiling").length;
-      status(src.live ? `${state.targets.length} target(s), ${live} profiling; updated ${new Date().toLocaleTimeString()}` : "");
+      status(source.live ? `${state.targets.length} target(s), ${live} profiling; updated ${new Date().toLocaleTimeString()}` : "");
       document.body.dataset.ready = "true";
     } catch (e) {
       status("cannot read the daemon: " + (e.message || e));
@@ -470,5 +470,5 @@
     }
   }
   tick();
-  if (src.live) setInterval(tick, POLL_MS);
+  if (source.live) setInterval(tick, POLL_MS);
 })();
