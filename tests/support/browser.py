@@ -75,10 +75,12 @@ def requested_urls(driver: object) -> list[str]:
 
 def outside(urls: list[str], allowed_host: str | None) -> list[str]:
     """The URLs that are neither on the loopback server `allowed_host` (host:port) nor the page's own file or
-    inline data."""
+    inline data. The browser's own chrome:// pages (its start page) are internal and never reach a network."""
     bad = []
     for url in urls:
         parts = urlsplit(url)
+        if parts.scheme == "chrome":
+            continue
         if parts.scheme in ("file", "data", "about", "blob"):
             if parts.scheme == "file" and allowed_host is not None:
                 bad.append(url)

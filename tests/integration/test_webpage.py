@@ -1,0 +1,228 @@
+"""The web page in a real browser: Debian's headless Chromium, driven by selenium through Debian's chromedriver.
+
+- Live: `heapscope run --http` profiles web_growth.c (gcc); the page lists the target and its sites, draws one
+  point per snapshot of the profile (checked against /all_snapshots, read by the tests' strict massif reader),
+  shows a clicked point's tree with that snapshot's bytes, and the diff across the known growth
+  (40 x 25000 B in grow_site).
+- A file: `heapscope view` of the massif.out real Valgrind wrote for the same program: the same checks, against
+  the file.
+- Neither page sends a request anywhere but the loopback server (or, for the file, nowhere): every URL the
+  browser requested is read from its DevTools network events.
+
+Screenshots go to tests/artifacts/ (or $HEAPSCOPE_TEST_ARTIFACTS); each test prints their paths.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.harness import PROGRAMS
+from tests.integration.test_daemon import free_port, wait_for
+from tests.support.browser import chromium, outside, requested_urls, screenshot
+from tests.support.massif_reader import parse_massif
+
+pytestmark = pytest.mark.integration
+
+SOURCE = PROGRAMS / "web_growth.c"
+GROWTH = 40 * 25000
+KEPT = 8 * 2000
+
+
+def source_line(text: str) -> int:
+    for n, line in enumerate(SOURCE.read_text().splitlines(), 1):
+        if text in line:
+            return n
+    raise AssertionError(f"{text!r} not in {SOURCE}")
+
+
+GROW_SITE = f"grow_site (web_growth.c:{source_line('grown[i] = malloc(25000)')})"
+KEEP_SITE = f"keep_site (web_growth.c:{source_line('kept[i] = malloc(2000)')})"
+
+
+@pytest.fixture(scope="module")
+def program(build: Callable[..., Path]) -> Path:
+    return build("web_growth.c")
+
+
+def _by(css: str):  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+
+    return (By.CSS_SELECTOR, css)
+
+
+def wait_until(driver, check: Callable[[], object], what: str, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(lambda _: check(), message=what)
+
+
+def point_ids(driver) -> list[str]:  # type: ignore[no-untyped-def]
+    return [c.get_attribute("data-id") for c in driver.find_elements(*_by("#timeline circle.point"))]
+
+
+def legend(driver) -> list[str]:  # type: ignore[no-untyped-def]
+    return [s.get_attribute("title") for s in driver.find_elements(*_by("#legend span[title]"))]
+
+
+def shift_click(driver, element) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    ActionChains(driver).key_down(Keys.SHIFT).click(element).key_up(Keys.SHIFT).perform()
+
+
+def click_point(driver, sid: str) -> None:  # type: ignore[no-untyped-def]
+    driver.find_element(*_by(f'#timeline circle.point[data-id="{sid}"]')).click()
+
+
+def tree_cells(driver) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """The flame graph's cells: label -> bytes (summed where a label repeats)."""
+    out: dict[str, int] = {}
+    for r in driver.find_elements(*_by("#tree rect.cell")):
+        name = r.get_attribute("data-name")
+        out[name] = out.get(name, 0) + int(r.get_attribute("data-bytes"))
+    return out
+
+
+def site_bytes(tree) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """First-level bytes of a massif_reader tree, by `function (file:line)`."""
+    from tests.support.massif_reader import strip_address
+
+    out: dict[str, int] = {}
+    for c in tree.children:
+        name = strip_address(c.label)
+        out[name] = out.get(name, 0) + c.bytes
+    return out
+
+
+def check_diff(driver, a: str, b: str, before: int, after: int) -> None:  # type: ignore[no-untyped-def]
+    """Mark a and b, compare, and find grow_site's growth in the table of sites that grew."""
+    shift_click(driver, driver.find_element(*_by(f'#timeline circle.point[data-id="{a}"]')))
+    shift_click(driver, driver.find_element(*_by(f'#timeline circle.point[data-id="{b}"]')))
+    wait_until(driver, lambda: driver.find_element(*_by("#compare")).is_enabled(), "the compare button")
+    driver.find_element(*_by("#compare")).click()
+    wait_until(driver, lambda: driver.find_elements(*_by("#diff table.diff-grew tr[data-name]")), "the diff")
+    rows = {r.get_attribute("data-name"): int(r.get_attribute("data-delta"))
+            for r in driver.find_elements(*_by("#diff table.diff-grew tr[data-name]"))}
+    assert rows.get(GROW_SITE) == after - before, rows
+    assert KEEP_SITE not in rows  # it did not change
+    assert "grow_site" in driver.find_element(*_by("#diff-panel")).text
+
+
+def test_live_page_of_a_running_program(heapscope_cmd: list[str], program: Path, tmp_path: Path) -> None:
+    port = free_port()
+    host = f"127.0.0.1:{port}"
+    url = f"http://{host}"
+    cmd = [*heapscope_cmd, "run", "--http", host, "--output-dir", str(tmp_path), "--detailed-freq=1",
+           "--sample-interval=0.25", "--", str(program)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == b"ready\n"
+        wait_for(lambda: _answers(f"{url}/healthz"), what="the daemon to answer")
+        with chromium() as driver:
+            requested_urls(driver)  # the browser's own start-up page is not ours
+            driver.get(url + "/")
+            # The target and its sites.
+            wait_until(driver, lambda: driver.find_elements(*_by(f'#targets button[data-pid="{proc.pid}"]'))
+                       or driver.find_elements(*_by("#targets button")), "the target list")
+            assert "profiling" in driver.find_element(*_by("#targets")).text
+            wait_until(driver, lambda: KEEP_SITE in legend(driver), f"{KEEP_SITE} in the legend")
+            before = point_ids(driver)
+            tree_before = [c.get_attribute("data-id") for c in driver.find_elements(*_by("#timeline circle.tree"))]
+            assert before and tree_before
+            # The known growth; the live page follows it.
+            proc.stdin.write(b"\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline() == b"grown\n"
+            wait_until(driver, lambda: GROW_SITE in legend(driver), f"{GROW_SITE} in the legend (live update)")
+            time.sleep(1.0)  # a few more snapshots after the growth
+            wait_until(driver, lambda: len(point_ids(driver)) > len(before) + 2, "more points")
+            # One point per snapshot: what the page drew is the profile's list of snapshots as it was then
+            # (the same indices and times, none missing, none extra; none culled in this short run).
+            ids = point_ids(driver)
+            profile = parse_massif(httpx.get(f"{url}/all_snapshots", timeout=30).text)
+            assert len(ids) <= len(profile.snapshots) < 100
+            assert ids == [f"{i}@{s.time}" for i, s in enumerate(profile.snapshots[: len(ids)])]
+            screenshot(driver, "live-timeline")
+            # A click on a point shows that point's tree, with that snapshot's bytes.
+            last = ids[-1]
+            snap = profile.snapshots[len(ids) - 1]
+            assert snap.tree is not None
+            click_point(driver, last)
+            wait_until(driver, lambda: f"#{len(ids) - 1} " in driver.find_element(*_by("#tree-title")).text,
+                       "the tree of the clicked point")
+            cells = tree_cells(driver)
+            expected = site_bytes(snap.tree)
+            assert cells[GROW_SITE] == expected[GROW_SITE] == GROWTH
+            assert cells[KEEP_SITE] == expected[KEEP_SITE] == KEPT
+            screenshot(driver, "live-tree")
+            # The diff across the growth.
+            check_diff(driver, tree_before[-1], last, 0, GROWTH)
+            screenshot(driver, "live-diff")
+            # Nothing left the machine: every request went to the loopback server.
+            urls = requested_urls(driver)
+            assert any("/timeline" in u for u in urls) and any("/tree" in u for u in urls), urls
+            assert outside(urls, host) == [], outside(urls, host)
+            assert not [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        proc.stdin.close()
+        assert proc.wait(90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.stderr is not None
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err, err
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_view_of_a_valgrind_massif_out(cli_cmd: list[str], program: Path, tmp_path: Path) -> None:
+    out = tmp_path / "massif.out.valgrind"
+    done = subprocess.run(
+        ["valgrind", "-q", "--tool=massif", "--detailed-freq=1", "--time-unit=B", f"--massif-out-file={out}",
+         str(program)], input=b"\n", capture_output=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    profile = parse_massif(out.read_text())
+    page = tmp_path / "valgrind.html"
+    made = subprocess.run([*cli_cmd, "view", str(out), "-o", str(page)], capture_output=True, text=True,
+                          check=False)
+    assert made.returncode == 0, made.stderr
+    with chromium() as driver:
+        requested_urls(driver)
+        driver.get(page.as_uri())
+        wait_until(driver, lambda: point_ids(driver), "the timeline")
+        ids = point_ids(driver)
+        # Exactly one point per snapshot of the file.
+        assert ids == [f"{i}@{s.time}" for i, s in enumerate(profile.snapshots)]
+        assert GROW_SITE in legend(driver) and KEEP_SITE in legend(driver)
+        screenshot(driver, "view-timeline")
+        # The last tree, as Valgrind wrote it (Massif marks a peak only once something is freed after it).
+        peak = max(i for i, s in enumerate(profile.snapshots) if s.tree is not None)
+        click_point(driver, ids[peak])
+        wait_until(driver, lambda: f"#{peak} " in driver.find_element(*_by("#tree-title")).text, "the last tree")
+        cells = tree_cells(driver)
+        tree = profile.snapshots[peak].tree
+        assert tree is not None
+        assert cells[GROW_SITE] == site_bytes(tree)[GROW_SITE] == GROWTH
+        screenshot(driver, "view-tree")
+        # The diff from the first snapshot with all of keep_site's blocks to the last.
+        first = next(i for i, s in enumerate(profile.snapshots)
+                     if s.tree is not None and site_bytes(s.tree).get(KEEP_SITE) == KEPT)
+        check_diff(driver, ids[first], ids[peak], 0, GROWTH)
+        screenshot(driver, "view-diff")
+        urls = requested_urls(driver)
+        assert outside(urls, None) == [], outside(urls, None)
+        assert not [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
