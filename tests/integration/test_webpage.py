@@ -223,6 +223,22 @@ def test_view_of_a_valgrind_massif_out(cli_cmd: list[str], program: Path, tmp_pa
                      if s.tree is not None and site_bytes(s.tree).get(KEEP_SITE) == KEPT)
         check_diff(driver, ids[first], ids[peak], 0, GROWTH)
         screenshot(driver, "view-diff")
+        # From the keyboard alone: Home, then End and Enter on the timeline; on the graph, down to the
+        # biggest site.
+        from selenium.webdriver.common.keys import Keys
+
+        driver.execute_script("document.querySelector('#timeline svg').focus()")
+        driver.switch_to.active_element.send_keys(Keys.HOME)
+        assert driver.find_element(*_by("#cursor-info")).text.startswith("#0 ")
+        driver.switch_to.active_element.send_keys(Keys.END)
+        driver.switch_to.active_element.send_keys(Keys.ENTER)
+        last = len(ids) - 1
+        wait_until(driver, lambda: f"#{last} " in driver.find_element(*_by("#tree-title")).text, "the tree by keys")
+        driver.execute_script("document.querySelector('#tree svg').focus()")
+        driver.switch_to.active_element.send_keys(Keys.ARROW_DOWN)
+        wait_until(driver, lambda: driver.find_element(*_by("#node-info")).text.startswith(GROW_SITE),
+                   "grow_site focused by the arrow keys")
+        assert f"{GROWTH:,} B" in driver.find_element(*_by("#node-info")).text
         urls = requested_urls(driver)
         assert outside(urls, None) == [], outside(urls, None)
         assert not [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]

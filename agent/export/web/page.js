@@ -210,8 +210,8 @@
     if (tl.peak_index !== null) {
       const p = pts[tl.peak_index];
       svgEl("line", { x1: x(p.time), x2: x(p.time), y1: T, y2: H - B, stroke: "#c05600", "stroke-dasharray": "3 3" }, svg);
-      svgEl("text", { x: Math.min(x(p.time) + 4, W - 120), y: T + 10, class: "peak-label" }, svg).textContent =
-        `peak ${fmtBytes(p.heap + p.extra + p.stacks)}`;
+      svgEl("text", { x: Math.min(x(p.time) + 4, W - 150), y: T + 10, class: "peak-label" }, svg).textContent =
+        `${p.kind === "peak" ? "peak" : "highest"} ${fmtBytes(p.heap + p.extra + p.stacks)}`;
     }
     for (const p of pts) {
       const c = svgEl("circle", { cx: x(p.time), cy: y(p.heap), r: p.sites ? 4.5 : 3.5,
@@ -243,7 +243,8 @@
 
   function describePoint(p) {
     const tl = state.timeline;
-    let s = `#${p.index} at ${p.time} ${tl.time_unit} (${p.kind}${p.index === tl.peak_index ? ", the peak" : ""}): heap ${fmtBytes(p.heap)}, extra ${fmtBytes(p.extra)}`;
+    const top = p.index === tl.peak_index ? (p.kind === "peak" ? ", the peak" : ", the highest so far") : "";
+    let s = `#${p.index} at ${p.time} ${tl.time_unit} (${p.kind}${top}): heap ${fmtBytes(p.heap)}, extra ${fmtBytes(p.extra)}`;
     if (p.stacks) s += `, stacks ${fmtBytes(p.stacks)}`;
     if (p.mapped !== null) s += `, mapped ${fmtBytes(p.mapped)}`;
     if (p.rss !== null) s += `, RSS ${fmtBytes(p.rss)}`;
