@@ -66,7 +66,9 @@ class SnapshotTreeOut(_FromData):
     estimate: bool
     root: FlameNodeOut = Field(description="Allocation sites at the first level, then their callers outwards.")
     n_nodes: int = Field(description="Nodes in this answer.")
-    n_merged: int = Field(description="Tree nodes summed into `(N smaller call sites)` nodes.")
+    n_merged: int = Field(
+        description="Tree nodes left out: summed into `(N smaller call sites)` nodes, or into their parent."
+    )
 
 
 class ChangeOut(_FromData):

@@ -22,7 +22,8 @@ from agent.model.profile import Frame, Snapshot, SnapshotKind, Tree, TreeNode
 
 TOP_SITES = 12  # sites stacked in the timeline; the rest are one band
 TREE_NODES = 1000  # nodes of a tree sent to the page
-TREE_MIN_FRACTION = 0.001  # nodes under 0.1% of the snapshot are summed (under a pixel on a 1000 px graph)
+# Nodes under 0.01% of the snapshot are summed (a tenth of a pixel on a 1000 px graph: visible once zoomed in)
+TREE_MIN_FRACTION = 0.0001
 DIFF_ROWS = 40  # rows of each diff table (grew, shrank)
 OTHER_SITES = "(other sites)"
 
@@ -237,9 +238,10 @@ def prune_tree(
     tree: Tree, *, max_nodes: int = TREE_NODES, min_fraction: float = TREE_MIN_FRACTION
 ) -> tuple[FlameNode, int, int]:
     """The biggest nodes of `tree`, best first, until `max_nodes` are taken or the next is under
-    `min_fraction` of the total. Each parent's children that were not taken become one node
-    `(N smaller call sites)` with their bytes summed, so every level still adds up. Returns the root, the nodes
-    sent and the tree nodes merged."""
+    `min_fraction` of the total. Where some of a parent's children were taken, the others become one node
+    `(N smaller call sites)` with their bytes summed, so every level still adds up; a node none of whose
+    children was taken stands for its whole subtree. Returns the root, the nodes sent and the tree nodes
+    left out (summed into an aggregate or into their parent)."""
     root = FlameNode(tree.root_label, None, None, None, None, max(tree.total, 0), "root")
     min_bytes = max(1, int(tree.total * min_fraction))
     seq = 0
@@ -279,8 +281,8 @@ def prune_tree(
         if count <= 0:
             continue
         merged += count
-        if nbytes <= 0:
-            continue  # zero-byte sites (freed): nothing to draw
+        if nbytes <= 0 or not parents[pid].children:
+            continue  # zero-byte sites (freed), or a subtree left whole: nothing to add
         label = f"({count} smaller call site{'s' if count > 1 else ''})"
         parents[pid].children.append(FlameNode(label, None, None, None, None, nbytes, "other"))
         taken += 1

@@ -64,6 +64,8 @@
       truncated: da.truncated + db.truncated };
   }
 
+  // How long the page took (ms): to its first drawing, and for the last tree and diff (bench/webpage.py reads it).
+  const timings = window.heapscopeTimings = { ready: null, tree: null, diff: null };
   const embedded = $("heapscope-data");
   const source = embedded ? fileSource(JSON.parse(embedded.textContent)) : liveSource();
 
@@ -302,6 +304,7 @@
         + (near ? ` The nearest with a tree is #${near.index}.` : "");
       return;
     }
+    const started = performance.now();
     try {
       state.tree = await source.tree(state.pid, id);
     } catch (e) { status(String(e.message || e)); await refreshTimeline(); return; }
@@ -309,6 +312,7 @@
     state.zoom = state.tree.root;
     state.focus = state.tree.root;
     renderTree();
+    timings.tree = performance.now() - started;
   }
 
   function parentsOf(root) {
@@ -331,7 +335,7 @@
     const total = t.heap + t.extra + t.stacks;
     $("tree-title").textContent = `Tree of snapshot #${t.index} (${t.kind}) at ${t.time} ${state.timeline.time_unit}` + (t.estimate ? " — estimates" : "");
     $("tree-info").textContent = `useful heap ${fmtBytes(t.heap)} (${exact(t.heap)}), extra ${fmtBytes(t.extra)}; `
-      + `${t.n_nodes} nodes shown` + (t.n_merged ? `, ${t.n_merged} smaller ones summed into "(N smaller call sites)"` : "")
+      + `${t.n_nodes} nodes shown` + (t.n_merged ? `, ${t.n_merged} smaller ones summed into their parent or a "(N smaller call sites)" node` : "")
       + ". Percentages are of useful + extra + stacks, as in ms_print. Click a node to zoom, click the top bar to zoom out.";
     const parents = parentsOf(t.root);
     state.parents = parents;
@@ -404,6 +408,7 @@
   // ---- the diff --------------------------------------------------------------------------------------------
   async function showDiff() {
     const [a, b] = state.marks;
+    const started = performance.now();
     let d;
     try { d = await source.diff(state.pid, a, b); } catch (e) { status(String(e.message || e)); return; }
     const panel = $("diff-panel");
@@ -440,6 +445,7 @@
     table(cols2, "Stacks that grew", d.stacks_grew, "grew", true);
     table(cols2, "Stacks that shrank", d.stacks_shrank, "shrank", true);
     panel.scrollIntoView({ block: "nearest" });
+    timings.diff = performance.now() - started;
   }
 
   // ---- wiring ----------------------------------------------------------------------------------------------
@@ -463,6 +469,7 @@
       }
       const live = state.targets.filter((q) => q.state === "profiling").length;
       status(source.live ? `${state.targets.length} target(s), ${live} profiling; updated ${new Date().toLocaleTimeString()}` : "");
+      if (timings.ready === null && state.timeline) timings.ready = performance.now();
       document.body.dataset.ready = "true";
     } catch (e) {
       status("cannot read the daemon: " + (e.message || e));
