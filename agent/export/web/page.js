@@ -369,9 +369,38 @@
       for (const c of n.children) { draw(c, cx, d + 1); cx += c.bytes * scale; }
     };
     draw(zoom, 0, 0);
+    childTable(zoom, total);
     svg.addEventListener("keydown", treeKey);
     if (state.refocusTree) { svg.focus(); state.refocusTree = false; }
     nodeInfo(state.focus);
+  }
+
+  // The zoomed node's biggest children as a table: readable where thousands of sites make the cells too thin.
+  function childTable(zoom, total) {
+    const tb = $("tree-table");
+    tb.textContent = "";
+    if (!zoom.children.length) return;
+    const head = el("tr", {}, el("thead", {}, tb));
+    for (const [h, num] of [[`below ${nodeLabel(zoom)}`, false], ["bytes", true], ["of the snapshot", true], ["of the parent", true]])
+      el("th", { class: num ? "num" : "" }, head).textContent = h;
+    const body = el("tbody", {}, tb);
+    const LIMIT = 25;
+    for (const c of zoom.children.slice(0, LIMIT)) {
+      const tr = el("tr", { tabindex: "0", "data-name": nodeLabel(c), class: "zoomable" }, body);
+      el("td", {}, tr).textContent = nodeLabel(c);
+      el("td", { class: "num", title: exact(c.bytes) }, tr).textContent = fmtBytes(c.bytes);
+      el("td", { class: "num" }, tr).textContent = pct(c.bytes, total);
+      el("td", { class: "num" }, tr).textContent = pct(c.bytes, zoom.bytes);
+      const go = () => { state.zoom = c; state.focus = c; renderTree(); };
+      tr.addEventListener("click", go);
+      tr.addEventListener("keydown", (ev) => { if (ev.key === "Enter") { ev.preventDefault(); go(); } });
+    }
+    if (zoom.children.length > LIMIT) {
+      const rest = zoom.children.slice(LIMIT);
+      const tr = el("tr", {}, body);
+      el("td", {}, tr).textContent = `${rest.length} more`;
+      el("td", { class: "num" }, tr).textContent = fmtBytes(rest.reduce((s, c) => s + c.bytes, 0));
+    }
   }
 
   function nodeInfo(n) {
