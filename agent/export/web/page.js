@@ -490,6 +490,15 @@
     try {
       state.targets = await source.targets();
       renderTargets();
+      if (state.pid !== null && !state.targets.some((q) => q.pid === state.pid)) {
+        // Detached and forgotten by the daemon: show another target, or nothing.
+        state.pid = null;
+        state.timeline = null;
+        for (const id of ["tree-panel", "diff-panel"]) $(id).hidden = true;
+        $("timeline").textContent = "";
+        $("legend").textContent = "";
+        $("timeline-note").textContent = "The target was detached.";
+      }
       if (state.pid === null && state.targets.length) await selectTarget(state.targets[0].pid);
       else if (state.pid !== null) {
         const t = state.targets.find((q) => q.pid === state.pid);
