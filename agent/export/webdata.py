@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from agent.errors import UsageError
 from agent.model.memline import MemoryPoint, point_at
@@ -113,28 +113,34 @@ class Timeline:
 
 
 class SiteCache:
-    """Bytes per site of a snapshot's tree, computed once per tree: the live page asks for the timeline every
-    second and a tree of 10,000 sites costs a few milliseconds to sum. Keeps the trees it describes alive, so
-    an id() is never reused while cached."""
+    """Bytes per site and per stack of a snapshot's tree, computed once per tree: the live page asks for the
+    timeline every second, and a tree of 10,000 sites costs milliseconds to sum by site and a few hundred to
+    walk by stack. Keeps the trees it describes alive, so an id() is never reused while cached."""
 
     def __init__(self, size: int = 512) -> None:
         self.size = size
-        self._items: OrderedDict[int, tuple[Tree, dict[str, int]]] = OrderedDict()
+        self._items: OrderedDict[tuple[int, str], tuple[Tree, dict[Any, int]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def sites(self, tree: Tree) -> dict[str, int]:
-        key = id(tree)
+    def _get(self, tree: Tree, what: str, compute: Callable[[Tree], dict[Any, int]]) -> dict[Any, int]:
+        key = (id(tree), what)
         with self._lock:
             hit = self._items.get(key)
             if hit is not None and hit[0] is tree:
                 self._items.move_to_end(key)
                 return hit[1]
-        out = site_bytes(tree)
+        out = compute(tree)
         with self._lock:
             self._items[key] = (tree, out)
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
         return out
+
+    def sites(self, tree: Tree) -> dict[str, int]:
+        return self._get(tree, "sites", site_bytes)
+
+    def paths(self, tree: Tree) -> dict[tuple[str, ...], int]:
+        return self._get(tree, "paths", path_bytes)
 
 
 def site_bytes(tree: Tree) -> dict[str, int]:
@@ -397,7 +403,9 @@ def diff_snapshots(
     site_rows_b: dict[tuple[str, ...], int] = {(k,): v for k, v in sites_b.items()}
     grew, shrank, n_sites = _changes(site_rows_a, site_rows_b, rows)
     all_site_deltas = [site_rows_b.get(k, 0) - site_rows_a.get(k, 0) for k in site_rows_a.keys() | site_rows_b.keys()]
-    st_grew, st_shrank, n_stacks = _changes(path_bytes(sa.tree), path_bytes(sb.tree), rows)
+    paths_a = cache.paths(sa.tree) if cache is not None else path_bytes(sa.tree)
+    paths_b = cache.paths(sb.tree) if cache is not None else path_bytes(sb.tree)
+    st_grew, st_shrank, n_stacks = _changes(paths_a, paths_b, rows)
     return Diff(
         a=_ref(ia, sa), b=_ref(ib, sb), estimate=mode == "sampled",
         grew=sum(d for d in all_site_deltas if d > 0), shrank=-sum(d for d in all_site_deltas if d < 0),

@@ -62,31 +62,54 @@ def wait_until(driver, check: Callable[[], object], what: str, timeout: float = 
     return WebDriverWait(driver, timeout, poll_frequency=0.2).until(lambda _: check(), message=what)
 
 
-def point_ids(driver) -> list[str]:  # type: ignore[no-untyped-def]
-    return [c.get_attribute("data-id") for c in driver.find_elements(*_by("#timeline circle.point"))]
+# The live page redraws itself every second: the DOM is read in one script (never through element handles,
+# which a redraw makes stale), and clicks are tried again on a stale element.
+
+
+def point_ids(driver, css: str = "#timeline circle.point") -> list[str]:  # type: ignore[no-untyped-def]
+    return driver.execute_script(  # type: ignore[no-any-return]
+        "return [...document.querySelectorAll(arguments[0])].map((c) => c.dataset.id)", css)
 
 
 def legend(driver) -> list[str]:  # type: ignore[no-untyped-def]
-    return [s.get_attribute("title") for s in driver.find_elements(*_by("#legend span[title]"))]
+    return driver.execute_script(  # type: ignore[no-any-return]
+        "return [...document.querySelectorAll('#legend span')].map((s) => s.textContent)")
 
 
-def shift_click(driver, element) -> None:  # type: ignore[no-untyped-def]
+def retry(action: Callable[[], None]) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(10):
+        try:
+            action()
+            return
+        except StaleElementReferenceException:
+            time.sleep(0.05)
+    action()
+
+
+def shift_click_point(driver, sid: str) -> None:  # type: ignore[no-untyped-def]
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.keys import Keys
 
-    ActionChains(driver).key_down(Keys.SHIFT).click(element).key_up(Keys.SHIFT).perform()
+    def act() -> None:
+        point = driver.find_element(*_by(f'#timeline circle.point[data-id="{sid}"]'))
+        ActionChains(driver).key_down(Keys.SHIFT).click(point).key_up(Keys.SHIFT).perform()
+
+    retry(act)
 
 
 def click_point(driver, sid: str) -> None:  # type: ignore[no-untyped-def]
-    driver.find_element(*_by(f'#timeline circle.point[data-id="{sid}"]')).click()
+    retry(lambda: driver.find_element(*_by(f'#timeline circle.point[data-id="{sid}"]')).click())
 
 
 def tree_cells(driver) -> dict[str, int]:  # type: ignore[no-untyped-def]
     """The flame graph's cells: label -> bytes (summed where a label repeats)."""
     out: dict[str, int] = {}
-    for r in driver.find_elements(*_by("#tree rect.cell")):
-        name = r.get_attribute("data-name")
-        out[name] = out.get(name, 0) + int(r.get_attribute("data-bytes"))
+    cells = driver.execute_script(
+        "return [...document.querySelectorAll('#tree rect.cell')].map((r) => [r.dataset.name, r.dataset.bytes])")
+    for name, nbytes in cells:
+        out[name] = out.get(name, 0) + int(nbytes)
     return out
 
 
@@ -103,13 +126,14 @@ def site_bytes(tree) -> dict[str, int]:  # type: ignore[no-untyped-def]
 
 def check_diff(driver, a: str, b: str, before: int, after: int) -> None:  # type: ignore[no-untyped-def]
     """Mark a and b, compare, and find grow_site's growth in the table of sites that grew."""
-    shift_click(driver, driver.find_element(*_by(f'#timeline circle.point[data-id="{a}"]')))
-    shift_click(driver, driver.find_element(*_by(f'#timeline circle.point[data-id="{b}"]')))
+    shift_click_point(driver, a)
+    shift_click_point(driver, b)
     wait_until(driver, lambda: driver.find_element(*_by("#compare")).is_enabled(), "the compare button")
     driver.find_element(*_by("#compare")).click()
     wait_until(driver, lambda: driver.find_elements(*_by("#diff table.diff-grew tr[data-name]")), "the diff")
-    rows = {r.get_attribute("data-name"): int(r.get_attribute("data-delta"))
-            for r in driver.find_elements(*_by("#diff table.diff-grew tr[data-name]"))}
+    rows = {name: int(delta) for name, delta in driver.execute_script(
+        "return [...document.querySelectorAll('#diff table.diff-grew tr[data-name]')]"
+        ".map((r) => [r.dataset.name, r.dataset.delta])")}
     assert rows.get(GROW_SITE) == after - before, rows
     assert KEEP_SITE not in rows  # it did not change
     assert "grow_site" in driver.find_element(*_by("#diff-panel")).text
@@ -130,12 +154,14 @@ def test_live_page_of_a_running_program(heapscope_cmd: list[str], program: Path,
             requested_urls(driver)  # the browser's own start-up page is not ours
             driver.get(url + "/")
             # The target and its sites.
-            wait_until(driver, lambda: driver.find_elements(*_by(f'#targets button[data-pid="{proc.pid}"]'))
-                       or driver.find_elements(*_by("#targets button")), "the target list")
+            (listed,) = httpx.get(f"{url}/targets", timeout=30).json()
+            pid = listed["pid"]  # the program's, which heapscope launched
+            wait_until(driver, lambda: driver.find_elements(*_by(f'#targets button[data-pid="{pid}"]')),
+                       "the target in the list")
             assert "profiling" in driver.find_element(*_by("#targets")).text
             wait_until(driver, lambda: KEEP_SITE in legend(driver), f"{KEEP_SITE} in the legend")
             before = point_ids(driver)
-            tree_before = [c.get_attribute("data-id") for c in driver.find_elements(*_by("#timeline circle.tree"))]
+            tree_before = point_ids(driver, "#timeline circle.tree")
             assert before and tree_before
             # The known growth; the live page follows it.
             proc.stdin.write(b"\n")
@@ -151,6 +177,12 @@ def test_live_page_of_a_running_program(heapscope_cmd: list[str], program: Path,
             assert len(ids) <= len(profile.snapshots) < 100
             assert ids == [f"{i}@{s.time}" for i, s in enumerate(profile.snapshots[: len(ids)])]
             screenshot(driver, "live-timeline")
+            # The mapped total and RSS lines, sampled beside the snapshots: after the growth the process has
+            # touched the grown blocks (RSS), and mapped at least its heap.
+            assert {"mapped (dashed)", "RSS (dotted)"} <= set(legend(driver))
+            last_point = httpx.get(f"{url}/targets/{pid}/timeline", timeout=30).json()["points"][-1]
+            assert last_point["rss"] >= GROWTH
+            assert last_point["mapped"] >= last_point["heap"] + last_point["extra"] >= GROWTH
             # A click on a point shows that point's tree, with that snapshot's bytes.
             last = ids[-1]
             snap = profile.snapshots[len(ids) - 1]

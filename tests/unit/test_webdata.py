@@ -194,6 +194,7 @@ def test_site_cache_computes_once_per_tree() -> None:
     for _ in range(3):
         cache.sites(tree_of({site(2): 1}))
     assert cache.sites(t) == {frame_name(site(1)[0]): 5}
+    assert cache.paths(t) is cache.paths(t) and cache.paths(t) == path_bytes(t)
 
 
 # ---- the API's models carry the same data as the dataclasses (the view file's JSON) --------------------
