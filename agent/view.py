@@ -21,7 +21,7 @@ from agent.export.webdata import (
     build_timeline,
     path_bytes,
     site_bytes,
-    snapshot_id,
+    snapshot_ids,
     snapshot_tree,
 )
 from agent.export.webpage import render_page
@@ -48,10 +48,9 @@ def page_data(profile: MassifFile, name: str) -> dict[str, Any]:
     timeline = build_timeline(snaps, time_unit=profile.time_unit, top=TOP_SITES)
     trees: dict[str, Any] = {}
     diffdata: dict[str, Any] = {}
-    for i, s in enumerate(snaps):
+    for sid, s in zip(snapshot_ids(snaps), snaps, strict=True):
         if s.tree is None:
             continue
-        sid = snapshot_id(i, s)
         trees[sid] = dataclasses.asdict(snapshot_tree(snaps, sid))
         sites, cut_sites = _top(site_bytes(s.tree), DIFF_ENTRIES)
         paths, cut_paths = _top(path_bytes(s.tree), DIFF_ENTRIES)

@@ -15,7 +15,7 @@ class _FromData(BaseModel):
 
 
 class TimelinePointOut(_FromData):
-    id: str = Field(description="The snapshot's id, for /tree and /diff (INDEX@TIME).")
+    id: str = Field(description="The snapshot's id, for /tree and /diff (TIME.N).")
     index: int = Field(description="The snapshot's number in the profile (massif.out's snapshot=N).")
     time: int = Field(description="In the profile's time unit.")
     kind: Literal["normal", "detailed", "peak"]

@@ -63,24 +63,36 @@ def frame_name(frame: Frame) -> str:
 # ---- snapshot ids ---------------------------------------------------------------------------------------
 
 
-def snapshot_id(index: int, snap: Snapshot) -> str:
-    """An opaque id the page sends back: the index in today's list and the time, so that an index that now names
-    another snapshot (after a culling) is refused rather than answered wrongly. A history store may issue its
-    own ids in the same field."""
-    return f"{index}@{snap.time}"
+def snapshot_ids(snaps: Sequence[Snapshot]) -> list[str]:
+    """Opaque ids the page sends back: `TIME.N`, the Nth snapshot at that time (almost always .0). They name
+    the same snapshot while the series is culled around it (an index would shift), and a culled one is refused
+    (only among snapshots of one same time can a culling shift N). A history store may issue its own ids in
+    the same field."""
+    ids = []
+    seen: dict[int, int] = {}
+    for s in snaps:
+        n = seen.get(s.time, 0)
+        seen[s.time] = n + 1
+        ids.append(f"{s.time}.{n}")
+    return ids
+
+
+def snapshot_id(snaps: Sequence[Snapshot], index: int) -> str:
+    return snapshot_ids(snaps)[index]
 
 
 def find_snapshot(snaps: Sequence[Snapshot], sid: str) -> tuple[int, Snapshot]:
-    index_text, sep, time_text = sid.partition("@")
+    time_text, sep, n_text = sid.partition(".")
     try:
-        index, time = int(index_text), int(time_text)
+        int(time_text), int(n_text)
     except ValueError:
-        raise NoSuchSnapshot(f"bad snapshot id {sid!r} (expected INDEX@TIME from the timeline)") from None
-    if not sep or index < 0:
-        raise NoSuchSnapshot(f"bad snapshot id {sid!r} (expected INDEX@TIME from the timeline)")
-    if index >= len(snaps) or snaps[index].time != time:
-        raise SnapshotUnavailable(f"snapshot {sid} is no longer kept (older snapshots are thinned out): reload")
-    return index, snaps[index]
+        raise NoSuchSnapshot(f"bad snapshot id {sid!r} (expected TIME.N from the timeline)") from None
+    if not sep:
+        raise NoSuchSnapshot(f"bad snapshot id {sid!r} (expected TIME.N from the timeline)")
+    for index, other in enumerate(snapshot_ids(snaps)):
+        if other == sid:
+            return index, snaps[index]
+    raise SnapshotUnavailable(f"snapshot {sid} is no longer kept (older snapshots are thinned out): reload")
 
 
 # ---- the timeline ---------------------------------------------------------------------------------------
@@ -182,6 +194,7 @@ def build_timeline(
                 biggest[name] = b
     ranked = sorted(biggest, key=lambda n: (-biggest[n], n))[:top]
     points = []
+    ids = snapshot_ids(snaps)
     for i, (s, by_site) in enumerate(zip(snaps, per_snap, strict=True)):
         row = None
         if by_site is not None and s.tree is not None:
@@ -190,7 +203,7 @@ def build_timeline(
         mem = memory(s.time) if memory is not None else None
         points.append(
             TimelinePoint(
-                id=snapshot_id(i, s), index=i, time=s.time, kind=str(s.kind), heap=max(s.heap_B, 0),
+                id=ids[i], index=i, time=s.time, kind=str(s.kind), heap=max(s.heap_B, 0),
                 extra=max(s.heap_extra_B, 0), stacks=max(s.stacks_B, 0),
                 mapped=None if mem is None else mem.mapped, rss=None if mem is None else mem.rss, sites=row,
             )
@@ -382,8 +395,8 @@ def _changes(
     return [change(d) for d in grew], [change(d) for d in shrank], len(deltas)
 
 
-def _ref(index: int, s: Snapshot) -> SnapshotRef:
-    return SnapshotRef(id=snapshot_id(index, s), index=index, time=s.time, kind=str(s.kind), heap=max(s.heap_B, 0))
+def _ref(snaps: Sequence[Snapshot], index: int, s: Snapshot) -> SnapshotRef:
+    return SnapshotRef(id=snapshot_id(snaps, index), index=index, time=s.time, kind=str(s.kind), heap=max(s.heap_B, 0))
 
 
 def diff_snapshots(
@@ -407,7 +420,7 @@ def diff_snapshots(
     paths_b = cache.paths(sb.tree) if cache is not None else path_bytes(sb.tree)
     st_grew, st_shrank, n_stacks = _changes(paths_a, paths_b, rows)
     return Diff(
-        a=_ref(ia, sa), b=_ref(ib, sb), estimate=mode == "sampled",
+        a=_ref(snaps, ia, sa), b=_ref(snaps, ib, sb), estimate=mode == "sampled",
         grew=sum(d for d in all_site_deltas if d > 0), shrank=-sum(d for d in all_site_deltas if d < 0),
         sites_grew=grew, sites_shrank=shrank, stacks_grew=st_grew, stacks_shrank=st_shrank,
         n_sites_changed=n_sites, n_stacks_changed=n_stacks,

@@ -22,7 +22,7 @@ router = APIRouter(tags=["web page"])
 page_router = APIRouter(tags=["web page"])
 
 TargetPid = Annotated[int, Path(ge=1, le=PID_MAX)]
-SnapshotId = Annotated[str, Path(max_length=64, description="A point's id from the timeline (INDEX@TIME).")]
+SnapshotId = Annotated[str, Path(max_length=64, description="A point's id from the timeline (TIME.N).")]
 
 
 def _mode(t: TargetPort) -> Mode:

@@ -113,6 +113,16 @@ def tree_cells(driver) -> dict[str, int]:  # type: ignore[no-untyped-def]
     return out
 
 
+def expected_ids(snapshots) -> list[str]:  # type: ignore[no-untyped-def]
+    """The page's point ids for a massif.out's snapshots: TIME.N, the Nth snapshot at that time."""
+    seen: dict[int, int] = {}
+    out = []
+    for s in snapshots:
+        out.append(f"{s.time}.{seen.get(s.time, 0)}")
+        seen[s.time] = seen.get(s.time, 0) + 1
+    return out
+
+
 def site_bytes(tree) -> dict[str, int]:  # type: ignore[no-untyped-def]
     """First-level bytes of a massif_reader tree, by `function (file:line)`."""
     from tests.support.massif_reader import strip_address
@@ -175,7 +185,7 @@ def test_live_page_of_a_running_program(heapscope_cmd: list[str], program: Path,
             ids = point_ids(driver)
             profile = parse_massif(httpx.get(f"{url}/all_snapshots", timeout=30).text)
             assert len(ids) <= len(profile.snapshots) < 100
-            assert ids == [f"{i}@{s.time}" for i, s in enumerate(profile.snapshots[: len(ids)])]
+            assert ids == expected_ids(profile.snapshots)[: len(ids)]
             screenshot(driver, "live-timeline")
             # The mapped total and RSS lines, sampled beside the snapshots: after the growth the process has
             # touched the grown blocks (RSS), and mapped at least its heap.
@@ -238,7 +248,7 @@ def test_view_of_a_valgrind_massif_out(cli_cmd: list[str], program: Path, tmp_pa
         wait_until(driver, lambda: point_ids(driver), "the timeline")
         ids = point_ids(driver)
         # Exactly one point per snapshot of the file.
-        assert ids == [f"{i}@{s.time}" for i, s in enumerate(profile.snapshots)]
+        assert ids == expected_ids(profile.snapshots)
         assert GROW_SITE in legend(driver) and KEEP_SITE in legend(driver)
         screenshot(driver, "view-timeline")
         # The last tree, as Valgrind wrote it (Massif marks a peak only once something is freed after it).

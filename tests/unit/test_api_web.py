@@ -85,7 +85,7 @@ def test_tree_endpoint() -> None:
     assert body["root"]["children"][0]["children"][0]["name"] == "main"
     r = c.get(f"/targets/77/snapshots/{points[2]['id']}/tree")
     assert r.status_code == 409 and "normal" in r.json()["detail"]
-    assert c.get("/targets/77/snapshots/3@201/tree").status_code == 409  # the index names another snapshot now
+    assert c.get("/targets/77/snapshots/201.0/tree").status_code == 409  # not kept (culled)
     assert c.get("/targets/77/snapshots/junk/tree").status_code == 404
 
 

@@ -73,7 +73,7 @@ def test_timeline_has_a_point_per_snapshot_and_the_top_sites_sum_to_the_tree() -
     snaps = [snap(0, None, 0), snap(10, first), snap(20, None, 5000), snap(30, second, kind=SnapshotKind.PEAK)]
     tl = build_timeline(snaps, time_unit="ms", top=5)
     assert [p.index for p in tl.points] == [0, 1, 2, 3]
-    assert [p.id for p in tl.points] == [snapshot_id(i, s) for i, s in enumerate(snaps)]
+    assert [p.id for p in tl.points] == [f"{s.time}.0" for s in snaps]
     assert tl.points[0].sites is None and tl.points[2].sites is None
     # The top 5 by their largest bytes: fn3 (100,000 in the second), then fn19..fn16.
     assert tl.sites == [frame_name(site(3)[0])] + [frame_name(site(i)[0]) for i in (19, 18, 17, 16)] + [OTHER_SITES]
@@ -146,14 +146,24 @@ def test_pruned_tree_of_ten_thousand_sites_stays_small() -> None:
 
 def test_snapshot_tree_refuses_stale_ids_and_normal_snapshots() -> None:
     snaps = [snap(0, None, 0), snap(10, {site(1): 100})]
-    good = snapshot_tree(snaps, snapshot_id(1, snaps[1]))
+    good = snapshot_tree(snaps, snapshot_id(snaps, 1))
     assert good.root.children[0].name == "fn1" and good.root.children[0].file == "prog.c"
     with pytest.raises(SnapshotUnavailable):
-        snapshot_tree(snaps, "1@11")  # the index names another time now
+        snapshot_tree(snaps, "11.0")  # no snapshot at that time (culled)
     with pytest.raises(SnapshotUnavailable):
-        snapshot_tree(snaps, snapshot_id(0, snaps[0]))  # a normal snapshot has no tree
+        snapshot_tree(snaps, snapshot_id(snaps, 0))  # a normal snapshot has no tree
     with pytest.raises(NoSuchSnapshot):
         snapshot_tree(snaps, "nonsense")
+
+
+def test_ids_survive_a_culling_around_them() -> None:
+    snaps = [snap(0, None, 1), snap(10, None, 2), snap(10, {site(1): 7}), snap(30, {site(2): 9})]
+    ids = [p.id for p in build_timeline(snaps, time_unit="B").points]
+    assert ids == ["0.0", "10.0", "10.1", "30.0"]
+    culled = [snaps[0], snaps[2], snaps[3]]  # the snapshot at index 1 went: later indices shifted
+    assert snapshot_tree(culled, "30.0").root.children[0].name == "fn2"
+    with pytest.raises(SnapshotUnavailable):
+        snapshot_tree(culled, "10.1")  # now the only one at time 10 is "10.0"
 
 
 # ---- diffs ----------------------------------------------------------------------------------------------
@@ -164,7 +174,7 @@ def test_diff_shows_the_growth_and_the_shrink() -> None:
     before = {site(1): 1000, site(2): 5000, site(3): 700}
     after = {site(1): 1000, site(2): 2000, site(3, other_caller): 9000, site(4): 64}
     snaps = [snap(0, before), snap(1, None, 3), snap(5, after)]
-    d = diff_snapshots(snaps, snapshot_id(0, snaps[0]), snapshot_id(2, snaps[2]))
+    d = diff_snapshots(snaps, snapshot_id(snaps, 0), snapshot_id(snaps, 2))
     name = lambda i: frame_name(site(i)[0])  # noqa: E731
     assert [(c.name, c.before, c.after, c.delta) for c in d.sites_grew] == [
         (name(3), 700, 9000, 8300), (name(4), 0, 64, 64)]
@@ -175,7 +185,7 @@ def test_diff_shows_the_growth_and_the_shrink() -> None:
     assert (d.stacks_grew[0].path, d.stacks_grew[0].delta) == ([name(3), frame_name(other_caller)], 9000)
     assert ([name(3), frame_name(MAIN)], -700) in [(c.path, c.delta) for c in d.stacks_shrank]
     with pytest.raises(SnapshotUnavailable):
-        diff_snapshots(snaps, snapshot_id(0, snaps[0]), snapshot_id(1, snaps[1]))
+        diff_snapshots(snaps, snapshot_id(snaps, 0), snapshot_id(snaps, 1))
 
 
 def test_path_bytes_gives_each_stack_its_own_bytes() -> None:
@@ -205,7 +215,7 @@ def test_pydantic_models_and_dataclasses_agree() -> None:
     tl = build_timeline(snaps, time_unit="ms")
     assert timeline_out(tl, pid=1, command="c", state="exited").model_dump() == {
         **dataclasses.asdict(tl), "pid": 1, "command": "c", "state": "exited"}
-    tree = snapshot_tree(snaps, snapshot_id(1, snaps[1]))
+    tree = snapshot_tree(snaps, snapshot_id(snaps, 1))
     assert tree_out(tree).model_dump() == dataclasses.asdict(tree)
-    d = diff_snapshots(snaps, snapshot_id(0, snaps[0]), snapshot_id(1, snaps[1]))
+    d = diff_snapshots(snaps, snapshot_id(snaps, 0), snapshot_id(snaps, 1))
     assert diff_out(d).model_dump() == dataclasses.asdict(d)

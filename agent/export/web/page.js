@@ -268,7 +268,8 @@
     const i = state.marks.indexOf(id);
     if (i >= 0) state.marks.splice(i, 1);
     else { state.marks.push(id); if (state.marks.length > 2) state.marks.shift(); }
-    state.marks.sort((a, b) => parseInt(a, 10) - parseInt(b, 10));
+    const at = (id) => state.timeline.points.findIndex((q) => q.id === id);
+    state.marks.sort((a, b) => at(a) - at(b));
   }
 
   function timelineKey(ev) {
