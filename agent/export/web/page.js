@@ -259,6 +259,7 @@
     $("cursor-info").textContent = p ? describePoint(p) : "No snapshot selected.";
     const name = (id) => { const q = tl.points.find((r) => r.id === id); return q ? "#" + q.index : "?"; };
     $("marks").textContent = state.marks.length ? "Compare: " + state.marks.map((id, i) => (i ? "B=" : "A=") + name(id)).join(" ") : "";
+    $("marks").dataset.ids = state.marks.join(" ");
     $("compare").disabled = state.marks.length !== 2;
   }
 
