@@ -58,3 +58,21 @@ def test_view_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a whole number" in err
     assert not (tmp_path / "x.html").exists()
+
+
+def test_names_from_the_profile_cannot_end_the_script(tmp_path: Path) -> None:
+    """A function name is the target's data: embedded, it must not close the <script> that holds it (the page
+    itself only ever sets names as text, never as HTML)."""
+    evil = "f</script><script>alert(1)</script><!--"
+    text = written().replace("fn29 (prog.c:129)", f"{evil} (prog.c:129)")
+    assert evil in text
+    src = tmp_path / "massif.out.evil"
+    src.write_text(text)
+    out = tmp_path / "evil.html"
+    assert main(["view", str(src), "-o", str(out)]) == 0
+    html = out.read_text()
+    assert "<script>alert" not in html and "<!--\"" not in html
+    data = embedded(html)
+    names = [n["name"] for t in data["trees"]["0"].values() for n in t["root"]["children"]]
+    assert evil in names  # intact once parsed
+    assert "innerHTML" not in (Path(__file__).resolve().parents[2] / "agent/export/web/page.js").read_text()
