@@ -26,9 +26,10 @@ def render_page(data: Any | None) -> str:
     asking the daemon."""
     html = _asset("page.html")
     block = "" if data is None else f'<script type="application/json" id="heapscope-data">{embed_json(data)}</script>'
-    # replace() in this order: the assets never contain the other markers.
+    # The data goes in last: no later replace() may touch it (a function name may read "/*SCRIPT*/"); the
+    # assets hold no marker.
     return (
         html.replace("/*STYLE*/", _asset("page.css"))
-        .replace("<!--DATA-->", block)
         .replace("/*SCRIPT*/", _asset("page.js"))
+        .replace("<!--DATA-->", block)
     )
