@@ -30,6 +30,7 @@ from agent.export.registry import FORMATS
 from agent.model.options import MassifOptions
 from agent.model.summary import ProfileSummary
 from agent.offline import commands as offline_commands
+from agent.offline import view
 from agent.process.capability import check_environment
 from agent.process.discovery import read_process
 from agent.process.launch import HeldChild
@@ -265,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile_options(serve)
     _add_http_options(serve, serve=True)
     offline_commands.register(sub)
+    view.add_parser(sub)
     return parser
 
 
@@ -622,6 +624,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = parser.parse_args(args)
         if ns.command in offline_commands.COMMANDS:
             return offline_commands.run(ns)
+        if ns.command == "view":
+            return view.run(ns)
         if ns.command == "serve":
             return cmd_daemon(_command(ns, args[1:], daemon=True), pids=ns.pids)
         ctx = _command(ns, args[2:], daemon=ns.http is not None)

@@ -11,9 +11,10 @@ from prometheus_client import CollectorRegistry
 
 from agent import __version__
 from agent.export.metrics import HeapscopeCollector
+from agent.export.webdata import SiteCache
 from api.errors import install_error_handlers
 from api.ports import ManagerPort
-from api.routers import health, metrics, monitor, pprof, profiles, targets
+from api.routers import health, metrics, monitor, pprof, profiles, targets, web
 from api.security import token_dependency
 from api.settings import ApiSettings, check_exposure
 
@@ -43,11 +44,13 @@ def create_app(settings: ApiSettings, manager: ManagerPort) -> FastAPI:
     # The registry is the app's own, not prometheus_client's global one.
     app.state.registry = CollectorRegistry(auto_describe=False)
     app.state.registry.register(HeapscopeCollector(manager, settings.metrics_top_stacks))
+    app.state.site_cache = SiteCache()  # the web page's per-tree site sums
     install_error_handlers(app)
 
     auth = token_dependency(settings)
     guarded = [Depends(auth)] if auth is not None else []
     app.include_router(health.router)
-    for r in (profiles.router, monitor.router, targets.router, metrics.router, pprof.router):
+    app.include_router(web.page_router)
+    for r in (profiles.router, monitor.router, targets.router, metrics.router, pprof.router, web.router):
         app.include_router(r, dependencies=guarded)
     return app

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from agent.model.counters import Counters
+from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, Stack
 from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
@@ -40,6 +41,8 @@ class TargetPort(Protocol):
     def render(self, name: str, variant: str | None = None) -> str | bytes:
         """The output format `name` of agent.export.registry, rendered now."""
         ...
+
+    def memory_line(self) -> Sequence[MemoryPoint]: ...
 
 
 class ManagerPort(Protocol):

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from agent.errors import HeapscopeError, TargetConflict
 from agent.export.malt import check_consistency, symbolizer_resolver
 from agent.export.pprof import PprofContext
@@ -23,6 +25,7 @@ from agent.export.registry import BY_NAME, FORMATS, MaltDocument, OutputFormat
 from agent.kernel.frozen import FrozenProbes
 from agent.kernel.probes import HeapProbes, ProbeSettings
 from agent.model.counters import Counters
+from agent.model.memline import MemoryLine, MemoryPoint
 from agent.model.options import MAX_WALKED_FRAMES, MassifOptions
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, Stack
@@ -102,6 +105,7 @@ class Profile:
         # Held by readers and by the swap to the frozen copy, so no read meets a half-closed BPF object.
         self.lock = threading.Lock()
         self._malt_final: MaltDocument | None = None  # MALT's profile at the end, once the probes are closed
+        self.memory = MemoryLine()  # mapped bytes and RSS beside the snapshots, for the web page's lines
 
     # ---- the pipeline -----------------------------------------------------------------------------
 
@@ -139,7 +143,7 @@ class Profile:
                 self.session = session
                 ready()
                 try:
-                    session.run(p.alive, stop, s.sample_interval)
+                    session.run(self._alive_and_recording(session), stop, s.sample_interval)
                 finally:
                     probes.detach()  # the target runs on untouched from here
                     if session.exec_ended():
@@ -160,6 +164,40 @@ class Profile:
             p.abandon()  # a held program that never ran is ended; one released runs on
         self.state = "detached" if p.alive() else "exited"
         self.ended_at = time.time()
+
+    def _alive_and_recording(self, session: Session) -> Callable[[], bool]:
+        """The target's `alive`, which the session's loop asks at every turn, also recording the memory line
+        (mapped bytes and RSS) at most once per sampling interval: the session's own samples carry the heap."""
+        try:
+            proc: psutil.Process | None = psutil.Process(self.pid)
+        except psutil.Error:
+            proc = None
+        interval = self.settings.sample_interval
+        next_at = 0.0
+
+        def check() -> bool:
+            nonlocal next_at
+            now = time.monotonic()
+            if now >= next_at:
+                next_at = now + interval
+                self._record_memory(session, proc)
+            return self.process.alive()
+
+        return check
+
+    def _record_memory(self, session: Session, proc: psutil.Process | None) -> None:
+        rss = None
+        if proc is not None:
+            try:
+                rss = proc.memory_info().rss
+            except psutil.Error:
+                rss = None
+        pages = session.pages
+        self.memory.add(MemoryPoint(session.now(session.counters()), pages.total if pages else None, rss))
+
+    def memory_line(self) -> list[MemoryPoint]:
+        """Mapped bytes and RSS sampled over the profile's time (the web page draws them beside the heap)."""
+        return self.memory.points()
 
     def write_outputs(self, output_dir: Path, expand: Callable[[str, int], str], strict: bool) -> tuple[str, ...]:
         """Write every output the settings ask for under `output_dir` (file names from their templates). A file

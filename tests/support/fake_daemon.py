@@ -14,11 +14,11 @@ from agent.export.massif import render_snapshot
 from agent.export.pprof import PprofContext
 from agent.export.registry import BY_NAME, MaltDocument
 from agent.model.counters import Counters
+from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
-from agent.model.profile import Frame, SiteCounts, Snapshot, SnapshotKind, Stack
+from agent.model.profile import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
 from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus, top_sites
 from agent.symbols.symbolizer import Mapping
-from tests.support.reference import HeapTree
 
 # The fake program's code: every frame address of sample_sites() lies in it.
 PROG_MAPPING = Mapping(0x400000, 0x403000, 0, "/bin/prog", "r-xp", build_id="0123456789abcdef")
@@ -61,6 +61,8 @@ class FakeTarget:
     sites: dict[Stack, SiteCounts] = field(default_factory=sample_sites)
     time: int = 1234
     fail_with: BaseException | None = None  # raised by every read: an unexpected error in the daemon
+    history: list[Snapshot] | None = None  # the kept snapshots, when a test gives them (else three made up)
+    memory: list[MemoryPoint] = field(default_factory=list)  # the mapped/RSS line
     _xt_seq: int = 0
 
     def header(self) -> ProfileHeader:
@@ -117,6 +119,8 @@ class FakeTarget:
 
     def snapshots(self) -> list[Snapshot]:
         self._check()
+        if self.history is not None:
+            return list(self.history)
         c = self.counters()
         return [
             Snapshot(0, 0, 0, 0, None, SnapshotKind.NORMAL),
@@ -147,6 +151,10 @@ class FakeTarget:
     def next_xtmemory_seq(self) -> int:
         self._xt_seq += 1
         return self._xt_seq
+
+    def memory_line(self) -> list[MemoryPoint]:
+        self._check()
+        return list(self.memory)
 
 
 class FakeManager:

@@ -4,61 +4,10 @@ does faster or in the kernel. They live here, not in the product, because only t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 
 from agent.export.malt import MaltLeak, StackKey
 from agent.model.pages import VSYSCALL, parse_maps_full
-from agent.model.profile import HEAP_ROOT_LABEL, Frame, Stack
 from agent.symbols.unwind import CFA_PLT, CFA_RBP, CFA_RSP, FLAG_RBP_SAVED, UnwindTable, lookup
-
-
-@dataclass
-class HeapNode:
-    """One node of the full (unthresholded) tree: a frame and the useful bytes of all stacks through it."""
-
-    frame: Frame
-    bytes: int = 0
-    children: dict[str, HeapNode] = field(default_factory=dict)  # keyed by Frame.label
-
-
-@dataclass
-class HeapTree:
-    """Useful heap bytes per trimmed stack, merged into a prefix tree.
-
-    The first level under the root is the innermost frame (the allocation's call site), as in Massif. Frames
-    merge when their labels are equal (address, function, file and line). A stack that ends at a node counts
-    in that node but in none of its children, as in Massif.
-    """
-
-    root_label: str = HEAP_ROOT_LABEL
-    total: int = 0
-    children: dict[str, HeapNode] = field(default_factory=dict)
-    n_stacks: int = 0
-
-    @classmethod
-    def from_stacks(cls, stacks: Mapping[Stack, int], root_label: str = HEAP_ROOT_LABEL) -> HeapTree:
-        """Build the tree. Give every stack seen so far, including those at 0 bytes: with --threshold=0
-        Massif shows sites whose blocks were all freed. Empty stacks are ignored, as Massif ignores
-        allocations with no frame left after trimming. Negative counts (a racy read) count as 0."""
-        tree = cls(root_label=root_label)
-        for stack, nbytes in stacks.items():
-            tree.add(stack, nbytes)
-        return tree
-
-    def add(self, stack: Stack, nbytes: int) -> None:
-        if not stack:
-            return
-        nbytes = max(0, int(nbytes))
-        self.total += nbytes
-        self.n_stacks += 1
-        level = self.children
-        for frame in stack:
-            key = frame.label
-            node = level.get(key)
-            if node is None:
-                node = level[key] = HeapNode(frame)
-            node.bytes += nbytes
-            level = node.children
 
 
 def unwind_python(

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.reference import HeapTree
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.export.massif import render_snapshot, write_massif
-from agent.model.profile import Frame, Snapshot, SnapshotKind, SnapshotSeries, Stack
+from agent.model.profile import Frame, HeapTree, Snapshot, SnapshotKind, SnapshotSeries, Stack
 from tests.support.massif_reader import (
     MassifFormatError,
     parse_massif,

@@ -24,6 +24,7 @@ from agent.model.profile import (
     HEAP_ROOT_LABEL,
     PAGES_ROOT_LABEL,
     Frame,
+    HeapTree,
     MassifNode,
     Snapshot,
     SnapshotKind,
@@ -35,7 +36,6 @@ from agent.model.profile import (
     trim_stack,
 )
 from tests.support.massif_reader import parse_massif, read_massif, stacks_from_tree
-from tests.support.reference import HeapTree
 
 needs_valgrind = pytest.mark.skipif(
     shutil.which("valgrind") is None or shutil.which("gcc") is None, reason="needs valgrind and gcc"
