@@ -29,8 +29,14 @@ DEFAULT_ALLOC_FNS: tuple[str, ...] = (
 
 
 # Frames the kernel walks at most: the BPF verifier rejects deeper walks (measured: 64 loads with MALT's
-# statistics too, 96 does not). Massif's --depth counts frames after trimming, hence a margin of 12.
+# statistics too, 96 does not).
 MAX_WALKED_FRAMES = 64
+
+# Massif 3.19 (ms_main.c make_ec) captures --depth + MAX_OVERESTIMATE (50) instruction pointers, the first
+# being its own replacement of the allocation function, which it drops. Its tree then trims alloc-fns, cuts
+# below main and keeps --depth of what is left; its xtree keeps all of them up to main. Our stacks start at
+# the allocation function's caller, so Valgrind's capture is --depth + 49 of our frames.
+MASSIF_CAPTURE_MARGIN = 49
 
 
 @dataclass
@@ -57,10 +63,15 @@ class MassifOptions:
         return frozenset(DEFAULT_ALLOC_FNS) | frozenset(self.alloc_fns)
 
     @property
+    def xtree_frames(self) -> int:
+        """Instruction pointers Valgrind's xtree keeps at most: Massif's whole capture."""
+        return self.depth + MASSIF_CAPTURE_MARGIN
+
+    @property
     def walked_frames(self) -> int:
-        """Frames the kernel walks: --depth plus a margin for the frames Massif trims (allocation functions,
-        below main), within the verifier's limit."""
-        return min(self.depth + 12, MAX_WALKED_FRAMES)
+        """Frames the kernel walks: Massif's capture (the tree keeps --depth of it after trimming alloc-fns,
+        the xtree all of it), within the verifier's limit."""
+        return min(self.xtree_frames, MAX_WALKED_FRAMES)
 
     def extra_bytes(self, request: int) -> int:
         """Massif's extra-heap model for one block: round-up slop plus the admin header."""

@@ -58,8 +58,6 @@ from agent.export.xtree import write_xtree
 # Shown for allocations whose stack the kernel did not store (its stack table was full, or the walk was
 # overtaken on a preemptible kernel).
 _OVERFLOW_FRAME = Frame(address=0, function="[stack not recorded]")
-# The xtree keeps every frame up to main; this stands for "no depth limit".
-_XTREE_DEPTH = 1 << 16
 # Sites outside the heap tree (Session._site_stack): made by an --ignore-fn function, or with no frame left once
 # trimmed (HeapTree leaves those out too).
 _IGNORED = -1
@@ -550,7 +548,7 @@ class Session:
     def xtree_text(self) -> str:
         """The xtree memory report in callgrind format (Massif's monitor command xtmemory)."""
         # Valgrind's xtree drops only the allocation function itself (not in our stacks) and cuts below main;
-        # it keeps other alloc-fns and ignores --depth.
+        # it keeps other alloc-fns and all Massif captured (--depth + 49 frames), not --depth of them.
         merged = self.merged_sites(massif_trim=False)
         out = io.StringIO()
         write_xtree(
@@ -677,7 +675,11 @@ class Session:
             self.symbolize_new(list(sites))
             merged: dict[Stack, SiteCounts] = {}
             for key, s in sites.items():
-                stack = self.trimmed(key) if massif_trim else trim_stack(self._frames[key], frozenset(), _XTREE_DEPTH)
+                stack = (
+                    self.trimmed(key)
+                    if massif_trim
+                    else trim_stack(self._frames[key], frozenset(), self.opts.xtree_frames)
+                )
                 m = merged.setdefault(stack, SiteCounts())
                 for name in ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks"):
                     setattr(m, name, getattr(m, name) + getattr(s, name))

@@ -757,8 +757,10 @@ class Symbolizer:
         vaddr = info.obj.file_offset_to_vaddr(look - m.start + m.offset)
         if vaddr is None:
             return [Frame(address=look, obj=m.path)]
+        levels = info.levels(vaddr)
         return [
-            Frame(address=look, function=fn, file=file, line=line, obj=m.path) for fn, file, line in info.levels(vaddr)
+            Frame(address=look, function=fn, file=file, line=line, obj=m.path, inlined=i + 1 < len(levels))
+            for i, (fn, file, line) in enumerate(levels)
         ]
 
     def symbolize_stack(
