@@ -78,7 +78,7 @@ class SiteCounts:
 
 # Valgrind's "below main" functions (m_debuginfo's get_fnname_kind, plus the name it prints for them).
 BELOW_MAIN_FUNCTIONS: frozenset[str] = frozenset(
-    {"__libc_start_main", "__libc_start_call_main", "generic_start_main", "(below main)"}
+    {"__libc_start_main", "__libc_start_call_main", "generic_start_main", "_start", "(below main)"}
 )
 
 
