@@ -548,9 +548,35 @@ static __always_inline void site_touch(struct hs_site *s, struct hs_global *g)
     }
 }
 
-static __always_inline u64 massif_slop(u64 size)
+/* Massif's slop: VG_(cli_malloc_usable_size) - size in Valgrind's arena (m_mallocfree.c). At its minimum
+ * alignment (16) a block's payload is the size rounded up to 16. A larger alignment A (memalign and the
+ * like, or --alignment) goes through VG_(arena_memalign): it takes a block of round16(size) + 32 + A and
+ * returns the first A-aligned payload at least 32 bytes in, whose usable size is round16(size) + A - d,
+ * with d in [0, A - 16] set by where the arena had put the larger block (its address modulo A), which
+ * depends on the whole history of Valgrind's own arena. d is taken at the middle of that range: the slop
+ * is then within (A - 16) / 2 of Massif's (see agent/model/options.py, massif_slop). */
+static __always_inline u64 massif_slop(u64 size, u64 align)
 {
-    return ((size + HS_ALIGNMENT - 1) / HS_ALIGNMENT) * HS_ALIGNMENT - size;
+    u64 slop = ((size + 15) & ~15ULL) - size;
+    if (align > 16)
+        slop += (align + 16) / 2;
+    return slop;
+}
+
+/* The alignment Valgrind's memalign replacement uses (vg_replace_malloc.c MEMALIGN): at least 16, rounded
+ * up to a power of two. valloc is memalign(page size). */
+static __always_inline u64 valgrind_alignment(u64 align)
+{
+    if (align <= 16)
+        return 16;
+    align--;
+    align |= align >> 1;
+    align |= align >> 2;
+    align |= align >> 4;
+    align |= align >> 8;
+    align |= align >> 16;
+    align |= align >> 32;
+    return align + 1;
 }
 
 /* Massif's --time-unit=B clock moves by the change in heap + extra, whichever way. */
@@ -786,9 +812,9 @@ static __always_inline int block_take(struct hs_global *g, u64 addr, struct hs_b
 /* ---- Massif's accounting ----------------------------------------------------------------------------- */
 
 /* `now` (HS_MALT): bpf_ktime_get_ns() of the probe, read once per event and shared. */
-static __always_inline void record_alloc(struct hs_global *g, u64 addr, u64 size, u64 stack, u64 now)
+static __always_inline void record_alloc(struct hs_global *g, u64 addr, u64 size, u64 align, u64 stack, u64 now)
 {
-    struct hs_block blk = {.size = size, .slop = massif_slop(size), .stack = stack, .alloc_ns = now};
+    struct hs_block blk = {.size = size, .slop = massif_slop(size, align), .stack = stack, .alloc_ns = now};
     if (block_put(g, addr, &blk))
         return;
     u64 extra = blk.slop + HS_HEAP_ADMIN;
@@ -867,11 +893,11 @@ static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 add
     struct hs_block ob;
     if (!block_take(g, old, &ob)) {
         __sync_fetch_and_add(&g->untracked_frees, 1);
-        record_alloc(g, addr, size, stack, now);
+        record_alloc(g, addr, size, HS_ALIGNMENT, stack, now);
         return;
     }
     struct hs_block nb = {.size = size, .stack = stack, .alloc_ns = now};
-    nb.slop = size <= ob.size + ob.slop ? ob.slop + ob.size - size : massif_slop(size);
+    nb.slop = size <= ob.size + ob.slop ? ob.slop + ob.size - size : massif_slop(size, HS_ALIGNMENT);
     if (block_put(g, addr, &nb)) { /* the new block cannot be tracked (counted): the old one is gone */
         account_free(g, &ob, stack, now);
         return;
@@ -1109,6 +1135,22 @@ int free_enter(struct pt_regs *ctx)
 
 /* ---- return probe, shared by all allocation functions ---------------------------------------------- */
 
+/* The alignment Valgrind's replacement gives a call of this kind: memalign, posix_memalign and aligned_alloc
+ * go through its memalign, valloc asks for a page; malloc, calloc and realloc use Massif's --alignment. */
+static __always_inline u64 request_alignment(const struct hs_pending *call)
+{
+    switch (call->fn) {
+    case HS_MEMALIGN:
+        return valgrind_alignment(call->arg0);
+    case HS_POSIX_MEMALIGN:
+        return valgrind_alignment(call->arg1);
+    case HS_VALLOC:
+        return 4096;
+    default:
+        return HS_ALIGNMENT;
+    }
+}
+
 /* The bytes an allocation call asks for, by its kind (enum hs_fn): one rule for the block and MALT's counts. */
 static __always_inline u64 request_size(const struct hs_pending *call)
 {
@@ -1179,7 +1221,7 @@ int alloc_return(struct pt_regs *ctx)
         if (old)
             record_realloc(g, old, ret, size, call.stack, now);
         else
-            record_alloc(g, ret, size, call.stack, now);
+            record_alloc(g, ret, size, HS_ALIGNMENT, call.stack, now);
         return 0;
     }
     default:
@@ -1189,7 +1231,7 @@ int alloc_return(struct pt_regs *ctx)
         __sync_fetch_and_add(&g->failed_allocs, 1);
         return 0;
     }
-    record_alloc(g, ret, size, call.stack, now);
+    record_alloc(g, ret, size, request_alignment(&call), call.stack, now);
     return 0;
 }
 

@@ -92,7 +92,7 @@ def render_massif(source: ProfileSource, variant: str = "") -> str:
 
 def render_xtree(source: ProfileSource, variant: str = "") -> str:
     # Valgrind's xtree drops only the allocation function itself (not in our stacks) and cuts below main;
-    # it keeps other alloc-fns and ignores --depth.
+    # it keeps other alloc-fns and all Massif captured (--depth + 49 frames), not --depth of them.
     h = source.header()
     out = io.StringIO()
     write_xtree(out, source.xtree_sites(), cmd=h.cmd, pid=h.pid, kind=h.xtree_kind)

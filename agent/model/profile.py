@@ -35,6 +35,11 @@ class Frame:
     # Directory + file name as DWARF gives it, for the xtree report (Valgrind writes the full name there).
     # Not part of the frame's identity: the Massif label only shows the base name.
     path: str | None = field(default=None, compare=False)
+    # An inlined call, shown above the frame of the function it was inlined into (the next one, at the same
+    # address). Recursion also puts consecutive frames at one address, so the address alone cannot tell
+    # one instruction pointer's inlined calls from several calls (see ip_groups). Derived from the
+    # address, like the label's other parts: not part of the identity.
+    inlined: bool = field(default=False, compare=False)
 
     @functools.cached_property
     def label(self) -> str:
@@ -73,19 +78,21 @@ class SiteCounts:
 
 # Valgrind's "below main" functions (m_debuginfo's get_fnname_kind, plus the name it prints for them).
 BELOW_MAIN_FUNCTIONS: frozenset[str] = frozenset(
-    {"__libc_start_main", "__libc_start_call_main", "generic_start_main", "(below main)"}
+    {"__libc_start_main", "__libc_start_call_main", "generic_start_main", "_start", "(below main)"}
 )
 
 
 def ip_groups(frames: Sequence[Frame]) -> list[Stack]:
-    """Split a stack into instruction pointers: consecutive frames at one address are one IP plus its inlined
-    calls (innermost first, the real function last)."""
+    """Split a stack into instruction pointers: one IP is its inlined calls (innermost first) and the real
+    function, last. A group ends at a frame that is not an inlined call, or where the address changes.
+    A recursive function calling itself from one line gives one IP per call, all at the same address."""
     groups: list[Stack] = []
     start = 0
-    for i in range(1, len(frames) + 1):
-        if i == len(frames) or frames[i].address != frames[start].address:
-            groups.append(tuple(frames[start:i]))
-            start = i
+    for i, frame in enumerate(frames):
+        last = i + 1 == len(frames)
+        if last or not frame.inlined or frames[i + 1].address != frame.address:
+            groups.append(tuple(frames[start : i + 1]))
+            start = i + 1
     return groups
 
 

@@ -20,8 +20,6 @@ from agent.symbols.symbolizer import Symbolizer
 # Shown for allocations whose stack the kernel did not store (its stack table was full, or the walk was
 # overtaken on a preemptible kernel).
 OVERFLOW_FRAME = Frame(address=0, function="[stack not recorded]")
-# The xtree keeps every frame up to main; this stands for "no depth limit".
-_XTREE_DEPTH = 1 << 16
 # Sites outside the heap tree (SiteTrees._site_stack): made by an --ignore-fn function, or with no frame left once
 # trimmed (HeapTree leaves those out too).
 _IGNORED = -1
@@ -210,7 +208,11 @@ class SiteTrees:
         (alloc-fns, --depth) when `massif_trim`, else the xtree's (cut below main only). Symbolize first."""
         merged: dict[Stack, SiteCounts] = {}
         for key, s in sites.items():
-            stack = self.trimmed(key) if massif_trim else trim_stack(self._frames[key], frozenset(), _XTREE_DEPTH)
+            stack = (
+                self.trimmed(key)
+                if massif_trim
+                else trim_stack(self._frames[key], frozenset(), self.opts.xtree_frames)
+            )
             m = merged.setdefault(stack, SiteCounts())
             for name in _COUNTER_NAMES:
                 setattr(m, name, getattr(m, name) + getattr(s, name))

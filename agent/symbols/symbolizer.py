@@ -135,8 +135,8 @@ def demangle(name: str) -> str:
     return _demangler(name)
 
 
-# Valgrind's "below main" function names (m_debuginfo get_fnname_kind).
-_BELOW_MAIN_EXACT = frozenset({"__libc_start_main", "__libc_start_call_main", "generic_start_main"})
+# Valgrind's "below main" function names on Linux (3.19 m_debuginfo get_fnname_kind), matched as they stand.
+_BELOW_MAIN_EXACT = frozenset({"__libc_start_main", "__libc_start_call_main", "generic_start_main", "_start"})
 _BELOW_MAIN_PREFIX = ("__libc_start_main.", "generic_start_main.")
 BELOW_MAIN = "(below main)"
 
@@ -757,8 +757,10 @@ class Symbolizer:
         vaddr = info.obj.file_offset_to_vaddr(look - m.start + m.offset)
         if vaddr is None:
             return [Frame(address=look, obj=m.path)]
+        levels = info.levels(vaddr)
         return [
-            Frame(address=look, function=fn, file=file, line=line, obj=m.path) for fn, file, line in info.levels(vaddr)
+            Frame(address=look, function=fn, file=file, line=line, obj=m.path, inlined=i + 1 < len(levels))
+            for i, (fn, file, line) in enumerate(levels)
         ]
 
     def symbolize_stack(

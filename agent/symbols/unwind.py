@@ -77,7 +77,7 @@ PLT_EXPRESSION = bytes((0x77, 0x08, 0x80, 0x00, 0x3F, 0x1A, 0x3B, 0x2A, 0x33, 0x
 Source = Literal["eh_frame", "debug_frame", "eh_frame+debug_frame", "none"]
 
 _MAX_PC = 0xFFFFFFFF  # a row's pc is a u32, and the last FDE's end needs a row too
-FORMAT_VERSION = 3  # bump when the rows or the rules change: old cache files are then ignored
+FORMAT_VERSION = 4  # bump when the rows or the rules change: old cache files are then ignored
 DEFAULT_CACHE_ROOT = "/var/cache/heapscope"
 
 # Why a row got CFA_NONE (keys of UnwindTable.reasons).
@@ -474,16 +474,21 @@ def _below_main_ranges(obj: ElfObject) -> list[tuple[int, int]]:
 
     Massif cuts every stack at main, or without main at the innermost of these: nothing outside them is ever
     shown, so the kernel's walk ends in them instead of reading two or three more frames per call.
+
+    Valgrind matches the name as its symbol table has it, version included: glibc's
+    `__libc_start_main@@GLIBC_2.34` is not below main for it, so the stacks of static constructors (run from
+    there, with no main) go on to the program's entry point. A range is outermost only when every symbol on it
+    has a below-main name as it stands.
     """
-    found: set[tuple[int, int]] = set()
+    names: dict[tuple[int, int], list[str]] = {}
     debug = find_debug_file(obj, DEFAULT_DEBUG_ROOTS)
     for source in (obj, debug):
         if source is None:
             continue
         for sym in source.function_symbols():
-            if sym.size and is_below_main(sym.name.split("@", 1)[0]):
-                found.add((sym.value, sym.value + sym.size))
-    return sorted(found)
+            if sym.size:
+                names.setdefault((sym.value, sym.value + sym.size), []).append(sym.name)
+    return sorted(r for r, found in names.items() if all(is_below_main(n) for n in found))
 
 
 def _overlaps(covered: list[tuple[int, int]], start: int, end: int) -> bool:

@@ -604,7 +604,7 @@ def test_group_leaks() -> None:
 def test_sites_use_frames_then_the_resolver() -> None:
     p = build_profile()
     p.stacks[0].frames = (
-        Frame(SITE_A.addresses[0] - 1, "inner", "a.h", 3, "/tmp/prog", path="/src/a.h"),
+        Frame(SITE_A.addresses[0] - 1, "inner", "a.h", 3, "/tmp/prog", path="/src/a.h", inlined=True),
         Frame(SITE_A.addresses[0] - 1, "outer", "a.c", 10, "/tmp/prog", path="/src/a.c"),
         Frame(SITE_A.addresses[1] - 1, "main", "a.c", 20, "/tmp/prog", path="/src/a.c"),
         Frame(SITE_A.addresses[2] - 1, None, None, None, "/lib/libc.so.6"),

@@ -44,8 +44,8 @@ needs_valgrind = pytest.mark.skipif(
 ALLOC = frozenset(MassifOptions().all_alloc_fns)
 
 
-def fr(addr: int, fn: str | None, file: str | None = None, line: int | None = None) -> Frame:
-    return Frame(addr, fn, file, line)
+def fr(addr: int, fn: str | None, file: str | None = None, line: int | None = None, inlined: bool = False) -> Frame:
+    return Frame(addr, fn, file, line, inlined=inlined)
 
 
 def run_massif(tmp: Path, source: str, *options: str, name: str = "prog") -> Path:
@@ -92,13 +92,13 @@ def test_trim_inline_alloc_fn_in_normal_function_is_kept() -> None:
     # an IP goes only when all its frames are alloc-fns.
     raw = (
         fr(0x10, "malloc"),
-        fr(0x4010CB2, "calloc", "rtld-malloc.h", 44),
+        fr(0x4010CB2, "calloc", "rtld-malloc.h", 44, inlined=True),
         fr(0x4010CB2, "allocate_dtv", "dl-tls.c", 401),
         fr(0x20, "main", "m.c", 5),
     )
     got = trim_stack(raw, ALLOC, 30)
     assert [f.function for f in got] == ["calloc", "allocate_dtv", "main"]
-    raw2 = (fr(0x10, "calloc"), fr(0x10, "realloc"), fr(0x20, "main", "m.c", 5))
+    raw2 = (fr(0x10, "calloc", inlined=True), fr(0x10, "realloc"), fr(0x20, "main", "m.c", 5))
     assert [f.function for f in trim_stack(raw2, ALLOC, 30)] == ["main"]
 
 
@@ -117,7 +117,7 @@ def test_trim_without_main() -> None:
 def test_trim_depth_counts_addresses_not_inlined_frames() -> None:
     raw = (
         fr(0x10, "malloc"),
-        fr(0x20, "leaf_inl", "a.c", 1),
+        fr(0x20, "leaf_inl", "a.c", 1, inlined=True),
         fr(0x20, "leaf", "a.c", 9),
         fr(0x30, "mid", "a.c", 20),
         fr(0x40, "main", "a.c", 30),
@@ -126,6 +126,24 @@ def test_trim_depth_counts_addresses_not_inlined_frames() -> None:
     assert [f.function for f in trim_stack(raw, ALLOC, 1)] == ["leaf_inl", "leaf"]
     with pytest.raises(ValueError):
         trim_stack(raw, ALLOC, 0)
+
+
+def test_trim_depth_counts_each_recursive_call() -> None:
+    """A function calling itself from one line puts its frames at one address: each is a call of its own, so
+    --depth counts them one by one (Massif counts instruction pointers of the stack, not distinct ones)."""
+    raw = (
+        fr(0x10, "malloc"),
+        fr(0x20, "descend", "d.c", 6),
+        *(fr(0x30, "descend", "d.c", 9) for _ in range(40)),
+        fr(0x40, "main", "d.c", 13),
+    )
+    got = trim_stack(raw, ALLOC, 30)
+    assert len(got) == 30
+    assert [f.line for f in got] == [6] + [9] * 29
+    assert len(trim_stack(raw, ALLOC, 200)) == 42
+    # Inlined calls inside the recursion come along with their instruction pointer.
+    inl = (fr(0x10, "malloc"), *(g for _ in range(5) for g in (fr(0x30, "h", "d.c", 2, True), fr(0x30, "r", "d.c", 9))))
+    assert [f.function for f in trim_stack(inl, ALLOC, 2)] == ["h", "r", "h", "r"]
 
 
 def test_trim_main_as_alloc_fn_keeps_one_frame_and_all_alloc_gives_empty() -> None:

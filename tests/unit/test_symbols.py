@@ -335,7 +335,10 @@ def test_labels_match_massif(tools: Toolbox, symbolizer: Symbolizer, name: str) 
     for group in sorted(groups):
         address = int(group[0].split(":", 1)[0], 16)
         # Massif prints return address - 1; we are handed the return address.
-        ours = tuple(f.label for f in symbolizer.symbolize(maps, address + 1))
+        frames = symbolizer.symbolize(maps, address + 1)
+        ours = tuple(f.label for f in frames)
+        # Inlined calls are marked, the real function is not: how a stack is split into IPs (ip_groups).
+        assert [f.inlined for f in frames] == [True] * (len(frames) - 1) + [False]
         if ours != group:
             mismatches.append((group, ours))
     assert not mismatches, "\n".join(f"massif: {g}\nours:   {o}" for g, o in mismatches)

@@ -215,18 +215,23 @@ def readelf_below_main(path: Path | str) -> list[tuple[int, int]]:
         debug = f"/usr/lib/debug/.build-id/{build_id[:2]}/{build_id[2:]}.debug"
         if os.path.exists(debug):
             files.append(debug)
-    found: set[tuple[int, int]] = set()
+    # Valgrind matches names as they stand: a range with a versioned name (__libc_start_main@@GLIBC_2.34) or
+    # any other name is not below main for it.
+    names: dict[tuple[int, int], list[str]] = {}
     for file in files:
         out = subprocess.run(["readelf", "-sW", file], capture_output=True, text=True).stdout
         for line in out.splitlines():
             cols = line.split()  # Num: Value Size Type Bind Vis Ndx Name
             if len(cols) < 8 or cols[3] != "FUNC" or cols[6] == "UND":
                 continue
-            name = cols[7].split("@", 1)[0]
             size = int(cols[2], 0)
-            if size and (name in BELOW_MAIN_NAMES or name.startswith(("__libc_start_main.", "generic_start_main."))):
-                found.add((int(cols[1], 16), int(cols[1], 16) + size))
-    return sorted(found)
+            if size:
+                names.setdefault((int(cols[1], 16), int(cols[1], 16) + size), []).append(cols[7])
+
+    def below(name: str) -> bool:
+        return name in BELOW_MAIN_NAMES or name.startswith(("__libc_start_main.", "generic_start_main."))
+
+    return sorted(r for r, found in names.items() if all(below(n) for n in found))
 
 
 def compare_with_readelf(path: Path | str) -> tuple[UnwindTable, int]:

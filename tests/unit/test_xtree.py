@@ -194,7 +194,7 @@ def test_layout() -> None:
 
 def test_inlined_frames_are_one_ip_and_unknowns() -> None:
     # Valgrind names an IP by its real function and the innermost inlined line.
-    inl = fr(0x100, "inl", "ex3.c", 5, "/s/ex3.c")
+    inl = Frame(0x100, "inl", "ex3.c", 5, path="/s/ex3.c", inlined=True)
     outer = fr(0x100, "main", "ex3.c", 10, "/s/ex3.c")
     nodebug = Frame(0x200, "nodbg_alloc", obj="/lib/libnd.so")
     unknown = Frame(0x300)

@@ -1,0 +1,179 @@
+"""heapscope judged by real Valgrind Massif on programs no one here wrote: Debian's own binaries.
+
+- sqlite3 (C, libsqlite3): an in-memory database built and queried by an SQL script given on the command line;
+- python3 (Debian's /usr/bin/python3, not the virtualenv's): `-c` with PYTHONHASHSEED=0, so that dict and set
+  layouts, and the allocations that follow from them, are the same in both runs;
+- troff (C++, groff-base): typesets a document the test writes. groff-base is installed on nearly every Debian
+  system (man uses it); troff builds its nodes with operator new, its static constructors allocate, and its
+  output depends only on the input and groff's font files, so both runs make the same calls.
+
+Both tools run with Massif's options (`--run-libc-freeres=no --run-cxx-freeres=no`, so that Valgrind frees
+nothing at exit that a native run keeps) and the same environment. Valgrind gives its client five variables of
+its own (Debian's wrapper: LD_LIBRARY_PATH=/usr/lib/debug, GLIBCXX_FORCE_NEW, GLIBCPP_FORCE_NEW; the launcher:
+LD_PRELOAD, PWD): the native run gets the same names, with the same values but LD_PRELOAD's (empty there),
+since a program that copies its environment (python3's os.environ) allocates by their number.
+
+The peak tree and the final tree are compared as bytes per path of `function (file:line)` labels
+(tests/integration/test_oracle.py), strictly, with one rewriting of Massif's side, named and bounded here:
+
+Valgrind's unwinder, once past a process's entry point (the loader's start code, or `_start` in the executable,
+which the stacks of static constructors reach: they run from `__libc_start_main@@GLIBC_2.34`, a name Valgrind
+does not take for below main), falls back to taking the words at the stack pointer for return addresses: it
+reads the initial stack (argc, argv's pointers) until a 0 or 1. Those frames are bare `???` (no object holds
+such an address); no call made them. They are taken off the outer end of Massif's stacks, and only there: the
+frame they follow must be in the executable or the loader.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import ORACLE_OPTIONS, RUN_TIMEOUT, unavailable
+from tests.integration.test_oracle import (
+    NO_CULL,
+    Paths,
+    Snap,
+    heapscope_peak,
+    leaf_stacks,
+    read_snapshots,
+    reference_peak,
+)
+
+pytestmark = pytest.mark.integration
+
+FREERES = ("--run-libc-freeres=no", "--run-cxx-freeres=no")
+PYTHON = "/usr/bin/python3"  # Debian's interpreter: the virtualenv's is another binary
+LOADER = "ld-linux-x86-64.so.2"
+BARE = "???"
+# What Debian's valgrind wrapper adds to the client's environment (LD_LIBRARY_PATH when it was unset).
+VALGRIND_ENV = {"LD_LIBRARY_PATH": "/usr/lib/debug", "GLIBCXX_FORCE_NEW": "1", "GLIBCPP_FORCE_NEW": "1"}
+
+SQL = (
+    "CREATE TABLE t(id INTEGER PRIMARY KEY, name TEXT, v REAL); "
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 500) "
+    "INSERT INTO t SELECT x, printf('name-%05d', x * 7919 % 500), x * 0.5 FROM c; "
+    "CREATE INDEX tn ON t(name); "
+    "SELECT count(*), sum(v), max(name) FROM t WHERE name > 'name-00250';"
+)
+PY_CODE = (
+    "import json; d = {f'k{i}': [i] * (i % 7) for i in range(5000)}; "
+    "s = json.dumps(sorted(d.items())[:2000]); print(len(s))"
+)
+
+
+def troff_document(path: Path) -> Path:
+    lines = [".ll 6i", ".ds T real programs", ".de P", ".sp", ".."]
+    for i in range(100):
+        words = " ".join(f"word{(i * 31 + j) % 97}" for j in range(25))
+        lines += [".P", f"Paragraph {i} of \\*T: {words}"]
+        if i % 50 == 0:
+            lines.append(f".nr n{i} {i * 3}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@dataclass(frozen=True)
+class RealProgram:
+    name: str
+    argv: Callable[[Path], list[str]]  # given a scratch directory
+    package: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+PROGRAMS = [
+    RealProgram("sqlite3", lambda _: ["/usr/bin/sqlite3", "-init", "/dev/null", ":memory:", SQL], "sqlite3"),
+    RealProgram("python3", lambda _: [PYTHON, "-c", PY_CODE], "python3", {"PYTHONHASHSEED": "0"}),
+    RealProgram("troff", lambda d: ["/usr/bin/troff", "-Tutf8", str(troff_document(d / "doc.tr"))], "groff-base"),
+]
+
+
+@dataclass
+class Runs:
+    ref: list[Snap]
+    got: list[Snap]
+    stderr: str
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=cwd, env=env, check=False)
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+@pytest.fixture(scope="module")
+def runs(heapscope_cmd: list[str], valgrind_tools: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Runs]:
+    return {}
+
+
+@pytest.fixture(params=PROGRAMS, ids=[p.name for p in PROGRAMS])
+def outcome(request: pytest.FixtureRequest, runs: dict[str, Runs], heapscope_cmd: list[str], tmp_path_factory) -> Runs:  # type: ignore[no-untyped-def]
+    prog: RealProgram = request.param
+    if prog.name in runs:
+        return runs[prog.name]
+    argv = prog.argv(tmp_path_factory.mktemp(prog.name))
+    if not os.path.exists(argv[0]):
+        unavailable(f"{argv[0]} is missing: install Debian's {prog.package} (scripts/apt-packages.txt)")
+    work = tmp_path_factory.mktemp(f"{prog.name}-runs")
+    # One environment for both runs (see the module docstring): what the program reads of it shapes its
+    # allocations.
+    env = {k: v for k, v in os.environ.items() if k not in VALGRIND_ENV and k != "LD_PRELOAD"}
+    env |= {"LC_ALL": "C", "PWD": str(work), **prog.env}
+    native_env = {**env, **VALGRIND_ENV, "LD_PRELOAD": ""}
+    ref_out, got_out = work / "massif.ref", work / "massif.got"
+    options = (*ORACLE_OPTIONS, *NO_CULL)
+    massif = ["valgrind", "-q", "--tool=massif", *options, *FREERES, f"--massif-out-file={ref_out}"]
+    ref = _run([*massif, *argv], work, env)
+    assert ref.returncode == 0, ref.stderr
+    got = _run([*heapscope_cmd, "run", *options, f"--massif-out-file={got_out}", "--", *argv], work, native_env)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout == ref.stdout, "the program did not do the same work in both runs"
+    runs[prog.name] = Runs(read_snapshots(ref_out.read_text()), read_snapshots(got_out.read_text()), got.stderr)
+    return runs[prog.name]
+
+
+def without_walk_past_entry(tree: Paths) -> Paths:
+    """Massif's tree with the bare `???` frames its unwinder reads past the entry point taken off the outer end
+    of each stack (see the module docstring); the frame before them must be in the executable or the loader."""
+    out: Paths = {}
+    for stack, nbytes in leaf_stacks(tree).items():
+        end = len(stack)
+        while end > 1 and stack[end - 1] == BARE:
+            end -= 1
+        if end < len(stack):
+            entry = stack[end - 1]
+            assert entry.startswith("??? (in /usr/bin/") or LOADER in entry, f"bare frames after {entry}: {stack}"
+        for i in range(1, end + 1):
+            out[stack[:i]] = out.get(stack[:i], 0) + nbytes
+    return out
+
+
+def _diff(ref: Paths, got: Paths) -> str:
+    lines = [
+        f"  massif={ref.get(p)} heapscope={got.get(p)}  {' <- '.join(p)}"
+        for p in sorted(set(ref) | set(got))
+        if ref.get(p) != got.get(p)
+    ]
+    return "\n".join(lines[:40])
+
+
+def test_peak_tree(outcome: Runs) -> None:
+    ref_peak, got_peak = reference_peak(outcome.ref), heapscope_peak(outcome.got)
+    ref, got = without_walk_past_entry(ref_peak.tree), without_walk_past_entry(got_peak.tree)
+    assert got == ref, "peak trees differ (bytes per path):\n" + _diff(ref, got)
+    assert got_peak.heap_B == ref_peak.heap_B
+    assert len(got) > 20, "a real program's peak should have more to compare than this"
+
+
+def test_final_tree(outcome: Runs) -> None:
+    """The state at exit: with freeres off, both tools see the program's own end state."""
+    ref_end, got_end = outcome.ref[-1], outcome.got[-1]
+    assert ref_end.kind != "empty" and got_end.kind != "empty", "the last snapshot has no tree"
+    ref, got = without_walk_past_entry(ref_end.tree), without_walk_past_entry(got_end.tree)
+    assert got == ref, "final trees differ (bytes per path):\n" + _diff(ref, got)
+    assert got_end.heap_B == ref_end.heap_B
