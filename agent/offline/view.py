@@ -1,9 +1,11 @@
-"""`heapscope view FILE [-o OUT.html]`: the web page of a massif.out (written by heapscope or by Valgrind's
-Massif), as one self-contained HTML file that needs no server and makes no request.
+"""`heapscope view FILE|STORE [-o OUT.html]`: the web page of a massif.out (written by heapscope or by Valgrind's
+Massif), or of a range of a stored history, as one self-contained HTML file that needs no server and makes no
+request.
 
 The page is the daemon's (agent.export.webpage), with the data it would fetch embedded: the timeline, every
 kept tree (pruned as the daemon prunes them) and, per snapshot with a tree, the bytes by site and by stack from
-which the page computes any diff itself.
+which the page computes any diff itself. A store range gives the snapshots `heapscope report --format=massif`
+would write for it (Massif's culling over the range), with the mapped total and RSS the store kept.
 """
 
 from __future__ import annotations
@@ -11,14 +13,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.errors import UsageError
+from agent.errors import HeapscopeError, UsageError
 from agent.export.webdata import (
     DIFF_ROWS,
     TOP_SITES,
     build_timeline,
+    memory_lookup,
     path_bytes,
     site_bytes,
     snapshot_ids,
@@ -26,16 +32,27 @@ from agent.export.webdata import (
 )
 from agent.export.webpage import render_page
 from agent.model.massif_file import MassifFile, parse_massif
+from agent.model.memline import MemoryPoint
+from agent.offline import history
+from agent.offline.timespec import iso, parse_moment
 
 FILE_KEY = 0  # the page's "target" key for the one profile of a file
 DIFF_ENTRIES = 2000  # sites and stacks kept per snapshot for the page's diffs; the smaller ones are counted
+# `--from -24h`: a relative time, not an option (as `heapscope report` takes it)
+_RELATIVE_TIME = re.compile(r"^-\d+(?:\.\d+)?[smhdw]?$")
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("view", help="write the web page of a massif.out as one self-contained HTML file")
-    p.add_argument("file", help="a massif.out file, from heapscope or from Valgrind's Massif")
+    p = sub.add_parser("view", help="write the web page of a massif.out, or of a stored history, as one HTML file")
+    p._negative_number_matcher = _RELATIVE_TIME
+    p.add_argument("file", metavar="FILE|STORE",
+                   help="a massif.out file (from heapscope or Valgrind's Massif), or a store directory (--store)")
     p.add_argument("-o", "--output", default=None, metavar="OUT.html",
                    help="where to write the page (default: the file's name + .html, in the current directory)")
+    g = p.add_argument_group("a store's range (times as `heapscope report` takes them)")
+    g.add_argument("--pid", type=int, default=None, help="the process, when the store holds several")
+    g.add_argument("--from", dest="start", metavar="T", default=None, help="start of the range (default: its start)")
+    g.add_argument("--to", dest="end", metavar="T", default=None, help="end of the range (default: its end)")
 
 
 def _top(entries: dict[Any, int], limit: int) -> tuple[list[list[Any]], int]:
@@ -43,9 +60,9 @@ def _top(entries: dict[Any, int], limit: int) -> tuple[list[list[Any]], int]:
     return [[k, v] for k, v in ranked[:limit]], max(len(ranked) - limit, 0)
 
 
-def page_data(profile: MassifFile, name: str) -> dict[str, Any]:
+def page_data(profile: MassifFile, name: str, memory: Sequence[MemoryPoint] = ()) -> dict[str, Any]:
     snaps = profile.snapshots
-    timeline = build_timeline(snaps, time_unit=profile.time_unit, top=TOP_SITES)
+    timeline = build_timeline(snaps, time_unit=profile.time_unit, top=TOP_SITES, memory=memory_lookup(memory))
     trees: dict[str, Any] = {}
     diffdata: dict[str, Any] = {}
     for sid, s in zip(snapshot_ids(snaps), snaps, strict=True):
@@ -69,20 +86,60 @@ def page_data(profile: MassifFile, name: str) -> dict[str, Any]:
     }
 
 
-def run(ns: argparse.Namespace, say: Any = print) -> int:
-    src = Path(ns.file)
+def _from_file(src: Path) -> tuple[dict[str, Any], str, int]:
     try:
         text = src.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise UsageError(f"cannot read {src}: {exc.strerror}") from None
     profile = parse_massif(text, name=str(src))
-    out = Path(ns.output) if ns.output else Path(src.name + ".html")
-    html = render_page(page_data(profile, src.name))
+    return page_data(profile, src.name), src.name + ".html", len(profile.snapshots)
+
+
+def _from_store(ns: argparse.Namespace, say: Callable[[str], None]) -> tuple[dict[str, Any], str, int]:
+    now = time.time_ns()
+    start = parse_moment(ns.start, now) if ns.start else None
+    end = parse_moment(ns.end, now, base_ns=start) if ns.end else None
+    if start is not None and end is not None and end < start:
+        raise UsageError(f"--to ({iso(end)}) is before --from ({iso(start)})")
+    with history.open_target(ns.file, ns.pid) as reader:
+        sel = history.select(reader, start, end)
+        if not sel.refs:
+            raise HeapscopeError(f"no snapshot in that range of {reader.path}")
+        meta = reader.meta
+        series = history.massif_series(
+            reader, sel, max_snapshots=_int_option(meta.options, "max_snapshots", 100),
+            detailed_freq=_int_option(meta.options, "detailed_freq", 10),
+        )
+        memory = [MemoryPoint(int(r.info["time"]), r.info.get("mapped"), r.info.get("rss")) for r in sel.refs]
+        profile = MassifFile(" ".join(meta.desc), meta.cmd, series.time_unit, series.snapshots)
+        name = f"{meta.cmd} (PID {meta.pid}, {iso(sel.refs[0].wall_ns)} to {iso(sel.refs[-1].wall_ns)})"
+        data = page_data(profile, name, memory)  # inside: the trees are read from the store as they are asked
+        for note in [*series.notes, *reader.skipped]:
+            say(f"heapscope: {note}")
+        return data, f"heapscope.{meta.pid}.html", len(profile.snapshots)
+
+
+def _int_option(options: Mapping[str, object], name: str, default: int) -> int:
+    """The profile's own option (as `heapscope report` takes it), else Massif's default."""
+    value = options.get(name, default)
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def run(ns: argparse.Namespace, say: Callable[[str], None] = print) -> int:
+    src = Path(ns.file)
+    if src.is_dir():
+        data, default, n = _from_store(ns, say)
+    elif ns.pid is not None or ns.start is not None or ns.end is not None:
+        raise UsageError("--pid, --from and --to choose a range of a store: give a store directory")
+    else:
+        data, default, n = _from_file(src)
+    out = Path(ns.output) if ns.output else Path(default)
+    html = render_page(data)
     try:
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(html, encoding="utf-8")
         os.replace(tmp, out)
     except OSError as exc:
         raise UsageError(f"cannot write {out}: {exc.strerror}") from None
-    say(f"heapscope: wrote {out} ({len(html.encode()):,} bytes, {len(profile.snapshots)} snapshots)")
+    say(f"heapscope: wrote {out} ({len(html.encode()):,} bytes, {n} snapshots)")
     return 0

@@ -76,3 +76,34 @@ def test_names_from_the_profile_cannot_end_the_script(tmp_path: Path) -> None:
     names = [n["name"] for t in data["trees"]["0"].values() for n in t["root"]["children"]]
     assert evil in names  # intact once parsed
     assert "innerHTML" not in (Path(__file__).resolve().parents[2] / "agent/export/web/page.js").read_text()
+
+
+def test_view_of_a_store_range_has_the_report_s_snapshots_and_the_memory_lines(tmp_path: Path) -> None:
+    """A stored history's range gives the page exactly the snapshots `heapscope report --format=massif` writes
+    for it (the same culling), with the mapped total and RSS the store kept."""
+    from tests.support.massif_reader import read_massif
+    from tests.unit.test_offline import S, iso_of, make_store
+
+    wl = make_store(tmp_path / "store", steps=120, n_sites=50)
+    start, end = iso_of(wl.start_ns + 10 * S), iso_of(wl.start_ns + 100 * S)
+    page, report = tmp_path / "store.html", tmp_path / "report.out"
+    common = [str(tmp_path / "store"), "--pid", "4242", "--from", start, "--to", end]
+    assert main(["view", *common, "-o", str(page)]) == 0
+    assert main(["report", *common, "--format=massif", "-o", str(report)]) == 0
+    timeline = embedded(page.read_text())["timelines"]["0"]
+    expected = read_massif(report)
+    assert [(p["time"], p["heap"]) for p in timeline["points"]] == [(s.time, s.heap_B) for s in expected.snapshots]
+    trees = [p for p in timeline["points"] if p["sites"] is not None]
+    assert len(trees) == len([s for s in expected.snapshots if s.tree is not None])
+    # The workload's memory lines: mapped = 2 * heap + 4096, RSS = heap + 1 MiB, sampled with every snapshot.
+    for p in timeline["points"]:
+        assert p["mapped"] is not None and p["rss"] is not None
+    last = timeline["points"][-1]
+    assert last["rss"] - (1 << 20) == (last["mapped"] - 4096) // 2
+
+
+def test_range_options_want_a_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "massif.out.1"
+    src.write_text(written())
+    assert main(["view", str(src), "--from", "-1h"]) == 2
+    assert "store directory" in capsys.readouterr().err

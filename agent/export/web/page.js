@@ -245,7 +245,7 @@
 
   function describePoint(p) {
     const tl = state.timeline;
-    const top = p.index === tl.peak_index ? (p.kind === "peak" ? ", the peak" : ", the highest so far") : "";
+    const top = p.index === tl.peak_index ? (p.kind === "peak" ? ", the peak" : ", the highest point") : "";
     let s = `#${p.index} at ${p.time} ${tl.time_unit} (${p.kind}${top}): heap ${fmtBytes(p.heap)}, extra ${fmtBytes(p.extra)}`;
     if (p.stacks) s += `, stacks ${fmtBytes(p.stacks)}`;
     if (p.mapped !== null) s += `, mapped ${fmtBytes(p.mapped)}`;
