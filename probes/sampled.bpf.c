@@ -27,7 +27,7 @@ int sample_alloc_enter(struct pt_regs *ctx)
     note_stack((u32)bpf_get_current_pid_tgid(), PT_REGS_SP(ctx), 0);
 #endif
     u64 stack = capture_stack(ctx, g, HS_MALLOC);
-    record_alloc(g, addr, weight, stack, HS_MALT ? bpf_ktime_get_ns() : 0);
+    record_alloc(g, addr, weight, HS_ALIGNMENT, stack, HS_MALT ? bpf_ktime_get_ns() : 0);
     return 0;
 }
 

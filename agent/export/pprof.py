@@ -24,7 +24,7 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from agent.model.profile import Frame, SiteCounts, Stack
+from agent.model.profile import Frame, SiteCounts, Stack, ip_groups
 from agent.symbols.symbolizer import Mapping as MemoryMapping
 
 SAMPLE_TYPES: tuple[tuple[str, str], ...] = (
@@ -315,21 +315,17 @@ def render_pprof(
         return lid
 
     def location_ids(stack: Stack) -> list[int]:
-        """The stack's locations, leaf first: consecutive frames at one address are one location (ip_groups)."""
+        """The stack's locations, leaf first: one per instruction pointer, its inlined calls with it (ip_groups;
+        a recursion from one line is one location per call)."""
         ids = []
-        i, n = 0, len(stack)
-        while i < n:
-            f = stack[i]
-            j = i + 1
-            while j < n and stack[j].address == f.address:
-                j += 1
-            if j == i + 1:
+        for ip in ip_groups(stack):
+            f = ip[0]
+            if len(ip) == 1:
                 key: tuple[object, ...] = (f.address, f.obj, f.function, f.line, f.path or f.file)
             else:
-                key = (f.address, f.obj, *((g.function, g.line, g.path or g.file) for g in stack[i:j]))
+                key = (f.address, f.obj, *((g.function, g.line, g.path or g.file) for g in ip))
             lid = locations.get(key)
-            ids.append(lid if lid is not None else new_location(stack[i:j], key))
-            i = j
+            ids.append(lid if lid is not None else new_location(ip, key))
         return ids
 
     bytes_key = strings("bytes")

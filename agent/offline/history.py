@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from agent.errors import UsageError
-from agent.model.options import DEFAULT_ALLOC_FNS
+from agent.model.options import DEFAULT_ALLOC_FNS, MassifOptions
 from agent.model.profile import (
     HEAP_ROOT_LABEL,
     Frame,
@@ -28,8 +28,6 @@ from agent.model.profile import (
 )
 from agent.store import SnapshotRef, SnapshotUnavailable, StoredSnapshot, StoreReader
 from agent.store.writer import segment_paths
-
-XTREE_DEPTH = 1 << 16  # the xtree keeps whole stacks down to main (as the session's xtree does)
 
 
 def open_target(store: str | os.PathLike[str], pid: int | None) -> StoreReader:
@@ -89,7 +87,9 @@ class Trimmer:
     def __init__(self, options: Mapping[str, object], *, massif: bool = True) -> None:
         extra = options.get("alloc_fns") or []
         self.alloc_fns = frozenset(DEFAULT_ALLOC_FNS) | frozenset(map(str, extra)) if massif else frozenset()  # type: ignore[call-overload]
-        self.depth = int(options.get("depth", 30)) if massif else XTREE_DEPTH  # type: ignore[call-overload]
+        depth = int(options.get("depth", 30))  # type: ignore[call-overload]
+        # The xtree keeps all Massif captured, down to main (as the session's xtree does).
+        self.depth = depth if massif else MassifOptions(depth=depth).xtree_frames
         ignore = options.get("ignore_fns") or []
         self.ignore_fns = frozenset(map(str, ignore)) if massif else frozenset()  # type: ignore[call-overload]
         self._cache: dict[Stack, Stack | None] = {}

@@ -29,7 +29,7 @@ import zstandard
 
 MAGIC = b"HeapscopeStore01"  # 16 bytes
 assert len(MAGIC) == 16
-FORMAT_SUBVERSION = 1
+FORMAT_SUBVERSION = 2
 
 BLOCK_HEADER = struct.Struct("<8sHQ")  # kind, entry size, payload size
 BLOCK_TRAILER = struct.Struct("<I")  # CRC-32 of header and payload
@@ -45,8 +45,10 @@ K_STRINGS = b"strings"
 K_SNAPTOC = b"snaptoc"
 K_OUTERTOC = b"outertoc"
 K_PREVTOC = b"prevtoc"  # an outer TOC entry pointing to the previous outer TOC of the chain
-# Frame table columns: one row per new frame.
-FRAME_COLUMNS = (b"frm_addr", b"frm_func", b"frm_file", b"frm_line", b"frm_obj", b"frm_path")
+# Frame table columns: one row per new frame. frm_inl (subversion 2 on): 1 for an inlined call, shown above the
+# function it was inlined into at the same address (Frame.inlined); older segments lack it.
+K_FRM_INLINED = b"frm_inl"
+FRAME_COLUMNS = (b"frm_addr", b"frm_func", b"frm_file", b"frm_line", b"frm_obj", b"frm_path", K_FRM_INLINED)
 # Site (stack) table: frames per new site, then their frame numbers, innermost first.
 K_STK_LEN = b"stk_len"
 K_STK_FRM = b"stk_frm"

@@ -403,13 +403,16 @@ class SegmentReader:
             self.strings += fmt.decode_strings(self._checked(kinds[fmt.K_STRINGS]))
         if fmt.FRAME_COLUMNS[0] in kinds:
             addr, func, file, line, obj, path = (
-                fmt.decode_column(self._checked(kinds[k])).tolist() for k in fmt.FRAME_COLUMNS
+                fmt.decode_column(self._checked(kinds[k])).tolist() for k in fmt.FRAME_COLUMNS[:6]
             )
+            # Segments before subversion 2 do not say which frames are inlined calls: none is taken for one.
+            inl = kinds.get(fmt.K_FRM_INLINED)
+            inlined = fmt.decode_column(self._checked(inl)).tolist() if inl is not None else [0] * len(addr)
             strs: list[str | None] = [None, *self.strings]  # string index + 1, 0 for none
             mask = 0xFFFF_FFFF_FFFF_FFFF
             self.frames += [
-                Frame(a & mask, strs[fn], strs[fl], ln or None, strs[ob], strs[pa])
-                for a, fn, fl, ln, ob, pa in zip(addr, func, file, line, obj, path, strict=True)
+                Frame(a & mask, strs[fn], strs[fl], ln or None, strs[ob], strs[pa], inlined=bool(i))
+                for a, fn, fl, ln, ob, pa, i in zip(addr, func, file, line, obj, path, inlined, strict=True)
             ]
         if fmt.K_STK_LEN in kinds:
             lens = fmt.decode_column(self._checked(kinds[fmt.K_STK_LEN])).tolist()

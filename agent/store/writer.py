@@ -198,7 +198,7 @@ class SegmentFile:
                         k = new_frames[f] = len(self.frames) + len(new_frames)
                         frame_rows.append(f)
                 stk_frm.append(k)
-        frame_cols = [[], [], [], [], [], []]  # type: list[list[int]]
+        frame_cols = [[], [], [], [], [], [], []]  # type: list[list[int]]
         for f in frame_rows:
             frame_cols[0].append(f.address if f.address < 1 << 63 else f.address - (1 << 64))
             frame_cols[1].append(string_ref(f.function))
@@ -206,6 +206,7 @@ class SegmentFile:
             frame_cols[3].append(f.line or 0)
             frame_cols[4].append(string_ref(f.obj))
             frame_cols[5].append(string_ref(f.path))
+            frame_cols[6].append(1 if f.inlined else 0)
 
         peak_moved = info.get("peak") != self.last_peak
         info = {

@@ -157,9 +157,11 @@ def read_segment(path: str) -> SpecSegment:
             strings += _strings(blocks["strings"][1])
         if "frm_addr" in blocks:
             cols = [_column(*blocks[k]) for k in FRAME_COLS]
-            for addr, fn, fl, line, obj, pth in zip(*cols, strict=True):
+            # frm_inl from subversion 2 on; without it no frame is an inlined call.
+            cols.append(_column(*blocks["frm_inl"]) if "frm_inl" in blocks else [0] * len(cols[0]))
+            for addr, fn, fl, line, obj, pth, inl in zip(*cols, strict=True):
                 s = [strings[i - 1] if i else None for i in (fn, fl, obj, pth)]
-                frames.append((addr & MASK, s[0], s[1], line or None, s[2], s[3]))
+                frames.append((addr & MASK, s[0], s[1], line or None, s[2], s[3], bool(inl)))
         if "stk_len" in blocks:
             lens = _column(*blocks["stk_len"])
             frm = _column(*blocks["stk_frm"])

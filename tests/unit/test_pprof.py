@@ -34,7 +34,7 @@ BUILD_IDS = {EXE: "00112233445566778899aabbccddeeff00112233"}
 MAIN = Frame(0x5555_0000_1100, "main", "server.c", 50, EXE, path="/src/server.c")
 HANDLER = Frame(0x5555_0000_1200, "handle", "server.c", 30, EXE, path="/src/server.c")
 # An inlined call at one address: the inlined function first, the function it was inlined into last.
-INLINED = Frame(0x7F00_0000_2300, "grow_buffer", "buf.h", 12, LIB, path="/src/buf.h")
+INLINED = Frame(0x7F00_0000_2300, "grow_buffer", "buf.h", 12, LIB, path="/src/buf.h", inlined=True)
 INLINER = Frame(0x7F00_0000_2300, "work", "work.c", 77, LIB, path="/src/work.c")
 NO_SYMBOL = Frame(0x7F00_0000_2400, obj=LIB)  # an address of the library with no symbol
 NOT_RECORDED = Frame(0, "[stack not recorded]")

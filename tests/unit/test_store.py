@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.model.profile import Frame, SiteCounts
+from agent.model.profile import Frame, SiteCounts, ip_groups
 from agent.store import (
     Retention,
     StoreMeta,
@@ -84,6 +84,19 @@ def test_unchanged_sites_are_not_listed_and_sites_left_out_keep_their_counters(t
     assert sites[frames[1]] == c[1]
     assert sites[same].cur_bytes == c[0].cur_bytes + c[3].cur_bytes
     assert len(seg.site_stacks) == 4
+
+
+def test_inlined_frames_stay_inlined(tmp_path: Path) -> None:
+    """A stack's split into instruction pointers survives the store: an inlined call is marked, and a recursion
+    (frames at one address, none inlined) is not taken for one."""
+    inl = (Frame(0x20, "h", "r.c", 2, inlined=True), Frame(0x20, "r", "r.c", 9))
+    recursion = (Frame(0x10, "leaf", "r.c", 5), *(inl * 3), Frame(0x30, "r", "r.c", 9), Frame(0x30, "r", "r.c", 9))
+    with StoreWriter(tmp_path, META, sync=SyncPolicy("never")) as w:
+        w.append(StoreSample(1, 0, 10, 0, 0, {0: SiteCounts(cur_bytes=10, cur_blocks=1)}, {0: recursion}))
+    reader = StoreReader(tmp_path)
+    (stack,) = reader.load(reader.snapshots()[0]).sites()
+    assert [f.inlined for f in stack] == [f.inlined for f in recursion]
+    assert len(ip_groups(stack)) == 1 + 3 + 2
 
 
 def test_unknown_site_is_refused(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ FIELDS = ("tot_blocks", "tot_bytes", "freed_blocks", "freed_bytes", "cur_blocks"
 
 
 def plain(frame: Frame) -> tuple:
-    return (frame.address, frame.function, frame.file, frame.line, frame.obj, frame.path)
+    return (frame.address, frame.function, frame.file, frame.line, frame.obj, frame.path, frame.inlined)
 
 
 def test_the_spec_reader_reads_every_snapshot_the_writer_wrote(tmp_path: Path) -> None:
