@@ -70,7 +70,7 @@ int main(int argc, char **argv)
     round_of(malloc, free); /* warm-up */
     for (int i = 0; i < rounds; i++) {
         plain[i] = round_of(malloc, free);
-        diff[i] = round_of(h_malloc, h_free) - plain[i];
+        diff[i] = round_of(hs_hook_malloc, hs_hook_free) - plain[i];
     }
     qsort(diff, (size_t)rounds, sizeof *diff, cmp);
     qsort(plain, (size_t)rounds, sizeof *plain, cmp);

@@ -96,13 +96,25 @@ def test_kernel_aggregates_sampled_bytes_per_site(
             conv.say("go")
             conv.expect("allocated")
 
+            lib_maps = [m for m in read_map_lines(conv.pid) if m.inode == os.stat(sampler_lib).st_ino]
+            lib_lo, lib_hi = min(m.start for m in lib_maps), max(m.end for m in lib_maps)
+            shapes: collections.Counter[str] = collections.Counter()
+
             def live_per_site() -> collections.Counter[int | None]:
                 counts = probes.counters()
                 sites = probes.sites(counts.peak_gen)
                 stacks = probes.stacks(sites.keys())
                 live: collections.Counter[int | None] = collections.Counter()
                 for key, c in sites.items():
-                    live[site_of(stacks.get(key, ()), ranges)] += c.cur_bytes
+                    stack = stacks.get(key, ())
+                    site = site_of(stack, ranges)
+                    live[site] += c.cur_bytes
+                    if site is not None:
+                        # The sampler's own frames lead (to be trimmed), then the program's call site.
+                        inside = [lib_lo <= ip < lib_hi for ip in stack]
+                        first_out = inside.index(False)
+                        shapes["ok" if first_out >= 1 and not any(inside[first_out:])
+                               and site_of(stack[first_out : first_out + 1], ranges) == site else "other"] += 1
                 return live
 
             allocated = live_per_site()
@@ -127,6 +139,7 @@ def test_kernel_aggregates_sampled_bytes_per_site(
               f"truth = {allocated[site] / true_bytes:.4f} at rate {rate}")
         if true_bytes >= total / 10:
             assert abs(allocated[site] / true_bytes - 1) <= 0.10, (site, allocated[site], true_bytes)
+    assert shapes["ok"] > 0 and shapes["other"] == 0, shapes
     # Every sampled block of site 0 was freed, and each free took back exactly the weight it was recorded at.
     assert allocated[0] > 0 and after_free[0] == 0
     for site in (1, 2, 3):
