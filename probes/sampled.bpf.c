@@ -9,8 +9,8 @@
  * A sampled block is recorded at its weight, the bytes it stands for (s / (1 - e^(-s/T)), exactly s at or
  * above the rate T), so every sum the kernel keeps (sites, the peak, the timeline) is an estimate by
  * construction. Its free subtracts the same weight, since the block table keeps what was recorded.
- * The stack starts inside the sampler (hs_sample_alloc's caller); user space trims the sampler's frames as
- * it trims allocation functions.
+ * The stack starts inside the sampler (hs_account_slow, then an hs_hook_* function); user space is to trim
+ * those frames as it trims allocation functions (not done yet: the session does not know sampled mode).
  */
 
 int sample_alloc_enter(struct pt_regs *ctx)

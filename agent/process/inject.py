@@ -136,6 +136,19 @@ class Injection:
     seconds: float = 0.0
     threads_tried: int = 0  # seize attempts that found a thread not at a safe point
     deferred_signals: list[int] = field(default_factory=list)
+    # The process had one thread: the sampler's control thread makes glibc leave its single-threaded fast
+    # paths (malloc takes its locks) for the rest of the process's life, loaded or not. Measured on
+    # bench/churn.c: about +0.05 µs per malloc+free pair. Callers should say so.
+    was_single_threaded: bool = False
+
+    @property
+    def warnings(self) -> list[str]:
+        if not self.was_single_threaded:
+            return []
+        return [
+            f"process {self.pid} was single-threaded: the sampler's control thread makes glibc's malloc take its "
+            "locks from now on (a few tens of ns per call), also after detaching"
+        ]
 
 
 # ---- the stub -----------------------------------------------------------------------------------------
@@ -656,6 +669,15 @@ def _syscall_instruction(pid: int, proc_root: str) -> int:
     return libc.start + found[0] + at
 
 
+def _single_threaded(pid: int, proc_root: str) -> bool:
+    """glibc's own view (__libc_single_threaded, glibc 2.32+), else the thread count."""
+    try:
+        flag_at = _libc_function(pid, "__libc_single_threaded", proc_root)
+        return read_memory(pid, flag_at, 1) != b"\0"
+    except (TargetError, OSError):
+        return len(os.listdir(f"{proc_root}/{pid}/task")) == 1
+
+
 def _stub() -> Stub:
     return load_stub(build_stub())
 
@@ -681,6 +703,7 @@ def inject(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc")
     if mapped_base(pid, library) is not None:
         return Injection(pid, library, reused=True)
     preflight(pid, library, proc_root)
+    single = _single_threaded(pid, proc_root)
     stub = _stub()
     ranges = unsafe_ranges(pid, proc_root)
     dlopen_at = _libc_function(pid, "dlopen", proc_root)
@@ -697,4 +720,6 @@ def inject(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc")
     if handle == 0:
         msg = read_memory(pid, error, 512).split(b"\0", 1)[0].decode(errors="replace") if error else "?"
         raise TargetError(f"dlopen of the sampler failed in process {pid}: {msg}")
-    return Injection(pid, library, False, t.tid, time.monotonic() - started, tried, [s for s, _ in t.deferred])
+    return Injection(
+        pid, library, False, t.tid, time.monotonic() - started, tried, [s for s, _ in t.deferred], single
+    )

@@ -20,6 +20,8 @@
  * - The lease: heapscope holds the only write end of a pipe (taken with pidfd_getfd). When heapscope exits,
  *   even by SIGKILL, the read end reports POLLHUP and the control thread disarms within one poll period.
  * - The library is never unloaded (heapscope dlopens it RTLD_NODELETE); arming again reuses it.
+ * - Every function that can be on the stack when a probe fires is named hs_*: a stack from hs_sample_alloc
+ *   starts with hs_account_slow and an hs_hook_* function, which user space trims as allocation functions.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -305,7 +307,7 @@ EXPORT uint64_t hs_weight(uint64_t size, uint64_t rate)
     return (uint64_t)floor((double)size / p + 0.5);
 }
 
-static __attribute__((noinline)) void account_slow(struct thread_state *t, void *p, size_t n)
+static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, void *p, size_t n)
 {
     uint64_t rate = LOAD(sample_rate);
     if (UNLIKELY(!t->seeded)) {
@@ -344,7 +346,7 @@ static inline void account(void *p, size_t n)
         t->remaining = r;
         return;
     }
-    account_slow(t, p, n);
+    hs_account_slow(t, p, n);
 }
 
 /* Report a free before the block goes back to the allocator: after it, another thread may get the same
@@ -375,18 +377,18 @@ static inline void unbusy(struct busy_guard *g) { g->t->busy = g->was; }
     busy_guard.t->busy = 1
 
 /* ---- the hooks ------------------------------------------------------------------------------------------------- */
-static void *h_malloc(size_t n)
+static void *hs_hook_malloc(size_t n)
 {
     void *p = REAL(H_MALLOC, alloc_fn)(n);
     account(p, n);
     return p;
 }
-static void h_free(void *p)
+static void hs_hook_free(void *p)
 {
     forget(p);
     REAL(H_FREE, free_fn)(p);
 }
-static void *h_calloc(size_t nmemb, size_t size)
+static void *hs_hook_calloc(size_t nmemb, size_t size)
 {
     void *p = REAL(H_CALLOC, alloc2_fn)(nmemb, size);
     size_t n;
@@ -394,7 +396,7 @@ static void *h_calloc(size_t nmemb, size_t size)
         account(p, n);
     return p;
 }
-static void *h_realloc(void *p, size_t n)
+static void *hs_hook_realloc(void *p, size_t n)
 {
     if (p && !tls.busy)
         count_free(&tls);
@@ -411,7 +413,7 @@ static void *h_realloc(void *p, size_t n)
         account(q, n);
     return q;
 }
-static void *h_reallocarray(void *p, size_t nmemb, size_t size)
+static void *hs_hook_reallocarray(void *p, size_t nmemb, size_t size)
 {
     size_t n;
     if (__builtin_mul_overflow(nmemb, size, &n))
@@ -431,32 +433,32 @@ static void *h_reallocarray(void *p, size_t nmemb, size_t size)
         account(q, n);
     return q;
 }
-static int h_posix_memalign(void **out, size_t align, size_t n)
+static int hs_hook_posix_memalign(void **out, size_t align, size_t n)
 {
     int r = REAL(H_POSIX_MEMALIGN, posix_memalign_fn)(out, align, n);
     if (r == 0)
         account(*out, n);
     return r;
 }
-static void *h_aligned_alloc(size_t align, size_t n)
+static void *hs_hook_aligned_alloc(size_t align, size_t n)
 {
     void *p = REAL(H_ALIGNED_ALLOC, alloc2_fn)(align, n);
     account(p, n);
     return p;
 }
-static void *h_memalign(size_t align, size_t n)
+static void *hs_hook_memalign(size_t align, size_t n)
 {
     void *p = REAL(H_MEMALIGN, alloc2_fn)(align, n);
     account(p, n);
     return p;
 }
-static void *h_valloc(size_t n)
+static void *hs_hook_valloc(size_t n)
 {
     void *p = REAL(H_VALLOC, alloc_fn)(n);
     account(p, n);
     return p;
 }
-static void *h_pvalloc(size_t n)
+static void *hs_hook_pvalloc(size_t n)
 {
     void *p = REAL(H_PVALLOC, alloc_fn)(n);
     account(p, n);
@@ -509,82 +511,82 @@ static void *h_pvalloc(size_t n)
         account(p, n);                                                                                           \
         return p;                                                                                                \
     }
-NEW_HOOK(h_new, H_NEW)
-NEW_HOOK(h_new_arr, H_NEW_ARR)
-NEW_NT_HOOK(h_new_nt, H_NEW_NT)
-NEW_NT_HOOK(h_new_arr_nt, H_NEW_ARR_NT)
-NEW_AL_HOOK(h_new_al, H_NEW_AL)
-NEW_AL_HOOK(h_new_arr_al, H_NEW_ARR_AL)
-NEW_AL_NT_HOOK(h_new_al_nt, H_NEW_AL_NT)
-NEW_AL_NT_HOOK(h_new_arr_al_nt, H_NEW_ARR_AL_NT)
+NEW_HOOK(hs_hook_new, H_NEW)
+NEW_HOOK(hs_hook_new_arr, H_NEW_ARR)
+NEW_NT_HOOK(hs_hook_new_nt, H_NEW_NT)
+NEW_NT_HOOK(hs_hook_new_arr_nt, H_NEW_ARR_NT)
+NEW_AL_HOOK(hs_hook_new_al, H_NEW_AL)
+NEW_AL_HOOK(hs_hook_new_arr_al, H_NEW_ARR_AL)
+NEW_AL_NT_HOOK(hs_hook_new_al_nt, H_NEW_AL_NT)
+NEW_AL_NT_HOOK(hs_hook_new_arr_al_nt, H_NEW_ARR_AL_NT)
 
-static void h_del(void *p)
+static void hs_hook_del(void *p)
 {
     forget(p);
     BUSY_SCOPE;
     REAL(H_DEL, free_fn)(p);
 }
-static void h_del_arr(void *p)
+static void hs_hook_del_arr(void *p)
 {
     forget(p);
     BUSY_SCOPE;
     REAL(H_DEL_ARR, free_fn)(p);
 }
-static void h_del_sz(void *p, size_t n)
+static void hs_hook_del_sz(void *p, size_t n)
 {
     forget(p);
     BUSY_SCOPE;
     REAL(H_DEL_SZ, free2_fn)(p, n);
 }
-static void h_del_arr_sz(void *p, size_t n)
+static void hs_hook_del_arr_sz(void *p, size_t n)
 {
     forget(p);
     BUSY_SCOPE;
     REAL(H_DEL_ARR_SZ, free2_fn)(p, n);
 }
-static void h_del_nt(void *p, const void *nt)
+static void hs_hook_del_nt(void *p, const void *nt)
 {
     forget(p);
     BUSY_SCOPE;
     REAL(H_DEL_NT, free_nt_fn)(p, nt);
 }
-static void h_del_arr_nt(void *p, const void *nt)
+static void hs_hook_del_arr_nt(void *p, const void *nt)
 {
     forget(p);
     BUSY_SCOPE;
     REAL(H_DEL_ARR_NT, free_nt_fn)(p, nt);
 }
-static void h_del_al(void *p, size_t al)
+static void hs_hook_del_al(void *p, size_t al)
 {
     forget(p);
     BUSY_SCOPE;
     REAL(H_DEL_AL, free2_fn)(p, al);
 }
-static void h_del_arr_al(void *p, size_t al)
+static void hs_hook_del_arr_al(void *p, size_t al)
 {
     forget(p);
     BUSY_SCOPE;
     REAL(H_DEL_ARR_AL, free2_fn)(p, al);
 }
-static void h_del_sz_al(void *p, size_t n, size_t al)
+static void hs_hook_del_sz_al(void *p, size_t n, size_t al)
 {
     forget(p);
     BUSY_SCOPE;
     REAL(H_DEL_SZ_AL, free3_fn)(p, n, al);
 }
-static void h_del_arr_sz_al(void *p, size_t n, size_t al)
+static void hs_hook_del_arr_sz_al(void *p, size_t n, size_t al)
 {
     forget(p);
     BUSY_SCOPE;
     REAL(H_DEL_ARR_SZ_AL, free3_fn)(p, n, al);
 }
-static void h_del_al_nt(void *p, size_t al, const void *nt)
+static void hs_hook_del_al_nt(void *p, size_t al, const void *nt)
 {
     forget(p);
     BUSY_SCOPE;
     REAL(H_DEL_AL_NT, free_al_nt_fn)(p, al, nt);
 }
-static void h_del_arr_al_nt(void *p, size_t al, const void *nt)
+static void hs_hook_del_arr_al_nt(void *p, size_t al, const void *nt)
 {
     forget(p);
     BUSY_SCOPE;
@@ -593,13 +595,13 @@ static void h_del_arr_al_nt(void *p, size_t al, const void *nt)
 
 /* jemalloc's non-standard API (present only where jemalloc is loaded). xallocx resizes in place and is not
  * hooked: a sampled block it grows keeps its first size. */
-static void *h_mallocx(size_t n, int flags)
+static void *hs_hook_mallocx(size_t n, int flags)
 {
     void *p = REAL(H_MALLOCX, mallocx_fn)(n, flags);
     account(p, n);
     return p;
 }
-static void *h_rallocx(void *p, size_t n, int flags)
+static void *hs_hook_rallocx(void *p, size_t n, int flags)
 {
     if (p && !tls.busy)
         count_free(&tls);
@@ -615,46 +617,46 @@ static void *h_rallocx(void *p, size_t n, int flags)
     account(q, n);
     return q;
 }
-static void h_dallocx(void *p, int flags) { forget(p); REAL(H_DALLOCX, dallocx_fn)(p, flags); }
-static void h_sdallocx(void *p, size_t n, int flags) { forget(p); REAL(H_SDALLOCX, sdallocx_fn)(p, n, flags); }
+static void hs_hook_dallocx(void *p, int flags) { forget(p); REAL(H_DALLOCX, dallocx_fn)(p, flags); }
+static void hs_hook_sdallocx(void *p, size_t n, int flags) { forget(p); REAL(H_SDALLOCX, sdallocx_fn)(p, n, flags); }
 
 static void define_hooks(void)
 {
 #define DEF(id, sym, fn) hooks[id] = (struct hook){sym, (void *)(fn), NULL}
-    DEF(H_MALLOC, "malloc", h_malloc);
-    DEF(H_FREE, "free", h_free);
-    DEF(H_CALLOC, "calloc", h_calloc);
-    DEF(H_REALLOC, "realloc", h_realloc);
-    DEF(H_REALLOCARRAY, "reallocarray", h_reallocarray);
-    DEF(H_POSIX_MEMALIGN, "posix_memalign", h_posix_memalign);
-    DEF(H_ALIGNED_ALLOC, "aligned_alloc", h_aligned_alloc);
-    DEF(H_MEMALIGN, "memalign", h_memalign);
-    DEF(H_VALLOC, "valloc", h_valloc);
-    DEF(H_PVALLOC, "pvalloc", h_pvalloc);
-    DEF(H_NEW, "_Znwm", h_new);
-    DEF(H_NEW_ARR, "_Znam", h_new_arr);
-    DEF(H_NEW_NT, "_ZnwmRKSt9nothrow_t", h_new_nt);
-    DEF(H_NEW_ARR_NT, "_ZnamRKSt9nothrow_t", h_new_arr_nt);
-    DEF(H_NEW_AL, "_ZnwmSt11align_val_t", h_new_al);
-    DEF(H_NEW_ARR_AL, "_ZnamSt11align_val_t", h_new_arr_al);
-    DEF(H_NEW_AL_NT, "_ZnwmSt11align_val_tRKSt9nothrow_t", h_new_al_nt);
-    DEF(H_NEW_ARR_AL_NT, "_ZnamSt11align_val_tRKSt9nothrow_t", h_new_arr_al_nt);
-    DEF(H_DEL, "_ZdlPv", h_del);
-    DEF(H_DEL_ARR, "_ZdaPv", h_del_arr);
-    DEF(H_DEL_SZ, "_ZdlPvm", h_del_sz);
-    DEF(H_DEL_ARR_SZ, "_ZdaPvm", h_del_arr_sz);
-    DEF(H_DEL_NT, "_ZdlPvRKSt9nothrow_t", h_del_nt);
-    DEF(H_DEL_ARR_NT, "_ZdaPvRKSt9nothrow_t", h_del_arr_nt);
-    DEF(H_DEL_AL, "_ZdlPvSt11align_val_t", h_del_al);
-    DEF(H_DEL_ARR_AL, "_ZdaPvSt11align_val_t", h_del_arr_al);
-    DEF(H_DEL_SZ_AL, "_ZdlPvmSt11align_val_t", h_del_sz_al);
-    DEF(H_DEL_ARR_SZ_AL, "_ZdaPvmSt11align_val_t", h_del_arr_sz_al);
-    DEF(H_DEL_AL_NT, "_ZdlPvSt11align_val_tRKSt9nothrow_t", h_del_al_nt);
-    DEF(H_DEL_ARR_AL_NT, "_ZdaPvSt11align_val_tRKSt9nothrow_t", h_del_arr_al_nt);
-    DEF(H_MALLOCX, "mallocx", h_mallocx);
-    DEF(H_RALLOCX, "rallocx", h_rallocx);
-    DEF(H_DALLOCX, "dallocx", h_dallocx);
-    DEF(H_SDALLOCX, "sdallocx", h_sdallocx);
+    DEF(H_MALLOC, "malloc", hs_hook_malloc);
+    DEF(H_FREE, "free", hs_hook_free);
+    DEF(H_CALLOC, "calloc", hs_hook_calloc);
+    DEF(H_REALLOC, "realloc", hs_hook_realloc);
+    DEF(H_REALLOCARRAY, "reallocarray", hs_hook_reallocarray);
+    DEF(H_POSIX_MEMALIGN, "posix_memalign", hs_hook_posix_memalign);
+    DEF(H_ALIGNED_ALLOC, "aligned_alloc", hs_hook_aligned_alloc);
+    DEF(H_MEMALIGN, "memalign", hs_hook_memalign);
+    DEF(H_VALLOC, "valloc", hs_hook_valloc);
+    DEF(H_PVALLOC, "pvalloc", hs_hook_pvalloc);
+    DEF(H_NEW, "_Znwm", hs_hook_new);
+    DEF(H_NEW_ARR, "_Znam", hs_hook_new_arr);
+    DEF(H_NEW_NT, "_ZnwmRKSt9nothrow_t", hs_hook_new_nt);
+    DEF(H_NEW_ARR_NT, "_ZnamRKSt9nothrow_t", hs_hook_new_arr_nt);
+    DEF(H_NEW_AL, "_ZnwmSt11align_val_t", hs_hook_new_al);
+    DEF(H_NEW_ARR_AL, "_ZnamSt11align_val_t", hs_hook_new_arr_al);
+    DEF(H_NEW_AL_NT, "_ZnwmSt11align_val_tRKSt9nothrow_t", hs_hook_new_al_nt);
+    DEF(H_NEW_ARR_AL_NT, "_ZnamSt11align_val_tRKSt9nothrow_t", hs_hook_new_arr_al_nt);
+    DEF(H_DEL, "_ZdlPv", hs_hook_del);
+    DEF(H_DEL_ARR, "_ZdaPv", hs_hook_del_arr);
+    DEF(H_DEL_SZ, "_ZdlPvm", hs_hook_del_sz);
+    DEF(H_DEL_ARR_SZ, "_ZdaPvm", hs_hook_del_arr_sz);
+    DEF(H_DEL_NT, "_ZdlPvRKSt9nothrow_t", hs_hook_del_nt);
+    DEF(H_DEL_ARR_NT, "_ZdaPvRKSt9nothrow_t", hs_hook_del_arr_nt);
+    DEF(H_DEL_AL, "_ZdlPvSt11align_val_t", hs_hook_del_al);
+    DEF(H_DEL_ARR_AL, "_ZdaPvSt11align_val_t", hs_hook_del_arr_al);
+    DEF(H_DEL_SZ_AL, "_ZdlPvmSt11align_val_t", hs_hook_del_sz_al);
+    DEF(H_DEL_ARR_SZ_AL, "_ZdaPvmSt11align_val_t", hs_hook_del_arr_sz_al);
+    DEF(H_DEL_AL_NT, "_ZdlPvSt11align_val_tRKSt9nothrow_t", hs_hook_del_al_nt);
+    DEF(H_DEL_ARR_AL_NT, "_ZdaPvSt11align_val_tRKSt9nothrow_t", hs_hook_del_arr_al_nt);
+    DEF(H_MALLOCX, "mallocx", hs_hook_mallocx);
+    DEF(H_RALLOCX, "rallocx", hs_hook_rallocx);
+    DEF(H_DALLOCX, "dallocx", hs_hook_dallocx);
+    DEF(H_SDALLOCX, "sdallocx", hs_hook_sdallocx);
 #undef DEF
 }
 

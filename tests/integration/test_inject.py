@@ -61,6 +61,7 @@ def test_calls_on_every_thread_and_arm_cycles_change_nothing(
         assert len(used) == threads  # every thread ran a call (none is ever inside the allocator for long)
         injected = inject(conv.pid, sampler_lib)
         assert not injected.reused
+        assert not injected.was_single_threaded and not injected.warnings
         assert inject(conv.pid, sampler_lib).reused  # never loaded twice
         for cycle in range(10):
             ctl = SamplerControl(conv.pid, sampler_lib)
@@ -96,6 +97,7 @@ def test_sampled_bytes_per_site_via_injection(sampler_lib: Path, build: Callable
     def bring_in(pid: int) -> SamplerControl:
         done = inject(pid, sampler_lib)
         assert not done.reused and done.tid == pid  # the main thread, blocked in read(), was a safe point
+        assert done.was_single_threaded and done.warnings  # its threads start later: glibc saw one thread
         return SamplerControl(pid, sampler_lib)
 
     check_sites(run_sites(program, sampler_lib, tmp_path, bring_in, load_itself=False))

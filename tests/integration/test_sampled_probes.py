@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.kernel.probes import HeapProbes, ProbeSettings
+from agent.kernel.probes import HeapProbes, ProbeSettings, UnwindMapping
 from agent.process.discovery import ProbePoint
 from agent.process.sampler import PROBE_FUNCTIONS, SamplerControl, build_sampler, read_map_lines
 from agent.symbols.elf import open_elf
 from agent.symbols.placement import choose_offset
+from agent.symbols.unwind import load_table
 from tests.integration.sampler_support import Conversation
 from tests.integration.test_sampler import EXPECTED_SITE_BYTES, site_rate
 
@@ -54,8 +55,25 @@ def site_of(stack: tuple[int, ...], ranges: dict[int, tuple[int, int]]) -> int |
     return None
 
 
+def unwind_mappings(pid: int) -> list[UnwindMapping]:
+    """The unwind tables of the target's executable mappings, as the session publishes them."""
+    out = []
+    for m in read_map_lines(pid):
+        if "x" not in m.perms or not m.path.startswith("/"):
+            continue
+        path = f"/proc/{pid}/root{m.path}"
+        table = load_table(path)
+        vaddr = open_elf(path).file_offset_to_vaddr(m.offset)
+        if vaddr is None:
+            continue
+        key = table.build_id or f"{m.path}:{os.stat(path).st_mtime_ns}"
+        out.append(UnwindMapping(m.start, m.end, m.start - vaddr, key, table.rows, table.n_rows))
+    return out
+
+
+@pytest.mark.parametrize("unwind", [False, True], ids=["frame-pointers", "eh-frame"])
 def test_kernel_aggregates_sampled_bytes_per_site(
-    sampler_lib: Path, build: Callable[..., Path], tmp_path: Path
+    sampler_lib: Path, build: Callable[..., Path], tmp_path: Path, unwind: bool
 ) -> None:
     program = build("sampler_sites.c")
     rate = site_rate({k: int(v) for k, v in EXPECTED_SITE_BYTES.items()}, 1600)
@@ -70,11 +88,17 @@ def test_kernel_aggregates_sampled_bytes_per_site(
             value, size = exe.find_symbol(fn)  # type: ignore[misc]
             ranges[site] = (base + value, base + value + size)
         ctl = SamplerControl(conv.pid, sampler_lib)
-        settings = ProbeSettings(target_tgid=conv.pid, arm_on_exec=False, unwind=False, sampled=True)
+        settings = ProbeSettings(target_tgid=conv.pid, arm_on_exec=False, unwind=unwind, sampled=True)
         with HeapProbes(settings, sampler_points(sampler_lib)) as probes:
+            if unwind:
+                probes.publish_unwind(unwind_mappings(conv.pid))
             ctl.arm(rate)
             conv.say("go")
             conv.expect("allocated")
+
+            lib_maps = [m for m in read_map_lines(conv.pid) if m.inode == os.stat(sampler_lib).st_ino]
+            lib_lo, lib_hi = min(m.start for m in lib_maps), max(m.end for m in lib_maps)
+            shapes: collections.Counter[str] = collections.Counter()
 
             def live_per_site() -> collections.Counter[int | None]:
                 counts = probes.counters()
@@ -82,7 +106,15 @@ def test_kernel_aggregates_sampled_bytes_per_site(
                 stacks = probes.stacks(sites.keys())
                 live: collections.Counter[int | None] = collections.Counter()
                 for key, c in sites.items():
-                    live[site_of(stacks.get(key, ()), ranges)] += c.cur_bytes
+                    stack = stacks.get(key, ())
+                    site = site_of(stack, ranges)
+                    live[site] += c.cur_bytes
+                    if site is not None:
+                        # The sampler's own frames lead (to be trimmed), then the program's call site.
+                        inside = [lib_lo <= ip < lib_hi for ip in stack]
+                        first_out = inside.index(False)
+                        shapes["ok" if first_out >= 1 and not any(inside[first_out:])
+                               and site_of(stack[first_out : first_out + 1], ranges) == site else "other"] += 1
                 return live
 
             allocated = live_per_site()
@@ -103,10 +135,11 @@ def test_kernel_aggregates_sampled_bytes_per_site(
     total = sum(truth.values())
     assert counters.dropped_blocks == 0 and counters.dropped_stacks == 0
     for site, true_bytes in sorted(truth.items()):
-        print(f"site {site}: {true_bytes / total:.0%} of the heap, kernel estimate / truth = "
-              f"{allocated[site] / true_bytes:.4f} at rate {rate}")
+        print(f"site {site} ({'cfi' if unwind else 'fp'}): {true_bytes / total:.0%} of the heap, kernel estimate / "
+              f"truth = {allocated[site] / true_bytes:.4f} at rate {rate}")
         if true_bytes >= total / 10:
             assert abs(allocated[site] / true_bytes - 1) <= 0.10, (site, allocated[site], true_bytes)
+    assert shapes["ok"] > 0 and shapes["other"] == 0, shapes
     # Every sampled block of site 0 was freed, and each free took back exactly the weight it was recorded at.
     assert allocated[0] > 0 and after_free[0] == 0
     for site in (1, 2, 3):
