@@ -256,7 +256,10 @@ class SamplerControl:
             if st["magic"] != MAGIC or st["version"] != VERSION:
                 raise TargetError(f"process {self.pid}: the sampler's control block is not version {VERSION}")
             if st.state == "broken":
-                raise TargetError(f"process {self.pid}: the sampler could not start (state broken)")
+                raise TargetError(
+                    f"process {self.pid}: the sampler loaded in it cannot run (it failed to start, or this process "
+                    "is a forked child of one it was loaded in, which has no control thread); use --mode=exact"
+                )
             if st.state != "loading" and st["control_tid"] != 0:
                 return st
             if time.monotonic() > deadline:

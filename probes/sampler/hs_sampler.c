@@ -370,8 +370,9 @@ struct busy_guard {
     uint8_t was;
 };
 static inline void unbusy(struct busy_guard *g) { g->t->busy = g->was; }
-/* Nested operators (new[] calling new through its PLT) restore the outer state, so only the outermost
- * hook counts the allocation. */
+/* Nested calls (new[] calling new, glibc's reallocarray calling realloc, each through its own patched PLT)
+ * restore the outer state, so only the outermost hook counts the allocation. malloc and free, the fast
+ * paths, do without: no allocator's malloc or free calls another allocation function through a PLT. */
 #define BUSY_SCOPE                                                                                               \
     struct busy_guard busy_guard __attribute__((cleanup(unbusy))) = {&tls, tls.busy};                           \
     busy_guard.t->busy = 1
@@ -390,7 +391,11 @@ static void hs_hook_free(void *p)
 }
 static void *hs_hook_calloc(size_t nmemb, size_t size)
 {
-    void *p = REAL(H_CALLOC, alloc2_fn)(nmemb, size);
+    void *p;
+    {
+        BUSY_SCOPE;
+        p = REAL(H_CALLOC, alloc2_fn)(nmemb, size);
+    }
     size_t n;
     if (!__builtin_mul_overflow(nmemb, size, &n))
         account(p, n);
@@ -406,7 +411,11 @@ static void *hs_hook_realloc(void *p, size_t n)
         ADD(hs_control.sampled_frees, 1);
         hs_sample_free(p);
     }
-    void *q = REAL(H_REALLOC, realloc_fn)(p, n);
+    void *q;
+    {
+        BUSY_SCOPE;
+        q = REAL(H_REALLOC, realloc_fn)(p, n);
+    }
     if (UNLIKELY(was_sampled && q == NULL && n != 0))
         ADD(hs_control.realloc_failed_sampled, 1); /* p lives on, no longer sampled */
     if (q)
@@ -426,7 +435,11 @@ static void *hs_hook_reallocarray(void *p, size_t nmemb, size_t size)
         ADD(hs_control.sampled_frees, 1);
         hs_sample_free(p);
     }
-    void *q = REAL(H_REALLOCARRAY, reallocarray_fn)(p, nmemb, size);
+    void *q;
+    {
+        BUSY_SCOPE; /* glibc's reallocarray calls realloc through its own PLT: count it once */
+        q = REAL(H_REALLOCARRAY, reallocarray_fn)(p, nmemb, size);
+    }
     if (UNLIKELY(was_sampled && q == NULL && n != 0))
         ADD(hs_control.realloc_failed_sampled, 1);
     if (q)
@@ -435,32 +448,52 @@ static void *hs_hook_reallocarray(void *p, size_t nmemb, size_t size)
 }
 static int hs_hook_posix_memalign(void **out, size_t align, size_t n)
 {
-    int r = REAL(H_POSIX_MEMALIGN, posix_memalign_fn)(out, align, n);
+    int r;
+    {
+        BUSY_SCOPE;
+        r = REAL(H_POSIX_MEMALIGN, posix_memalign_fn)(out, align, n);
+    }
     if (r == 0)
         account(*out, n);
     return r;
 }
 static void *hs_hook_aligned_alloc(size_t align, size_t n)
 {
-    void *p = REAL(H_ALIGNED_ALLOC, alloc2_fn)(align, n);
+    void *p;
+    {
+        BUSY_SCOPE;
+        p = REAL(H_ALIGNED_ALLOC, alloc2_fn)(align, n);
+    }
     account(p, n);
     return p;
 }
 static void *hs_hook_memalign(size_t align, size_t n)
 {
-    void *p = REAL(H_MEMALIGN, alloc2_fn)(align, n);
+    void *p;
+    {
+        BUSY_SCOPE;
+        p = REAL(H_MEMALIGN, alloc2_fn)(align, n);
+    }
     account(p, n);
     return p;
 }
 static void *hs_hook_valloc(size_t n)
 {
-    void *p = REAL(H_VALLOC, alloc_fn)(n);
+    void *p;
+    {
+        BUSY_SCOPE;
+        p = REAL(H_VALLOC, alloc_fn)(n);
+    }
     account(p, n);
     return p;
 }
 static void *hs_hook_pvalloc(size_t n)
 {
-    void *p = REAL(H_PVALLOC, alloc_fn)(n);
+    void *p;
+    {
+        BUSY_SCOPE;
+        p = REAL(H_PVALLOC, alloc_fn)(n);
+    }
     account(p, n);
     return p;
 }
@@ -597,7 +630,11 @@ static void hs_hook_del_arr_al_nt(void *p, size_t al, const void *nt)
  * hooked: a sampled block it grows keeps its first size. */
 static void *hs_hook_mallocx(size_t n, int flags)
 {
-    void *p = REAL(H_MALLOCX, mallocx_fn)(n, flags);
+    void *p;
+    {
+        BUSY_SCOPE;
+        p = REAL(H_MALLOCX, mallocx_fn)(n, flags);
+    }
     account(p, n);
     return p;
 }
@@ -611,7 +648,11 @@ static void *hs_hook_rallocx(void *p, size_t n, int flags)
         ADD(hs_control.sampled_frees, 1);
         hs_sample_free(p);
     }
-    void *q = REAL(H_RALLOCX, rallocx_fn)(p, n, flags);
+    void *q;
+    {
+        BUSY_SCOPE;
+        q = REAL(H_RALLOCX, rallocx_fn)(p, n, flags);
+    }
     if (UNLIKELY(was_sampled && q == NULL))
         ADD(hs_control.realloc_failed_sampled, 1);
     account(q, n);
