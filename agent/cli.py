@@ -25,6 +25,7 @@ from types import FrameType
 from typing import NoReturn
 
 from agent import __version__
+from agent.argtypes import int_at_least, percent, positive_seconds, yes_no
 from agent.errors import EnvironmentProblem, HeapscopeError, UsageError
 from agent.export.registry import FORMATS
 from agent.model.options import MassifOptions
@@ -48,69 +49,30 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _yes_no(text: str) -> bool:
-    if text in ("yes", "no"):
-        return text == "yes"
-    raise argparse.ArgumentTypeError(f"expected yes or no, got {text!r}")
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    return parse
-
-
-def _percent(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a percentage, got {text!r}") from None
-    if not 0.0 <= value <= 100.0:
-        raise argparse.ArgumentTypeError(f"must be between 0.0 and 100.0, got {value}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
 # Massif's options: (name, argparse keyword arguments). Their text as given goes into desc:. The two file
 # options among Massif's come from the output registry (agent.export.registry).
 _MASSIF_OPTIONS: list[tuple[str, dict]] = [  # type: ignore[type-arg]
-    ("--heap", {"type": _yes_no, "default": True, "metavar": "yes|no", "help": "profile the heap (default yes)"}),
+    ("--heap", {"type": yes_no, "default": True, "metavar": "yes|no", "help": "profile the heap (default yes)"}),
     (
         "--heap-admin",
-        {"type": _int_at_least(0), "default": 8, "help": "admin bytes per block, in mem_heap_extra_B (default 8)"},
+        {"type": int_at_least(0), "default": 8, "help": "admin bytes per block, in mem_heap_extra_B (default 8)"},
     ),
     (
         "--alignment",
         {
-            "type": _int_at_least(8),
+            "type": int_at_least(8),
             "default": 16,
             "help": "minimum alignment of blocks, a power of two: the slop in mem_heap_extra_B (default 16)",
         },
     ),
     (
         "--stacks",
-        {"type": _yes_no, "default": False, "metavar": "yes|no", "help": "profile the threads' stacks (default no)"},
+        {"type": yes_no, "default": False, "metavar": "yes|no", "help": "profile the threads' stacks (default no)"},
     ),
     (
         "--pages-as-heap",
         {
-            "type": _yes_no,
+            "type": yes_no,
             "default": False,
             "metavar": "yes|no",
             "help": "profile mapped pages (mmap, brk) instead of malloc's blocks (default no)",
@@ -118,7 +80,7 @@ _MASSIF_OPTIONS: list[tuple[str, dict]] = [  # type: ignore[type-arg]
     ),
     (
         "--depth",
-        {"type": _int_at_least(1), "default": 30, "help": "frames kept below the allocation functions (default 30)"},
+        {"type": int_at_least(1), "default": 30, "help": "frames kept below the allocation functions (default 30)"},
     ),
     (
         "--alloc-fn",
@@ -143,7 +105,7 @@ _MASSIF_OPTIONS: list[tuple[str, dict]] = [  # type: ignore[type-arg]
     (
         "--threshold",
         {
-            "type": _percent,
+            "type": percent,
             "default": 1.0,
             "help": "percent of the total below which tree nodes are merged (default 1.0)",
         },
@@ -151,7 +113,7 @@ _MASSIF_OPTIONS: list[tuple[str, dict]] = [  # type: ignore[type-arg]
     (
         "--peak-inaccuracy",
         {
-            "type": _percent,
+            "type": percent,
             "default": 1.0,
             "help": "accepted for compatibility: heapscope's peak is always exact (default 1.0)",
         },
@@ -167,12 +129,12 @@ _MASSIF_OPTIONS: list[tuple[str, dict]] = [  # type: ignore[type-arg]
     ),
     (
         "--detailed-freq",
-        {"type": _int_at_least(1), "default": 10, "help": "every Nth snapshot is detailed (default 10)"},
+        {"type": int_at_least(1), "default": 10, "help": "every Nth snapshot is detailed (default 10)"},
     ),
     (
         "--max-snapshots",
         {
-            "type": _int_at_least(10),
+            "type": int_at_least(10),
             "default": 100,
             "help": "snapshots kept; culled to between N/2 and N (default 100)",
         },
@@ -215,20 +177,20 @@ def _add_profile_options(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("heapscope options")
     h.add_argument(
         "--sample-interval",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=0.05,
         metavar="SECONDS",
         help="how often the kernel's counters are sampled for snapshots (default 0.05)",
     )
     h.add_argument(
         "--max-blocks",
-        type=_int_at_least(1024),
+        type=int_at_least(1024),
         default=1 << 20,
         help="live blocks the kernel can track; more are counted as dropped (default 1048576)",
     )
     h.add_argument(
         "--max-stacks",
-        type=_int_at_least(1024),
+        type=int_at_least(1024),
         default=1 << 16,
         help="distinct allocation stacks the kernel can keep (default 65536)",
     )
@@ -252,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_profile_options(run)
     attach = sub.add_parser("attach", help="profile a running process until Ctrl-C, SIGTERM or its exit")
-    attach.add_argument("pid", type=_int_at_least(1), help="the process to profile")
+    attach.add_argument("pid", type=int_at_least(1), help="the process to profile")
     _add_profile_options(attach)
     _add_http_options(run, serve=False)
     _add_http_options(attach, serve=False)
@@ -261,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the daemon: profile processes attached over HTTP (POST /targets) or with --pid, until SIGTERM",
     )
     serve.add_argument(
-        "--pid", type=_int_at_least(1), action="append", default=[], dest="pids", help="attach to PID at start"
+        "--pid", type=int_at_least(1), action="append", default=[], dest="pids", help="attach to PID at start"
     )
     _add_profile_options(serve)
     _add_http_options(serve, serve=True)
@@ -296,7 +258,7 @@ def _add_http_options(p: argparse.ArgumentParser, serve: bool) -> None:
     )
     g.add_argument(
         "--metrics-top-stacks",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=None,
         metavar="N",
         help="per-target allocation sites in /metrics, the rest summed into one series (default 10)",

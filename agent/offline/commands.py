@@ -14,9 +14,9 @@ import json
 import re
 import sys
 import time
-from collections.abc import Callable
 from typing import TextIO
 
+from agent.argtypes import int_at_least, percent
 from agent.errors import HeapscopeError, UsageError
 from agent.export.massif import write_massif
 from agent.export.xtree import write_xtree
@@ -25,29 +25,6 @@ from agent.offline.timespec import iso, parse_moment
 from agent.store import SnapshotUnavailable, StoreReader
 
 COMMANDS = ("report", "diff")
-
-
-def _percent(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a percentage, got {text!r}") from None
-    if not 0.0 <= value <= 100.0:
-        raise argparse.ArgumentTypeError(f"must be between 0.0 and 100.0, got {value}")
-    return value
-
-
-def _at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    return parse
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -62,16 +39,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     _common(rep)
     rep.add_argument("--format", choices=("massif", "xtree", "json"), default="massif")
     rep.add_argument("-o", "--output", metavar="FILE", help="write there instead of standard output")
-    rep.add_argument("--max-snapshots", type=_at_least(10), default=None,
+    rep.add_argument("--max-snapshots", type=int_at_least(10), default=None,
                      help="Massif's culling, applied to the range (default: the profile's, else 100)")
-    rep.add_argument("--detailed-freq", type=_at_least(1), default=None,
+    rep.add_argument("--detailed-freq", type=int_at_least(1), default=None,
                      help="every Nth snapshot is detailed (default: the profile's, else 10)")
-    rep.add_argument("--threshold", type=_percent, default=None,
+    rep.add_argument("--threshold", type=percent, default=None,
                      help="Massif's threshold, percent (default: the profile's, else 1.0)")
     d = sub.add_parser("diff", help="what grew and what shrank between two stored moments", epilog=times)
     _common(d, required=True)
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
-    d.add_argument("--threshold", type=_percent, default=1.0,
+    d.add_argument("--threshold", type=percent, default=1.0,
                    help="nodes below this percent of the growth (or shrinkage) are merged into one line (1.0)")
 
 
@@ -83,7 +60,7 @@ _RELATIVE_TIME = re.compile(r"^-\d+(?:\.\d+)?[smhdw]?$")
 def _common(p: argparse.ArgumentParser, required: bool = False) -> None:
     p._negative_number_matcher = _RELATIVE_TIME  # type: ignore[attr-defined]
     p.add_argument("store", metavar="STORE", help="the store directory (as given to --store), or one process's")
-    p.add_argument("--pid", type=_at_least(1), default=None, help="the process (when the store holds several)")
+    p.add_argument("--pid", type=int_at_least(1), default=None, help="the process (when the store holds several)")
     p.add_argument("--from", dest="start", metavar="T", required=required, help="start of the range")
     p.add_argument("--to", dest="end", metavar="T", required=required, help="end of the range")
 
