@@ -205,7 +205,8 @@ class SiteTrees:
 
     def merged(self, sites: dict[int, SiteCounts], massif_trim: bool) -> dict[Stack, SiteCounts]:
         """Counters per stack, merged over sites whose stacks are equal once trimmed: with Massif's trimming
-        (alloc-fns, --depth) when `massif_trim`, else the xtree's (cut below main only). Symbolize first."""
+        (alloc-fns, --depth) when `massif_trim`, else the xtree's (all Massif captured, cut below main). Symbolize
+        first."""
         merged: dict[Stack, SiteCounts] = {}
         for key, s in sites.items():
             stack = (
