@@ -152,8 +152,19 @@ def site_bytes(tree) -> dict[str, int]:  # type: ignore[no-untyped-def]
 
 def check_diff(driver, a: str, b: str, before: int, after: int) -> None:  # type: ignore[no-untyped-def]
     """Mark a and b, compare, and find grow_site's growth in the table of sites that grew."""
-    mark_point(driver, a)
-    mark_point(driver, b)
+
+    def marks() -> set[str]:
+        return set((driver.execute_script("return document.getElementById('marks').dataset.ids") or "").split())
+
+    # A live redraw can rescale the timeline between finding a point and the click, so a click may land on
+    # (and mark) another point: start again from no marks until exactly a and b are marked.
+    for _ in range(5):
+        retry(lambda: driver.find_element(*_by("#clear-marks")).click())
+        mark_point(driver, a)
+        mark_point(driver, b)
+        if marks() == {a, b}:
+            break
+    assert marks() == {a, b}, marks()
     wait_until(driver, lambda: driver.find_element(*_by("#compare")).is_enabled(), "the compare button")
     driver.find_element(*_by("#compare")).click()
     wait_until(driver, lambda: driver.find_elements(*_by("#diff table.diff-grew tr[data-name]")), "the diff")
@@ -224,8 +235,13 @@ def test_live_page_of_a_running_program(heapscope_cmd: list[str], program: Path,
             assert cells[GROW_SITE] == expected[GROW_SITE] == GROWTH
             assert cells[KEEP_SITE] == expected[KEEP_SITE] == KEPT
             screenshot(driver, "live-tree")
-            # The diff across the growth.
-            check_diff(driver, tree_before[-1], last, 0, GROWTH)
+            # The diff across the growth: from the last point with a tree that the profile shows before it (read
+            # from the profile, not from the page's order of points: a tick can fall between the page's last
+            # redraw and the growth) to the last one.
+            pre_growth = [i for i, s in enumerate(profile.snapshots[: len(ids)]) if s.tree is not None
+                          and s.heap_B == KEPT and ids[i] in tree_before]
+            assert pre_growth, "no snapshot with a tree before the growth"
+            check_diff(driver, ids[pre_growth[-1]], last, 0, GROWTH)
             screenshot(driver, "live-diff")
             # Nothing left the machine: every request went to the loopback server.
             urls = requested_urls(driver)
