@@ -1007,6 +1007,9 @@ static void disarm(uint64_t reason)
     pthread_mutex_lock(&patch_lock);
     STORE(armed, 0);
     scan_all(1);
+    /* Every slot of every loaded object is restored now; the slots of an object dlclose'd while armed went
+     * with it, so the running count (which still holds them) is set to what is true: none. */
+    STORE(hs_control.slots_patched, 0);
     pthread_mutex_unlock(&patch_lock);
     STORE(hs_control.disarm_reason, reason);
     new_lease(); /* before the state says idle: whoever sees idle can take the new lease */
