@@ -10,8 +10,10 @@ settings (sync at most 1 s after a write, 64 MiB segments, a checkpoint every 10
   dict[Stack, SiteCounts] (goal <= 50 ms);
 - `heapscope report` (massif, xtree, json) and `heapscope diff` over the whole store (goal for a day <= 30 s).
 
-The workload: every site allocates 1 + Poisson(4) blocks per second and frees as many on average (a steady
-heap, whose peak moves now and then), 90% of the sites with one block size, 10% with three.
+Workloads (--workload): `poisson` (default, the harder one): every site allocates 1 + Poisson(4) blocks a
+second and frees 1 + Poisson(4) (as many as it has), 90% of the sites with one block size, 10% with three;
+its heap grows slowly, so the peak moves at almost every snapshot. `sites-c`: bench/sites.c's traffic
+(round-robin over the sites, one size per site, a ring of 4,096 live blocks), 300,000 allocations a second.
 """
 
 from __future__ import annotations
@@ -85,6 +87,56 @@ class SteadyWorkload:
         return sample, counters
 
 
+class SitesCWorkload(SteadyWorkload):
+    """bench/sites.c's traffic, modelled: allocation i is made at site i % n with the site's one size, and
+    frees the block of allocation i - 4096 (a ring of 4096 live blocks); `rate` allocations a second, give or
+    take 5% (the rate a profiled process keeps varies with scheduling)."""
+
+    RING = 4096
+
+    def __init__(self, n: int, rate: int = 300_000, seed: int = 3) -> None:
+        super().__init__(n, seed)
+        self.rate = rate
+        self.next_i = 0
+
+    def _per_site(self, start: int, count: int) -> np.ndarray:
+        """How many of the allocation indices start..start+count-1 fall on each site."""
+        if count <= 0:
+            return np.zeros(self.n, np.int64)
+        full, rest = divmod(count, self.n)
+        out = np.full(self.n, full, np.int64)
+        first = start % self.n
+        idx = (first + np.arange(rest)) % self.n
+        out[idx] += 1
+        return out
+
+    def step(self, t: int, wall_ns: int) -> tuple[StoreSample, np.ndarray]:
+        count = int(self.rate * (0.95 + 0.1 * self.rng.random()))
+        i0 = self.next_i
+        self.next_i += count
+        allocs = self._per_site(i0, count)
+        f0 = max(0, i0 - self.RING)
+        frees = self._per_site(f0, max(0, i0 + count - self.RING) - f0)
+        self.tot_bk += allocs
+        self.tot_b += allocs * self.size
+        self.frd_bk += frees
+        self.frd_b += frees * self.size
+        cur_bk = self.tot_bk - self.frd_bk
+        cur_b = self.tot_b - self.frd_b
+        cur_x = cur_bk * 8
+        heap, extra = int(cur_b.sum()), int(cur_x.sum())
+        if heap + extra > self.peak_total:
+            self.peak_total = heap + extra
+            self.peak_b, self.peak_x = cur_b.copy(), cur_x.copy()
+            self.peak = PeakState(t * 1000, heap, extra, 0, wall_ns)
+            self.peak_moves += 1
+        counters = np.stack([self.tot_bk, self.tot_b, self.frd_bk, self.frd_b, cur_bk, cur_b, cur_x,
+                             self.peak_b, self.peak_x])
+        sample = StoreSample(wall_ns=wall_ns, time=t * 1000, heap_B=heap, extra_B=extra, stacks_B=0, sites={},
+                             mapped_B=heap + extra + (64 << 20), rss_B=heap + (32 << 20), peak=self.peak)
+        return sample, counters
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -106,18 +158,22 @@ def main() -> int:
     ap.add_argument("--day", action="store_true", help="86,400 snapshots: one real day at 1 Hz")
     ap.add_argument("--dir", default=None, help="where to write the store (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the store afterwards")
+    ap.add_argument("--workload", choices=("poisson", "sites-c"), default="poisson",
+                    help="poisson (default): every site allocates 1+Poisson(4) blocks a second and frees as many, "
+                         "10%% of sites with three sizes; sites-c: bench/sites.c's round-robin traffic, modelled")
     args = ap.parse_args()
     n_snap = 86_400 if args.day else args.snapshots
     root = Path(args.dir or tempfile.mkdtemp(prefix="store-bench-"))
     target = root / "4242"
     shutil.rmtree(target, ignore_errors=True)
     n = args.sites
-    wl = SteadyWorkload(n)
+    wl = SteadyWorkload(n) if args.workload == "poisson" else SitesCWorkload(n)
     start_ns = time.time_ns() - n_snap * S
     stacks = {i: site_stack(i, depth=12) for i in range(n)}
     meta = StoreMeta(pid=4242, cmd="bench/sites", options={"depth": 30, "threshold": 1.0, "max_snapshots": 100})
     ids = np.arange(n, dtype=np.int64)
-    print(f"store bench: {n:,} sites, {n_snap:,} snapshots at 1 Hz ({n_snap / 3600:.2f} h), in {root}")
+    print(f"store bench: {n:,} sites, {args.workload} workload, {n_snap:,} snapshots at 1 Hz "
+          f"({n_snap / 3600:.2f} h), in {root}")
 
     append_s: list[float] = []
     changed = 0
