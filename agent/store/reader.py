@@ -9,6 +9,7 @@ damaged. Whatever cannot be read is skipped and reported (`StoreReader.skipped`)
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 from collections.abc import Iterator
@@ -183,6 +184,8 @@ class SegmentReader:
         self.path = Path(path)
         self.skipped: list[Skipped] = []
         self._refs: list[SnapshotRef] = []
+        self._indexed = False
+        self._body = 0
         self._by_seq: dict[int, SnapshotRef] = {}
         self._table_blocks: dict[int, dict[bytes, fmt.TocEntry]] = {}  # seq -> its table blocks
         self._infos: dict[int, dict] = {}  # type: ignore[type-arg]
@@ -228,11 +231,35 @@ class SegmentReader:
         self.meta = StoreMeta.from_json(self.filemeta)
         self.checkpoint_every = max(1, int(self.filemeta.get("checkpoint_every", 1)))
         self._body = b.end
+        self._indexed = False  # the index is read when first needed: a read by time opens one segment
+
+    def _ensure_index(self) -> None:
+        if self._indexed or not self.filemeta:
+            return
+        self._indexed = True
         refs = self._index_from_tail()
         if refs is None:
             refs = self._index_by_scan()
         self._refs = refs
         self._by_seq = {r.seq: r for r in refs}
+
+    def last_wall_ns(self) -> int | None:
+        """The wall clock of the segment's last snapshot, from its last outer TOC alone when the file ends
+        whole (one block read), else from its index. None when it has no snapshot."""
+        if not self.filemeta:
+            return None
+        if not self._indexed and len(self._data) >= self._body + 8:
+            try:
+                (at,) = fmt.U64.unpack_from(self._data, len(self._data) - 8)
+                b = fmt.read_block(self._data, at)
+                if b.kind == fmt.K_OUTERTOC and b.end == len(self._data) - 8:
+                    tocs = [e for e in fmt.decode_toc(b) if e.kind == fmt.K_SNAPTOC]
+                    if tocs:
+                        return tocs[-1].key
+            except FormatError:
+                pass
+        self._ensure_index()
+        return self._refs[-1].wall_ns if self._refs else None
 
     def _index_from_tail(self) -> list[SnapshotRef] | None:
         """The index from the outer TOC chain, when the file ends with a whole outer TOC and its offset."""
@@ -323,6 +350,7 @@ class SegmentReader:
             at += 1
 
     def snapshots(self) -> list[SnapshotRef]:
+        self._ensure_index()
         return list(self._refs)
 
     def close(self) -> None:
@@ -489,7 +517,7 @@ class SegmentReader:
                     target[rows] = fmt.decode_column(b, hinted) if b is not None else 0
             if run is None:
                 run = _Run(n)
-            run.add(idx, res, bool(info.get("peak_moved")))
+            run.add(idx, res, checkpoint or bool(info.get("peak_moved")))
         assert prev is not None and size is not None and xpb is not None
         if run is not None:
             prev = run.apply(prev, size, xpb)
@@ -540,7 +568,7 @@ class SegmentReader:
     def verify(self) -> int:
         """Decode every snapshot (what load() would report, found now). Returns how many decode."""
         good = 0
-        for ref in self._refs:
+        for ref in self.snapshots():
             try:
                 self.load(ref)
                 good += 1
@@ -569,10 +597,27 @@ class StoreReader:
                 return seg.meta
         return StoreMeta(pid=0, cmd="")
 
+    def _overlapping(self, start_ns: int | None, end_ns: int | None) -> list[SegmentReader]:
+        """The segments that may hold snapshots in [start_ns, end_ns]: segment i holds the wall clocks after
+        segment i-1's last one, up to its own last one (so only their last outer TOCs are read here)."""
+        if start_ns is None and end_ns is None:
+            return list(self.segments)
+        out = []
+        prev_last: int | None = None
+        for seg in self.segments:
+            last = seg.last_wall_ns()
+            if last is None:
+                out.append(seg)  # empty or unreadable: indexing it says which
+                continue
+            if (start_ns is None or last >= start_ns) and (end_ns is None or prev_last is None or prev_last <= end_ns):
+                out.append(seg)
+            prev_last = last if prev_last is None else max(prev_last, last)
+        return out
+
     def snapshots(self, start_ns: int | None = None, end_ns: int | None = None) -> list[SnapshotRef]:
         """The snapshots whose wall clock is within [start_ns, end_ns], in time order."""
         out = []
-        for seg in self.segments:
+        for seg in self._overlapping(start_ns, end_ns):
             for ref in seg.snapshots():
                 if (start_ns is None or ref.wall_ns >= start_ns) and (end_ns is None or ref.wall_ns <= end_ns):
                     out.append(ref)
@@ -584,13 +629,18 @@ class StoreReader:
     def load(self, ref: SnapshotRef, stacks: bool = True) -> StoredSnapshot:
         return ref.segment.load(ref, stacks)
 
-    def at(self, wall_ns: int) -> StoredSnapshot | None:
-        """The last snapshot taken at or before `wall_ns` that can be decoded."""
-        for ref in reversed(self.snapshots(None, wall_ns)):
-            try:
-                return self.load(ref)
-            except SnapshotUnavailable:
-                continue
+    def at(self, wall_ns: int, stacks: bool = True) -> StoredSnapshot | None:
+        """The last snapshot taken at or before `wall_ns` that can be decoded (the segments after it are not
+        opened, nor those before it unless it cannot be read)."""
+        segs = self._overlapping(None, wall_ns)
+        for seg in reversed(segs):
+            refs = seg.snapshots()
+            k = bisect.bisect_right([r.wall_ns for r in refs], wall_ns)
+            for ref in reversed(refs[:k]):
+                try:
+                    return self.load(ref, stacks)
+                except SnapshotUnavailable:
+                    continue
         return None
 
     def verify(self) -> int:

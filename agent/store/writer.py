@@ -238,10 +238,12 @@ class SegmentFile:
             gaps = np.diff(listed, prepend=-1) - 1
             if gaps.any():
                 parts.append((fmt.K_SITE_GAP, fmt.column_block(fmt.K_SITE_GAP, gaps)))
+            # a checkpoint has no previous peak to go by: its peak counters are predicted by the live ones
+            from_live = peak_moved or checkpoint
             if len(listed) == n:  # every site: no gather needed
-                res = fmt.encode_counters(prev, state, size, xpb, peak_moved)
+                res = fmt.encode_counters(prev, state, size, xpb, from_live)
             else:
-                res = fmt.encode_counters(prev[:, listed], state[:, listed], size[listed], xpb[listed], peak_moved)
+                res = fmt.encode_counters(prev[:, listed], state[:, listed], size[listed], xpb[listed], from_live)
             for kind, col in zip(fmt.COUNTER_COLUMNS, res, strict=True):
                 if col.any():  # an all-zero column is left out
                     parts.append((kind, fmt.column_block(kind, col)))

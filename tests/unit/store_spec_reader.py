@@ -208,7 +208,7 @@ def read_segment(path: str) -> SpecSegment:
             N[4] = _wrap(P[4] + R[0] - R[2] + R[4])
             N[5] = _wrap(P[5] + (R[0] - R[2]) * size + R[1] - R[3] + R[5])
             N[6] = _wrap(P[6] + (R[0] - R[2] + R[4]) * xpb + R[6])
-            if info.get("peak_moved"):
+            if info.get("peak_moved") or checkpoint:
                 N[7] = _wrap(N[5] + R[7])
                 N[8] = _wrap(N[6] + R[8])
             else:

@@ -58,13 +58,19 @@ def test_every_snapshot_comes_back_in_any_order(tmp_path: Path) -> None:
 
 def test_time_range_selects_by_wall_clock(tmp_path: Path) -> None:
     wl = Workload(n_sites=20)
-    write(tmp_path, wl, 30)
+    write(tmp_path, wl, 30, retention=Retention(segment_bytes=3000, max_bytes=None))  # several segments
     reader = StoreReader(tmp_path)
     second = 1_000_000_000
     got = reader.snapshots(wl.start_ns + 10 * second, wl.start_ns + 19 * second)
     assert [r.time for r in got] == [1000 * k for k in range(10, 20)]
     at = reader.at(wl.start_ns + 15 * second + 500_000_000)
     assert at is not None and at.time == 15000
+    assert len(reader.segments) > 3
+    opened = [seg for seg in reader.segments if seg._indexed]
+    assert 1 <= len(opened) < len(reader.segments)  # only the segments the range reaches are indexed
+    assert reader.at(wl.start_ns - 1) is None
+    last = reader.at(wl.start_ns + 10**6 * second)
+    assert last is not None and last.time == 29000
 
 
 def test_unchanged_sites_are_not_listed_and_sites_left_out_keep_their_counters(tmp_path: Path) -> None:
@@ -123,9 +129,10 @@ def test_outer_toc_chain_indexes_in_log2_reads(tmp_path: Path) -> None:
     fmt.read_block = counting  # type: ignore[assignment]
     try:
         seg = SegmentReader(path)
+        refs = seg.snapshots()
     finally:
         fmt.read_block = real  # type: ignore[assignment]
-    assert len(seg.snapshots()) == 77
+    assert len(refs) == 77
     # 77 = 0b1001101: four outer TOCs cover it (77, 76, 72, 64), plus the filemeta block
     assert reads.count(fmt.K_OUTERTOC) == bin(77).count("1")
     assert reads.count(fmt.K_SNAPTOC) == 0
