@@ -61,7 +61,8 @@ class ThinRule:
 
 @dataclass(frozen=True)
 class Retention:
-    """How much history is kept. A segment closes at `segment_bytes` or `segment_seconds`; closed segments are
+    """How much history is kept. A segment closes at `segment_bytes` or when it holds `segment_seconds` of
+    history (by its snapshots' wall clocks); closed segments are
     deleted, oldest first, while the target's directory exceeds `max_bytes` or once they are older than
     `max_age_s` (a segment's age is its file's modification time: when its last snapshot was written), and
     thinned by `thin` (the rule with the largest age that a segment has reached applies)."""
@@ -112,7 +113,7 @@ class SegmentFile:
         self.path = path
         self.checkpoint_every = checkpoint_every
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
-        self.created = time.monotonic()
+        self.first_wall_ns = 0  # wall clock of the first snapshot
         self.strings: dict[str, int] = {}
         self.frames: dict[Frame, int] = {}
         self.n_sites = 0
@@ -276,6 +277,8 @@ class SegmentFile:
         return bytes(out), pending
 
     def commit(self, written: int, pending: _Pending) -> None:
+        if not self.n_snapshots:
+            self.first_wall_ns = int(pending.snaptoc.key)
         self.strings.update(pending.strings)
         self.frames.update(pending.frames)
         self.n_sites = pending.n_sites
@@ -456,7 +459,7 @@ class StoreWriter:
 
     def _write(self, info: dict[str, object], state: np.ndarray, stacks: list[Stack]) -> None:
         try:
-            seg = self._segment_for_write()
+            seg = self._segment_for_write(int(info["wall_ns"]))  # type: ignore[call-overload]
             written = seg.write(info, state, stacks[seg.n_sites :])
         except OSError as exc:
             self.stats.write_errors += 1
@@ -470,11 +473,12 @@ class StoreWriter:
         self.stats.bytes_written += written
         self._after_write(seg)
 
-    def _segment_for_write(self) -> SegmentFile:
+    def _segment_for_write(self, wall_ns: int) -> SegmentFile:
         seg = self._segment
         r = self.retention
+        # A segment's age is that of the history it holds (its snapshots' wall clocks), not of the file
         if seg is not None and seg.n_snapshots and (
-            seg.size >= r.segment_bytes or time.monotonic() - seg.created >= r.segment_seconds
+            seg.size >= r.segment_bytes or (wall_ns - seg.first_wall_ns) / 1e9 >= r.segment_seconds
         ):
             seg.close(sync=self.sync_policy.mode != "never")
             self._segment = seg = None

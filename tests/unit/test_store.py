@@ -326,3 +326,11 @@ def test_summed_runs_match_with_sparse_listings_new_hints_and_peak_moves(tmp_pat
     for k in (79, 24, 49, 60, 33, 74):  # each from a fresh reader: summed from its checkpoint
         cold = StoreReader(tmp_path)
         assert cold.load(cold.snapshots()[k]).sites() == truth[k][1], k
+
+
+def test_segments_hold_a_span_of_history_by_the_snapshots_clock(tmp_path: Path) -> None:
+    # written much faster than real time: the segments still hold 10 s of the profile's history each
+    write(tmp_path, Workload(n_sites=10), 30, retention=Retention(segment_seconds=10, max_bytes=None))
+    reader = StoreReader(tmp_path)
+    spans = [[r.time // 1000 for r in seg.snapshots()] for seg in reader.segments]
+    assert spans == [list(range(0, 10)), list(range(10, 20)), list(range(20, 30))]
