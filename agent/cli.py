@@ -19,25 +19,28 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
 from agent import __version__
-from agent.argtypes import int_at_least, percent, positive_seconds, yes_no
-from agent.errors import EnvironmentProblem, HeapscopeError, UsageError
+from agent.argtypes import byte_size, int_at_least, percent, positive_seconds, yes_no
+from agent.errors import EnvironmentProblem, HeapscopeError, UnsafePath, UsageError
 from agent.export.registry import FORMATS
 from agent.model.options import MassifOptions
 from agent.model.summary import ProfileSummary
 from agent.offline import commands as offline_commands
 from agent.offline import view
+from agent.offline.timespec import parse_duration, parse_thin_rules
 from agent.process.capability import check_environment
 from agent.process.discovery import read_process
 from agent.process.launch import HeldChild
 from agent.process.target import TargetProcess, attach_to
 from agent.process.target import launch as launch_process
 from agent.session.pipeline import Profile, ProfileSettings
+from agent.session.storerec import StoreSettings
+from agent.store import Retention, SyncPolicy
 
 PROG = "heapscope"
 
@@ -213,9 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
         usage=f"{PROG} run [options] -- PROG [ARGS]",
     )
     _add_profile_options(run)
+    _add_store_options(run, serve=False)
     attach = sub.add_parser("attach", help="profile a running process until Ctrl-C, SIGTERM or its exit")
     attach.add_argument("pid", type=int_at_least(1), help="the process to profile")
     _add_profile_options(attach)
+    _add_store_options(attach, serve=False)
     _add_http_options(run, serve=False)
     _add_http_options(attach, serve=False)
     serve = sub.add_parser(
@@ -226,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--pid", type=int_at_least(1), action="append", default=[], dest="pids", help="attach to PID at start"
     )
     _add_profile_options(serve)
+    _add_store_options(serve, serve=True)
     _add_http_options(serve, serve=True)
     offline_commands.register(sub)
     view.add_parser(sub)
@@ -263,6 +269,74 @@ def _add_http_options(p: argparse.ArgumentParser, serve: bool) -> None:
         metavar="N",
         help="per-target allocation sites in /metrics, the rest summed into one series (default 10)",
     )
+
+
+DEFAULT_STORE = "store"  # serve's store, under --output-dir
+
+
+def _add_store_options(p: argparse.ArgumentParser, serve: bool) -> None:
+    """The history store: every sample on disk, read back with `heapscope report` and `heapscope diff`."""
+    g = p.add_argument_group("history store (every sample kept on disk, for heapscope report and diff)")
+    if serve:
+        g.add_argument("--store", metavar="DIR", default=None,
+                       help=f"keep each target's history in DIR/<pid>/, DIR under --output-dir "
+                            f"(default {DEFAULT_STORE})")
+        g.add_argument("--no-store", action="store_true", help="keep no history on disk")
+    else:
+        g.add_argument("--store", metavar="DIR", default=None,
+                       help="keep every sample of the profile in DIR/<pid>/ (off by default)")
+    g.add_argument("--store-interval", type=positive_seconds, default=1.0, metavar="SECONDS",
+                   help="seconds between stored samples (default 1)")
+    g.add_argument("--store-sync", choices=("interval", "always", "never"), default="interval",
+                   help="when stored samples are forced to disk: at most --store-interval after they are written "
+                        "(interval, the default: a power loss costs at most that much history), after each "
+                        "(always), or when the kernel pleases (never). A crash of heapscope alone loses nothing")
+    g.add_argument("--store-max-size", type=byte_size, default=Retention.max_bytes, metavar="SIZE",
+                   help="history kept per process, oldest deleted first (default 4G)")
+    g.add_argument("--store-max-age", default="7d", metavar="AGE",
+                   help="history older than this is deleted (default 7d)")
+    g.add_argument("--store-thin", default=None, metavar="AGE:EVERY,...",
+                   help="thin older history: 1h:10s,1d:1m keeps one snapshot per 10 s of history older than an "
+                        "hour, one a minute beyond a day (default: nothing is thinned)")
+
+
+def store_settings(ns: argparse.Namespace, output_dir: Path | None = None) -> StoreSettings | None:
+    """The store of `run` and `attach` (--store DIR, as given), or of `serve` (`output_dir`/store unless
+    --no-store; a --store DIR that leaves the output directory is refused)."""
+    if ns.command == "serve":
+        assert output_dir is not None
+        if ns.no_store:
+            if ns.store is not None:
+                raise UsageError("--store and --no-store contradict each other")
+            return None
+        root = _under_output_dir(output_dir, ns.store or DEFAULT_STORE)
+    elif ns.store is None:
+        return None
+    else:
+        root = Path(ns.store)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EnvironmentProblem(f"cannot create the store directory {root}: {exc.strerror}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise EnvironmentProblem(f"the store directory {root} is not writable")
+    thin = parse_thin_rules(ns.store_thin) if ns.store_thin else ()
+    retention = Retention(max_bytes=ns.store_max_size, max_age_s=parse_duration(ns.store_max_age), thin=thin)
+    sync = SyncPolicy(ns.store_sync, interval=max(ns.store_interval, 1.0) if ns.store_sync == "interval" else 1.0)
+    return StoreSettings(root, interval=ns.store_interval, sync=sync, retention=retention)
+
+
+def _under_output_dir(output_dir: Path, name: str) -> Path:
+    """`name` (relative to `output_dir`, or absolute) as a path that stays under `output_dir` once symbolic links
+    and `..` are resolved: the daemon writes nowhere else."""
+    base = output_dir.resolve()
+    path = (base / name).resolve()
+    if path != base and base not in path.parents:
+        raise UnsafePath(f"--store {name} is outside the output directory {output_dir}: the daemon writes only "
+                         "under --output-dir (give a directory below it)")
+    if path == base:
+        raise UnsafePath(f"--store {name} is the output directory itself: give a directory below it")
+    return path
 
 
 def _split_program(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -381,6 +455,7 @@ def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> 
         max_blocks=ns.max_blocks,
         max_stacks=ns.max_stacks,
         malt=ns.malt == "yes" if daemon else "malt" in files,
+        store=store_settings(ns) if ns.command != "serve" else None,  # serve's is under --output-dir: cmd_daemon
     )
 
 
@@ -523,6 +598,8 @@ def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | Non
     from api.server import bind, serve
 
     settings = _api_settings(ctx.ns)
+    if ctx.ns.command == "serve":
+        ctx.settings = replace(ctx.settings, store=store_settings(ctx.ns, settings.output_dir))
     _require_environment()
     sock = bind(settings.host, settings.port)  # first: a bad address fails before anything is attached
     host, port = sock.getsockname()[:2]

@@ -47,3 +47,9 @@ class TargetConflict(HeapscopeError):
 
 class UnsafePath(UsageError):
     """A file name that would leave the output directory."""
+
+
+class NotInHistory(HeapscopeError):
+    """The stored history holds no snapshot at the moment, or in the range, asked for."""
+
+    http_status = 404

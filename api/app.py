@@ -14,7 +14,7 @@ from agent.export.metrics import HeapscopeCollector
 from agent.export.webdata import SiteCache
 from api.errors import install_error_handlers
 from api.ports import ManagerPort
-from api.routers import health, metrics, monitor, pprof, profiles, targets, web
+from api.routers import health, history, metrics, monitor, pprof, profiles, targets, web
 from api.security import token_dependency
 from api.settings import ApiSettings, check_exposure
 
@@ -51,6 +51,7 @@ def create_app(settings: ApiSettings, manager: ManagerPort) -> FastAPI:
     guarded = [Depends(auth)] if auth is not None else []
     app.include_router(health.router)
     app.include_router(web.page_router)
-    for r in (profiles.router, monitor.router, targets.router, metrics.router, pprof.router, web.router):
+    for r in (profiles.router, monitor.router, targets.router, metrics.router, pprof.router, web.router,
+              history.router):
         app.include_router(r, dependencies=guarded)
     return app

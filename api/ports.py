@@ -11,6 +11,7 @@ from agent.model.counters import Counters
 from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, Stack
+from agent.model.stored import StoredDiff, StoredSeries, StoreStatus
 from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
 
 
@@ -43,6 +44,30 @@ class TargetPort(Protocol):
         ...
 
     def memory_line(self) -> Sequence[MemoryPoint]: ...
+
+    # The stored history (times as the command line takes them: ISO 8601, 09:00, now, -30m). A bad time is a
+    # UsageError, a moment or range the store does not hold NotInHistory, a target without a store
+    # TargetConflict.
+
+    def stored_snapshot(self, at: str, detailed: bool) -> Snapshot:
+        """The last stored snapshot at or before `at`."""
+        ...
+
+    def stored_snapshots(self, start: str | None, end: str | None) -> StoredSeries:
+        """Massif's series over a stored range (either end open), culled as Massif culls."""
+        ...
+
+    def stored_diff(self, start: str, end: str, threshold: float) -> StoredDiff:
+        """What grew and shrank between two stored moments (`heapscope diff`)."""
+        ...
+
+    def store_status(self) -> StoreStatus:
+        """The store writer's counts (cheap: for every scrape)."""
+        ...
+
+    def history_status(self) -> StoreStatus:
+        """store_status() and what the target's directory holds (reads the store's indexes)."""
+        ...
 
 
 class ManagerPort(Protocol):

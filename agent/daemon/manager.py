@@ -18,9 +18,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.daemon import history
 from agent.daemon.monitor import run_monitor
 from agent.errors import HeapscopeError, NoSuchTarget, TargetConflict, UsageError
 from agent.export.massif import render_snapshot
+from agent.model.profile import Snapshot
+from agent.model.stored import StoredDiff, StoredSeries, StoreStatus
 from agent.model.target import PID_MAX, MonitorResult, TargetStatus
 from agent.process.target import TargetProcess, attach_to, launch
 from agent.session.pipeline import Profile, ProfileSettings
@@ -64,6 +67,34 @@ class Target(Profile):
     def next_xtmemory_seq(self) -> int:
         self._xt_seq += 1
         return self._xt_seq
+
+    # ---- the stored history: read from the store's files at each call, none of it kept in memory ----
+
+    def _store_dir(self) -> Path:
+        store = self.settings.store
+        if store is None:
+            raise TargetConflict(
+                "no history is kept for this target: `serve` keeps one unless --no-store, `run` and `attach` "
+                "with --store DIR"
+            )
+        return store.directory(self.pid)
+
+    def stored_snapshot(self, at: str, detailed: bool) -> Snapshot:
+        return history.snapshot_at(self._store_dir(), at, detailed)
+
+    def stored_snapshots(self, start: str | None, end: str | None) -> StoredSeries:
+        o = self.settings.opts
+        return history.series(self._store_dir(), start, end, max_snapshots=o.max_snapshots,
+                              detailed_freq=o.detailed_freq)
+
+    def stored_diff(self, start: str, end: str, threshold: float) -> StoredDiff:
+        return history.diff(self._store_dir(), start, end, threshold)
+
+    def history_status(self) -> StoreStatus:
+        """The store's writer statistics and what the target's directory holds."""
+        if self.settings.store is None:
+            return StoreStatus()
+        return history.held(self._store_dir(), self.store_status())
 
 
 def _no_say(line: str) -> None:

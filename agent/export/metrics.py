@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from agent.errors import HeapscopeError
 from agent.model.counters import Counters
 from agent.model.pages import PageTotals
+from agent.model.stored import StoreStatus
 from agent.model.target import SiteTotal
 
 TARGET_LABELS = ("pid", "command")
@@ -37,6 +38,8 @@ class MetricsTarget(Protocol):
     def top_sites(self, n: int) -> tuple[list[SiteTotal], SiteTotal]: ...
 
     def page_totals(self) -> PageTotals | None: ...
+
+    def store_status(self) -> StoreStatus: ...
 
 
 class MetricsSource(Protocol):
@@ -71,6 +74,13 @@ _PAGE_GAUGES = (
      "mapped"),
     ("heapscope_mapped_peak_bytes", "The highest mapped total since the profile started.", "peak_mapped"),
     ("heapscope_stacks_bytes", "Stack bytes of all threads at the last sample (--stacks=yes; else 0).", "stacks"),
+)
+# The history store (agent.model.stored.StoreStatus field), for targets that keep one.
+_STORE_COUNTERS = (
+    ("heapscope_store_snapshots_written", "Samples written to the history store.", "snapshots_written"),
+    ("heapscope_store_bytes_written", "Bytes written to the history store.", "bytes_written"),
+    ("heapscope_store_write_errors", "Samples the history store could not write (a full disk...); the profile "
+     "goes on.", "write_errors"),
 )
 # Full kernel tables: what was not counted because a map had no room ("map" label -> Counters field).
 _DROPS = (
@@ -120,12 +130,14 @@ class HeapscopeCollector(Collector):
             "mmap, munmap, mremap and brk calls applied to the page map.",
             labels=TARGET_LABELS,
         )
+        store_counters = [CounterMetricFamily(name, doc, labels=TARGET_LABELS) for name, doc, _ in _STORE_COUNTERS]
         n_targets = 0
         for t in self.source.targets():
             try:
                 c = t.counters()
                 top, other = t.top_sites(self.top_stacks)
                 pages = t.page_totals()
+                store = t.store_status()
             except HeapscopeError:  # detached or gone between the listing and the read: leave it out
                 continue
             n_targets += 1
@@ -143,6 +155,9 @@ class HeapscopeCollector(Collector):
                     fam.add_metric(labels, getattr(pages, fld))
                 page_calls.add_metric(labels, pages.syscalls)
                 drops.add_metric([*labels, "page_events"], pages.dropped)
+            if store.enabled:
+                for cfam, (_, _, fld) in zip(store_counters, _STORE_COUNTERS, strict=True):
+                    cfam.add_metric(labels, getattr(store, fld))
             for s in [*top, other]:
                 site_bytes.add_metric([*labels, s.site], s.bytes)
                 site_blocks.add_metric([*labels, s.site], s.blocks)
@@ -156,3 +171,4 @@ class HeapscopeCollector(Collector):
         yield drops
         yield site_bytes
         yield site_blocks
+        yield from store_counters

@@ -17,7 +17,7 @@ import time
 from typing import TextIO
 
 from agent.argtypes import int_at_least, percent
-from agent.errors import HeapscopeError, UsageError
+from agent.errors import HeapscopeError, NotInHistory, UsageError
 from agent.export.massif import write_massif
 from agent.export.xtree import write_xtree
 from agent.offline import history
@@ -114,7 +114,7 @@ def render_report(
     /all_snapshots?from=&to= as for `heapscope report`."""
     sel = history.select(reader, start, end)
     if not sel.refs:
-        raise HeapscopeError(f"no snapshot in that range of {reader.path}" + _extent(reader))
+        raise NotInHistory(f"no snapshot in that range of {reader.path}" + _extent(reader))
     meta = reader.meta
     buf = io.StringIO()
     if format == "massif":
@@ -203,7 +203,7 @@ def diff_between(reader: StoreReader, start: int, end: int) -> history.Diff:
     before = reader.at(start)
     after = reader.at(end)
     if before is None or after is None:
-        raise HeapscopeError(f"no snapshot at or before {iso(start if before is None else end)}" + _extent(reader))
+        raise NotInHistory(f"no snapshot at or before {iso(start if before is None else end)}" + _extent(reader))
     meta = reader.meta
     try:
         return history.diff(before, after, history.Trimmer(meta.options), meta.root_label)

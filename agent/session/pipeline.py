@@ -10,6 +10,7 @@ is let go, detaches, keeps the last state readable, and renders and writes the o
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -29,11 +30,14 @@ from agent.model.memline import MemoryLine, MemoryPoint
 from agent.model.options import MAX_WALKED_FRAMES, MassifOptions
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, Stack
+from agent.model.stored import StoreStatus
 from agent.model.summary import ProfileSummary
 from agent.model.target import ProfileHeader, SiteTotal, TargetState, top_sites
 from agent.process.target import TargetProcess
 from agent.session.pprof_context import pprof_context
 from agent.session.session import Session, SessionInfo
+from agent.session.storerec import StoreRecorder, StoreSettings, store_meta
+from agent.store import StoreWriteError
 
 
 def _quiet(line: str) -> None:
@@ -53,6 +57,7 @@ class ProfileSettings:
     max_blocks: int = 1 << 20
     max_stacks: int = 1 << 16
     malt: bool = False  # keep MALT's statistics in the kernel (GET /malt, --malt-out-file)
+    store: StoreSettings | None = None  # keep every sample's history on disk (--store), None: not kept
 
     def probe_settings(self, pid: int, launched: bool) -> ProbeSettings:
         o = self.opts
@@ -106,6 +111,8 @@ class Profile:
         self.lock = threading.Lock()
         self._malt_final: MaltDocument | None = None  # MALT's profile at the end, once the probes are closed
         self.memory = MemoryLine()  # mapped bytes and RSS beside the snapshots, for the web page's lines
+        self.store: StoreRecorder | None = None  # the history store's writer, while the profile runs
+        self._store_status = StoreStatus()  # what it did, kept once it is closed
 
     # ---- the pipeline -----------------------------------------------------------------------------
 
@@ -139,6 +146,7 @@ class Profile:
                 if not p.launched:
                     session.prepare_attach()
                 self.say(f"probes attached to {p.pid} ({probes.attached_through})")
+                self._open_store(session)
                 p.release()
                 self.session = session
                 ready()
@@ -149,6 +157,7 @@ class Profile:
                     if session.exec_ended():
                         self.say(f"process {p.pid} exec'ed another program: its profile ends there")
                     session.finish()
+                    self._close_store(session)
                     assert session.end_counters is not None
                     if session.recorder is not None:  # built while the maps are open: readable after the end
                         self._malt_final = MaltDocument(
@@ -173,19 +182,24 @@ class Profile:
         except psutil.Error:
             proc = None
         interval = self.settings.sample_interval
-        next_at = 0.0
+        store_every = self.settings.store.interval if self.settings.store is not None else 0.0
+        next_at = next_store = 0.0
 
         def check() -> bool:
-            nonlocal next_at
+            nonlocal next_at, next_store
             now = time.monotonic()
             if now >= next_at:
                 next_at = now + interval
-                self._record_memory(session, proc)
+                rss = self._record_memory(session, proc)
+                if self.store is not None and now >= next_store:
+                    # Behind after a slow write: the next sample is due an interval from now, none is crowded in.
+                    next_store = max(next_store + store_every, now)
+                    self.store.record(session.store_columns, rss)
             return self.process.alive()
 
         return check
 
-    def _record_memory(self, session: Session, proc: psutil.Process | None) -> None:
+    def _record_memory(self, session: Session, proc: psutil.Process | None) -> int | None:
         rss = None
         if proc is not None:
             try:
@@ -194,6 +208,43 @@ class Profile:
                 rss = None
         pages = session.pages
         self.memory.add(MemoryPoint(session.now(session.counters()), pages.total if pages else None, rss))
+        return rss
+
+    # ---- the history store ------------------------------------------------------------------------
+
+    def _open_store(self, session: Session) -> None:
+        """The target's store writer (STORE/<pid>), when the settings keep one. A store that cannot be opened is
+        said and counted; the profile goes on without it."""
+        s = self.settings
+        if s.store is None:
+            return
+        start_wall_ns = time.time_ns() - (time.monotonic_ns() - session.start_ns)
+        meta = store_meta(self.pid, self.cmdline, s.opts, tuple(s.desc), start_wall_ns)
+        try:
+            self.store = StoreRecorder.open(s.store, meta, s.opts, self.say)
+        except StoreWriteError as exc:
+            self.say(f"{exc}; the profile goes on without its history")
+            self._store_status = StoreStatus(str(s.store.directory(self.pid)), write_errors=1, last_error=str(exc))
+            return
+        self.say(f"keeping the history in {self.store.writer.directory}")
+
+    def _close_store(self, session: Session) -> None:
+        """The final state goes in as the last sample; then the files are closed (and synced)."""
+        rec = self.store
+        if rec is None:
+            return
+        rss = None
+        with contextlib.suppress(psutil.Error):
+            rss = psutil.Process(self.pid).memory_info().rss
+        rec.record(session.store_columns, rss)
+        rec.close()
+        self._store_status = rec.status()
+        self.store = None
+
+    def store_status(self) -> StoreStatus:
+        """What the history store has done so far (all zero when no store is kept)."""
+        rec = self.store
+        return rec.status() if rec is not None else self._store_status
 
     def memory_line(self) -> list[MemoryPoint]:
         """Mapped bytes and RSS sampled over the profile's time (the web page draws them beside the heap)."""

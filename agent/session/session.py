@@ -12,9 +12,11 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from agent.kernel.probes import EV_EXEC, EV_EXIT, HeapProbes, SiteReader
 from agent.model.counters import Counters
@@ -43,13 +45,19 @@ from agent.model.profile import (
 from agent.model.summary import PageSummary, ProfileSummary
 from agent.process.maps import MapsRecorder
 from agent.session.sites import Ignored, SiteTrees
+from agent.session.storerec import StoreColumns
 from agent.session.tables import UnwindTables
+from agent.store.format import COUNTER_FIELDS
 from agent.symbols.symbolizer import Symbolizer
 
 if TYPE_CHECKING:
     from agent.export.malt import MaltProfile
     from agent.process.discovery import ProbePoint
     from agent.symbols.unwind import UnwindTable
+
+
+# The live counter a site's peak counter falls back to (SiteReader.peak_column).
+_PEAK_OF = {"peak_bytes": "cur_bytes", "peak_extra": "cur_extra"}
 
 
 class Recorder(Protocol):
@@ -371,6 +379,35 @@ class Session:
         """The snapshots recorded so far, in time order (what massif.out holds)."""
         with self._lock:
             return list(self.series.snapshots)
+
+    def store_columns(self, known: Container[int]) -> StoreColumns:
+        """Every used site's counters now, as columns for the history store (agent.session.storerec), with the
+        symbolized stacks of the sites not in `known`. Peak counters are the sites' bytes at the global peak."""
+        with self._lock:
+            c = self.counters()
+            if self._page_tree_wanted():
+                sites = self.read_sites(c.peak_gen)
+                ids = np.fromiter(sites, dtype=np.int64, count=len(sites))
+                rows = [[getattr(s, name) for name in COUNTER_FIELDS] for s in sites.values()]
+                counters = np.array(rows, dtype=np.int64).reshape(len(ids), len(COUNTER_FIELDS)).T
+            else:
+                p = self.probes
+                n = p.site_count()
+                ids = np.array(p.used_sites(n), dtype=np.int64)
+                cols = [
+                    p.peak_column(name, _PEAK_OF[name], n, c.peak_gen, signed=True) if name in _PEAK_OF
+                    # live counts read as signed: a racy read that saw one below zero stays small
+                    else p.site_column(name, n, signed=name.startswith("cur_"))
+                    for name in COUNTER_FIELDS
+                ]
+                counters = np.array(cols, dtype=np.int64)[:, ids]
+            new = [sid for sid in ids.tolist() if sid not in known]
+            stacks: dict[int, Stack] = {}
+            if new:
+                self.symbolize_new(new)
+                stacks = {sid: tuple(self.frames_of(sid)) for sid in new}
+            mapped = self.pages.total if self.pages is not None else None
+            return StoreColumns(c, self.now(c), self.peak_time(c), self.stack_bytes, mapped, ids, counters, stacks)
 
     def merged_sites(self, massif_trim: bool) -> dict[Stack, SiteCounts]:
         """Counters per stack, merged over kernel keys whose stacks are equal once trimmed: with Massif's

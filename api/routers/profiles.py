@@ -20,6 +20,7 @@ from api.deps import Format, Manager, Pid
 from api.models import MassifOut, XtreeOut, massif_out, xtree_out
 from api.ports import TargetPort
 from api.routers import ERRORS
+from api.routers.history import OptAt, OptFrom, OptTo, stored_series, stored_snapshot
 
 router = APIRouter(tags=["profiles"])
 
@@ -30,8 +31,10 @@ def _responses(what: str) -> dict[int | str, dict[str, Any]]:
     return {**ERRORS, 200: {"description": what, "content": _TEXT}}
 
 
-def _snapshot(manager: Manager, pid: int | None, fmt: str, detailed: bool) -> Response | MassifOut:
+def _snapshot(manager: Manager, pid: int | None, fmt: str, detailed: bool, at: str | None) -> Response | MassifOut:
     target = manager.get(pid)
+    if at is not None:  # from the store
+        return stored_snapshot(target, at, detailed, fmt)
     header = target.header()
     snap = target.snapshot(detailed)
     if fmt == "json":
@@ -45,21 +48,24 @@ def _snapshot(manager: Manager, pid: int | None, fmt: str, detailed: bool) -> Re
 @router.get(
     "/snapshot",
     response_model=MassifOut,
-    responses=_responses("A massif.out file with one normal snapshot, taken now (monitor command `snapshot`)."),
-    summary="Take a snapshot now",
+    responses=_responses("A massif.out file with one normal snapshot, taken now (monitor command `snapshot`), or "
+                         "the last stored at or before ?at="),
+    summary="Take a snapshot now (or read the stored one of a moment: ?at=)",
 )
-def snapshot(manager: Manager, pid: Pid = None, fmt: Format = "text") -> Response | MassifOut:
-    return _snapshot(manager, pid, fmt, detailed=False)
+def snapshot(manager: Manager, pid: Pid = None, fmt: Format = "text", at: OptAt = None) -> Response | MassifOut:
+    return _snapshot(manager, pid, fmt, detailed=False, at=at)
 
 
 @router.get(
     "/detailed_snapshot",
     response_model=MassifOut,
-    responses=_responses("A massif.out file with one detailed snapshot, taken now (`detailed_snapshot`)."),
-    summary="Take a detailed snapshot (with the heap tree) now",
+    responses=_responses("A massif.out file with one detailed snapshot, taken now (`detailed_snapshot`), or the "
+                         "last stored at or before ?at="),
+    summary="Take a detailed snapshot (with the heap tree) now (or read the stored one of a moment: ?at=)",
 )
-def detailed_snapshot(manager: Manager, pid: Pid = None, fmt: Format = "text") -> Response | MassifOut:
-    return _snapshot(manager, pid, fmt, detailed=True)
+def detailed_snapshot(manager: Manager, pid: Pid = None, fmt: Format = "text", at: OptAt = None
+                      ) -> Response | MassifOut:
+    return _snapshot(manager, pid, fmt, detailed=True, at=at)
 
 
 # The JSON forms of the formats that have one (`?format=json`): the same data as the file.
@@ -81,6 +87,20 @@ def _format_route(fmt: OutputFormat) -> Callable[..., Any]:
 
         with_variant.__annotations__["variant"] = Choice  # a local type: FastAPI cannot resolve its name
         return with_variant
+    if fmt.name == MASSIF.name:
+        massif_json = json_view[1] if json_view is not None else None
+
+        def with_range(manager: Manager, pid: Pid = None, fmt_: Format = "text", start: OptFrom = None,
+                       end: OptTo = None) -> Response | BaseModel:
+            """The snapshots kept in memory (Massif's culled series); with ?from= or ?to=, those of the store."""
+            target = manager.get(pid)
+            if start is not None or end is not None:
+                return stored_series(target, start, end, fmt_)
+            if fmt_ == "json" and massif_json is not None:
+                return massif_json(target)
+            return Response(target.render(fmt.name), media_type=fmt.media_type)
+
+        return with_range
     if json_view is not None:
         to_json = json_view[1]
 

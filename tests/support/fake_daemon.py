@@ -17,6 +17,7 @@ from agent.model.counters import Counters
 from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
 from agent.model.profile import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
+from agent.model.stored import StoredDiff, StoredSeries, StoreStatus
 from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus, top_sites
 from agent.symbols.symbolizer import Mapping
 
@@ -147,6 +148,27 @@ class FakeTarget:
     def pprof_context(self) -> PprofContext:
         self._check()
         return PprofContext(mappings=(PROG_MAPPING,), time_ns=1_700_000_060 * 10**9, duration_ns=60 * 10**9)
+
+    # The stored history: this fake keeps none (the daemon's is tested with a real store).
+
+    def store_status(self) -> StoreStatus:
+        self._check()
+        return StoreStatus()
+
+    def history_status(self) -> StoreStatus:
+        return self.store_status()
+
+    def _no_store(self) -> TargetConflict:
+        return TargetConflict("no history is kept for this target")
+
+    def stored_snapshot(self, at: str, detailed: bool) -> Snapshot:
+        raise self._no_store()
+
+    def stored_snapshots(self, start: str | None, end: str | None) -> StoredSeries:
+        raise self._no_store()
+
+    def stored_diff(self, start: str, end: str, threshold: float) -> StoredDiff:
+        raise self._no_store()
 
     def next_xtmemory_seq(self) -> int:
         self._xt_seq += 1
