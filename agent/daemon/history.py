@@ -9,6 +9,7 @@ what the command line takes (agent.offline.timespec): ISO 8601, a time of day, `
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,9 +37,14 @@ def _open(directory: Path) -> Iterator[StoreReader]:
         reader.close()
 
 
+# A query string's unescaped `+` arrives as a space: `2026-11-23T08:00:00+01:00` as `...08:00:00 01:00`.
+_PLUS_AS_SPACE = re.compile(r"^(.*\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?) (\d{2}(?::?\d{2})?)$")
+
+
 def _moment(text: str, what: str, base_ns: int | None = None) -> int:
     if not text.strip():
         raise UsageError(f"{what} is empty: give a time (2026-11-23T08:00, 09:00, now, -30m)")
+    text = _PLUS_AS_SPACE.sub(r"\1+\2", text.strip())
     return parse_moment(text, time.time_ns(), base_ns)
 
 

@@ -14,7 +14,23 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?$")
 
 
+# Moments a store can hold: from the epoch to the year 9999 (what datetime can print back).
+_LATEST_NS = 253_402_214_400 * 10**9
+
+
 def parse_moment(text: str, now_ns: int, base_ns: int | None = None) -> int:
+    """Nanoseconds since the epoch for `text` (see _parse_moment); a moment before 1970 or after 9999 is refused
+    as unreadable, so that every moment can be printed back."""
+    try:
+        ns = _parse_moment(text, now_ns, base_ns)
+    except (OverflowError, OSError, ValueError):  # datetime's limits
+        ns = -1
+    if not 0 <= ns < _LATEST_NS:
+        raise UsageError(f"the time {text!r} is out of range (1970 to 9999)")
+    return ns
+
+
+def _parse_moment(text: str, now_ns: int, base_ns: int | None = None) -> int:
     """Nanoseconds since the epoch for `text`:
     - `now`;
     - `-N` followed by s, m, h, d or w: that long before now (`-24h`, `-30m`, `-1.5d`);
