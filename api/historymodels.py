@@ -47,7 +47,7 @@ class DeltaNodeOut(BaseModel):
 
     label: str
     bytes: int
-    blocks: int | None = Field(None, description="Change of live blocks (absent on an `in N places` node).")
+    blocks: int = Field(description="Change of live blocks.")
     children: list[DeltaNodeOut] = Field(default_factory=list)
 
 

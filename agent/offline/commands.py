@@ -211,12 +211,10 @@ def diff_between(reader: StoreReader, start: int, end: int) -> history.Diff:
         raise HeapscopeError(f"the stored stacks cannot be read: {exc}") from None
 
 
-def _shown(node: history.DeltaNode, sig: int) -> tuple[list[history.DeltaNode], int, int]:
-    """Children at or above `sig` bytes (by size), and the count and sum of the others."""
+def _shown(node: history.DeltaNode, sig: int) -> tuple[list[history.DeltaNode], list[history.DeltaNode]]:
+    """Children at or above `sig` bytes (by size), and the others."""
     kids = sorted(node.children.values(), key=lambda n: (-abs(n.bytes), n.label))
-    big = [k for k in kids if abs(k.bytes) >= sig]
-    small = [k for k in kids if abs(k.bytes) < sig]
-    return big, len(small), sum(k.bytes for k in small)
+    return [k for k in kids if abs(k.bytes) >= sig], [k for k in kids if abs(k.bytes) < sig]
 
 
 def _sig(root: history.DeltaNode, threshold: float) -> int:
@@ -224,10 +222,11 @@ def _sig(root: history.DeltaNode, threshold: float) -> int:
 
 
 def _node_json(node: history.DeltaNode, sig: int) -> dict[str, object]:
-    big, n_small, small_bytes = _shown(node, sig)
+    big, small = _shown(node, sig)
     kids: list[dict[str, object]] = [_node_json(k, sig) for k in big]
-    if n_small:
-        kids.append({"label": f"in {n_small} places below the threshold", "bytes": small_bytes, "children": []})
+    if small:
+        kids.append({"label": f"in {len(small)} places below the threshold", "bytes": sum(k.bytes for k in small),
+                     "blocks": sum(k.blocks for k in small), "children": []})
     return {"label": node.label, "bytes": node.bytes, "blocks": node.blocks, "children": kids}
 
 
@@ -273,9 +272,10 @@ def diff_text(d: history.Diff, pid: int, cmd: str, threshold: float) -> str:
 
 
 def _tree_lines(node: history.DeltaNode, sig: int, depth: int, lines: list[str], threshold: float) -> None:
-    big, n_small, small_bytes = _shown(node, sig)
+    big, small = _shown(node, sig)
     for k in big:
         lines.append(f"{'  ' * depth}{_signed(k.bytes):>14}  {k.label}")
         _tree_lines(k, sig, depth + 1, lines, threshold)
-    if n_small:
-        lines.append(f"{'  ' * depth}{_signed(small_bytes):>14}  in {n_small} places, all below {threshold:.2f}%")
+    if small:
+        small_bytes = sum(k.bytes for k in small)
+        lines.append(f"{'  ' * depth}{_signed(small_bytes):>14}  in {len(small)} places, all below {threshold:.2f}%")

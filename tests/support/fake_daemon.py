@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.daemon import history
 from agent.daemon.monitor import run_monitor
 from agent.errors import NoSuchTarget, TargetConflict, UsageError
 from agent.export.massif import render_snapshot
@@ -64,6 +65,7 @@ class FakeTarget:
     fail_with: BaseException | None = None  # raised by every read: an unexpected error in the daemon
     history: list[Snapshot] | None = None  # the kept snapshots, when a test gives them (else three made up)
     memory: list[MemoryPoint] = field(default_factory=list)  # the mapped/RSS line
+    store_dir: Path | None = None  # the target's directory of a history store, when it keeps one
     _xt_seq: int = 0
 
     def header(self) -> ProfileHeader:
@@ -149,26 +151,30 @@ class FakeTarget:
         self._check()
         return PprofContext(mappings=(PROG_MAPPING,), time_ns=1_700_000_060 * 10**9, duration_ns=60 * 10**9)
 
-    # The stored history: this fake keeps none (the daemon's is tested with a real store).
+    # The stored history: read from `store_dir` (a real store) by the daemon's own code, or none kept.
 
     def store_status(self) -> StoreStatus:
         self._check()
-        return StoreStatus()
+        return StoreStatus() if self.store_dir is None else StoreStatus(directory=str(self.store_dir))
 
     def history_status(self) -> StoreStatus:
-        return self.store_status()
+        status = self.store_status()
+        return status if self.store_dir is None else history.held(self.store_dir, status)
 
-    def _no_store(self) -> TargetConflict:
-        return TargetConflict("no history is kept for this target")
+    def _store(self) -> Path:
+        self._check()
+        if self.store_dir is None:
+            raise TargetConflict("no history is kept for this target (--no-store)")
+        return self.store_dir
 
     def stored_snapshot(self, at: str, detailed: bool) -> Snapshot:
-        raise self._no_store()
+        return history.snapshot_at(self._store(), at, detailed)
 
     def stored_snapshots(self, start: str | None, end: str | None) -> StoredSeries:
-        raise self._no_store()
+        return history.series(self._store(), start, end, max_snapshots=100, detailed_freq=10)
 
     def stored_diff(self, start: str, end: str, threshold: float) -> StoredDiff:
-        raise self._no_store()
+        return history.diff(self._store(), start, end, threshold)
 
     def next_xtmemory_seq(self) -> int:
         self._xt_seq += 1
