@@ -41,6 +41,20 @@ class Frame:
     # address, like the label's other parts: not part of the identity.
     inlined: bool = field(default=False, compare=False)
 
+    def __hash__(self) -> int:
+        # Computed once: stacks of a dozen frames are dict keys by the ten thousand (trees, merges, diffs, the
+        # store's reader), and the generated hash builds a tuple of the fields at every call (6x slower).
+        d = self.__dict__
+        try:
+            return d["_hash"]  # type: ignore[no-any-return]
+        except KeyError:
+            h = d["_hash"] = hash((self.address, self.function, self.file, self.line, self.obj))
+            return h
+
+    def __getstate__(self) -> dict[str, object]:
+        # str hashes differ from process to process: a pickled frame carries no hash.
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @functools.cached_property
     def label(self) -> str:
         """Massif's `0xADDR: fn (file:line)` / `0xADDR: fn (in /obj)` / `0xADDR: ???` (computed once: trees

@@ -81,6 +81,9 @@ def select(reader: StoreReader, start_ns: int | None, end_ns: int | None) -> Sel
     return Selection(refs, notes)
 
 
+_UNSEEN = object()  # a cache miss
+
+
 class Trimmer:
     """Massif's trimming of the raw stored stacks, by the profile's options, cached per stack."""
 
@@ -96,8 +99,9 @@ class Trimmer:
 
     def __call__(self, stack: Stack) -> Stack | None:
         """The trimmed stack, or None when --ignore-fn leaves it out."""
-        if stack in self._cache:
-            return self._cache[stack]
+        got = self._cache.get(stack, _UNSEEN)
+        if got is not _UNSEEN:
+            return got  # type: ignore[return-value]
         out: Stack | None = trim_stack(stack, self.alloc_fns, self.depth)
         if out and out[0].function in self.ignore_fns:
             out = None

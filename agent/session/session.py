@@ -111,6 +111,7 @@ class Session:
         self._ended_ns: int | None = None  # when run() stopped sampling
         self.end_counters: Counters | None = None
         self._sites_seen = 0  # the kernel's n_sites when the sites were last symbolized
+        self._sites_frozen = -1  # the kernel's n_sites when the long-lived objects were last frozen (gc.freeze)
         self.pages: PageAccount | None = None  # the page map, when the probes trace page syscalls
         self._pages_lock = threading.Lock()
         self.stack_bytes = 0  # --stacks=yes: all threads' stacks at the last sample
@@ -258,9 +259,16 @@ class Session:
             # A kept tree shares the index's nodes: its own part is one array of prefix sums.
             tree, ignored = self.live_tree()
             self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, self.stack_bytes, tree)
-        # The index's nodes and the symbolized frames are long-lived objects: out of the cyclic collector's
-        # sight, its full passes stay short (they stalled HTTP requests for half a second).
-        gc.freeze()
+            new_sites = c.n_sites != self._sites_frozen
+            self._sites_frozen = c.n_sites
+        if new_sites:
+            # The index's nodes and the symbolized frames are long-lived objects: out of the cyclic collector's
+            # sight, its full passes stay short (they stalled HTTP requests for half a second). What is garbage
+            # now goes first: frozen, a reference cycle would never be freed (the HTTP threads' of the moment
+            # too), and only when there is something new to freeze. The collection walks only the objects made
+            # since the last freeze.
+            gc.collect()
+            gc.freeze()
 
     def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float) -> None:
         """Sample every `interval` seconds until the target exits or `stop` is set; between samples, catch up

@@ -124,9 +124,14 @@ class StoredSnapshot:
 
     def sites(self) -> dict[Stack, SiteCounts]:
         """Counters per stack; sites with equal stacks add up."""
-        out: dict[Stack, SiteCounts] = {}
         rows = self.counters[_TO_SITECOUNTS].T.tolist()
-        for stack, row in zip(self.site_stacks, rows, strict=False):
+        stacks = self.site_stacks[: len(rows)]
+        # Mostly one site per stack: one hash per stack; the merging loop only when some stacks repeat.
+        out = dict(zip(stacks, (SiteCounts(*row) for row in rows), strict=True))
+        if len(out) == len(rows):
+            return out
+        out = {}
+        for stack, row in zip(stacks, rows, strict=True):
             have = out.get(stack)
             if have is None:
                 out[stack] = SiteCounts(*row)
