@@ -117,7 +117,5 @@ def held(directory: Path, status: StoreStatus) -> StoreStatus:
     if not segment_paths(directory):
         return status
     with StoreReader(directory) as reader:
-        refs = reader.snapshots()
-        if not refs:
-            return status
-        return replace(status, first_wall_ns=refs[0].wall_ns, last_wall_ns=refs[-1].wall_ns, snapshots_held=len(refs))
+        count, first, last = reader.extent()  # two block reads a segment: a week's history is read in no time
+        return replace(status, first_wall_ns=first, last_wall_ns=last, snapshots_held=count)

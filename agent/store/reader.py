@@ -266,6 +266,28 @@ class SegmentReader:
         self._ensure_index()
         return self._refs[-1].wall_ns if self._refs else None
 
+    def extent(self) -> tuple[int, int | None, int | None]:
+        """(snapshots, wall clock of the first, of the last) without indexing the segment when the file ends
+        whole: the last outer TOC gives the count (its prevtoc's key plus its snaptoc entries) and the last
+        wall clock, the snapinfo right after filemeta the first. Else from the index."""
+        data = self._data
+        if self.filemeta and not self._indexed and len(data) >= self._body + 8:
+            try:
+                (at,) = fmt.U64.unpack_from(data, len(data) - 8)
+                b = fmt.read_block(data, at)
+                if b.kind == fmt.K_OUTERTOC and b.end == len(data) - 8:
+                    toc = fmt.decode_toc(b)
+                    tocs = [e for e in toc if e.kind == fmt.K_SNAPTOC]
+                    before = max((e.key for e in toc if e.kind == fmt.K_PREVTOC), default=0)
+                    first = fmt.parse_json(fmt.read_block(data, self._body))
+                    if tocs and first.get("seq") == 0:
+                        return before + len(tocs), int(first["wall_ns"]), tocs[-1].key
+            except (FormatError, KeyError, ValueError, TypeError):
+                pass
+        self._ensure_index()
+        refs = self._refs
+        return len(refs), refs[0].wall_ns if refs else None, refs[-1].wall_ns if refs else None
+
     def _index_from_tail(self) -> list[SnapshotRef] | None:
         """The index from the outer TOC chain, when the file ends with a whole outer TOC and its offset."""
         data = self._data
@@ -653,6 +675,18 @@ class StoreReader:
 
     def verify(self) -> int:
         return sum(seg.verify() for seg in self.segments)
+
+    def extent(self) -> tuple[int, int | None, int | None]:
+        """(snapshots, wall clock of the first, of the last), from each segment's tail (SegmentReader.extent)."""
+        count, first, last = 0, None, None
+        for seg in self.segments:
+            n, f, la = seg.extent()
+            count += n
+            if f is not None and (first is None or f < first):
+                first = f
+            if la is not None and (last is None or la > last):
+                last = la
+        return count, first, last
 
     def close(self) -> None:
         for seg in self.segments:
