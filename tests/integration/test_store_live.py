@@ -55,6 +55,12 @@ def segments(directory: Path) -> list[Path]:
     return sorted(directory.glob("seg-*.hss"))
 
 
+def stored_heaps(directory: Path) -> list[int]:
+    """The heap of every snapshot stored so far (the writer may be appending meanwhile)."""
+    with StoreReader(directory) as reader:
+        return [int(ref.info.get("heap", -1)) for ref in reader.snapshots()]
+
+
 def heapscope(cmd: list[str], *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, check=False)
     assert "Traceback" not in done.stderr, done.stderr
@@ -129,11 +135,13 @@ def test_attach_store_report_is_read_by_ms_print_and_callgrind_annotate(
         directory = store / str(target.pid)
         wait_for(lambda: bool(segments(directory)), 60, "the first stored sample")
         target.step("allocated")
-        time.sleep(3 * INTERVAL)
+        # The first new sites are symbolized first (DWARF read once, seconds on a loaded machine): wait for
+        # stored samples of each state rather than a fixed time.
+        wait_for(lambda: stored_heaps(directory).count(17000) >= 3, 60, "samples of the allocated state")
         t_allocated = moment()
-        time.sleep(2 * INTERVAL)
         target.step("freed")
-        time.sleep(3 * INTERVAL)
+        wait_for(lambda: stored_heaps(directory)[-1:] == [12000], 60, "a sample of the freed state")
+        time.sleep(2 * INTERVAL)
         t_freed = moment()
         time.sleep(2 * INTERVAL)
         prof.send_signal(signal.SIGINT)
