@@ -474,8 +474,10 @@ class SegmentReader:
             frm = fmt.decode_column(fmt.read_block(data, kinds[fmt.K_STK_FRM].start), sum(lens)).tolist()
             frames = self.frames
             at = 0
+            get = frames.__getitem__
+            stacks = self.site_stacks
             for n in lens:
-                self.site_stacks.append(tuple([frames[i] for i in frm[at : at + n]]))
+                stacks.append(tuple(map(get, frm[at : at + n])))
                 at += n
 
     def _checked(self, e: fmt.TocEntry) -> fmt.Block:
