@@ -284,24 +284,65 @@ class Diff:
 def diff(before: StoredSnapshot, after: StoredSnapshot, trim: Trimmer, root_label: str) -> Diff:
     """The change of live bytes per trimmed stack between two snapshots, split in the stacks that grew and the
     ones that shrank, each merged into a tree (allocation site first, then its callers, as Massif's trees)."""
-    a = trim.merge(before.sites())
-    b = trim.merge(after.sites())
+    numbers = _StackNumbers(trim)
+    a_bytes, a_blocks = numbers.live(before)
+    b_bytes, b_blocks = numbers.live(after)
+    n = len(numbers.stacks)
+    a_bytes, a_blocks = (np.pad(x, (0, n - len(x))) for x in (a_bytes, a_blocks))
+    d_bytes, d_blocks = b_bytes - a_bytes, b_blocks - a_blocks
+    changed = np.flatnonzero((d_bytes != 0) | (d_blocks != 0))
+    new_sites = int(np.count_nonzero((a_bytes[changed] == 0) & (b_bytes[changed] != 0)))
+    gone_sites = int(np.count_nonzero((a_bytes[changed] != 0) & (b_bytes[changed] == 0)))
     grew = DeltaNode(None, root_label)
     shrank = DeltaNode(None, root_label)
-    new_sites = gone_sites = 0
-    for stack in a.keys() | b.keys():
-        ca, cb = a.get(stack), b.get(stack)
-        d_bytes = (cb.cur_bytes if cb else 0) - (ca.cur_bytes if ca else 0)
-        d_blocks = (cb.cur_blocks if cb else 0) - (ca.cur_blocks if ca else 0)
-        if d_bytes == 0 and d_blocks == 0:
-            continue
-        if (ca is None or ca.cur_bytes == 0) and cb is not None and cb.cur_bytes:
-            new_sites += 1
-        if ca is not None and ca.cur_bytes and (cb is None or cb.cur_bytes == 0):
-            gone_sites += 1
-        root = grew if d_bytes > 0 or (d_bytes == 0 and d_blocks > 0) else shrank
-        _add(root, stack, d_bytes, d_blocks)
+    for k, db, dk in zip(changed.tolist(), d_bytes[changed].tolist(), d_blocks[changed].tolist(), strict=True):
+        root = grew if db > 0 or (db == 0 and dk > 0) else shrank
+        _add(root, numbers.stacks[k], db, dk)
     return Diff(before, after, grew, shrank, new_sites, gone_sites)
+
+
+class _StackNumbers:
+    """Trimmed stacks numbered once for the sites of the snapshots' segments (a diff's two snapshots mostly
+    share one), so that each snapshot's live bytes per trimmed stack are one pass over its counter columns."""
+
+    def __init__(self, trim: Trimmer) -> None:
+        self.trim = trim
+        self.stacks: list[Stack] = []
+        self._index: dict[Stack, int] = {}
+        self._by_segment: dict[int, np.ndarray] = {}  # id(segment) -> number per site (-1: --ignore-fn)
+
+    def _numbers(self, snap: StoredSnapshot) -> np.ndarray:
+        n = snap.counters.shape[1]
+        key = id(snap.ref.segment)
+        have = self._by_segment.get(key)
+        if have is None or len(have) < n:
+            done = 0 if have is None else len(have)
+            more = []
+            for raw in snap.site_stacks[done:n]:
+                t = self.trim(raw)
+                if t is None:
+                    more.append(-1)
+                    continue
+                k = self._index.get(t)
+                if k is None:
+                    k = self._index[t] = len(self.stacks)
+                    self.stacks.append(t)
+                more.append(k)
+            grown = np.array(more, dtype=np.int64)
+            have = grown if have is None else np.concatenate([have, grown])
+            self._by_segment[key] = have
+        return have[:n]
+
+    def live(self, snap: StoredSnapshot) -> tuple[np.ndarray, np.ndarray]:
+        """Live bytes and blocks per trimmed stack number (sites with equal trimmed stacks add up)."""
+        nums = self._numbers(snap)
+        keep = nums >= 0
+        out = []
+        for field_name in ("cur_bytes", "cur_blocks"):
+            total = np.zeros(len(self.stacks), dtype=np.int64)
+            np.add.at(total, nums[keep], snap.column(field_name)[keep])
+            out.append(total)
+        return out[0], out[1]
 
 
 def _add(root: DeltaNode, stack: Sequence[Frame], d_bytes: int, d_blocks: int) -> None:
