@@ -156,8 +156,10 @@ class Profile:
                     probes.detach()  # the target runs on untouched from here
                     if session.exec_ended():
                         self.say(f"process {p.pid} exec'ed another program: its profile ends there")
-                    session.finish()
-                    self._close_store(session)
+                    try:
+                        session.finish()
+                    finally:
+                        self._close_store(session)  # the history's files are closed whatever happens
                     assert session.end_counters is not None
                     if session.recorder is not None:  # built while the maps are open: readable after the end
                         self._malt_final = MaltDocument(
