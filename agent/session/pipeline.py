@@ -146,10 +146,10 @@ class Profile:
                 if not p.launched:
                     session.prepare_attach()
                 self.say(f"probes attached to {p.pid} ({probes.attached_through})")
-                self._open_store(session)
                 p.release()
                 self.session = session
                 ready()
+                self._open_store(session)
                 try:
                     session.run(self._alive_and_recording(session), stop, s.sample_interval)
                 finally:
