@@ -94,7 +94,11 @@ class Target(Profile):
         """The store's writer statistics and what the target's directory holds."""
         if self.settings.store is None:
             return StoreStatus()
-        return history.held(self._store_dir(), self.store_status())
+        directory = self._store_dir()
+        status = self.store_status()
+        if status.directory is None:  # its writer is not open yet
+            status = StoreStatus(directory=str(directory))
+        return history.held(directory, status)
 
 
 def _no_say(line: str) -> None:
