@@ -127,7 +127,10 @@ def main() -> int:
                     if args.no_store and params:
                         continue
                     s = time.perf_counter()
-                    resp = client.get(path, params=params)
+                    try:
+                        resp = client.get(path, params=params)
+                    except httpx.TransportError:  # the daemon is shutting down
+                        return
                     got[name] = (time.perf_counter() - s) * 1000
                     if resp.status_code != 200:
                         print(f"  {path} {params}: {resp.status_code} {resp.text}", flush=True)
