@@ -294,9 +294,12 @@ class FleetManager(TargetManager):
             selector, parent = None, None  # the child runs another program: it stands on its own
         if job.kind != "fork" or selector is None:
             found = first_match(self._current_selectors(), facts)
-            if found is None:
-                return
-            selector, parent = found.id, None
+            if found is not None:
+                selector, parent = found.id, None
+            else:  # a chosen process's child that exec'ed its parent's program again is still followed
+                selector, parent = self._followed_parent(facts), facts.ppid
+                if selector is None:
+                    return
         elif selector not in self._selectors:
             return  # the parent's selector was removed meanwhile
         identity = (facts.pid, facts.start_time)
@@ -328,6 +331,17 @@ class FleetManager(TargetManager):
             t = self._targets.get(facts.pid)
             attaching = facts.pid in self._attaching
         return attaching or (t is not None and t.state == "profiling")
+
+    def _followed_parent(self, facts: ProcessFacts) -> int | None:
+        """The selector of `facts`' parent, if the parent is profiled for a selector that follows children and
+        the process runs the parent's program."""
+        parent = self._live(facts.ppid)
+        if parent is None or parent.origin.selector is None:
+            return None
+        s = self._selectors.get(parent.origin.selector)
+        if s is None or not s.follow_children or not self._same_program(facts.pid, facts.ppid):
+            return None
+        return s.id
 
     def _same_program(self, pid: int, parent: int | None) -> bool:
         if parent is None:

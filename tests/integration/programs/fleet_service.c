@@ -11,7 +11,8 @@
  * Workers name themselves WORKER_NAME (prctl; default "fleet-worker"), so that a selector on the parent's name
  * does not match them by itself. Signals: SIGTERM ends a process (the parent ends its workers first); a worker's
  * SIGUSR1 makes it exit, and the parent forks a new one (a restart); a worker's SIGUSR2 makes it exec this
- * program again as `--worker` (its name is then the program's own).
+ * program again as `--worker` (through /proc/self/exe, so its name is then "exe"); SIGHUP makes it exec another
+ * program, `sleep 600`.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -28,7 +29,7 @@
 #define RING 8
 #define MAX_WORKERS 64
 
-static volatile sig_atomic_t stop, quit_worker, reexec, child_exited;
+static volatile sig_atomic_t stop, quit_worker, reexec, exec_other, child_exited;
 static void *ring[RING];
 static int tick_fd = -1;
 
@@ -42,6 +43,8 @@ static void on_signal(int sig)
         reexec = 1;
     else if (sig == SIGCHLD)
         child_exited = 1;
+    else if (sig == SIGHUP)
+        exec_other = 1;
 }
 
 __attribute__((noinline)) static void *ring_alloc(void)
@@ -82,7 +85,7 @@ static void install(void)
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
-    int sigs[] = {SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGCHLD};
+    int sigs[] = {SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGCHLD, SIGHUP};
     for (unsigned i = 0; i < sizeof sigs / sizeof sigs[0]; i++)
         sigaction(sigs[i], &sa, NULL);
 }
@@ -98,6 +101,10 @@ static int worker(const char *self, const char *name)
             char *argv[] = {(char *)self, "--worker", NULL};
             execv("/proc/self/exe", argv);
             return 4;
+        }
+        if (exec_other) {
+            execlp("sleep", "sleep", "600", (char *)NULL);
+            return 5;
         }
     }
     return 0;
