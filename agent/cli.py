@@ -49,6 +49,11 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
 
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        """An @FILE line is one argument; blank lines and lines starting with # are left out."""
+        line = arg_line.strip()
+        return [] if not line or line.startswith("#") else [line]
+
 
 # Massif's options: (name, argparse keyword arguments). Their text as given goes into desc:. The two file
 # options among Massif's come from the output registry (agent.export.registry).
