@@ -30,12 +30,19 @@ from typing import Literal
 
 from agent.daemon.manager import ATTACH_TIMEOUT, DaemonConfig, Target, TargetManager
 from agent.errors import EnvironmentProblem, HeapscopeError, NoSuchTarget, TargetConflict, TargetRefused
-from agent.kernel.procevents import BCC_LOAD, ProcEvent, ProcEvents
+from agent.kernel.procevents import ProcEvent, ProcEvents
 from agent.model.cgroup import placement_of
 from agent.model.fleet import REFUSAL_REASONS, FleetStatus, Limits, Refusal, SelectorStatus, TargetOrigin
 from agent.model.selector import ProcessFacts, Selector, first_match
 from agent.model.target import TargetStatus
-from agent.process.procinfo import cgroup_of, process_ids, read_facts, resident_bytes, start_time
+from agent.process.procinfo import (
+    cgroup_of,
+    process_ids,
+    read_facts,
+    release_free_memory,
+    resident_bytes,
+    start_time,
+)
 
 # Without the tracepoints, how often /proc is scanned instead.
 POLL_INTERVAL = 2.0
@@ -95,6 +102,7 @@ class FleetManager(TargetManager):
         self._threads: list[threading.Thread] = []
         self._ev: ProcEvents | None = None
         self._watched: set[int] = set()
+        self._trim = False
 
     # ---- life cycle ----
 
@@ -212,8 +220,7 @@ class FleetManager(TargetManager):
             if identity is not None and started != identity:
                 raise NoSuchTarget(f"process {pid} went away before it could be attached")
             placement = placement_of(cgroup_of(pid, self.proc))
-            with BCC_LOAD:  # one compile at a time (see agent.kernel.procevents)
-                t = super().attach(pid)
+            t = super().attach(pid)
         finally:
             with self._admit:
                 self._inflight -= 1
@@ -229,6 +236,7 @@ class FleetManager(TargetManager):
             self._released.add((pid, t.origin.start_time))  # the user let it go: not chosen again
         status = super().detach(pid)
         self._unwatch(pid)
+        self._trim = True
         return status
 
     def _refusal(self) -> Refusal | None:
@@ -250,9 +258,11 @@ class FleetManager(TargetManager):
 
     def _forget(self, t: Target, why: str) -> None:
         with self._lock:
-            if self._targets.get(t.pid) is t:
-                del self._targets[t.pid]
-                self.config.say(f"forgot ended target {t.pid} ({t.command}) {why}")
+            if self._targets.get(t.pid) is not t:
+                return
+            del self._targets[t.pid]
+        self.config.say(f"forgot ended target {t.pid} ({t.command}) {why}")
+        self._trim = True
 
     # ---- the queue of selected processes ----
 
@@ -510,6 +520,9 @@ class FleetManager(TargetManager):
         """Ended targets: say why they ended and until when they stay; forget them at that time. Identities of
         processes that are gone are dropped from the remembered sets."""
         now = time.time()
+        if self._trim:  # a target was forgotten: give its memory back
+            self._trim = False
+            release_free_memory()
         for t in self.targets():
             if t.state == "profiling" or not t.done.is_set():
                 continue

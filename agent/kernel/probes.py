@@ -339,6 +339,26 @@ class MappedArray:
         self._mappings.clear()
 
 
+# libbcc keeps every loaded program's tables in one process-wide map, unguarded: two threads loading, unloading or
+# looking up tables at once crashed a daemon with several targets (in ebpf::TableStorage). Every load and cleanup
+# holds this lock, and each program's tables are looked up once, under it, at the load (_cache_tables).
+BCC_LOCK = threading.RLock()
+
+
+def _cache_tables(bpf: Any) -> None:
+    """Look every table of a freshly loaded program up once (bcc caches the objects), so that later reads never
+    search libbcc's shared table map while another thread changes it. Call with BCC_LOCK held."""
+    lib = _load_bcc().libbcc.lib
+    lib.bpf_num_tables.restype = ctypes.c_size_t
+    lib.bpf_num_tables.argtypes = [ctypes.c_void_p]
+    lib.bpf_table_name.restype = ctypes.c_char_p
+    lib.bpf_table_name.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    for i in range(lib.bpf_num_tables(bpf.module)):
+        name = lib.bpf_table_name(bpf.module, i)
+        if name:
+            bpf[name.decode()]  # the code reads tables by str names: cache them under those
+
+
 def _load_bcc():  # type: ignore[no-untyped-def]
     try:
         import bcc
@@ -479,7 +499,7 @@ class HeapProbes(SiteReader):
             f"-DHS_PAGE_RING_PAGES={PAGE_RING_BYTES // mmap.PAGESIZE}",
             f"-DHS_STACKS={int(s.stacks)}",
         ]
-        with _captured_stderr() as messages:
+        with BCC_LOCK, _captured_stderr() as messages:
             try:
                 if s.sampled:  # sampled.bpf.c uses heap.bpf.c's helpers: one translation unit
                     source = "".join(
@@ -491,6 +511,7 @@ class HeapProbes(SiteReader):
             except Exception as exc:  # bcc raises bare Exception for compile and load failures
                 first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
                 raise EnvironmentProblem(f"cannot compile or load the BPF program: {first.strip()}") from exc
+            _cache_tables(bpf)
         try:
             try:
                 self._sites = MappedArray(bpf["sites"], s.max_stacks)
@@ -545,7 +566,8 @@ class HeapProbes(SiteReader):
             self._page_ring.close()
             self._page_ring = None
         if self._bpf is not None:
-            self._bpf.cleanup()
+            with BCC_LOCK:
+                self._bpf.cleanup()
             self._bpf = None
 
     def _unmap(self) -> None:

@@ -10,18 +10,14 @@ import mmap
 import os
 import select
 import struct
-import threading
 from dataclasses import dataclass
 from importlib import resources
 from types import TracebackType
 from typing import Any, Literal
 
 from agent.errors import EnvironmentProblem
-from agent.kernel.probes import _captured_stderr, _load_bcc, _RingReader
+from agent.kernel.probes import BCC_LOCK, _cache_tables, _captured_stderr, _load_bcc, _RingReader
 
-# bcc's compiler is not safe to run from two threads at once (two concurrent loads crashed the daemon in
-# libbcc): every load of a BPF program in the daemon holds this lock.
-BCC_LOAD = threading.Lock()
 RING_BYTES = 256 << 10
 MAX_WATCHED = 65536
 _RECORD = struct.Struct("<4I16s")  # struct pe_event
@@ -49,13 +45,14 @@ class ProcEvents:
         bcc = _load_bcc()
         path = os.path.join(str(resources.files("probes")), "procevents.bpf.c")
         cflags = [f"-DPE_RING_PAGES={RING_BYTES // mmap.PAGESIZE}", f"-DPE_MAX_WATCHED={MAX_WATCHED}"]
-        with BCC_LOAD, _captured_stderr() as messages:
+        with BCC_LOCK, _captured_stderr() as messages:
             try:
                 # bcc attaches the TRACEPOINT_PROBEs as it loads them.
                 self._bpf = bcc.BPF(src_file=path.encode(), cflags=cflags)
             except Exception as exc:  # bcc raises bare Exception for compile, load and attach failures
                 first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
                 raise EnvironmentProblem(f"cannot load the process-event tracepoints: {first.strip()}") from exc
+            _cache_tables(self._bpf)
         try:
             fd = self._bpf["proc_events"].map_fd
             self._ring = _RingReader(fd, RING_BYTES, _RECORD)
@@ -79,7 +76,8 @@ class ProcEvents:
             self._ring.close()
             self._ring = None
         if self._bpf is not None:
-            self._bpf.cleanup()
+            with BCC_LOCK:
+                self._bpf.cleanup()
             self._bpf = None
 
     def watch(self, pid: int) -> None:

@@ -3,6 +3,7 @@ a few small files; a process that went away in between reads as None, never as a
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Iterator
 
@@ -90,3 +91,13 @@ def resident_bytes(pid: int | None = None, proc: str = "/proc") -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, IndexError, ValueError):
         return 0
+
+
+def release_free_memory() -> None:
+    """Give the memory malloc holds free back to the system (glibc's malloc_trim): a profile's tables are large, and
+    each target's thread has its own malloc arena, which keeps what it freed otherwise."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -141,10 +141,16 @@ int main(int argc, char **argv)
             child_exited = 0;
             int status;
             pid_t done;
-            while ((done = waitpid(-1, &status, WNOHANG)) > 0)
+            while ((done = waitpid(-1, &status, WNOHANG)) > 0) {
+                /* A worker asked to end (SIGUSR1, SIGTERM) exits with 0: anything else is a crash, said. */
+                if (WIFSIGNALED(status) || WEXITSTATUS(status) != 0)
+                    fprintf(stderr, "fleet_service: worker %d crashed: %s %d\n", (int)done,
+                            WIFSIGNALED(status) ? "signal" : "exit status",
+                            WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
                 for (int i = 0; i < n; i++)
                     if (workers[i] == done && !stop)
                         workers[i] = spawn(argv[0], name); /* a restart */
+            }
         }
     }
     for (int i = 0; i < n; i++)
