@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import array
+import atexit
 import contextlib
 import ctypes
 import mmap
@@ -359,6 +360,15 @@ def _cache_tables(bpf: Any) -> None:
             bpf[name.decode()]  # the code reads tables by str names: cache them under those
 
 
+def _unload(bpf: Any) -> None:
+    """Unload a program and let its Python objects go: bcc registers every BPF object's cleanup with atexit, which
+    would keep each one, its tables and their ctypes types alive for the life of a daemon (megabytes a target)."""
+    with BCC_LOCK:
+        bpf.cleanup()
+    atexit.unregister(bpf.cleanup)
+    bpf.tables.clear()
+
+
 def _load_bcc():  # type: ignore[no-untyped-def]
     try:
         import bcc
@@ -566,8 +576,7 @@ class HeapProbes(SiteReader):
             self._page_ring.close()
             self._page_ring = None
         if self._bpf is not None:
-            with BCC_LOCK:
-                self._bpf.cleanup()
+            _unload(self._bpf)
             self._bpf = None
 
     def _unmap(self) -> None:

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from agent.errors import EnvironmentProblem
-from agent.kernel.probes import BCC_LOCK, _cache_tables, _captured_stderr, _load_bcc, _RingReader
+from agent.kernel.probes import BCC_LOCK, _cache_tables, _captured_stderr, _load_bcc, _RingReader, _unload
 
 RING_BYTES = 256 << 10
 MAX_WATCHED = 65536
@@ -76,8 +76,7 @@ class ProcEvents:
             self._ring.close()
             self._ring = None
         if self._bpf is not None:
-            with BCC_LOCK:
-                self._bpf.cleanup()
+            _unload(self._bpf)
             self._bpf = None
 
     def watch(self, pid: int) -> None:
