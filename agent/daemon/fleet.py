@@ -20,6 +20,7 @@ another process is a new process, and a restarted daemon finds the same identiti
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import threading
@@ -522,6 +523,12 @@ class FleetManager(TargetManager):
         now = time.time()
         if self._trim:  # a target was forgotten: give its memory back
             self._trim = False
+            # Sessions freeze the collector's objects at every sample (agent.session.session: full passes over a big
+            # profile stalled requests); an ended target's cycles (its symbolizer's DWARF, its trees) were frozen
+            # with the rest and would never be collected. One full pass per forgotten batch of targets.
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
             release_free_memory()
         for t in self.targets():
             if t.state == "profiling" or not t.done.is_set():
