@@ -228,7 +228,9 @@ class FleetManager(TargetManager):
         t.origin = TargetOrigin(start_time=started or 0, placement=placement, selector=selector, parent=parent)
         if selector is not None:
             self._watch(pid)
-            self._adopt_children(t)
+            chosen_by = self._selectors.get(selector)
+            if chosen_by is not None and chosen_by.follow_children:
+                self._adopt_children(t)
         return t
 
     def detach(self, pid: int) -> TargetStatus:
@@ -311,8 +313,10 @@ class FleetManager(TargetManager):
                 selector, parent = self._followed_parent(facts), facts.ppid
                 if selector is None:
                     return
-        elif selector not in self._selectors:
-            return  # the parent's selector was removed meanwhile
+        else:
+            followed = self._selectors.get(selector)
+            if followed is None or not followed.follow_children:
+                return  # the parent's selector was removed meanwhile, or follows no children
         identity = (facts.pid, facts.start_time)
         if identity in self._failed or identity in self._released or self._profiling(facts):
             return
