@@ -10,8 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agent.errors import UsageError
 from agent.export.xtree import ALLOCS_EVENTS, FULL_EVENTS
 from agent.model.profile import MassifNode, SiteCounts, Snapshot, SnapshotKind, Stack, massif_tree
+from agent.model.sampling import DEFAULT_SAMPLE_RATE, MAX_SAMPLE_RATE, ProfileMode
 from agent.model.target import PID_MAX, MonitorResult, ProfileHeader, TargetStatus
 
 # ---- requests -------------------------------------------------------------------------------------------
@@ -28,9 +30,35 @@ class MonitorRequest(BaseModel):
 
 
 class AttachRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"pid": 4242, "mode": "sampled"}]})
 
     pid: int = Field(ge=1, le=PID_MAX, description="The process to profile from now on.")
+    mode: Literal["exact", "sampled"] | None = Field(
+        None, description="exact: every allocation call; sampled: an in-process sampler, estimates (default: the "
+        "daemon's --mode, sampled unless it was started otherwise).",
+    )
+    sample_rate: int | None = Field(
+        None, ge=1, le=MAX_SAMPLE_RATE, description="Sampled mode: mean bytes between samples (default 524288).",
+    )
+
+
+class ModeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"mode": "exact"}]})
+
+    mode: Literal["exact", "sampled"] = Field(description="The mode to profile the target in from now on.")
+    sample_rate: int | None = Field(
+        None, ge=1, le=MAX_SAMPLE_RATE, description="Sampled mode: mean bytes between samples (default 524288).",
+    )
+
+
+def profile_mode(mode: str | None, sample_rate: int | None, default: ProfileMode | None = None) -> ProfileMode | None:
+    """The mode a request asks for; None: the daemon's own. A rate alone asks for sampled mode."""
+    if mode is None and sample_rate is None:
+        return default
+    if mode == "exact" and sample_rate is not None:
+        raise UsageError("sample_rate applies to mode sampled")
+    return ProfileMode("exact" if mode == "exact" else "sampled",
+                       DEFAULT_SAMPLE_RATE if sample_rate is None else sample_rate)
 
 
 # ---- errors ---------------------------------------------------------------------------------------------
@@ -205,6 +233,10 @@ class TargetOut(BaseModel):
     command: str = Field(description="The process name.")
     cmdline: str
     allocator: str
+    mode: Literal["exact", "sampled"] = Field(description="exact: every call counted; sampled: estimates.")
+    sample_rate: int = Field(description="Mean bytes between samples; 1 in exact mode (every call counted).")
+    estimate: bool = Field(description="True when the heap figures are estimates (sampled mode); the call "
+                           "counts are exact in both modes.")
     state: Literal["profiling", "exited", "detached"]
     exited: bool
     started_at: datetime
@@ -225,6 +257,9 @@ def target_out(s: TargetStatus) -> TargetOut:
         command=s.command,
         cmdline=s.cmdline,
         allocator=s.allocator,
+        mode="sampled" if s.mode == "sampled" else "exact",
+        sample_rate=s.sample_rate,
+        estimate=s.mode == "sampled",
         state=s.state,
         exited=s.state == "exited",
         started_at=_time(s.started_at),  # type: ignore[arg-type]

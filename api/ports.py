@@ -11,6 +11,7 @@ from agent.model.counters import Counters
 from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, Stack
+from agent.model.sampling import ProfileMode
 from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
 
 
@@ -18,6 +19,8 @@ class TargetPort(Protocol):
     pid: int
     command: str
     allocator: str
+    mode: str  # exact, or sampled (estimates)
+    sample_rate: int  # 1 in exact mode
 
     @property
     def state(self) -> str: ...
@@ -54,7 +57,9 @@ class ManagerPort(Protocol):
 
     def get(self, pid: int | None) -> TargetPort: ...
 
-    def attach(self, pid: int) -> TargetPort: ...
+    def attach(self, pid: int, mode: ProfileMode | None = None) -> TargetPort: ...
+
+    def switch_mode(self, pid: int, mode: ProfileMode) -> TargetPort: ...
 
     def detach(self, pid: int) -> TargetStatus: ...
 

@@ -28,6 +28,8 @@ class MetricsTarget(Protocol):
     pid: int
     command: str
     allocator: str
+    mode: str  # exact, or sampled: the byte and block figures are estimates
+    sample_rate: int  # 1 in exact mode
 
     @property
     def state(self) -> str: ...
@@ -94,6 +96,12 @@ class HeapscopeCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         info = InfoMetricFamily("heapscope_target", "A profiled process.", labels=TARGET_LABELS)
+        profile = InfoMetricFamily(
+            "heapscope_profile",
+            "How a target is profiled: mode exact (every call counted) or sampled (one sample per sample_rate "
+            "bytes on average: the heap byte and block figures are estimates, the call counts exact).",
+            labels=TARGET_LABELS,
+        )
         exited = GaugeMetricFamily(
             "heapscope_target_exited", "1 once the process has exited (its last state stays).", labels=TARGET_LABELS
         )
@@ -131,6 +139,7 @@ class HeapscopeCollector(Collector):
             n_targets += 1
             labels = [str(t.pid), t.command]
             info.add_metric(labels, {"state": t.state, "allocator": t.allocator})
+            profile.add_metric(labels, {"mode": t.mode, "sample_rate": str(t.sample_rate)})
             exited.add_metric(labels, 1.0 if t.state == "exited" else 0.0)
             for fam, (_, _, fld) in zip(gauges, _GAUGES, strict=True):
                 fam.add_metric(labels, max(getattr(c, fld), 0))
@@ -148,6 +157,7 @@ class HeapscopeCollector(Collector):
                 site_blocks.add_metric([*labels, s.site], s.blocks)
         yield GaugeMetricFamily("heapscope_targets", "Processes the daemon holds a profile of.", value=n_targets)
         yield info
+        yield profile
         yield exited
         yield from gauges
         yield from counters

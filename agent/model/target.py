@@ -40,6 +40,8 @@ class TargetStatus:
     files: tuple[str, ...]  # the files written when profiling ended
     counters: Counters
     pages: PageTotals | None = None  # mapped memory (None until the page map is seeded)
+    mode: str = "exact"  # exact, or sampled: the heap figures are estimates (agent.model.sampling)
+    sample_rate: int = 1  # sampled: mean bytes between samples; 1 when every call counts
 
 
 @dataclass(frozen=True)

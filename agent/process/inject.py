@@ -52,7 +52,7 @@ from elftools.elf.elffile import ELFFile
 
 from agent.errors import EnvironmentProblem, TargetError
 from agent.process.discovery import allocator_of_process
-from agent.process.sampler import MapLine, build_stub, mapped_base, read_map_lines
+from agent.process.sampler import MapLine, build_sampler, build_stub, mapped_base, read_map_lines
 from agent.symbols.elf import ElfObject, open_elf
 from agent.symbols.symbolizer import DEFAULT_DEBUG_ROOTS, find_debug_file
 
@@ -275,6 +275,14 @@ def preflight(pid: int, library: Path, proc_root: str = "/proc") -> None:
             f"process {pid}'s allocator ({allocator.family}) is linked into its executable: its calls do not go "
             "through the GOT and cannot be sampled; use --mode=exact"
         )
+
+
+def preflight_sampled(pid: int, proc_root: str = "/proc") -> None:
+    """Sampled mode's refusals for process `pid`, before anything is changed: those of inject(), with the
+    library it would inject (nothing to check when that library is loaded already: it is reused)."""
+    library = Path(os.path.realpath(build_sampler()))
+    if mapped_base(pid, library) is None:
+        preflight(pid, library, proc_root)
 
 
 # ---- the unsafe ranges ---------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Path
 
 from agent.model.target import PID_MAX
 from api.deps import Manager
-from api.models import AttachRequest, TargetOut, target_out
+from api.models import AttachRequest, ModeRequest, TargetOut, profile_mode, target_out
 from api.routers import ERRORS
 
 router = APIRouter(prefix="/targets", tags=["targets"])
@@ -19,7 +19,18 @@ def list_targets(manager: Manager) -> list[TargetOut]:
 
 @router.post("", status_code=201, summary="Attach to a running process", responses=ERRORS)
 def attach(body: AttachRequest, manager: Manager) -> TargetOut:
-    return target_out(manager.attach(body.pid).status())
+    return target_out(manager.attach(body.pid, profile_mode(body.mode, body.sample_rate)).status())
+
+
+@router.post(
+    "/{pid}/mode",
+    summary="Profile the target in another mode from now on (its history continues; figures restart from 0)",
+    responses=ERRORS,
+)
+def switch_mode(pid: Annotated[int, Path(ge=1, le=PID_MAX)], body: ModeRequest, manager: Manager) -> TargetOut:
+    mode = profile_mode(body.mode, body.sample_rate)
+    assert mode is not None  # the body names a mode
+    return target_out(manager.switch_mode(pid, mode).status())
 
 
 @router.delete(

@@ -35,6 +35,7 @@
 #include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -1116,6 +1117,29 @@ static void broken(void)
     STORE(hs_control.state, HS_STATE_BROKEN);
 }
 
+/* `heapscope run --mode=sampled` preloads the library (LD_PRELOAD) instead of injecting it, with
+ * HEAPSCOPE_SAMPLER_HOLD=<ms>: the constructor then waits, up to that long, for heapscope to arm the sampler,
+ * so the program's own allocations from main() on are sampled. It first puts the environment back as it
+ * was (LD_PRELOAD as given to heapscope, in HEAPSCOPE_SAMPLER_LD_PRELOAD), so that the program's children
+ * neither load the sampler nor wait. Runs before main(): single-threaded but for the control thread. */
+static void hold_for_arming(void)
+{
+    const char *hold = getenv("HEAPSCOPE_SAMPLER_HOLD");
+    if (!hold)
+        return;
+    long ms = strtol(hold, NULL, 10);
+    const char *preload = getenv("HEAPSCOPE_SAMPLER_LD_PRELOAD");
+    if (preload)
+        setenv("LD_PRELOAD", preload, 1);
+    else
+        unsetenv("LD_PRELOAD");
+    unsetenv("HEAPSCOPE_SAMPLER_LD_PRELOAD");
+    unsetenv("HEAPSCOPE_SAMPLER_HOLD");
+    struct timespec tick = {.tv_sec = 0, .tv_nsec = 1000000};
+    for (long waited = 0; waited < ms && LOAD(hs_control.state) != HS_STATE_ARMED; waited++)
+        nanosleep(&tick, NULL);
+}
+
 __attribute__((constructor)) static void hs_sampler_init(void)
 {
     page_size = sysconf(_SC_PAGESIZE);
@@ -1159,4 +1183,5 @@ __attribute__((constructor)) static void hs_sampler_init(void)
     if (rc != 0)
         { broken(); return; }
     STORE(hs_control.state, HS_STATE_IDLE);
+    hold_for_arming();
 }
