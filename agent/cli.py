@@ -493,6 +493,7 @@ def cmd_attach(ctx: _Ctx) -> int:
     read_process(pid)  # a missing PID is said before anything else
     _require_environment()
     process = attach_to(pid)
+    ctx.settings.preflight(pid)
     stop = threading.Event()
     _stop_on_signals(stop)
     ctx.say(f"attaching to {pid} ({process.cmdline}); Ctrl-C or SIGTERM ends the profile")

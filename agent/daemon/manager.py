@@ -23,7 +23,6 @@ from agent.errors import HeapscopeError, NoSuchTarget, TargetConflict, UsageErro
 from agent.export.massif import render_snapshot
 from agent.model.sampling import ProfileMode
 from agent.model.target import PID_MAX, MonitorResult, TargetStatus
-from agent.process.inject import preflight_sampled
 from agent.process.target import TargetProcess, attach_to
 from agent.session.pipeline import Profile, ProfileSettings
 
@@ -141,9 +140,12 @@ class TargetManager:
             raise UsageError("heapscope cannot profile itself")
         if not 1 <= pid <= PID_MAX:
             raise UsageError(f"{pid} is not a PID")
+        settings = self._settings(mode)
         self._reserve(pid)
         try:
-            return self._start(attach_to(pid, self.proc), self._settings(mode))
+            process = attach_to(pid, self.proc)
+            settings.preflight(pid)
+            return self._start(process, settings)
         finally:
             self._release_reservation(pid)
 
@@ -156,8 +158,7 @@ class TargetManager:
             raise TargetConflict(f"target {pid} is {old.state}: attach it again with POST /targets")
         if old.settings.mode == mode:
             return old
-        if mode.sampled:
-            preflight_sampled(pid, self.proc)  # refusals (ptrace, seccomp, allocator) before anything changes
+        self._settings(mode).preflight(pid)  # refusals (ptrace, seccomp, allocator) before anything changes
         with self._lock:
             if pid in self._attaching:
                 raise TargetConflict(f"process {pid} is already being attached")

@@ -26,6 +26,8 @@ class ProfileHeader:
     time_unit: str
     threshold: float
     xtree_kind: XtreeKind
+    mode: str = "exact"  # sampled: the figures are estimates (agent.model.sampling.ProfileMode)
+    sample_rate: int = 1
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from agent.model.sampling import ProfileMode
 from agent.model.summary import ProfileSummary, SamplingSummary
 from agent.model.target import ProfileHeader, SiteTotal, TargetState, top_sites
 from agent.process.discovery import HOOK_KINDS
+from agent.process.inject import preflight_sampled
 from agent.process.target import TargetProcess, launch
 from agent.session.pprof_context import pprof_context
 from agent.session.sampled import SamplerLink, launch_sampled
@@ -82,6 +83,12 @@ class ProfileSettings:
         """The formats written at the end, with their file name templates."""
         return [(f, self.files[f.name]) for f in FORMATS if f.name in self.files and f.written_if(self.opts)]
 
+    def preflight(self, pid: int) -> None:
+        """Refuse, with one line and before anything is changed or said, a running process this mode cannot
+        profile safely (sampled: agent.process.inject's refusals)."""
+        if self.mode.sampled:
+            preflight_sampled(pid)
+
     def launch(self, argv: list[str]) -> TargetProcess:
         """A program started held before its exec (`run`); in sampled mode with the sampler preloaded."""
         return launch_sampled(argv) if self.mode.sampled else launch(argv)
@@ -110,6 +117,8 @@ class Profile:
             time_unit=o.time_unit,
             threshold=o.threshold,
             xtree_kind="full" if o.xtree_memory == "full" else "allocs",
+            mode=settings.mode.mode,
+            sample_rate=settings.mode.period,
         )
         self.state: TargetState = "profiling"
         self.started_at = time.time()

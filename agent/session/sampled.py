@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from agent.errors import HeapscopeError, TargetError
+from agent.errors import HeapscopeError, SamplingRefused, TargetError
 from agent.kernel.probes import SiteReader
 from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint
@@ -37,7 +37,7 @@ _PRELOAD_ENV = "HEAPSCOPE_SAMPLER_LD_PRELOAD"
 
 def _refuse_static(process: TargetProcess, exe: str) -> None:
     if os.path.realpath(process.allocator.path) == os.path.realpath(exe):
-        raise TargetError(
+        raise SamplingRefused(
             f"the allocator of {exe} ({process.allocator.family}) is linked into the executable: its calls do not "
             "go through the GOT and cannot be sampled; use --mode=exact"
         )
