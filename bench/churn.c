@@ -16,10 +16,14 @@
  *                    stack of about CHURN_DEPTH + 3 frames, to measure what a profiler's stack walk costs.
  *   CHURN_MMAP       1: each pair is an munmap and an mmap of 1..16 anonymous pages instead (the same
  *                    slots and random sequence): what tracing the page system calls costs.
+ *   CHURN_THREAD     1: start an idle second thread before the loop. glibc's malloc then takes its arena
+ *                    lock, as in any multi-threaded service (and in any process sampled mode's sampler,
+ *                    with its control thread, is in): the native baseline of that case.
  *
  * Prints nothing; no stdio (its buffers would be allocations outside the loop).
  */
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -139,6 +143,14 @@ __attribute__((noinline)) static void descend(volatile int depth, long pairs)
     __asm__ volatile("" ::: "memory"); /* no tail call: each level keeps its frame */
 }
 
+static void *idle(void *arg)
+{
+    (void)arg;
+    for (;;)
+        pause();
+    return NULL;
+}
+
 int main(int argc, char **argv)
 {
     long pairs = argc > 1 ? atol(argv[1]) : 2000000L;
@@ -147,6 +159,10 @@ int main(int argc, char **argv)
     const char *depth = getenv("CHURN_DEPTH");
     const char *pages = getenv("CHURN_MMAP");
     page_mode = pages && *pages == '1';
+    const char *thread = getenv("CHURN_THREAD");
+    pthread_t idler;
+    if (thread && *thread == '1' && pthread_create(&idler, NULL, idle, NULL) != 0)
+        return 3;
 
     if (gate && *gate)
         wait_for_gate(gate);

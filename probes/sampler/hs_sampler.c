@@ -1060,6 +1060,8 @@ static void handle_request(void)
     __atomic_store_n(&hs_control.ack_seq, seq, __ATOMIC_RELEASE);
 }
 
+static int holding; /* the program waits in hold_for_arming (run --mode=sampled) */
+
 static void *control_thread(void *arg)
 {
     (void)arg;
@@ -1072,7 +1074,9 @@ static void *control_thread(void *arg)
         /* events = 0: a pipe's read end still reports POLLHUP (no writer left), POLLERR and POLLNVAL, and
          * nothing is ever read from it, so a descriptor the program reused is never consumed. */
         struct pollfd pfd = {.fd = lease_read_fd, .events = 0};
-        int n = poll(is_armed ? &pfd : NULL, is_armed ? 1 : 0, is_armed ? 50 : 500);
+        /* Every 50 ms armed (the watchdog's period), 500 ms idle, 2 ms while a preloaded program waits in
+         * hold_for_arming for heapscope's first request. */
+        int n = poll(is_armed ? &pfd : NULL, is_armed ? 1 : 0, is_armed ? 50 : LOAD(holding) ? 2 : 500);
         if (is_armed) {
             if (fd_ino(lease_read_fd) != lease_ino)
                 disarm(HS_DISARM_PIPE_LOST);
@@ -1136,8 +1140,10 @@ static void hold_for_arming(void)
     unsetenv("HEAPSCOPE_SAMPLER_LD_PRELOAD");
     unsetenv("HEAPSCOPE_SAMPLER_HOLD");
     struct timespec tick = {.tv_sec = 0, .tv_nsec = 1000000};
+    STORE(holding, 1);
     for (long waited = 0; waited < ms && LOAD(hs_control.state) != HS_STATE_ARMED; waited++)
         nanosleep(&tick, NULL);
+    STORE(holding, 0);
 }
 
 __attribute__((constructor)) static void hs_sampler_init(void)

@@ -249,6 +249,27 @@ def test_every_output_says_the_mode(sampled_run: dict) -> None:
     assert "ESTIMATES" in sampled_run["stderr"]  # the summary line a person reads
 
 
+def test_run_sampled_preloads_the_sampler_and_puts_the_environment_back(
+    program: Path, run_heapscope: Callable[..., Completed]
+) -> None:
+    """`run --mode=sampled`: the sampler comes in by LD_PRELOAD and holds the program before main() until it is
+    armed, so its estimates hold from main() on; the program and its children see the environment heapscope
+    was given."""
+    rate = sampling_rate(SCALE)
+    got = run_heapscope(program, (str(SCALE),), ("--mode=sampled", f"--sample-rate={rate}"))
+    assert got.returncode == 0, got.stderr
+    truth = {name: int(v) for _, name, v in (line.split() for line in got.stdout.splitlines())}
+    last = parse_massif(got.massif_text).snapshots[-1]
+    assert last.tree is not None
+    sites = tree_sites(paths(last.tree))
+    for site in SITES:
+        assert abs(sites.get(site, 0) / truth[site] - 1) <= 0.10, (site, sites.get(site), truth[site])
+    assert got.counters["n_allocs"] >= sum(len(b) for b in site_sizes(SCALE).values()) + 20000 * SCALE
+    env = run_heapscope(Path("/bin/sh"), ("-c", 'echo "[$LD_PRELOAD|$HEAPSCOPE_SAMPLER_HOLD]"'), ("--mode=sampled",),
+                        env={"LD_PRELOAD": "libm.so.6"})
+    assert env.returncode == 0 and env.stdout.strip() == "[libm.so.6|]", (env.stdout, env.stderr)
+
+
 # ---- exact mode ------------------------------------------------------------------------------------------
 
 
