@@ -95,6 +95,17 @@ WORKLOADS: dict[str, Workload] = {
             unit="malloc+free pair, a second thread idle",
             env=(("CHURN_THREAD", "1"),),
         ),
+        # The loop after 200,000 untimed pairs and a pause: each profiler's one-time work at its first calls
+        # (heapscope symbolizes their stacks, seconds of CPU on a 2-core machine) is not in the loop's time.
+        Workload(
+            name="churn-warm",
+            source="churn.c",
+            cflags=("-O2", "-g", "-fno-omit-frame-pointer"),
+            calls=2_000_000,
+            quick_calls=200_000,
+            unit="malloc+free pair, after a warm-up",
+            env=(("CHURN_WARMUP", "200000"),),
+        ),
         # mmap/munmap pairs: what the page syscall tracepoints cost (heapscope traces them in every mode).
         Workload(
             name="mmap-churn",
