@@ -158,7 +158,10 @@ def populate(mode: str, keys: int, scratch: Path) -> tuple[int, int]:
     """heapscope's live heap at the end and redis's used_memory, after DEBUG POPULATE on a fresh redis."""
     redis = start_redis(PORT + 1)
     try:
-        profiler = Heapscope(redis.pid, mode, scratch)
+        # Exact mode tracks every live block in a kernel table: room for all of them (DEBUG POPULATE makes about
+        # five per key), so that none is dropped. Sampled mode tracks only its samples.
+        room = 1 << (8 * keys).bit_length()
+        profiler = Heapscope(redis.pid, mode, scratch, *([f"--max-blocks={room}"] if mode == "exact" else []))
         before = int(_info(PORT + 1, "used_memory"))
         reply = redis_cli(PORT + 1, "DEBUG", "POPULATE", str(keys), "key", "200")
         if reply != "OK":
@@ -168,6 +171,8 @@ def populate(mode: str, keys: int, scratch: Path) -> tuple[int, int]:
         summary = profiler.end()
         counters = summary["counters"]
         assert isinstance(counters, dict)
+        if counters["dropped_blocks"]:
+            raise SystemExit(f"{mode}: {counters['dropped_blocks']} blocks dropped (block table full)")
         return int(counters["heap"]), used
     finally:
         stop_redis(redis)
