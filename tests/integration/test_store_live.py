@@ -127,7 +127,7 @@ def test_attach_store_report_is_read_by_ms_print_and_callgrind_annotate(
     store = tmp_path / "store"
     target = Target(build("daemon_target.c"))
     prof = subprocess.Popen(
-        [*heapscope_cmd, "attach", "--store", str(store), "--store-interval", str(INTERVAL),
+        [*heapscope_cmd, "attach", "--mode=exact", "--store", str(store), "--store-interval", str(INTERVAL),
          "--massif-out-file=live.out", "--xtree-memory=full", str(target.pid)],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
@@ -235,7 +235,8 @@ def test_sigkill_mid_profile_target_runs_on_and_report_recovers_every_flushed_sn
     store = tmp_path / "store"
     busy = Busy(busy_program, 200)
     prof = subprocess.Popen(
-        [*heapscope_cmd, "attach", "--store", str(store), "--store-interval", str(INTERVAL), str(busy.pid)],
+        [*heapscope_cmd, "attach", "--mode=exact", "--store", str(store), "--store-interval", str(INTERVAL),
+         str(busy.pid)],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     directory = store / str(busy.pid)
