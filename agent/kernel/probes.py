@@ -101,6 +101,10 @@ class _RingReader:
         u64.pack_into(self._consumer, 0, cons)
         return out
 
+    def produced(self) -> int:
+        """The producer position: it moves with every record the kernel reserves."""
+        return int(self._U64.unpack_from(self._producer, 0)[0])
+
     def close(self) -> None:
         self._data.release()
         self._producer.close()
@@ -453,6 +457,9 @@ class HeapProbes(SiteReader):
         self._umap_half = 0
         self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
+        self._zero_key = ctypes.c_int(0)
+        self._globals_fd = -1
+        self._globals_buf: Any = None  # activity(): the raw globals, read into one reused buffer
 
     # ---- life cycle -------------------------------------------------------------------------------
 
@@ -649,6 +656,20 @@ class HeapProbes(SiteReader):
             total += max(0, int(t.top) - low)
         self._set_control(CTL_STACK_EPOCH, epoch + 1)
         return total
+
+    def activity(self) -> bytes:
+        """A token that changes whenever the target does something the profile records: the global counters
+        (every allocation call moves them) and the page events' producer position. Read with one map lookup
+        and no Python objects per field, so that a sleeping target's sampling loop costs next to nothing."""
+        assert self._bpf is not None
+        if self._globals_buf is None:
+            table = self._bpf["globals"]
+            self._globals_fd = table.map_fd
+            self._globals_buf = ctypes.create_string_buffer(ctypes.sizeof(table.Leaf))
+        lib = _load_bcc().libbcc.lib
+        lib.bpf_lookup_elem(self._globals_fd, ctypes.byref(self._zero_key), self._globals_buf)
+        ring = self._page_ring.produced() if self._page_ring is not None else 0
+        return self._globals_buf.raw + ring.to_bytes(8, "little")
 
     def wait_events(self, timeout: float) -> list[int]:
         """Events (EV_*) that came within `timeout` seconds; returns at the first one."""
