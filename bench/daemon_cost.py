@@ -152,14 +152,27 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if k != "HEAPSCOPE_TOKEN"}
     env["PYTHONPATH"] = str(REPO)
     daemon = subprocess.Popen(
-        [*heapscope_cmd(), "serve", "--http", f"127.0.0.1:{port}", "--output-dir", str(out_dir), "-q",
-         *args.serve_args],
+        [
+            *heapscope_cmd(),
+            "serve",
+            "--http",
+            f"127.0.0.1:{port}",
+            "--output-dir",
+            str(out_dir),
+            "-q",
+            *args.serve_args,
+        ],
         env=env,
         cwd=REPO,
     )
     targets: list[subprocess.Popen[bytes]] = []
-    result: dict[str, object] = {"label": args.label, "window_s": args.window, "busy_rate": args.busy_rate,
-                                 "serve_args": args.serve_args, "steps": []}
+    result: dict[str, object] = {
+        "label": args.label,
+        "window_s": args.window,
+        "busy_rate": args.busy_rate,
+        "serve_args": args.serve_args,
+        "steps": [],
+    }
     steps: list[dict[str, object]] = result["steps"]  # type: ignore[assignment]
 
     def step(label: str, sleeping: int, busy: bool, attach_s: float) -> None:

@@ -250,6 +250,15 @@ def _captured_stderr() -> Iterator[Callable[[], list[str]]]:
             os.close(saved)
 
 
+def _trim_heap() -> None:
+    """Give the C heap's free memory back to the system. Compiling with clang allocates and frees some 40 MB,
+    in the malloc arena of the thread that compiles (a daemon compiles in each target's own thread); glibc
+    keeps such freed memory in the arena, so without this every target would add its compile's peak to the
+    daemon's RSS for good."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def _int(value: object) -> int:
     """A map key as an int: batch lookups give ints, per-entry lookups give ctypes values."""
     return int(getattr(value, "value", value))  # type: ignore[call-overload]
@@ -449,7 +458,6 @@ class HeapProbes(SiteReader):
         self._links: list[int] = []  # uprobe_multi links (closed with os.close)
         self._use_links = uprobe_links_supported()
         self._sites: MappedArray | None = None  # struct hs_site by site id
-        self._site_stacks: MappedArray | None = None  # struct hs_stack by site id
         self._events: list[int] = []
         self._page_ring: _RingReader | None = None
         self._rows_used = 0
@@ -458,6 +466,7 @@ class HeapProbes(SiteReader):
         self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
         self._zero_key = ctypes.c_int(0)
+        self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed (_release_compiler)
         self._globals_fd = -1
         self._globals_buf: Any = None  # activity(): the raw globals, read into one reused buffer
 
@@ -501,7 +510,6 @@ class HeapProbes(SiteReader):
         try:
             try:
                 self._sites = MappedArray(bpf["sites"], s.max_stacks)
-                self._site_stacks = MappedArray(bpf["site_stacks"], s.max_stacks)
             except (OSError, ValueError) as exc:
                 raise EnvironmentProblem(f"cannot map the sites array (BPF_F_MMAPABLE, Linux 5.5+): {exc}") from exc
             self._install_walkers()
@@ -513,10 +521,33 @@ class HeapProbes(SiteReader):
             bpf["events"].open_perf_buffer(self._on_event, page_cnt=8)
             if s.pages:
                 self._page_ring = _RingReader(bpf["page_events"].map_fd, PAGE_RING_BYTES, _PAGE_EVENT)
+            self._release_compiler()
         except BaseException:
             self.close()
             raise
+        _trim_heap()
         return self
+
+    def _release_compiler(self) -> None:
+        """Free what bcc keeps of the compilation once everything is loaded: its module holds clang's LLVM
+        context, the optimized IR, the JIT's objects and the rewritten source of every function, ~8 MB a
+        target for as long as the BPF object lives. The maps' descriptors are owned by that module, so each
+        table gets a descriptor of its own first (every table is opened now: none can be opened after)."""
+        bcc = _load_bcc()
+        lib = bcc.libbcc.lib
+        assert self._bpf is not None
+        bpf = self._bpf
+        lib.bpf_num_tables.restype = ctypes.c_size_t
+        lib.bpf_num_tables.argtypes = [ctypes.c_void_p]
+        lib.bpf_table_name.restype = ctypes.c_char_p
+        lib.bpf_table_name.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        names = [lib.bpf_table_name(bpf.module, i).decode() for i in range(lib.bpf_num_tables(bpf.module))]
+        for name in names:
+            table = bpf[name]
+            table.map_fd = os.dup(table.map_fd)
+            self._map_fds.append(table.map_fd)
+        lib.bpf_module_destroy(bpf.module)
+        bpf.module = None
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -554,12 +585,14 @@ class HeapProbes(SiteReader):
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
+        for fd in self._map_fds:
+            os.close(fd)
+        self._map_fds.clear()
 
     def _unmap(self) -> None:
-        for mapped in (self._sites, self._site_stacks):
-            if mapped is not None:
-                mapped.close()
-        self._sites = self._site_stacks = None
+        if self._sites is not None:
+            self._sites.close()
+        self._sites = None
 
     def _install_walkers(self) -> None:
         """The programs that hold the shared copies of the stack walk, in the program arrays the probes
@@ -819,9 +852,14 @@ class HeapProbes(SiteReader):
         return result
 
     def _read_stack(self, key: int) -> tuple[int, ...]:
-        if self._site_stacks is None or not 0 <= key < self.settings.max_stacks:
+        if self._bpf is None or not 0 <= key < self.settings.max_stacks:
             return ()
-        ips = self._site_stacks.view(key + 1).entry(key)
+        table = self._bpf["site_stacks"]
+        value = table.Leaf()
+        lib = _load_bcc().libbcc.lib
+        if lib.bpf_lookup_elem(table.map_fd, ctypes.byref(ctypes.c_uint32(key)), ctypes.byref(value)) != 0:
+            return ()  # a site without a stored stack (overtaken, or no memory for it): counted by the kernel
+        ips = array.array("Q", bytes(value)).tolist()
         return tuple(ips[: ips.index(0)] if 0 in ips else ips)
 
     def _array_prefix_raw(self, name: str, count: int) -> tuple[type, bytes, int]:
