@@ -41,11 +41,6 @@ TICK = os.sysconf("SC_CLK_TCK")
 MIB = 2**20
 
 
-def heapscope_cmd() -> list[str]:
-    """The CLI of the checkout this file belongs to (PYTHONPATH may point the venv's at a work tree)."""
-    return [sys.executable, "-m", "agent.cli"]
-
-
 def build(source: Path, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     if not out.exists() or out.stat().st_mtime < source.stat().st_mtime:
@@ -140,6 +135,7 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=20.0, help="seconds each measurement lasts")
     ap.add_argument("--busy-rate", type=int, default=20_000, help="the busy target's allocations a second")
     ap.add_argument("--label", default="", help="a name for this run in the results file")
+    ap.add_argument("--tree", type=Path, default=REPO, help="the heapscope checkout to run (default: this one)")
     ap.add_argument("serve_args", nargs="*", help="more options for `heapscope serve` (after --)")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -150,10 +146,12 @@ def main() -> int:
     port = free_port()
     out_dir = BENCH / "build" / "daemon-cost-out"
     env = {k: v for k, v in os.environ.items() if k != "HEAPSCOPE_TOKEN"}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = str(args.tree)
     daemon = subprocess.Popen(
         [
-            *heapscope_cmd(),
+            sys.executable,
+            "-m",
+            "agent.cli",
             "serve",
             "--http",
             f"127.0.0.1:{port}",
@@ -163,11 +161,12 @@ def main() -> int:
             *args.serve_args,
         ],
         env=env,
-        cwd=REPO,
+        cwd=args.tree,
     )
     targets: list[subprocess.Popen[bytes]] = []
     result: dict[str, object] = {
         "label": args.label,
+        "tree": str(args.tree),
         "window_s": args.window,
         "busy_rate": args.busy_rate,
         "serve_args": args.serve_args,
