@@ -74,8 +74,10 @@ BPF_PERF_OUTPUT(events);
 /* scratch: 0 -> the stack being walked (too big for the BPF stack) */
 BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
 
-/* unwind_rows: row index -> struct hs_row (the unwind tables of all objects, each a sorted run) */
-BPF_ARRAY(unwind_rows, struct hs_row, HS_MAX_ROWS);
+/* unwind_rows: row index -> struct hs_row (the unwind tables of all objects, each a sorted run). One table for
+ * every target of the daemon, declared by a holder program (agent/kernel/probes.py SharedRows): an object's
+ * rows are loaded once, whichever targets map it. */
+BPF_TABLE("extern", int, struct hs_row, unwind_rows, HS_MAX_ROWS);
 /* unwind_maps: index -> struct hs_umap, two halves of HS_MAX_UMAPS sorted by start; control[HS_CTL_UMAPS]
  * says which half and how many are published, so user space rewrites the other half and flips. */
 BPF_ARRAY(unwind_maps, struct hs_umap, 2 * HS_MAX_UMAPS);

@@ -28,6 +28,7 @@ from typing import Any, cast
 
 from agent.contract import HEAP_H
 from agent.errors import EnvironmentProblem, HeapscopeError
+from agent.kernel.rowspace import RowSpace
 from agent.model.counters import Counters, PageCounters
 from agent.model.pages import PageEvent
 from agent.model.profile import SiteCounts
@@ -360,6 +361,58 @@ def _load_bcc():  # type: ignore[no-untyped-def]
     return bcc
 
 
+class SharedRows:
+    """The unwind rows of every target of this process, in one BPF array (probes/heap.bpf.c unwind_rows). A
+    small holder program declares it as a shared table and is kept for the process's life; each target's
+    program refers to it as an extern table. An object's rows are written once whichever targets map it (libc's
+    28,000 rows once, not once a target), and the space of an object no target uses any more is reused. Its
+    size is fixed by the first target (max_rows)."""
+
+    _instance: SharedRows | None = None
+    _create_lock = threading.Lock()
+
+    def __init__(self, max_rows: int, probes_dir: str) -> None:
+        bcc = _load_bcc()
+        source = '#include "heap.h"\nBPF_TABLE_SHARED("array", int, struct hs_row, unwind_rows, HS_MAX_ROWS);\n'
+        with _captured_stderr() as messages:
+            try:
+                self._holder = bcc.BPF(text=source.encode(), cflags=[f"-I{probes_dir}", f"-DHS_MAX_ROWS={max_rows}"])
+            except Exception as exc:
+                first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
+                raise EnvironmentProblem(f"cannot create the unwind rows table: {first.strip()}") from exc
+        self.table = self._holder["unwind_rows"]
+        self.max_rows = max_rows
+        self.space = RowSpace(max_rows)
+        self.lock = threading.Lock()
+
+    @classmethod
+    def get(cls, max_rows: int, probes_dir: str) -> SharedRows:
+        with cls._create_lock:
+            if cls._instance is None:
+                cls._instance = SharedRows(max_rows, probes_dir)
+            return cls._instance
+
+    def acquire(self, key: str, rows: bytes, n_rows: int) -> tuple[int, int] | None:
+        """(first row, rows) of the object, its rows written if it is new here; None when they do not fit."""
+        with self.lock:
+            got = self.space.acquire(key, n_rows)
+            if got is None:
+                return None
+            placed, new = got
+            if new and n_rows:
+                table = self.table
+                keys = (table.Key * n_rows)(*range(placed.first, placed.first + n_rows))
+                values = (table.Leaf * n_rows).from_buffer_copy(rows)
+                table.items_update_batch(keys, values)
+            return placed.first, placed.count
+
+    def release(self, keys: Iterable[str]) -> None:
+        """A target's probes are gone: it uses these objects no more."""
+        with self.lock:
+            for key in keys:
+                self.space.release(key)
+
+
 class SiteReader(abc.ABC):
     """Reads a profile's counters: the global counters, the sites' counters and their stacks. The live probes
     (HeapProbes) read the kernel's maps in place; FrozenProbes reads a copy taken before the program is unloaded,
@@ -460,8 +513,8 @@ class HeapProbes(SiteReader):
         self._sites: MappedArray | None = None  # struct hs_site by site id
         self._events: list[int] = []
         self._page_ring: _RingReader | None = None
-        self._rows_used = 0
-        self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count)
+        self._shared_rows: SharedRows | None = None
+        self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count) in the shared rows
         self._umap_half = 0
         self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
@@ -476,6 +529,7 @@ class HeapProbes(SiteReader):
         bcc = _load_bcc()
         s = self.settings
         probes_dir = str(resources.files("probes"))
+        self._shared_rows = SharedRows.get(s.max_rows, probes_dir)
         cflags = [
             f"-I{probes_dir}",
             f"-DHS_TARGET_TGID={s.target_tgid}",
@@ -488,7 +542,7 @@ class HeapProbes(SiteReader):
             f"-DHS_MAX_STACKS={s.max_stacks}",
             f"-DHS_STOP_EVENTS={int(s.stop_events)}",
             f"-DHS_UNWIND={int(s.unwind)}",
-            f"-DHS_MAX_ROWS={s.max_rows}",
+            f"-DHS_MAX_ROWS={self._shared_rows.max_rows}",
             f"-DHS_FREE_STACKS={int(s.free_stacks)}",
             f"-DHS_MALT={int(s.malt)}",
             f"-DHS_PAGES={int(s.pages)}",
@@ -588,6 +642,9 @@ class HeapProbes(SiteReader):
         for fd in self._map_fds:
             os.close(fd)
         self._map_fds.clear()
+        if self._shared_rows is not None:  # the program is gone: its objects' rows may be reused
+            self._shared_rows.release(key for key, (_, count) in self._objects.items() if count)
+            self._objects.clear()
 
     def _unmap(self) -> None:
         if self._sites is not None:
@@ -730,24 +787,21 @@ class HeapProbes(SiteReader):
     def publish_unwind(self, mappings: Sequence[UnwindMapping]) -> None:
         """Make these mappings (all of the target's, not just new ones) the ones the stack walk uses.
 
-        Each object's rows are written once, into free space of unwind_rows; the mapping index is written
-        into the half the kernel is not reading, then one control word flips to it."""
-        assert self._bpf is not None
-        rows = self._bpf["unwind_rows"]
+        Each object's rows are written once, into free space of the process's shared unwind_rows (SharedRows);
+        the mapping index is written into the half the kernel is not reading, then one control word flips to it."""
+        assert self._bpf is not None and self._shared_rows is not None
         entries = []
         for m in sorted(mappings, key=lambda m: m.start):
             placed = self._objects.get(m.key)
             if placed is None:
-                if self._rows_used + m.n_rows > self.settings.max_rows:
-                    self.rows_dropped += m.n_rows
-                    continue
-                placed = (self._rows_used, m.n_rows)
                 if m.n_rows:
-                    keys = (rows.Key * m.n_rows)(*range(self._rows_used, self._rows_used + m.n_rows))
-                    values = (rows.Leaf * m.n_rows).from_buffer_copy(m.rows)
-                    rows.items_update_batch(keys, values)
-                self._rows_used += m.n_rows
-                self.rows_used = self._rows_used
+                    placed = self._shared_rows.acquire(m.key, m.rows, m.n_rows)
+                    if placed is None:
+                        self.rows_dropped += m.n_rows
+                        continue
+                else:
+                    placed = (0, 0)
+                self.rows_used += m.n_rows
                 self._objects[m.key] = placed
             if placed[1]:
                 entries.append((m, placed))
