@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import array
+import atexit
 import contextlib
 import ctypes
 import mmap
@@ -638,6 +639,9 @@ class HeapProbes(SiteReader):
             self._page_ring = None
         if self._bpf is not None:
             self._bpf.cleanup()
+            # bcc registers every BPF object's cleanup with atexit, which would keep the object and its tables
+            # for the process's life: a daemon attaching targets for weeks would pile them up.
+            atexit.unregister(self._bpf.cleanup)
             self._bpf = None
         for fd in self._map_fds:
             os.close(fd)
