@@ -596,9 +596,12 @@ class HeapProbes(SiteReader):
         lib.bpf_num_tables.argtypes = [ctypes.c_void_p]
         lib.bpf_table_name.restype = ctypes.c_char_p
         lib.bpf_table_name.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        names = [lib.bpf_table_name(bpf.module, i).decode() for i in range(lib.bpf_num_tables(bpf.module))]
+        names = [lib.bpf_table_name(bpf.module, i) for i in range(lib.bpf_num_tables(bpf.module))]
         for name in names:
-            table = bpf[name]
+            # Opened by its bytes name (bcc warns at str names), kept under the str name the code reads it by.
+            table = bpf.tables.get(name.decode())
+            if table is None:
+                table = bpf.tables[name.decode()] = bpf.get_table(name)
             table.map_fd = os.dup(table.map_fd)
             self._map_fds.append(table.map_fd)
         lib.bpf_module_destroy(bpf.module)
