@@ -4,9 +4,9 @@
 heapscope sends SIGCONT once it has caught up. If heapscope dies in between (SIGKILL, the OOM killer, a crash),
 nobody would send that SIGCONT. So each launched target gets a watchdog: a small process forked from heapscope that
 keeps only two descriptors, the read end of a pipe whose write end heapscope holds, and a pidfd of the target. The
-kernel closes heapscope's end when heapscope ends in any way; the watchdog then waits until heapscope is gone (its
-probes are detached by then), and continues the target for as long as it finds it stopped, for a few seconds. An
-orderly end dismisses the watchdog first, which then sends nothing.
+kernel closes heapscope's end when heapscope ends in any way; from then on the watchdog continues the target
+whenever it finds it stopped (a probe not yet detached may stop it again), until heapscope is gone and a grace period
+more. An orderly end dismisses the watchdog first, which then sends nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import signal
 import time
 
 DISMISS = b"q"  # heapscope ended in order: the target was let go already
-GRACE_SECONDS = 5.0  # how long the watchdog keeps continuing a target stopped again by a probe still in flight
+GRACE_SECONDS = 2.0  # how long after heapscope is gone the watchdog still looks (a probe in flight)
+LONGEST_WATCH = 120.0  # however long heapscope takes to go
 
 
 def process_state(pid: int, proc: str = "/proc") -> str:
@@ -85,16 +86,22 @@ def _watch(read_end: int, target_fd: int, owner_fd: int, pid: int) -> None:
                 continue
         if word == DISMISS:
             os._exit(0)
-        # heapscope is ending: wait until it is gone, so its probes are detached and stop the target no more.
-        select.select([owner_fd], [], [], GRACE_SECONDS)
-        deadline = time.monotonic() + GRACE_SECONDS
-        while time.monotonic() < deadline:
+        # heapscope is ending: its descriptors are being closed, and a probe still attached may stop the target
+        # once more. Continue it whenever it is found stopped, until heapscope is gone and a grace period more.
+        started = time.monotonic()
+        owner_gone = 0.0
+        while time.monotonic() < started + LONGEST_WATCH:
+            now = time.monotonic()
+            if not owner_gone and select.select([owner_fd], [], [], 0)[0]:
+                owner_gone = now
+            if owner_gone and now > owner_gone + GRACE_SECONDS:
+                break
             state = process_state(pid)
             if state in ("", "Z", "X"):
                 break
             if state == "T":  # stopped by a signal (a ptrace stop, "t", is a debugger's to end)
                 signal.pidfd_send_signal(target_fd, signal.SIGCONT)
-            time.sleep(0.02)
+            time.sleep(0.01)
     except BaseException:
         status = 1
     os._exit(status)
