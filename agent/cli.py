@@ -26,6 +26,7 @@ from typing import NoReturn
 
 from agent import __version__
 from agent.argtypes import int_at_least, percent, positive_seconds, yes_no
+from agent.daemon.fleetopts import add_fleet_options, fleet_config_from
 from agent.errors import EnvironmentProblem, HeapscopeError, UsageError
 from agent.export.registry import FORMATS
 from agent.model.options import MassifOptions
@@ -47,6 +48,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
+
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        """An @FILE line is one argument; blank lines and lines starting with # are left out."""
+        line = arg_line.strip()
+        return [] if not line or line.startswith("#") else [line]
 
 
 # Massif's options: (name, argparse keyword arguments). Their text as given goes into desc:. The two file
@@ -204,7 +210,12 @@ def _add_profile_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Heap profiling of running processes with eBPF, Massif-compatible.")
+    # @FILE reads arguments from FILE, one a line (a Kubernetes ConfigMap's selectors and limits, deploy/).
+    parser = _Parser(
+        prog=PROG,
+        description="Heap profiling of running processes with eBPF, Massif-compatible.",
+        fromfile_prefix_chars="@",
+    )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser(
@@ -227,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_profile_options(serve)
     _add_http_options(serve, serve=True)
+    add_fleet_options(serve)
     offline_commands.register(sub)
     view.add_parser(sub)
     return parser
@@ -518,11 +530,13 @@ def _try_lines(host: str, port: int, token: bool, pid: int | None) -> list[str]:
 
 def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | None = None) -> int:
     """`serve` (until SIGTERM), or `run`/`attach` with --http (until the target ends, as without --http)."""
-    from agent.daemon.manager import DaemonConfig, TargetManager
+    from agent.daemon.fleet import FleetManager
+    from agent.daemon.manager import DaemonConfig
     from api.app import create_app
     from api.server import bind, serve
 
     settings = _api_settings(ctx.ns)
+    fleet = fleet_config_from(ctx.ns)  # a bad selector is said before anything starts
     _require_environment()
     sock = bind(settings.host, settings.port)  # first: a bad address fails before anything is attached
     host, port = sock.getsockname()[:2]
@@ -533,7 +547,7 @@ def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | Non
         say=ctx.say,
         summary_file=ctx.ns.summary_file,
     )
-    manager = TargetManager(config)
+    manager = FleetManager(config, fleet)
     app = create_app(settings, manager)
     until = None
     child = None

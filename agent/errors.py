@@ -47,3 +47,9 @@ class TargetConflict(HeapscopeError):
 
 class UnsafePath(UsageError):
     """A file name that would leave the output directory."""
+
+
+class TargetRefused(HeapscopeError):
+    """The daemon is at one of its limits (targets, sites, memory): the new target is refused, and counted."""
+
+    http_status = 429

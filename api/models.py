@@ -8,11 +8,13 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agent.export.xtree import ALLOCS_EVENTS, FULL_EVENTS
 from agent.model.profile import MassifNode, SiteCounts, Snapshot, SnapshotKind, Stack, massif_tree
+from agent.model.selector import MAX_PATTERN
 from agent.model.target import PID_MAX, MonitorResult, ProfileHeader, TargetStatus
+from api.fleetmodels import OriginOut, origin_out
 
 # ---- requests -------------------------------------------------------------------------------------------
 
@@ -28,9 +30,34 @@ class MonitorRequest(BaseModel):
 
 
 class AttachRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A PID, or a selector: the processes it matches are profiled as they appear (api/fleetmodels.py)."""
 
-    pid: int = Field(ge=1, le=PID_MAX, description="The process to profile from now on.")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"pid": 1234}, {"comm": "^nginx$"}, {"cgroup": "/system.slice/db.service"}]},
+    )
+
+    pid: int | None = Field(None, ge=1, le=PID_MAX, description="The process to profile from now on.")
+    comm: str | None = Field(
+        None, min_length=1, max_length=MAX_PATTERN, description="Selector: regular expression searched in the "
+        "process name (/proc/PID/comm), as pgrep does."
+    )
+    cmdline: str | None = Field(
+        None, min_length=1, max_length=MAX_PATTERN, description="Selector: regular expression searched in the "
+        "command line, its arguments joined by spaces."
+    )
+    cgroup: str | None = Field(
+        None, min_length=1, max_length=MAX_PATTERN, description="Selector: processes in this cgroup v2 path or "
+        "below it (shell wildcards allowed, * crosses /), or pod:UID, or container:ID."
+    )
+    follow_children: bool = Field(True, description="Selector: also profile the children chosen processes fork.")
+
+    @model_validator(mode="after")
+    def _pid_or_selector(self) -> AttachRequest:
+        selector = self.comm is not None or self.cmdline is not None or self.cgroup is not None
+        if (self.pid is None) == (not selector):
+            raise ValueError("give either pid, or a selector (comm, cmdline, cgroup: all given must match)")
+        return self
 
 
 # ---- errors ---------------------------------------------------------------------------------------------
@@ -212,6 +239,7 @@ class TargetOut(BaseModel):
     files: list[str] = Field(description="Files written when profiling ended.")
     heap: HeapCounters
     pages: PagesOut | None = Field(description="Memory as the page syscalls left it: what malloc does not explain.")
+    origin: OriginOut = Field(description="The process's identity, cgroup, and why it is profiled.")
 
 
 def _time(t: float | None) -> datetime | None:
@@ -252,6 +280,7 @@ def target_out(s: TargetStatus) -> TargetOut:
             dropped=s.pages.dropped,
             stacks_bytes=s.pages.stacks,
         ),
+        origin=origin_out(s.origin),
     )
 
 

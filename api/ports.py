@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from agent.model.counters import Counters
+from agent.model.fleet import FleetStatus, SelectorStatus, TargetOrigin
 from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, Stack
@@ -18,6 +19,7 @@ class TargetPort(Protocol):
     pid: int
     command: str
     allocator: str
+    origin: TargetOrigin
 
     @property
     def state(self) -> str: ...
@@ -59,3 +61,13 @@ class ManagerPort(Protocol):
     def detach(self, pid: int) -> TargetStatus: ...
 
     def monitor(self, pid: int | None, command: str) -> MonitorResult: ...
+
+    def add_selector(
+        self, comm: str | None, cmdline: str | None, cgroup: str | None, follow_children: bool = True
+    ) -> SelectorStatus: ...
+
+    def remove_selector(self, id: int) -> SelectorStatus: ...
+
+    def selectors(self) -> Sequence[SelectorStatus]: ...
+
+    def fleet_status(self) -> FleetStatus: ...

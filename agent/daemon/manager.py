@@ -21,6 +21,7 @@ from pathlib import Path
 from agent.daemon.monitor import run_monitor
 from agent.errors import HeapscopeError, NoSuchTarget, TargetConflict, UsageError
 from agent.export.massif import render_snapshot
+from agent.model.fleet import TargetOrigin
 from agent.model.target import PID_MAX, MonitorResult, TargetStatus
 from agent.process.target import TargetProcess, attach_to, launch
 from agent.session.pipeline import Profile, ProfileSettings
@@ -41,6 +42,7 @@ class Target(Profile):
         self.done = threading.Event()  # the sampling thread has ended and written the files
         self.thread: threading.Thread | None = None
         self._xt_seq = 0
+        self.origin = TargetOrigin()  # identity, cgroup, selector: set by agent.daemon.fleet
 
     def status(self) -> TargetStatus:
         return TargetStatus(
@@ -54,6 +56,7 @@ class Target(Profile):
             files=self.files,
             counters=self.counters(),
             pages=self.page_totals(),
+            origin=self.origin,
         )
 
     def snapshot_text(self, detailed: bool) -> str:

@@ -354,6 +354,35 @@ class MappedArray:
         self._mappings.clear()
 
 
+# libbcc keeps every loaded program's tables in one process-wide map, unguarded: two threads loading, unloading or
+# looking up tables at once crashed a daemon with several targets (in ebpf::TableStorage). Every load and cleanup
+# holds this lock, and each program's tables are looked up once, under it, at the load (_cache_tables).
+BCC_LOCK = threading.RLock()
+
+
+def _cache_tables(bpf: Any) -> None:
+    """Look every table of a freshly loaded program up once (bcc caches the objects), so that later reads never
+    search libbcc's shared table map while another thread changes it. Call with BCC_LOCK held."""
+    lib = _load_bcc().libbcc.lib
+    lib.bpf_num_tables.restype = ctypes.c_size_t
+    lib.bpf_num_tables.argtypes = [ctypes.c_void_p]
+    lib.bpf_table_name.restype = ctypes.c_char_p
+    lib.bpf_table_name.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    for i in range(lib.bpf_num_tables(bpf.module)):
+        name = lib.bpf_table_name(bpf.module, i)
+        if name:
+            bpf[name.decode()]  # the code reads tables by str names: cache them under those
+
+
+def _unload(bpf: Any) -> None:
+    """Unload a program and let its Python objects go: bcc registers every BPF object's cleanup with atexit, which
+    would keep each one, its tables and their ctypes types alive for the life of a daemon (megabytes a target)."""
+    with BCC_LOCK:
+        bpf.cleanup()
+    atexit.unregister(bpf.cleanup)
+    bpf.tables.clear()
+
+
 def _load_bcc():  # type: ignore[no-untyped-def]
     try:
         import bcc
@@ -375,13 +404,13 @@ class SharedRows:
     def __init__(self, max_rows: int, probes_dir: str) -> None:
         bcc = _load_bcc()
         source = '#include "heap.h"\nBPF_TABLE_SHARED("array", int, struct hs_row, unwind_rows, HS_MAX_ROWS);\n'
-        with _captured_stderr() as messages:
+        with BCC_LOCK, _captured_stderr() as messages:
             try:
                 self._holder = bcc.BPF(text=source.encode(), cflags=[f"-I{probes_dir}", f"-DHS_MAX_ROWS={max_rows}"])
             except Exception as exc:
                 first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
                 raise EnvironmentProblem(f"cannot create the unwind rows table: {first.strip()}") from exc
-        self.table = self._holder["unwind_rows"]
+            self.table = self._holder["unwind_rows"]
         self.max_rows = max_rows
         self.space = RowSpace(max_rows)
         self.lock = threading.Lock()
@@ -550,7 +579,7 @@ class HeapProbes(SiteReader):
             f"-DHS_PAGE_RING_PAGES={PAGE_RING_BYTES // mmap.PAGESIZE}",
             f"-DHS_STACKS={int(s.stacks)}",
         ]
-        with _captured_stderr() as messages:
+        with BCC_LOCK, _captured_stderr() as messages:
             try:
                 if s.sampled:  # sampled.bpf.c uses heap.bpf.c's helpers: one translation unit
                     source = "".join(
@@ -562,6 +591,7 @@ class HeapProbes(SiteReader):
             except Exception as exc:  # bcc raises bare Exception for compile and load failures
                 first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
                 raise EnvironmentProblem(f"cannot compile or load the BPF program: {first.strip()}") from exc
+            _cache_tables(bpf)
         try:
             try:
                 self._sites = MappedArray(bpf["sites"], s.max_stacks)
@@ -587,25 +617,16 @@ class HeapProbes(SiteReader):
         """Free what bcc keeps of the compilation once everything is loaded: its module holds clang's LLVM
         context, the optimized IR, the JIT's objects and the rewritten source of every function, ~8 MB a
         target for as long as the BPF object lives. The maps' descriptors are owned by that module, so each
-        table gets a descriptor of its own first (every table is opened now: none can be opened after)."""
-        bcc = _load_bcc()
-        lib = bcc.libbcc.lib
+        table (all were looked up at the load: _cache_tables) gets a descriptor of its own first."""
+        lib = _load_bcc().libbcc.lib
         assert self._bpf is not None
         bpf = self._bpf
-        lib.bpf_num_tables.restype = ctypes.c_size_t
-        lib.bpf_num_tables.argtypes = [ctypes.c_void_p]
-        lib.bpf_table_name.restype = ctypes.c_char_p
-        lib.bpf_table_name.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        names = [lib.bpf_table_name(bpf.module, i) for i in range(lib.bpf_num_tables(bpf.module))]
-        for name in names:
-            # Opened by its bytes name (bcc warns at str names), kept under the str name the code reads it by.
-            table = bpf.tables.get(name.decode())
-            if table is None:
-                table = bpf.tables[name.decode()] = bpf.get_table(name)
-            table.map_fd = os.dup(table.map_fd)
-            self._map_fds.append(table.map_fd)
-        lib.bpf_module_destroy(bpf.module)
-        bpf.module = None
+        with BCC_LOCK:  # the module's tables leave libbcc's process-wide table map
+            for table in bpf.tables.values():
+                table.map_fd = os.dup(table.map_fd)
+                self._map_fds.append(table.map_fd)
+            lib.bpf_module_destroy(bpf.module)
+            bpf.module = None
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -641,10 +662,7 @@ class HeapProbes(SiteReader):
             self._page_ring.close()
             self._page_ring = None
         if self._bpf is not None:
-            self._bpf.cleanup()
-            # bcc registers every BPF object's cleanup with atexit, which would keep the object and its tables
-            # for the process's life: a daemon attaching targets for weeks would pile them up.
-            atexit.unregister(self._bpf.cleanup)
+            _unload(self._bpf)
             self._bpf = None
         for fd in self._map_fds:
             os.close(fd)

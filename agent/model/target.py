@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from agent.model.counters import Counters
+from agent.model.fleet import TargetOrigin
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Stack
 
@@ -40,6 +41,7 @@ class TargetStatus:
     files: tuple[str, ...]  # the files written when profiling ended
     counters: Counters
     pages: PageTotals | None = None  # mapped memory (None until the page map is seeded)
+    origin: TargetOrigin = field(default_factory=TargetOrigin)  # identity, cgroup, selector (agent.model.fleet)
 
 
 @dataclass(frozen=True)
