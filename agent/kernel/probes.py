@@ -396,7 +396,8 @@ class SharedRows:
     small holder program declares it as a shared table and is kept for the process's life; each target's
     program refers to it as an extern table. An object's rows are written once whichever targets map it (libc's
     28,000 rows once, not once a target), and the space of an object no target uses any more is reused. Its
-    size is fixed by the first target (max_rows)."""
+    size is fixed by the first target (max_rows). It is never unloaded: libbcc's shared table entry shares the
+    holder's descriptor, which must stay valid."""
 
     _instance: SharedRows | None = None
     _create_lock = threading.Lock()
@@ -414,6 +415,13 @@ class SharedRows:
         self.max_rows = max_rows
         self.space = RowSpace(max_rows)
         self.lock = threading.Lock()
+
+    @classmethod
+    def prepare(cls) -> None:
+        """Create the table now (a daemon at its start), so that it is there before the first target and not
+        counted as something that target left behind; best effort: the first target reports any problem."""
+        with contextlib.suppress(HeapscopeError):
+            cls.get(ProbeSettings.max_rows, str(resources.files("probes")))
 
     @classmethod
     def get(cls, max_rows: int, probes_dir: str) -> SharedRows:
