@@ -25,11 +25,12 @@ from types import FrameType
 from typing import NoReturn
 
 from agent import __version__
-from agent.argtypes import int_at_least, percent, positive_seconds, yes_no
+from agent.argtypes import int_at_least, int_between, percent, positive_seconds, yes_no
 from agent.daemon.fleetopts import add_fleet_options, fleet_config_from
 from agent.errors import EnvironmentProblem, HeapscopeError, UsageError
 from agent.export.registry import FORMATS
 from agent.model.options import MassifOptions
+from agent.model.sampling import DEFAULT_SAMPLE_RATE, MAX_SAMPLE_RATE, MODES, Mode, ProfileMode
 from agent.model.summary import ProfileSummary
 from agent.offline import commands as offline_commands
 from agent.offline import view
@@ -37,7 +38,6 @@ from agent.process.capability import check_environment
 from agent.process.discovery import read_process
 from agent.process.launch import HeldChild
 from agent.process.target import TargetProcess, attach_to
-from agent.process.target import launch as launch_process
 from agent.session.pipeline import Profile, ProfileSettings
 
 PROG = "heapscope"
@@ -157,7 +157,27 @@ _MASSIF_OPTIONS: list[tuple[str, dict]] = [  # type: ignore[type-arg]
 _MASSIF_NAMES = {name for name, _ in _MASSIF_OPTIONS} | {f.file_option for f in FORMATS if f.massif_option}
 
 
-def _add_profile_options(p: argparse.ArgumentParser) -> None:
+def _add_mode_options(p: argparse.ArgumentParser, default: Mode) -> None:
+    m = p.add_argument_group("mode")
+    m.add_argument(
+        "--mode",
+        choices=MODES,
+        default=default,
+        help="exact: every allocation call, as Massif counts (three uprobes a malloc+free pair); sampled: an "
+        "in-process sampler reports one allocation per --sample-rate bytes on average, and the heap figures are "
+        f"estimates (default {default})",
+    )
+    m.add_argument(
+        "--sample-rate",
+        type=int_between(1, MAX_SAMPLE_RATE),
+        default=None,
+        metavar="BYTES",
+        help=f"sampled mode: the mean bytes between samples, Poisson by bytes (default {DEFAULT_SAMPLE_RATE})",
+    )
+
+
+def _add_profile_options(p: argparse.ArgumentParser, mode: Mode = "exact") -> None:
+    _add_mode_options(p, mode)
     g = p.add_argument_group("Massif options (Valgrind's names, defaults and meanings)")
     for name, kwargs in _MASSIF_OPTIONS:
         g.add_argument(name, **kwargs)
@@ -226,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile_options(run)
     attach = sub.add_parser("attach", help="profile a running process until Ctrl-C, SIGTERM or its exit")
     attach.add_argument("pid", type=int_at_least(1), help="the process to profile")
-    _add_profile_options(attach)
+    _add_profile_options(attach, "sampled")
     _add_http_options(run, serve=False)
     _add_http_options(attach, serve=False)
     serve = sub.add_parser(
@@ -236,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--pid", type=int_at_least(1), action="append", default=[], dest="pids", help="attach to PID at start"
     )
-    _add_profile_options(serve)
+    _add_profile_options(serve, "sampled")
     _add_http_options(serve, serve=True)
     add_fleet_options(serve)
     offline_commands.register(sub)
@@ -377,6 +397,15 @@ def expand_filename(template: str, pid: int, env: dict[str, str] | None = None) 
     return name
 
 
+def mode_from(ns: argparse.Namespace) -> ProfileMode:
+    if ns.sample_rate is not None and ns.mode != "sampled":
+        raise UsageError("--sample-rate applies to --mode=sampled")
+    if ns.mode == "sampled" and ns.pages_as_heap:
+        raise UsageError("--pages-as-heap=yes profiles mapped pages, which sampled mode does not sample; "
+                         "use --mode=exact")
+    return ProfileMode(ns.mode, DEFAULT_SAMPLE_RATE if ns.sample_rate is None else ns.sample_rate)
+
+
 def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> ProfileSettings:
     """The pipeline's settings from the command line. A daemon keeps MALT's statistics unless --malt=no (for
     GET /malt); `run` and `attach` keep them only for a MALT file."""
@@ -393,6 +422,7 @@ def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> 
         max_blocks=ns.max_blocks,
         max_stacks=ns.max_stacks,
         malt=ns.malt == "yes" if daemon else "malt" in files,
+        mode=mode_from(ns),
     )
 
 
@@ -461,7 +491,7 @@ def cmd_run(ctx: _Ctx, program: list[str]) -> int:
     if not program:
         raise UsageError("no program given: heapscope run [options] -- PROG [ARGS]")
     _require_environment()
-    process = launch_process(program)
+    process = ctx.settings.launch(program)
     _stop_on_signals(threading.Event(), _forward_sigterm(process))  # the run ends when the child does
     _profile(ctx, process, threading.Event())
     assert process.child is not None
@@ -475,6 +505,7 @@ def cmd_attach(ctx: _Ctx) -> int:
     read_process(pid)  # a missing PID is said before anything else
     _require_environment()
     process = attach_to(pid)
+    ctx.settings.preflight(pid)
     stop = threading.Event()
     _stop_on_signals(stop)
     ctx.say(f"attaching to {pid} ({process.cmdline}); Ctrl-C or SIGTERM ends the profile")

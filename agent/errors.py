@@ -24,6 +24,13 @@ class TargetError(HeapscopeError):
     exit_code = 3
 
 
+class SamplingRefused(TargetError):
+    """Sampled mode cannot be made safe for this target (ptrace forbidden, seccomp, an allocator its sampler
+    cannot intercept, a sampler library the target cannot see); exact mode can profile it."""
+
+    http_status = 409
+
+
 class EnvironmentProblem(HeapscopeError):
     """The machine lacks something: BPF, uprobes, kernel headers, permission."""
 

@@ -12,6 +12,7 @@ from agent.model.fleet import FleetStatus, SelectorStatus, TargetOrigin
 from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, Stack
+from agent.model.sampling import ProfileMode
 from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
 
 
@@ -20,6 +21,8 @@ class TargetPort(Protocol):
     command: str
     allocator: str
     origin: TargetOrigin
+    mode: str  # exact, or sampled (estimates)
+    sample_rate: int  # 1 in exact mode
 
     @property
     def state(self) -> str: ...
@@ -56,7 +59,9 @@ class ManagerPort(Protocol):
 
     def get(self, pid: int | None) -> TargetPort: ...
 
-    def attach(self, pid: int) -> TargetPort: ...
+    def attach(self, pid: int, mode: ProfileMode | None = None) -> TargetPort: ...
+
+    def switch_mode(self, pid: int, mode: ProfileMode) -> TargetPort: ...
 
     def detach(self, pid: int) -> TargetStatus: ...
 

@@ -10,7 +10,9 @@ The services are tests/integration/programs/fleet_service.c, built here with gcc
 Every --period seconds one step of a round runs, in turn: start a service (a parent and one worker, both chosen
 by `--attach-comm ^soak-svc$`, the worker as a followed child), make a worker exit (its parent forks a new one:
 a restart), end the oldest service when more than --services run. Beside that, all the time, a cycle of
-attach (POST /targets {"pid"}), check, detach (DELETE /targets/PID) on a process no selector matches.
+attach (POST /targets {"pid"}), check, detach (DELETE /targets/PID) on a process no selector matches, in exact
+and sampled mode in turn (sampled at a rate of 1 byte, where every block is sampled at a weight of 1, so that the
+exact answer still holds while the sampler is injected, armed and disarmed every other cycle).
 
 Reported (JSON on stdout, and bench/results/fleet_soak.json):
 - target crashes: a service or worker that ended other than by the soak's own signals (the parents report their
@@ -139,7 +141,7 @@ class Soak:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         cmd = [*heapscope_cmd(), "serve", "--http", f"127.0.0.1:{port}", "--output-dir", str(self.work / "out"),
-               "--attach-comm", "^soak-svc$", "--keep-exited", "5", "--malt", "no", "-q"]
+               "--attach-comm", "^soak-svc$", "--keep-exited", "5", "--malt", "no", "--mode", "exact", "-q"]
         env = {k: v for k, v in os.environ.items() if k != "HEAPSCOPE_TOKEN"}
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         self.daemon = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"), env=env)
@@ -214,8 +216,12 @@ class Soak:
 
     def attach_detach(self, manual: subprocess.Popen[bytes]) -> None:
         started = time.monotonic()
+        # Both modes in turn. Sampled at a rate of 1 byte samples every block at a weight of 1, so the exact
+        # figure is still the right answer, while the sampler is injected, armed and disarmed every other cycle.
+        sampled = self.counts["attach/detach cycles"] % 2 == 1
+        mode = {"mode": "sampled", "sample_rate": 1} if sampled else {"mode": "exact"}
         with self.client() as c:
-            r = c.post("/targets", json={"pid": manual.pid})
+            r = c.post("/targets", json={"pid": manual.pid, **mode})
             if r.status_code != 201:
                 self.wrong.append(f"attach {manual.pid}: {r.status_code} {r.text}")
                 return
@@ -223,7 +229,7 @@ class Soak:
             t = c.get("/targets").json()
             [mine] = [x for x in t if x["pid"] == manual.pid]
             if mine["heap"]["useful_bytes"] != RING_BYTES:
-                self.wrong.append(f"attach/detach {manual.pid}: {mine['heap']['useful_bytes']} B live")
+                self.wrong.append(f"attach/detach {manual.pid} ({mode['mode']}): {mine['heap']['useful_bytes']} B live")
             r = c.delete(f"/targets/{manual.pid}")
             if r.status_code != 200:
                 self.wrong.append(f"detach {manual.pid}: {r.status_code} {r.text}")

@@ -34,6 +34,7 @@ from agent.errors import EnvironmentProblem, HeapscopeError, NoSuchTarget, Targe
 from agent.kernel.procevents import ProcEvent, ProcEvents
 from agent.model.cgroup import placement_of
 from agent.model.fleet import REFUSAL_REASONS, FleetStatus, Limits, Refusal, SelectorStatus, TargetOrigin
+from agent.model.sampling import ProfileMode
 from agent.model.selector import ProcessFacts, Selector, first_match
 from agent.model.target import TargetStatus
 from agent.process.procinfo import (
@@ -205,7 +206,12 @@ class FleetManager(TargetManager):
     # ---- attaching, within the limits ----
 
     def attach(
-        self, pid: int, selector: int | None = None, parent: int | None = None, identity: int | None = None
+        self,
+        pid: int,
+        mode: ProfileMode | None = None,
+        selector: int | None = None,
+        parent: int | None = None,
+        identity: int | None = None,
     ) -> Target:
         """Attach `pid` (POST /targets, --pid, or a selector's choice) if the limits allow; TargetRefused if not.
         `identity`: the start time the process was chosen with; a different one means the PID was reused."""
@@ -221,7 +227,7 @@ class FleetManager(TargetManager):
             if identity is not None and started != identity:
                 raise NoSuchTarget(f"process {pid} went away before it could be attached")
             placement = placement_of(cgroup_of(pid, self.proc))
-            t = super().attach(pid)
+            t = super().attach(pid, mode)
         finally:
             with self._admit:
                 self._inflight -= 1

@@ -32,6 +32,8 @@ class MetricsTarget(Protocol):
     command: str
     allocator: str
     origin: TargetOrigin
+    mode: str  # exact, or sampled: the byte and block figures are estimates
+    sample_rate: int  # 1 in exact mode
 
     @property
     def state(self) -> str: ...
@@ -98,6 +100,12 @@ class HeapscopeCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         info = InfoMetricFamily("heapscope_target", "A profiled process.", labels=TARGET_LABELS)
+        profile = InfoMetricFamily(
+            "heapscope_profile",
+            "How a target is profiled: mode exact (every call counted) or sampled (one sample per sample_rate "
+            "bytes on average: the heap byte and block figures are estimates, the call counts exact).",
+            labels=TARGET_LABELS,
+        )
         exited = GaugeMetricFamily(
             "heapscope_target_exited", "1 once the process has exited (its last state stays).", labels=TARGET_LABELS
         )
@@ -136,6 +144,7 @@ class HeapscopeCollector(Collector):
             where = t.origin.placement
             labels = [str(t.pid), t.command, where.path, where.unit, where.container, where.pod]
             info.add_metric(labels, {"state": t.state, "allocator": t.allocator})
+            profile.add_metric(labels, {"mode": t.mode, "sample_rate": str(t.sample_rate)})
             exited.add_metric(labels, 1.0 if t.state == "exited" else 0.0)
             for fam, (_, _, fld) in zip(gauges, _GAUGES, strict=True):
                 fam.add_metric(labels, max(getattr(c, fld), 0))
@@ -153,6 +162,7 @@ class HeapscopeCollector(Collector):
                 site_blocks.add_metric([*labels, s.site], s.blocks)
         yield GaugeMetricFamily("heapscope_targets", "Processes the daemon holds a profile of.", value=n_targets)
         yield info
+        yield profile
         yield exited
         yield from gauges
         yield from counters

@@ -169,6 +169,7 @@ class ProbeSettings:
     pages: bool = False  # trace mmap/munmap/mremap/brk: one PageEvent per call (page_events())
     stacks: bool = False  # keep each thread's stack extent (--stacks=yes: stack_bytes())
     sampled: bool = False  # also compile probes/sampled.bpf.c (points of kind sample_alloc / sample_free)
+    sample_rate: int = 524288  # sampled: the sampler's mean bytes between samples (its weights' rate)
 
 
 # bpf(2) uprobe_multi links: include/uapi/linux/bpf.h.
@@ -451,6 +452,14 @@ class SharedRows:
                 self.space.release(key)
 
 
+def _drop_leading(ips: tuple[int, ...], ranges: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """`ips` without its leading addresses that lie in one of `ranges` ([lo, hi))."""
+    i = 0
+    while i < len(ips) and any(lo <= ips[i] < hi for lo, hi in ranges):
+        i += 1
+    return ips[i:]
+
+
 class SiteReader(abc.ABC):
     """Reads a profile's counters: the global counters, the sites' counters and their stacks. The live probes
     (HeapProbes) read the kernel's maps in place; FrozenProbes reads a copy taken before the program is unloaded,
@@ -462,6 +471,9 @@ class SiteReader(abc.ABC):
 
     def __init__(self) -> None:
         self._stacks: dict[int, tuple[int, ...]] = {}  # site id -> return addresses, read once per site
+        # Address ranges whose frames are dropped from the start of every stack: sampled mode's stacks begin
+        # inside the sampler library (its hooks), which stand where exact mode's probe sees the caller.
+        self.lead_trim: tuple[tuple[int, int], ...] = ()
 
     @abc.abstractmethod
     def counters(self) -> Counters: ...
@@ -531,6 +543,8 @@ class SiteReader(abc.ABC):
             ips = self._stacks.get(key)
             if ips is None:
                 ips = self._read_stack(key)
+                if ips and self.lead_trim:
+                    ips = _drop_leading(ips, self.lead_trim)
                 if ips:
                     self._stacks[key] = ips
             out[key] = ips
@@ -586,6 +600,7 @@ class HeapProbes(SiteReader):
             f"-DHS_PAGES={int(s.pages)}",
             f"-DHS_PAGE_RING_PAGES={PAGE_RING_BYTES // mmap.PAGESIZE}",
             f"-DHS_STACKS={int(s.stacks)}",
+            f"-DHS_SAMPLE_RATE={s.sample_rate}ULL",
         ]
         with BCC_LOCK, _captured_stderr() as messages:
             try:
@@ -689,7 +704,9 @@ class HeapProbes(SiteReader):
         tail-call (probes/heap.bpf.c alloc_walker, page_walker): before any probe can fire."""
         bcc = _load_bcc()
         assert self._bpf is not None
-        walkers = [("alloc_walker", self._load_uprobe_program(b"alloc_enter"))]
+        walkers = []
+        if not self.settings.sampled:  # sampled mode probes no allocation function: no call tail-calls it
+            walkers.append(("alloc_walker", self._load_uprobe_program(b"alloc_enter")))
         if self.settings.pages:
             walkers.append(("page_walker", self._bpf.load_func(b"page_enter_walk", bcc.BPF.TRACEPOINT)))
         for table, fn in walkers:

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Path
 from agent.model.target import PID_MAX
 from api.deps import Manager
 from api.fleetmodels import SelectorOut, selector_out
-from api.models import AttachRequest, TargetOut, target_out
+from api.models import AttachRequest, ModeRequest, TargetOut, profile_mode, target_out
 from api.routers import ERRORS, REFUSED
 
 router = APIRouter(prefix="/targets", tags=["targets"])
@@ -27,8 +27,19 @@ def list_targets(manager: Manager) -> list[TargetOut]:
 )
 def attach(body: AttachRequest, manager: Manager) -> TargetOut | SelectorOut:
     if body.pid is not None:
-        return target_out(manager.attach(body.pid).status())
+        return target_out(manager.attach(body.pid, profile_mode(body.mode, body.sample_rate)).status())
     return selector_out(manager.add_selector(body.comm, body.cmdline, body.cgroup, body.follow_children))
+
+
+@router.post(
+    "/{pid}/mode",
+    summary="Profile the target in another mode from now on (its history continues; figures restart from 0)",
+    responses=ERRORS,
+)
+def switch_mode(pid: Annotated[int, Path(ge=1, le=PID_MAX)], body: ModeRequest, manager: Manager) -> TargetOut:
+    mode = profile_mode(body.mode, body.sample_rate)
+    assert mode is not None  # the body names a mode
+    return target_out(manager.switch_mode(pid, mode).status())
 
 
 @router.delete(

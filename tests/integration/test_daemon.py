@@ -77,6 +77,8 @@ def start_daemon(heapscope_cmd: list[str], tmp: Path, *extra: str, token: str | 
     env = {k: v for k, v in os.environ.items() if k != "HEAPSCOPE_TOKEN"}
     if token is not None:
         env["HEAPSCOPE_TOKEN"] = token
+    if not any(a.startswith("--mode") for a in extra):
+        extra = ("--mode=exact", *extra)  # exact figures; the daemon's sampled default has test_modes.py
     cmd = [*heapscope_cmd, "serve", "--http", f"127.0.0.1:{port}", "--output-dir", str(out_dir), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("wb"), env=env)
     url = f"http://127.0.0.1:{port}"

@@ -18,6 +18,7 @@ from agent.model.fleet import FleetStatus, SelectorStatus, TargetOrigin
 from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
 from agent.model.profile import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
+from agent.model.sampling import ProfileMode
 from agent.model.selector import Selector
 from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus, top_sites
 from agent.symbols.symbolizer import Mapping
@@ -59,6 +60,8 @@ class FakeTarget:
     pid: int
     command: str = "prog"
     allocator: str = "glibc"
+    mode: str = "exact"
+    sample_rate: int = 1
     state: str = "profiling"
     sites: dict[Stack, SiteCounts] = field(default_factory=sample_sites)
     time: int = 1234
@@ -103,6 +106,7 @@ class FakeTarget:
             state=self.state, started_at=1_700_000_000.0,
             ended_at=None if self.state == "profiling" else 1_700_000_060.0, files=(), counters=self.counters(),
             origin=self.origin,
+            mode=self.mode, sample_rate=self.sample_rate,
         )
 
     def _tree(self) -> HeapTree:
@@ -192,13 +196,22 @@ class FakeManager:
             raise NoSuchTarget("no target is profiled")
         raise UsageError("several targets: pick one with ?pid=")
 
-    def attach(self, pid: int) -> FakeTarget:
+    def attach(self, pid: int, mode: ProfileMode | None = None) -> FakeTarget:
         if pid in self.by_pid:
             raise TargetConflict(f"process {pid} is already being profiled")
         if pid not in self.attachable:
             raise NoSuchTarget(f"no process with PID {pid}")
-        self.by_pid[pid] = self.attachable.pop(pid)
-        return self.by_pid[pid]
+        t = self.by_pid[pid] = self.attachable.pop(pid)
+        if mode is not None:
+            t.mode, t.sample_rate = mode.mode, mode.period
+        self.calls.append(f"attach {pid} {t.mode}")
+        return t
+
+    def switch_mode(self, pid: int, mode: ProfileMode) -> FakeTarget:
+        t = self.get(pid)
+        t.mode, t.sample_rate = mode.mode, mode.period
+        self.calls.append(f"switch {pid} {mode.mode} {mode.period}")
+        return t
 
     def detach(self, pid: int) -> TargetStatus:
         t = self.get(pid)

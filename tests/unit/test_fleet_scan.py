@@ -58,7 +58,7 @@ def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-u
     write_process(proc, 200, "redis-server", 1, "/usr/bin/redis-server", ["redis-server *:6379"])
     write_process(proc, 300, "nginx", 2, "/nonexistent", [])  # a kernel thread: no command line
 
-    def fake_attach(self: FleetManager, pid: int) -> FakeTarget:
+    def fake_attach(self: FleetManager, pid: int, mode: object = None) -> FakeTarget:
         if not (proc / str(pid)).exists():
             raise NoSuchTarget(f"no process with PID {pid}")
         t = FakeTarget(pid, (proc / str(pid) / "comm").read_text().strip())

@@ -17,6 +17,7 @@ from agent.daemon.fleetopts import byte_size, fleet_config_from
 from agent.errors import TargetRefused, UsageError
 from agent.model.cgroup import CgroupPlacement
 from agent.model.fleet import Limits, TargetOrigin
+from agent.model.sampling import ProfileMode
 from agent.model.selector import ProcessFacts, Selector, cgroup_matches, check_cgroup_pattern, first_match
 from api.app import create_app
 from api.settings import ApiSettings
@@ -150,7 +151,7 @@ def test_byte_sizes() -> None:
 
 
 class RefusingManager(FakeManager):
-    def attach(self, pid: int) -> FakeTarget:
+    def attach(self, pid: int, mode: ProfileMode | None = None) -> FakeTarget:
         raise TargetRefused(f"not profiling process {pid}: the daemon profiles 1 processes, its limit (--max-targets)")
 
 
