@@ -16,17 +16,20 @@
  * update and delete cost more than the rest of the accounting). Mmapable only for its page alignment,
  * which keeps each bucket in one cache line. */
 BPF_F_TABLE("array", int, struct hs_block_slot, block_slots, HS_BLOCK_SLOTS, BPF_F_MMAPABLE);
-/* blocks: block address -> struct hs_block, for the blocks whose bucket was full */
-BPF_HASH(blocks, u64, struct hs_block, HS_MAX_BLOCKS);
+/* blocks: block address -> struct hs_block, for the blocks whose bucket was full. Like every hash map here it
+ * is not preallocated (BPF_F_NO_PREALLOC): its memory follows the target's use, not the worst case, so a
+ * daemon watching many quiet targets does not hold their tables' full size each. */
+BPF_F_TABLE("hash", u64, struct hs_block, blocks, HS_MAX_BLOCKS, BPF_F_NO_PREALLOC);
 /* sites: site id -> struct hs_site (the counters of one allocation stack). An array, so the return and free
  * paths reach a block's site without hashing; mmapable, so user space reads every site's counters in place,
  * with no syscall and no copy, at each snapshot. */
 BPF_F_TABLE("array", int, struct hs_site, sites, HS_MAX_STACKS, BPF_F_MMAPABLE);
 /* site_stacks: site id -> struct hs_stack (its return addresses), written at the site's creation; apart from
- * the counters, so that a snapshot does not read them again (user space reads a site's stack once) */
-BPF_F_TABLE("array", int, struct hs_stack, site_stacks, HS_MAX_STACKS, BPF_F_MMAPABLE);
+ * the counters, so that a snapshot does not read them again (user space reads a site's stack once). A hash
+ * map, not an array: it holds the stacks there are, not 512 bytes for every possible site. */
+BPF_F_TABLE("hash", u32, struct hs_stack, site_stacks, HS_MAX_STACKS, BPF_F_NO_PREALLOC);
 /* stack_ids: stack hash -> site id (u64), consulted only when a CPU meets a stack it did not store last */
-BPF_HASH(stack_ids, u64, u64, HS_MAX_STACKS);
+BPF_F_TABLE("hash", u64, u64, stack_ids, HS_MAX_STACKS, BPF_F_NO_PREALLOC);
 /* stack_cache: stack hash bits -> struct hs_last_stack, per CPU (stacks met recently skip stack_ids; with
  * free stacks, malloc and free alternate, so one entry would miss every time) */
 BPF_PERCPU_ARRAY(stack_cache, struct hs_last_stack, HS_STACK_CACHE);
@@ -38,18 +41,18 @@ BPF_PERCPU_ARRAY(rule_cache, struct hs_rule_entry, HS_RULE_CACHE);
  * An array: its lookups are inlined and take no lock, unlike a hash map's. */
 BPF_ARRAY(slots, struct hs_pending, HS_PENDING_SLOTS);
 /* pending: thread id -> struct hs_pending, for a thread whose slot another thread holds */
-BPF_HASH(pending, u32, struct hs_pending, HS_MAX_THREADS);
+BPF_F_TABLE("hash", u32, struct hs_pending, pending, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
 /* globals: 0 -> struct hs_global */
 BPF_ARRAY(globals, struct hs_global, 1);
 /* control: enum hs_control -> u64, written by user space (kept apart so its writes never race counters) */
 BPF_ARRAY(control, u64, HS_CTL_COUNT);
 /* MALT (HS_MALT): size_map: request size -> count; realloc_jump: struct hs_jump -> count;
  * thread_stats: tid << 8 | enum hs_fn -> struct hs_thread_stat */
-BPF_HASH(size_map, u64, u64, HS_MAX_SIZES);
+BPF_F_TABLE("hash", u64, u64, size_map, HS_MAX_SIZES, BPF_F_NO_PREALLOC);
 /* small_sizes: request size -> count, for sizes below HS_SMALL_SIZES (no hashing on the common sizes) */
 BPF_ARRAY(small_sizes, u64, HS_SMALL_SIZES);
-BPF_HASH(realloc_jump, struct hs_jump, u64, HS_MAX_SIZES);
-BPF_HASH(thread_stats, u64, struct hs_thread_stat, HS_MAX_THREADS);
+BPF_F_TABLE("hash", struct hs_jump, u64, realloc_jump, HS_MAX_SIZES, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", u64, struct hs_thread_stat, thread_stats, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
 /* thread_slots: (tid mod HS_THREAD_SLOTS) * HS_FN_COUNT + fn -> the owning thread's statistics */
 BPF_ARRAY(thread_slots, struct hs_thread_slot, HS_THREAD_SLOTS * HS_FN_COUNT);
 /* size_hist: log2(size) -> allocations so far; life_hist: log2(size) * 64 + log2(lifetime ns) -> frees so
@@ -71,8 +74,10 @@ BPF_PERF_OUTPUT(events);
 /* scratch: 0 -> the stack being walked (too big for the BPF stack) */
 BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
 
-/* unwind_rows: row index -> struct hs_row (the unwind tables of all objects, each a sorted run) */
-BPF_ARRAY(unwind_rows, struct hs_row, HS_MAX_ROWS);
+/* unwind_rows: row index -> struct hs_row (the unwind tables of all objects, each a sorted run). One table for
+ * every target of the daemon, declared by a holder program (agent/kernel/probes.py SharedRows): an object's
+ * rows are loaded once, whichever targets map it. */
+BPF_TABLE("extern", int, struct hs_row, unwind_rows, HS_MAX_ROWS);
 /* unwind_maps: index -> struct hs_umap, two halves of HS_MAX_UMAPS sorted by start; control[HS_CTL_UMAPS]
  * says which half and how many are published, so user space rewrites the other half and flips. */
 BPF_ARRAY(unwind_maps, struct hs_umap, 2 * HS_MAX_UMAPS);
@@ -470,7 +475,10 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
             if (i >= n)
                 st->ip[i] = 0;
         u32 slot = id;
-        site_stacks.update(&slot, st);
+        if (site_stacks.update(&slot, st)) { /* no memory for it: the call goes to the overflow site */
+            __sync_fetch_and_add(&g->dropped_stacks, 1);
+            return HS_STACK_OVERFLOW;
+        }
         if (copy->walks != walk_no) { /* overtaken while storing it: the id stays an empty site */
             __sync_fetch_and_add(&g->walks_interrupted, 1);
             return HS_STACK_OVERFLOW;
@@ -502,7 +510,7 @@ static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *
 
 #if HS_STACKS
 /* thread_stacks: thread id -> struct hs_thread_stack (--stacks=yes) */
-BPF_HASH(thread_stacks, u32, struct hs_thread_stack, HS_MAX_THREADS);
+BPF_F_TABLE("hash", u32, struct hs_thread_stack, thread_stacks, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
 
 /* A probe hit on a thread: its stack pointer extends the thread's stack extent. `top` marks a thread's
  * initial stack pointer (exec, clone): the stack is measured from there (Massif: the main stack starts at 0). */
@@ -1341,7 +1349,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 
 #if HS_PAGES
 /* page_calls: thread id -> the page syscall it is in (arguments and site), from entry to exit */
-BPF_HASH(page_calls, u32, struct hs_page_call, HS_MAX_THREADS);
+BPF_F_TABLE("hash", u32, struct hs_page_call, page_calls, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
 /* page_events: struct hs_page_event, one per completed page syscall, in the order they completed */
 BPF_RINGBUF_OUTPUT(page_events, HS_PAGE_RING_PAGES);
 /* page_counters: enum hs_page_counter -> count */

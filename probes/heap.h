@@ -21,7 +21,7 @@
 #ifndef HS_MAX_THREADS
 #define HS_MAX_THREADS 16384     /* overflow table: threads in an allocation call whose slot is taken */
 #endif
-#define HS_PENDING_SLOTS 65536   /* per-thread call slots, indexed by tid mod this (a power of two) */
+#define HS_PENDING_SLOTS 8192    /* per-thread call slots, indexed by tid mod this (a power of two) */
 #ifndef HS_HEAP_ADMIN
 #define HS_HEAP_ADMIN 8          /* Massif --heap-admin */
 #endif

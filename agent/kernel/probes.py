@@ -29,6 +29,7 @@ from typing import Any, cast
 
 from agent.contract import HEAP_H
 from agent.errors import EnvironmentProblem, HeapscopeError
+from agent.kernel.rowspace import RowSpace
 from agent.model.counters import Counters, PageCounters
 from agent.model.pages import PageEvent
 from agent.model.profile import SiteCounts
@@ -101,6 +102,10 @@ class _RingReader:
             cons += ((length & ~(self._BUSY | self._DISCARD)) + 8 + 7) & ~7
         u64.pack_into(self._consumer, 0, cons)
         return out
+
+    def produced(self) -> int:
+        """The producer position: it moves with every record the kernel reserves."""
+        return int(self._U64.unpack_from(self._producer, 0)[0])
 
     def close(self) -> None:
         self._data.release()
@@ -248,6 +253,15 @@ def _captured_stderr() -> Iterator[Callable[[], list[str]]]:
             os.close(saved)
 
 
+def _trim_heap() -> None:
+    """Give the C heap's free memory back to the system. Compiling with clang allocates and frees some 40 MB,
+    in the malloc arena of the thread that compiles (a daemon compiles in each target's own thread); glibc
+    keeps such freed memory in the arena, so without this every target would add its compile's peak to the
+    daemon's RSS for good."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def _int(value: object) -> int:
     """A map key as an int: batch lookups give ints, per-entry lookups give ctypes values."""
     return int(getattr(value, "value", value))  # type: ignore[call-overload]
@@ -378,6 +392,66 @@ def _load_bcc():  # type: ignore[no-untyped-def]
     return bcc
 
 
+class SharedRows:
+    """The unwind rows of every target of this process, in one BPF array (probes/heap.bpf.c unwind_rows). A
+    small holder program declares it as a shared table and is kept for the process's life; each target's
+    program refers to it as an extern table. An object's rows are written once whichever targets map it (libc's
+    28,000 rows once, not once a target), and the space of an object no target uses any more is reused. Its
+    size is fixed by the first target (max_rows). It is never unloaded: libbcc's shared table entry shares the
+    holder's descriptor, which must stay valid."""
+
+    _instance: SharedRows | None = None
+    _create_lock = threading.Lock()
+
+    def __init__(self, max_rows: int, probes_dir: str) -> None:
+        bcc = _load_bcc()
+        source = '#include "heap.h"\nBPF_TABLE_SHARED("array", int, struct hs_row, unwind_rows, HS_MAX_ROWS);\n'
+        with BCC_LOCK, _captured_stderr() as messages:
+            try:
+                self._holder = bcc.BPF(text=source.encode(), cflags=[f"-I{probes_dir}", f"-DHS_MAX_ROWS={max_rows}"])
+            except Exception as exc:
+                first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
+                raise EnvironmentProblem(f"cannot create the unwind rows table: {first.strip()}") from exc
+            self.table = self._holder["unwind_rows"]
+        self.max_rows = max_rows
+        self.space = RowSpace(max_rows)
+        self.lock = threading.Lock()
+
+    @classmethod
+    def prepare(cls) -> None:
+        """Create the table now (a daemon at its start), so that it is there before the first target and not
+        counted as something that target left behind; best effort: the first target reports any problem."""
+        with contextlib.suppress(HeapscopeError):
+            cls.get(ProbeSettings.max_rows, str(resources.files("probes")))
+
+    @classmethod
+    def get(cls, max_rows: int, probes_dir: str) -> SharedRows:
+        with cls._create_lock:
+            if cls._instance is None:
+                cls._instance = SharedRows(max_rows, probes_dir)
+            return cls._instance
+
+    def acquire(self, key: str, rows: bytes, n_rows: int) -> tuple[int, int] | None:
+        """(first row, rows) of the object, its rows written if it is new here; None when they do not fit."""
+        with self.lock:
+            got = self.space.acquire(key, n_rows)
+            if got is None:
+                return None
+            placed, new = got
+            if new and n_rows:
+                table = self.table
+                keys = (table.Key * n_rows)(*range(placed.first, placed.first + n_rows))
+                values = (table.Leaf * n_rows).from_buffer_copy(rows)
+                table.items_update_batch(keys, values)
+            return placed.first, placed.count
+
+    def release(self, keys: Iterable[str]) -> None:
+        """A target's probes are gone: it uses these objects no more."""
+        with self.lock:
+            for key in keys:
+                self.space.release(key)
+
+
 def _drop_leading(ips: tuple[int, ...], ranges: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
     """`ips` without its leading addresses that lie in one of `ranges` ([lo, hi))."""
     i = 0
@@ -489,14 +563,17 @@ class HeapProbes(SiteReader):
         self._links: list[int] = []  # uprobe_multi links (closed with os.close)
         self._use_links = uprobe_links_supported()
         self._sites: MappedArray | None = None  # struct hs_site by site id
-        self._site_stacks: MappedArray | None = None  # struct hs_stack by site id
         self._events: list[int] = []
         self._page_ring: _RingReader | None = None
-        self._rows_used = 0
-        self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count)
+        self._shared_rows: SharedRows | None = None
+        self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count) in the shared rows
         self._umap_half = 0
         self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
+        self._zero_key = ctypes.c_int(0)
+        self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed (_release_compiler)
+        self._globals_fd = -1
+        self._globals_buf: Any = None  # activity(): the raw globals, read into one reused buffer
 
     # ---- life cycle -------------------------------------------------------------------------------
 
@@ -504,6 +581,7 @@ class HeapProbes(SiteReader):
         bcc = _load_bcc()
         s = self.settings
         probes_dir = str(resources.files("probes"))
+        self._shared_rows = SharedRows.get(s.max_rows, probes_dir)
         cflags = [
             f"-I{probes_dir}",
             f"-DHS_TARGET_TGID={s.target_tgid}",
@@ -516,7 +594,7 @@ class HeapProbes(SiteReader):
             f"-DHS_MAX_STACKS={s.max_stacks}",
             f"-DHS_STOP_EVENTS={int(s.stop_events)}",
             f"-DHS_UNWIND={int(s.unwind)}",
-            f"-DHS_MAX_ROWS={s.max_rows}",
+            f"-DHS_MAX_ROWS={self._shared_rows.max_rows}",
             f"-DHS_FREE_STACKS={int(s.free_stacks)}",
             f"-DHS_MALT={int(s.malt)}",
             f"-DHS_PAGES={int(s.pages)}",
@@ -540,7 +618,6 @@ class HeapProbes(SiteReader):
         try:
             try:
                 self._sites = MappedArray(bpf["sites"], s.max_stacks)
-                self._site_stacks = MappedArray(bpf["site_stacks"], s.max_stacks)
             except (OSError, ValueError) as exc:
                 raise EnvironmentProblem(f"cannot map the sites array (BPF_F_MMAPABLE, Linux 5.5+): {exc}") from exc
             self._install_walkers()
@@ -552,10 +629,27 @@ class HeapProbes(SiteReader):
             bpf["events"].open_perf_buffer(self._on_event, page_cnt=8)
             if s.pages:
                 self._page_ring = _RingReader(bpf["page_events"].map_fd, PAGE_RING_BYTES, _PAGE_EVENT)
+            self._release_compiler()
         except BaseException:
             self.close()
             raise
+        _trim_heap()
         return self
+
+    def _release_compiler(self) -> None:
+        """Free what bcc keeps of the compilation once everything is loaded: its module holds clang's LLVM
+        context, the optimized IR, the JIT's objects and the rewritten source of every function, ~8 MB a
+        target for as long as the BPF object lives. The maps' descriptors are owned by that module, so each
+        table (all were looked up at the load: _cache_tables) gets a descriptor of its own first."""
+        lib = _load_bcc().libbcc.lib
+        assert self._bpf is not None
+        bpf = self._bpf
+        with BCC_LOCK:  # the module's tables leave libbcc's process-wide table map
+            for table in bpf.tables.values():
+                table.map_fd = os.dup(table.map_fd)
+                self._map_fds.append(table.map_fd)
+            lib.bpf_module_destroy(bpf.module)
+            bpf.module = None
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -593,12 +687,17 @@ class HeapProbes(SiteReader):
         if self._bpf is not None:
             _unload(self._bpf)
             self._bpf = None
+        for fd in self._map_fds:
+            os.close(fd)
+        self._map_fds.clear()
+        if self._shared_rows is not None:  # the program is gone: its objects' rows may be reused
+            self._shared_rows.release(key for key, (_, count) in self._objects.items() if count)
+            self._objects.clear()
 
     def _unmap(self) -> None:
-        for mapped in (self._sites, self._site_stacks):
-            if mapped is not None:
-                mapped.close()
-        self._sites = self._site_stacks = None
+        if self._sites is not None:
+            self._sites.close()
+        self._sites = None
 
     def _install_walkers(self) -> None:
         """The programs that hold the shared copies of the stack walk, in the program arrays the probes
@@ -698,6 +797,20 @@ class HeapProbes(SiteReader):
         self._set_control(CTL_STACK_EPOCH, epoch + 1)
         return total
 
+    def activity(self) -> bytes:
+        """A token that changes whenever the target does something the profile records: the global counters
+        (every allocation call moves them) and the page events' producer position. Read with one map lookup
+        and no Python objects per field, so that a sleeping target's sampling loop costs next to nothing."""
+        assert self._bpf is not None
+        if self._globals_buf is None:
+            table = self._bpf["globals"]
+            self._globals_fd = table.map_fd
+            self._globals_buf = ctypes.create_string_buffer(ctypes.sizeof(table.Leaf))
+        lib = _load_bcc().libbcc.lib
+        lib.bpf_lookup_elem(self._globals_fd, ctypes.byref(self._zero_key), self._globals_buf)
+        ring = self._page_ring.produced() if self._page_ring is not None else 0
+        return self._globals_buf.raw + ring.to_bytes(8, "little")
+
     def wait_events(self, timeout: float) -> list[int]:
         """Events (EV_*) that came within `timeout` seconds; returns at the first one."""
         assert self._bpf is not None
@@ -724,24 +837,21 @@ class HeapProbes(SiteReader):
     def publish_unwind(self, mappings: Sequence[UnwindMapping]) -> None:
         """Make these mappings (all of the target's, not just new ones) the ones the stack walk uses.
 
-        Each object's rows are written once, into free space of unwind_rows; the mapping index is written
-        into the half the kernel is not reading, then one control word flips to it."""
-        assert self._bpf is not None
-        rows = self._bpf["unwind_rows"]
+        Each object's rows are written once, into free space of the process's shared unwind_rows (SharedRows);
+        the mapping index is written into the half the kernel is not reading, then one control word flips to it."""
+        assert self._bpf is not None and self._shared_rows is not None
         entries = []
         for m in sorted(mappings, key=lambda m: m.start):
             placed = self._objects.get(m.key)
             if placed is None:
-                if self._rows_used + m.n_rows > self.settings.max_rows:
-                    self.rows_dropped += m.n_rows
-                    continue
-                placed = (self._rows_used, m.n_rows)
                 if m.n_rows:
-                    keys = (rows.Key * m.n_rows)(*range(self._rows_used, self._rows_used + m.n_rows))
-                    values = (rows.Leaf * m.n_rows).from_buffer_copy(m.rows)
-                    rows.items_update_batch(keys, values)
-                self._rows_used += m.n_rows
-                self.rows_used = self._rows_used
+                    placed = self._shared_rows.acquire(m.key, m.rows, m.n_rows)
+                    if placed is None:
+                        self.rows_dropped += m.n_rows
+                        continue
+                else:
+                    placed = (0, 0)
+                self.rows_used += m.n_rows
                 self._objects[m.key] = placed
             if placed[1]:
                 entries.append((m, placed))
@@ -846,9 +956,14 @@ class HeapProbes(SiteReader):
         return result
 
     def _read_stack(self, key: int) -> tuple[int, ...]:
-        if self._site_stacks is None or not 0 <= key < self.settings.max_stacks:
+        if self._bpf is None or not 0 <= key < self.settings.max_stacks:
             return ()
-        ips = self._site_stacks.view(key + 1).entry(key)
+        table = self._bpf["site_stacks"]
+        value = table.Leaf()
+        lib = _load_bcc().libbcc.lib
+        if lib.bpf_lookup_elem(table.map_fd, ctypes.byref(ctypes.c_uint32(key)), ctypes.byref(value)) != 0:
+            return ()  # a site without a stored stack (overtaken, or no memory for it): counted by the kernel
+        ips = array.array("Q", bytes(value)).tolist()
         return tuple(ips[: ips.index(0)] if 0 in ips else ips)
 
     def _array_prefix_raw(self, name: str, count: int) -> tuple[type, bytes, int]:

@@ -70,6 +70,28 @@ class SessionInfo:
     allocator: str  # one line: which allocator was found
 
 
+class IdlePace:
+    """How long a sampling loop waits while its target does nothing: the sampling interval for the first few
+    quiet ticks, then twice as long after each further one, up to IDLE_MAX seconds. Any activity brings the
+    loop back to its interval."""
+
+    IDLE_MAX = 1.0
+    QUIET_TICKS = 4  # quiet ticks at the full rate before the waits grow
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.idle_ticks = 0
+
+    def idle(self) -> float:
+        """Another quiet tick: the wait until the next look."""
+        self.idle_ticks += 1
+        doublings = max(0, self.idle_ticks - self.QUIET_TICKS)
+        return min(max(self.IDLE_MAX, self.interval), self.interval * (1 << min(doublings, 20)))
+
+    def active(self) -> None:
+        self.idle_ticks = 0
+
+
 class Session:
     """Sample, symbolize and record one target's heap."""
 
@@ -266,13 +288,23 @@ class Session:
             self.seed_pages()  # attach: the mappings of now; run seeds at the target's exec (_catch_up)
         self.sync_mappings()
         self.sample()
+        pace = IdlePace(interval)
+        token = live.activity()
         next_sample = time.monotonic() + interval
         while alive() and not stop.is_set() and not self.exec_ended():
             events = live.wait_events(max(0.001, next_sample - time.monotonic()))
             if events or live.stopped():
                 self._catch_up(live)
-            if time.monotonic() >= next_sample:
-                next_sample += interval
+            now = time.monotonic()
+            if now >= next_sample:
+                # A target that did nothing since the last tick is not sampled (Massif takes no snapshot
+                # without an allocation either), and it is looked at less and less often, down to IDLE_MAX.
+                last, token = token, live.activity()
+                if token == last and not events:
+                    next_sample = now + pace.idle()
+                    continue
+                next_sample = now + interval if pace.idle_ticks else next_sample + interval
+                pace.active()
                 if alive():
                     self.sync_mappings()
                 self.sample()
