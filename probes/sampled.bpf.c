@@ -19,8 +19,9 @@
  * space trims those frames (SiteReader.lead_trim) as it trims allocation functions.
  */
 
-/* sampled_blocks: block address -> struct hs_sampled_block (the live sampled blocks) */
-BPF_HASH(sampled_blocks, u64, struct hs_sampled_block, HS_MAX_BLOCKS);
+/* sampled_blocks: block address -> struct hs_sampled_block (the live sampled blocks). Not preallocated: a
+ * sampled target holds few blocks here, so its memory follows them, not --max-blocks. */
+BPF_F_TABLE("hash", u64, struct hs_sampled_block, sampled_blocks, HS_MAX_BLOCKS, BPF_F_NO_PREALLOC);
 
 /* N: 1/p from the weight (weight / size in 16.16 fixed point), its fraction rounded at random. */
 static __always_inline u64 sample_blocks(u64 size, u64 weight)

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
@@ -372,7 +373,9 @@ def _cache_tables(bpf: Any) -> None:
     for i in range(lib.bpf_num_tables(bpf.module)):
         name = lib.bpf_table_name(bpf.module, i)
         if name:
-            bpf[name.decode()]  # the code reads tables by str names: cache them under those
+            with warnings.catch_warnings():  # bcc warns of str names, but the code reads tables by them: cache those
+                warnings.simplefilter("ignore", DeprecationWarning)
+                bpf[name.decode()]
 
 
 def _unload(bpf: Any) -> None:
