@@ -68,6 +68,8 @@ BPF_PERCPU_ARRAY(walk_arg, struct hs_page_call, 1);
 
 /* events: enum hs_event, to wake user space at once */
 BPF_PERF_OUTPUT(events);
+/* sched_points: struct hs_sched_point, the snapshot schedule's points in time order; drained by user space */
+BPF_RINGBUF_OUTPUT(sched_points, HS_SCHED_RING_PAGES);
 /* scratch: 0 -> the stack being walked (too big for the BPF stack) */
 BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
 
@@ -555,10 +557,68 @@ static __always_inline u64 massif_slop(u64 size)
     return ((size + HS_ALIGNMENT - 1) / HS_ALIGNMENT) * HS_ALIGNMENT - size;
 }
 
-/* Massif's --time-unit=B clock moves by the change in heap + extra, whichever way. */
-static __always_inline void advance_time(struct hs_global *g, s64 delta)
+/* Massif's --time-unit=B clock moves by the change in heap + extra, whichever way. Returns the time after this
+ * event's change (the atomic add hands back the time before it at no extra cost). */
+static __always_inline u64 advance_time(struct hs_global *g, s64 delta)
 {
-    __sync_fetch_and_add(&g->time_b, delta < 0 ? -delta : delta);
+    u64 step = delta < 0 ? -delta : delta;
+    return __sync_fetch_and_add(&g->time_b, step) + step;
+}
+
+static __always_inline u64 control_word(u32 idx)
+{
+    u64 *w = control.lookup(&idx);
+    return w ? *w : 0;
+}
+
+/* The event at time t reached the schedule's due time: send a point with the totals after it, and set the next
+ * due time as Massif's maybe_take_snapshot does (the time of this one plus the minimum interval). User space
+ * owns the interval (it culls the series); once the series has culled and user space has not said the new
+ * interval yet, the interval is guessed as the time so far divided by --max-snapshots (about half the spacing
+ * a culling leaves), which keeps the points bounded however long user space takes. */
+static __always_inline void schedule_point(void *ctx, struct hs_global *g, u64 t, u64 due)
+{
+    u64 interval = control_word(HS_CTL_SCHED_INTERVAL);
+    u64 cull_at = control_word(HS_CTL_SCHED_CULL_AT);
+    u64 origin = HS_SCHED_NS ? control_word(HS_CTL_SCHED_ORIGIN) : 0;
+    u64 since = t > origin ? t - origin : 0;
+    u64 unit_time = HS_SCHED_NS ? since / 1000000 : since; /* the snapshot's time, as user space will see it */
+    u64 n = HS_ONCE(g->sched_points);
+    if (cull_at && n + 1 >= cull_at) {
+        u64 max = control_word(HS_CTL_SCHED_MAX);
+        u64 guess = max ? unit_time / max : 0;
+        if (guess > interval)
+            interval = guess;
+        if (HS_ONCE(g->sched_signalled) != cull_at) {
+            g->sched_signalled = cull_at;
+            u64 event = HS_EV_SCHEDULE;
+            events.perf_submit(ctx, &event, sizeof(event));
+        }
+    }
+    /* ms: due at the start of millisecond unit_time + interval, as Massif compares whole milliseconds */
+    u64 next = HS_SCHED_NS ? origin + (unit_time + interval) * 1000000 : t + interval;
+    if (__sync_val_compare_and_swap(&g->sched_next_due, due, next) != due)
+        return; /* another CPU's event took this point */
+    struct hs_sched_point *p = sched_points.ringbuf_reserve(sizeof(struct hs_sched_point));
+    if (!p) {
+        __sync_fetch_and_add(&g->sched_lost, 1);
+        return;
+    }
+    p->time = t;
+    p->heap = HS_ONCE(g->heap);
+    p->extra = HS_ONCE(g->extra);
+    sched_points.ringbuf_submit(p, BPF_RB_NO_WAKEUP);
+    __sync_fetch_and_add(&g->sched_points, 1);
+}
+
+/* After an event's accounting: one compare, unless the event reached the schedule's due time. `time_b` is the
+ * event's B time; `now` its bpf_ktime_get_ns when the caller has read it (MALT), else 0. */
+static __always_inline void schedule_check(void *ctx, struct hs_global *g, u64 time_b, u64 now)
+{
+    u64 t = HS_SCHED_NS ? (now ? now : bpf_ktime_get_ns()) : time_b;
+    u64 due = HS_ONCE(g->sched_next_due);
+    if (t >= due)
+        schedule_point(ctx, g, t, due);
 }
 
 /* After the totals grew: a new global peak marks the touched sites with their state at the peak. */
@@ -788,7 +848,7 @@ static __always_inline int block_take(struct hs_global *g, u64 addr, struct hs_b
 /* ---- Massif's accounting ----------------------------------------------------------------------------- */
 
 /* `now` (HS_MALT): bpf_ktime_get_ns() of the probe, read once per event and shared. */
-static __always_inline void record_alloc(struct hs_global *g, u64 addr, u64 size, u64 stack, u64 now)
+static __always_inline void record_alloc(void *ctx, struct hs_global *g, u64 addr, u64 size, u64 stack, u64 now)
 {
     struct hs_block blk = {.size = size, .slop = massif_slop(size), .stack = stack, .alloc_ns = now};
     if (block_put(g, addr, &blk))
@@ -808,10 +868,11 @@ static __always_inline void record_alloc(struct hs_global *g, u64 addr, u64 size
     __sync_fetch_and_add(&g->blocks, 1);
     __sync_fetch_and_add(&g->n_allocs, 1);
     __sync_fetch_and_add(&g->alloc_bytes, size);
-    advance_time(g, size + extra);
+    u64 time_b = advance_time(g, size + extra);
     check_peak(g, s, 0);
     if (HS_MALT)
         malt_alloc(g, s, stack, size);
+    schedule_check(ctx, g, time_b, now);
 }
 
 /* Charge freed bytes to a site: the allocating one, or with HS_FREE_STACKS the freeing call's. */
@@ -827,7 +888,7 @@ static __always_inline void charge_freed(struct hs_global *g, struct hs_site *al
 }
 
 /* The accounting of the free of a block no longer tracked. */
-static __always_inline void account_free(struct hs_global *g, struct hs_block *b, u64 free_stack, u64 now)
+static __always_inline void account_free(void *ctx, struct hs_global *g, struct hs_block *b, u64 free_stack, u64 now)
 {
     struct hs_block blk = *b;
     u64 extra = blk.slop + HS_HEAP_ADMIN;
@@ -846,36 +907,37 @@ static __always_inline void account_free(struct hs_global *g, struct hs_block *b
     __sync_fetch_and_add(&g->blocks, -1);
     __sync_fetch_and_add(&g->n_frees, 1);
     __sync_fetch_and_add(&g->freed_bytes, blk.size);
-    advance_time(g, blk.size + extra);
+    schedule_check(ctx, g, advance_time(g, blk.size + extra), now);
 }
 
 /* Forget a block; returns its size (0 when it was not tracked). */
-static __always_inline u64 record_free(struct hs_global *g, u64 addr, u64 free_stack, u64 now)
+static __always_inline u64 record_free(void *ctx, struct hs_global *g, u64 addr, u64 free_stack, u64 now)
 {
     struct hs_block blk;
     if (!block_take(g, addr, &blk)) {
         __sync_fetch_and_add(&g->untracked_frees, 1);
         return 0;
     }
-    account_free(g, &blk, free_stack, now);
+    account_free(ctx, g, &blk, free_stack, now);
     return blk.size;
 }
 
 /* realloc of a tracked block, as Massif 3.19 counts it: the block stays in place (and its slop grows) when
  * the new size fits in the old size plus slop; otherwise it is a new block. Either way the bytes move from
  * the old stack to realloc's stack. */
-static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 addr, u64 size, u64 stack, u64 now)
+static __always_inline void record_realloc(void *ctx, struct hs_global *g, u64 old, u64 addr, u64 size, u64 stack,
+                                           u64 now)
 {
     struct hs_block ob;
     if (!block_take(g, old, &ob)) {
         __sync_fetch_and_add(&g->untracked_frees, 1);
-        record_alloc(g, addr, size, stack, now);
+        record_alloc(ctx, g, addr, size, stack, now);
         return;
     }
     struct hs_block nb = {.size = size, .stack = stack, .alloc_ns = now};
     nb.slop = size <= ob.size + ob.slop ? ob.slop + ob.size - size : massif_slop(size);
     if (block_put(g, addr, &nb)) { /* the new block cannot be tracked (counted): the old one is gone */
-        account_free(g, &ob, stack, now);
+        account_free(ctx, g, &ob, stack, now);
         return;
     }
 
@@ -903,7 +965,7 @@ static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 add
     __sync_fetch_and_add(&g->n_reallocs, 1);
     __sync_fetch_and_add(&g->alloc_bytes, size);
     __sync_fetch_and_add(&g->freed_bytes, ob.size);
-    advance_time(g, dheap + dextra);
+    u64 time_b = advance_time(g, dheap + dextra);
     if (dheap + dextra > 0)
         check_peak(g, ns, os);
     if (HS_MALT) {
@@ -926,6 +988,7 @@ static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 add
                 __sync_fetch_and_add(&g->dropped_sizes, 1);
         }
     }
+    schedule_check(ctx, g, time_b, now);
 }
 
 /* ---- the pending call of each thread ------------------------------------------------------------- */
@@ -1103,7 +1166,7 @@ int free_enter(struct pt_regs *ctx)
         return 0;
     }
     u64 free_site = (HS_FREE_STACKS || HS_MALT) ? capture_stack(ctx, g, HS_FREE) : 0;
-    u64 size = record_free(g, addr, free_site, HS_MALT ? bpf_ktime_get_ns() : 0);
+    u64 size = record_free(ctx, g, addr, free_site, HS_MALT ? bpf_ktime_get_ns() : 0);
     if (HS_MALT)
         thread_stat(tid, HS_FREE, size, 0);
     return 0;
@@ -1164,7 +1227,7 @@ int alloc_return(struct pt_regs *ctx)
         u64 old = call.arg0;
         size = call.fn == HS_REALLOC ? call.arg1 : call.arg1 * call.arg2;
         if (old && size == 0) { /* glibc: realloc(p, 0) frees p */
-            record_free(g, old, call.stack, now);
+            record_free(ctx, g, old, call.stack, now);
             return 0;
         }
         if (!ret) {
@@ -1172,9 +1235,9 @@ int alloc_return(struct pt_regs *ctx)
             return 0;
         }
         if (old)
-            record_realloc(g, old, ret, size, call.stack, now);
+            record_realloc(ctx, g, old, ret, size, call.stack, now);
         else
-            record_alloc(g, ret, size, call.stack, now);
+            record_alloc(ctx, g, ret, size, call.stack, now);
         return 0;
     }
     default:
@@ -1184,7 +1247,7 @@ int alloc_return(struct pt_regs *ctx)
         __sync_fetch_and_add(&g->failed_allocs, 1);
         return 0;
     }
-    record_alloc(g, ret, size, call.stack, now);
+    record_alloc(ctx, g, ret, size, call.stack, now);
     return 0;
 }
 

@@ -41,6 +41,14 @@ EV_LOADER = 2
 EV_EXIT = 3
 CTL_STACK_EPOCH = 3
 CTL_STACK_END = 4
+# The snapshot schedule (probes/heap.h: HS_CTL_SCHED_*, HS_EV_SCHEDULE, struct hs_sched_point).
+CTL_SCHED_INTERVAL = 5
+CTL_SCHED_CULL_AT = 6
+CTL_SCHED_ORIGIN = 7
+CTL_SCHED_MAX = 8
+EV_SCHEDULE = 4
+_SCHED_POINT = struct.Struct("<3Q")  # time, heap, extra
+SCHED_RING_BYTES = 64 << 10  # the points' ring buffer (HS_SCHED_RING_PAGES): 2,000 points between two drains
 MAX_UMAPS = 512  # probes/heap.h: HS_MAX_UMAPS
 # control[CTL_UMAPS] = generation << UMAPS_GEN_SHIFT | first index << 32 | count (probes/heap.h)
 UMAPS_GEN_SHIFT = 42
@@ -162,6 +170,10 @@ class Counters:
     hashed_blocks: int = 0
     unwind_short_reads: int = 0
     walks_interrupted: int = 0
+    sched_next_due: int = 0
+    sched_points: int = 0
+    sched_lost: int = 0
+    sched_signalled: int = 0
 
     @property
     def dropped(self) -> int:
@@ -218,6 +230,7 @@ class ProbeSettings:
     max_stacks: int = 1 << 16
     pages: bool = False  # trace mmap/munmap/mremap/brk: one PageEvent per call (page_events())
     stacks: bool = False  # keep each thread's stack extent (--stacks=yes: stack_bytes())
+    schedule_ns: bool = False  # the snapshot schedule's points are timed in ns (--time-unit=ms), else in B
 
 
 # bpf(2) uprobe_multi links: include/uapi/linux/bpf.h.
@@ -417,6 +430,7 @@ class HeapProbes:
         self._site_stacks: MappedArray | None = None  # struct hs_stack by site id
         self._events: list[int] = []
         self._page_ring: _RingReader | None = None
+        self._sched_ring: _RingReader | None = None
         self._rows_used = 0
         self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count)
         self._umap_half = 0
@@ -449,6 +463,8 @@ class HeapProbes:
             f"-DHS_PAGES={int(s.pages)}",
             f"-DHS_PAGE_RING_PAGES={PAGE_RING_BYTES // mmap.PAGESIZE}",
             f"-DHS_STACKS={int(s.stacks)}",
+            f"-DHS_SCHED_NS={int(s.schedule_ns)}",
+            f"-DHS_SCHED_RING_PAGES={SCHED_RING_BYTES // mmap.PAGESIZE}",
         ]
         with _captured_stderr() as messages:
             try:
@@ -471,6 +487,7 @@ class HeapProbes:
             bpf["events"].open_perf_buffer(self._on_event, page_cnt=8)
             if s.pages:
                 self._page_ring = _RingReader(bpf["page_events"].map_fd, PAGE_RING_BYTES, _PAGE_EVENT)
+            self._sched_ring = _RingReader(bpf["sched_points"].map_fd, SCHED_RING_BYTES, _SCHED_POINT)
         except BaseException:
             self.close()
             raise
@@ -506,9 +523,10 @@ class HeapProbes:
             self.resume()  # never leave the target held at an event, whatever went wrong
         self.detach()
         self._unmap()
-        if self._page_ring is not None:
-            self._page_ring.close()
-            self._page_ring = None
+        for ring in (self._page_ring, self._sched_ring):
+            if ring is not None:
+                ring.close()
+        self._page_ring = self._sched_ring = None
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
@@ -594,6 +612,27 @@ class HeapProbes:
                 addr = 0
             out.append(PageEvent(kind, time_ns, tid, site, addr, length, new_addr, new_length, flags, prot, failed))
         return out
+
+    def schedule_points(self) -> list[tuple[int, int, int]]:
+        """The snapshot schedule's points (time, heap, extra) sent since the last call, in time order; time is in
+        B, or bpf_ktime_get_ns with settings.schedule_ns."""
+        if self._sched_ring is None:
+            return []
+        return cast(list[tuple[int, int, int]], self._sched_ring.drain())
+
+    def set_schedule(self, interval: int, cull_at: int) -> None:
+        """The series' minimum interval between snapshots (B or ms) and the point count at which it culls next."""
+        if self._bpf is None:  # unloaded (or a frozen copy): no schedule to steer
+            return
+        self._set_control(CTL_SCHED_CULL_AT, cull_at)
+        self._set_control(CTL_SCHED_INTERVAL, interval)
+
+    def start_schedule(self, origin_ns: int, max_snapshots: int) -> None:
+        """Time 0 of the snapshots (settings.schedule_ns) and --max-snapshots, before the first set_schedule."""
+        if self._bpf is None:
+            return
+        self._set_control(CTL_SCHED_ORIGIN, origin_ns)
+        self._set_control(CTL_SCHED_MAX, max_snapshots)
 
     def page_counters(self) -> PageCounters:
         """The kernel side's counts of page events sent and not sent (settings.pages)."""

@@ -481,6 +481,10 @@ class SnapshotSeries:
 
     The peak is given out of band (`set_peak`): heapscope knows the exact peak, so it is inserted in time
     order and replaces the previous peak when higher. It does not count in the detailed frequency.
+
+    Samples with exact totals but no tree (the kernel's points, taken at the instants Massif would take them)
+    go through `add_point`. When the detailed frequency falls on one of them, it is recorded as normal and its
+    tree is owed: `give_tree` pays it with a later state, which takes the place of the latest snapshot.
     """
 
     def __init__(self, *, detailed_freq: int = 10, max_snapshots: int = 100) -> None:
@@ -497,6 +501,8 @@ class SnapshotSeries:
         self._since_detailed = 0
         self._last_time: int | None = None
         self._finished = False
+        self._payable: Snapshot | None = None  # the latest point recorded while a tree is owed
+        self._tree_owed = False
         self.n_cullings = 0
         self.n_skipped = 0
 
@@ -525,6 +531,17 @@ class SnapshotSeries:
     def finished(self) -> bool:
         return self._finished
 
+    @property
+    def last_time(self) -> int | None:
+        """The time of the latest snapshot offered to add/add_point/give_tree/finish (None before any): later
+        samples may not be earlier."""
+        return self._last_time
+
+    @property
+    def tree_owed(self) -> bool:
+        """The detailed frequency fell on a point (add_point), which had no tree: give_tree can pay it."""
+        return self._tree_owed
+
     def next_kind(self, time: int) -> SnapshotKind | None:
         """What a sample at `time` would be recorded as, or None if it would be skipped. No side effect."""
         if self._finished or time < self._earliest_next:
@@ -551,6 +568,8 @@ class SnapshotSeries:
             if tree is None:
                 raise ValueError("this sample must be detailed (next_kind said so) but no tree was given")
             self._since_detailed = 0
+            self._tree_owed = False
+            self._payable = None
         else:
             tree = None
             self._since_detailed += 1
@@ -559,6 +578,50 @@ class SnapshotSeries:
         self._last_time = time
         self._cull_if_full()
         self._earliest_next = time + self._min_interval
+        return snap
+
+    def add_point(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int) -> Snapshot | None:
+        """Offer a sample that has no tree. Returns the recorded (normal) snapshot, or None when it is skipped.
+        When the detailed frequency wants this one detailed, the tree is owed (tree_owed) until give_tree: the
+        frequency's count does not move on meanwhile, so a point that cannot be paid for never shifts it."""
+        if self._finished:
+            raise ValueError("the series is finished")
+        self._check_time(time)
+        kind = self.next_kind(time)
+        if kind is None:
+            self.n_skipped += 1
+            return None
+        if kind is SnapshotKind.DETAILED:
+            self._tree_owed = True
+        else:
+            self._since_detailed += 1
+        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, None, SnapshotKind.NORMAL)
+        self._snapshots.append(snap)
+        self._last_time = time
+        if self._tree_owed:
+            self._payable = snap
+        self._cull_if_full()
+        self._earliest_next = time + self._min_interval
+        return snap
+
+    def give_tree(
+        self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: Tree
+    ) -> Snapshot | None:
+        """Pay an owed tree with the state at `time` (not before the latest snapshot): that state, with its tree,
+        replaces the latest snapshot when it is a point recorded while the tree was owed (not the first snapshot,
+        nor the peak). Returns the new detailed snapshot, or None when nothing is owed or payable."""
+        if self._finished or not self._tree_owed:
+            return None
+        snaps = self._snapshots
+        if len(snaps) < 2 or snaps[-1] is not self._payable or self._last_time is None or time < self._last_time:
+            return None
+        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, SnapshotKind.DETAILED)
+        snaps[-1] = snap
+        self._last_time = time
+        self._earliest_next = time + self._min_interval
+        self._since_detailed = 0
+        self._tree_owed = False
+        self._payable = None
         return snap
 
     def set_peak(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: Tree) -> Snapshot | None:

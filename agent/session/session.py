@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from agent.export.massif import render_snapshot, write_massif
-from agent.kernel.probes import EV_EXEC, EV_EXIT, Counters, HeapProbes, UnwindMapping
+from agent.kernel.probes import EV_EXEC, EV_EXIT, EV_SCHEDULE, Counters, HeapProbes, UnwindMapping
 from agent.model.options import MassifOptions
 from agent.model.pages import (
     PAGE_SIZE,
@@ -45,6 +45,7 @@ from agent.model.profile import (
     StackIndex,
     trim_stack,
 )
+from agent.model.schedule import PointFeed
 from agent.symbols.elf import ElfError, open_elf
 from agent.symbols.symbolizer import Mapping, Symbolizer, parse_maps
 
@@ -182,6 +183,12 @@ class Session:
         self._lock = threading.Lock()  # readers (HTTP) and the sampler share the model
         self._alloc_fns = opts.all_alloc_fns
         self._ignore_fns = frozenset(opts.ignore_fns)
+        # Snapshots on Massif's schedule: the kernel sends a point at each event that reaches the next due time
+        # (agent.model.schedule). With --pages-as-heap=yes the heap is the page map's, and the ticks sample it.
+        self.points: PointFeed | None = None
+        if not opts.pages_as_heap:
+            self.points = PointFeed(self.series, self._point_time)
+            probes.start_schedule(self.start_ns, opts.max_snapshots)
 
     # ---- time -------------------------------------------------------------------------------------
 
@@ -191,6 +198,12 @@ class Session:
             return c.time_b
         now_ns = self._ended_ns if self._ended_ns is not None else time.monotonic_ns()
         return (now_ns - self.start_ns) // 1_000_000
+
+    def _point_time(self, raw: int) -> int:
+        """A schedule point's time in the session's unit (the kernel gives ns for ms)."""
+        if self.opts.time_unit == "B":
+            return raw
+        return max(0, (raw - self.start_ns) // 1_000_000)
 
     def peak_time(self, c: Counters) -> int:
         if self.opts.time_unit == "B":
@@ -412,9 +425,28 @@ class Session:
 
     # ---- sampling ---------------------------------------------------------------------------------
 
-    def sample(self) -> None:
-        """One tick: record a snapshot if Massif's schedule wants one."""
+    def take_points(self) -> None:
+        """Record the kernel's schedule points sent so far, and steer its schedule (between ticks: when the
+        kernel says the series is due to cull)."""
         with self._lock:
+            self._take_points()
+            self._steer()
+
+    def _take_points(self) -> None:
+        if self.points is not None and not self.series.finished:
+            self.points.feed(self.probes.schedule_points(), self.stack_bytes)
+
+    def _steer(self) -> None:
+        if self.points is not None and not self.series.finished:
+            k = self.points.kernel_schedule()
+            self.probes.set_schedule(k.interval, k.cull_at)
+
+    def sample(self) -> None:
+        """One tick: record the kernel's schedule points, then what the tick itself adds: the first snapshot, an
+        owed tree (see SnapshotSeries.give_tree); with --pages-as-heap=yes, a snapshot if the schedule wants
+        one."""
+        with self._lock:
+            self._take_points()  # before the counters: the tick's state is then no earlier than any point
             c = self.counters()
             if self.opts.stacks:
                 self.stack_bytes = self.probes.stack_bytes()
@@ -423,24 +455,46 @@ class Session:
             t = self.now(c)
             if self.series.finished or (self.series.snapshots and t < self.series.snapshots[-1].time):
                 return
-            kind = self.series.next_kind(t)
-            if kind is None:
-                self.series.add(t, c.heap, c.extra, self.stack_bytes)  # counted as skipped
-                return
-            if kind is not SnapshotKind.DETAILED:
-                self.series.add(t, c.heap, c.extra, self.stack_bytes)
-                # Stacks are symbolized as they appear, while the target's mappings are readable; the
-                # sites are looked at only when the kernel has handed out new site ids since the last look.
-                if c.n_sites != self._sites_seen:
-                    self._sites_seen = c.n_sites
-                    self.symbolize_new(self._used_site_keys())
-                return
-            # A kept tree shares the index's nodes: its own part is one array of prefix sums.
-            tree, ignored = self.live_tree()
-            self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, self.stack_bytes, tree)
-        # The index's nodes and the symbolized frames are long-lived objects: out of the cyclic collector's
-        # sight, its full passes stay short (they stalled HTTP requests for half a second).
-        gc.freeze()
+            # With the kernel's schedule a tick only takes the first snapshot and pays owed trees.
+            kernel_scheduled = self.points is not None and len(self.series) > 0
+            built = self._pay_tree(c, t) if kernel_scheduled else self._tick_snapshot(c, t)
+            self._steer()
+        if built:
+            # The index's nodes and the symbolized frames are long-lived objects: out of the cyclic collector's
+            # sight, its full passes stay short (they stalled HTTP requests for half a second).
+            gc.freeze()
+
+    def _tick_snapshot(self, c: Counters, t: int) -> bool:
+        """A snapshot of the tick's state if Massif's schedule wants one; True when a tree was built."""
+        kind = self.series.next_kind(t)
+        if kind is None:
+            self.series.add(t, c.heap, c.extra, self.stack_bytes)  # counted as skipped
+            return False
+        if kind is not SnapshotKind.DETAILED:
+            self.series.add(t, c.heap, c.extra, self.stack_bytes)
+            self._symbolize_sites(c)
+            return False
+        # A kept tree shares the index's nodes: its own part is one array of prefix sums.
+        tree, ignored = self.live_tree()
+        self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, self.stack_bytes, tree)
+        return True
+
+    def _pay_tree(self, c: Counters, t: int) -> bool:
+        """Kernel schedule, at a tick: when the detailed frequency fell on a point, the state now with its tree
+        takes the place of the latest point; else new stacks are only symbolized. True when a tree was built."""
+        if not self.series.tree_owed:
+            self._symbolize_sites(c)
+            return False
+        tree, ignored = self.live_tree()
+        self.series.give_tree(t, c.heap - ignored.heap, c.extra - ignored.extra, self.stack_bytes, tree)
+        return True
+
+    def _symbolize_sites(self, c: Counters) -> None:
+        # Stacks are symbolized as they appear, while the target's mappings are readable; the sites are looked
+        # at only when the kernel has handed out new site ids since the last look.
+        if c.n_sites != self._sites_seen:
+            self._sites_seen = c.n_sites
+            self.symbolize_new(self._used_site_keys())
 
     def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float) -> None:
         """Sample every `interval` seconds until the target exits or `stop` is set; between samples, catch up
@@ -452,7 +506,9 @@ class Session:
         next_sample = time.monotonic() + interval
         while alive() and not stop.is_set() and not self.exec_ended():
             events = self.probes.wait_events(max(0.001, next_sample - time.monotonic()))
-            if events or self.probes.stopped():
+            if EV_SCHEDULE in events:
+                self.take_points()
+            if any(e != EV_SCHEDULE for e in events) or self.probes.stopped():
                 self._catch_up()
             if time.monotonic() >= next_sample:
                 next_sample += interval
@@ -517,6 +573,7 @@ class Session:
         with self._lock:
             if self.series.finished:
                 return
+            self._take_points()
             c = self.counters()
             self.end_counters = c
             if self.recorder is not None:  # the timelines end with the final state
@@ -590,6 +647,11 @@ class Session:
             )
         if c.lost_returns:
             lines.append(f"{c.lost_returns} allocation calls whose return was not seen")
+        if c.sched_lost:
+            lines.append(
+                f"NOT COUNTED: {c.sched_lost} of the snapshot schedule's points (their ring buffer was full): "
+                "the graph has fewer snapshots than Massif's"
+            )
         if c.walks_interrupted:
             lines.append(
                 f"{c.walks_interrupted} stack walks overtaken by another thread's on the same CPU (a preemptible "
