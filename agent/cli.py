@@ -342,6 +342,7 @@ def _settings(ctx: _Ctx, pid: int, run: bool):  # type: ignore[no-untyped-def]
         max_stacks=ctx.ns.max_stacks,
         pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
         stacks=ctx.opts.stacks,
+        schedule_ns=ctx.opts.time_unit == "ms",  # the snapshot schedule's clock
     )
 
 

@@ -571,54 +571,114 @@ static __always_inline u64 control_word(u32 idx)
     return w ? *w : 0;
 }
 
-/* The event at time t reached the schedule's due time: send a point with the totals after it, and set the next
- * due time as Massif's maybe_take_snapshot does (the time of this one plus the minimum interval). User space
- * owns the interval (it culls the series); once the series has culled and user space has not said the new
- * interval yet, the interval is guessed as the time so far divided by --max-snapshots (about half the spacing
- * a culling leaves), which keeps the points bounded however long user space takes. */
-static __always_inline void schedule_point(void *ctx, struct hs_global *g, u64 t, u64 due)
+/* The time of a point in the snapshots' unit (B, or whole ms since HS_CTL_SCHED_ORIGIN), and the due time
+ * `interval` of that unit after it (ms: the start of that millisecond, as Massif compares whole milliseconds). */
+static __always_inline u64 schedule_next(u64 t, u64 interval, u64 *unit_time)
 {
-    u64 interval = control_word(HS_CTL_SCHED_INTERVAL);
-    u64 cull_at = control_word(HS_CTL_SCHED_CULL_AT);
-    u64 origin = HS_SCHED_NS ? control_word(HS_CTL_SCHED_ORIGIN) : 0;
-    u64 since = t > origin ? t - origin : 0;
-    u64 unit_time = HS_SCHED_NS ? since / 1000000 : since; /* the snapshot's time, as user space will see it */
-    u64 n = HS_ONCE(g->sched_points);
-    if (cull_at && n + 1 >= cull_at) {
-        u64 max = control_word(HS_CTL_SCHED_MAX);
-        u64 guess = max ? unit_time / max : 0;
-        if (guess > interval)
-            interval = guess;
-        if (HS_ONCE(g->sched_signalled) != cull_at) {
-            g->sched_signalled = cull_at;
-            u64 event = HS_EV_SCHEDULE;
-            events.perf_submit(ctx, &event, sizeof(event));
-        }
+    if (!HS_SCHED_NS) {
+        *unit_time = t;
+        return t + interval;
     }
-    /* ms: due at the start of millisecond unit_time + interval, as Massif compares whole milliseconds */
-    u64 next = HS_SCHED_NS ? origin + (unit_time + interval) * 1000000 : t + interval;
-    if (__sync_val_compare_and_swap(&g->sched_next_due, due, next) != due)
-        return; /* another CPU's event took this point */
+    u64 origin = control_word(HS_CTL_SCHED_ORIGIN);
+    *unit_time = (t > origin ? t - origin : 0) / 1000000;
+    /* At most one point a millisecond: an interval of 0 would send every event natively, where under Valgrind
+     * (a hundred times slower) Massif's culling soon makes it at least one. */
+    return origin + (*unit_time + (interval ? interval : 1)) * 1000000;
+}
+
+static __always_inline void send_point(struct hs_global *g, u64 t, u64 heap, u64 extra, u64 kind)
+{
     struct hs_sched_point *p = sched_points.ringbuf_reserve(sizeof(struct hs_sched_point));
     if (!p) {
         __sync_fetch_and_add(&g->sched_lost, 1);
         return;
     }
     p->time = t;
-    p->heap = HS_ONCE(g->heap);
-    p->extra = HS_ONCE(g->extra);
+    p->heap = heap;
+    p->extra = extra;
+    p->kind = kind;
     sched_points.ringbuf_submit(p, BPF_RB_NO_WAKEUP);
     __sync_fetch_and_add(&g->sched_points, 1);
 }
 
+/* (Inlined, as every function here: bcc loads each program alone, without BPF-to-BPF calls.)
+ * The interval for the due time after a point. User space owns it (it culls the series) and sets the due time
+ * from the series when it has read the points. When the series culls (the point count reached
+ * HS_CTL_SCHED_CULL_AT) user space is woken once; with HS_STOP_EVENTS and time in B (time stands still while
+ * the target does) the target is also stopped until user space has set the new interval and due time, so the
+ * points are exactly Massif's. Until it answers, the interval is guessed as the time so far divided by
+ * --max-snapshots (about half the spacing a culling leaves), which keeps the points bounded however long user
+ * space takes. */
+static __always_inline u64 schedule_interval(void *ctx, struct hs_global *g, u64 unit_time)
+{
+    u64 interval = control_word(HS_CTL_SCHED_INTERVAL);
+    u64 cull_at = control_word(HS_CTL_SCHED_CULL_AT);
+    if (!cull_at || HS_ONCE(g->sched_points) + 1 < cull_at)
+        return interval;
+    u64 max = control_word(HS_CTL_SCHED_MAX);
+    u64 guess = max ? unit_time / max : 0;
+    if (HS_ONCE(g->sched_signalled) != cull_at) {
+        g->sched_signalled = cull_at;
+        u64 event = HS_EV_SCHEDULE;
+        if (HS_STOP_EVENTS && !HS_SCHED_NS) {
+            u32 stop_idx = HS_CTL_STOPPED;
+            control.update(&stop_idx, &event);
+            bpf_send_signal(19 /* SIGSTOP */);
+        }
+        events.perf_submit(ctx, &event, sizeof(event));
+    }
+    return guess > interval ? guess : interval;
+}
+
+/* The event at time t reached the due time: a point with the totals after it, and the next due time as
+ * Massif's maybe_take_snapshot sets it (this one's time plus the minimum interval). */
+static __always_inline void schedule_point(void *ctx, struct hs_global *g, u64 t, u64 *due_word, u64 due)
+{
+    u64 unit_time;
+    schedule_next(t, 0, &unit_time);
+    u64 next = schedule_next(t, schedule_interval(ctx, g, unit_time), &unit_time);
+    if (__sync_val_compare_and_swap(due_word, due, next) != due)
+        return; /* another CPU's event took this point, or user space has just set the due time */
+    send_point(g, t, HS_ONCE(g->heap), HS_ONCE(g->extra), HS_SCHED_NORMAL);
+}
+
 /* After an event's accounting: one compare, unless the event reached the schedule's due time. `time_b` is the
- * event's B time; `now` its bpf_ktime_get_ns when the caller has read it (MALT), else 0. */
+ * event's B time; `now` its bpf_ktime_get_ns when the caller has read it, else 0. The due time sits in the
+ * control map's first cache line, which is_armed() has just read. */
 static __always_inline void schedule_check(void *ctx, struct hs_global *g, u64 time_b, u64 now)
 {
     u64 t = HS_SCHED_NS ? (now ? now : bpf_ktime_get_ns()) : time_b;
-    u64 due = HS_ONCE(g->sched_next_due);
+    u32 idx = HS_CTL_SCHED_DUE;
+    u64 *due_word = control.lookup(&idx);
+    if (!due_word)
+        return;
+    u64 due = HS_ONCE(*due_word);
     if (t >= due)
-        schedule_point(ctx, g, t, due);
+        schedule_point(ctx, g, t, due_word, due);
+}
+
+/* Before a free, or a realloc that shrinks a block: Massif takes a peak snapshot when the total is above its
+ * last peak snapshot's by more than --peak-inaccuracy, whatever the interval, and the next snapshot is due an
+ * interval after it. One compare unless so. `now`: as in schedule_check. */
+static __always_inline void schedule_peak_check(void *ctx, struct hs_global *g, u64 now)
+{
+    u32 idx = HS_CTL_SCHED_PEAK_LEVEL;
+    u64 *level = control.lookup(&idx);
+    u64 heap = HS_ONCE(g->heap), extra = HS_ONCE(g->extra);
+    u64 total = heap + extra;
+    if (!level || total <= HS_ONCE(*level))
+        return;
+    u64 ppm = control_word(HS_CTL_SCHED_PEAK_PPM);
+    HS_ONCE(*level) = total + total * ppm / 1000000;
+    u64 t = HS_SCHED_NS ? (now ? now : bpf_ktime_get_ns()) : HS_ONCE(g->time_b);
+    u64 unit_time;
+    schedule_next(t, 0, &unit_time);
+    u64 next = schedule_next(t, schedule_interval(ctx, g, unit_time), &unit_time);
+    u32 due_idx = HS_CTL_SCHED_DUE;
+    u64 *due_word = control.lookup(&due_idx);
+    if (due_word)
+        HS_ONCE(*due_word) = next;
+    send_point(g, t, heap, extra, HS_SCHED_PEAK);
 }
 
 /* After the totals grew: a new global peak marks the touched sites with their state at the peak. */
@@ -890,6 +950,9 @@ static __always_inline void charge_freed(struct hs_global *g, struct hs_site *al
 /* The accounting of the free of a block no longer tracked. */
 static __always_inline void account_free(void *ctx, struct hs_global *g, struct hs_block *b, u64 free_stack, u64 now)
 {
+    if (HS_SCHED_NS && !now)
+        now = bpf_ktime_get_ns(); /* the schedule's clock, read once for both of its checks */
+    schedule_peak_check(ctx, g, now);
     struct hs_block blk = *b;
     u64 extra = blk.slop + HS_HEAP_ADMIN;
     struct hs_site *s = get_site(blk.stack, g);
@@ -960,6 +1023,10 @@ static __always_inline void record_realloc(void *ctx, struct hs_global *g, u64 o
     }
     s64 dheap = (s64)size - (s64)ob.size;
     s64 dextra = (s64)nb.slop - (s64)ob.slop;
+    if (HS_SCHED_NS && !now)
+        now = bpf_ktime_get_ns();
+    if (dheap < 0) /* Massif looks for a peak before a realloc that shrinks the block */
+        schedule_peak_check(ctx, g, now);
     __sync_fetch_and_add(&g->heap, dheap);
     __sync_fetch_and_add(&g->extra, dextra);
     __sync_fetch_and_add(&g->n_reallocs, 1);

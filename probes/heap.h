@@ -239,13 +239,19 @@ enum hs_control {
     HS_CTL_STACK_EPOCH = 3, /* HS_STACKS: bumped by user space at each sample; starts a new low-water mark */
     HS_CTL_STACK_END = 4, /* where the main thread's stack reads must stop: above argc, where exec left %rsp
                            * (frames lie below; above may be pages never touched) (0: unknown) */
-    /* The snapshot schedule (see struct hs_sched_point), in the unit of the snapshots' times (B or ms): */
-    HS_CTL_SCHED_INTERVAL = 5, /* Massif's minimum time interval between snapshots, as the series has it */
-    HS_CTL_SCHED_CULL_AT = 6,  /* the point count at which the series culls next: from there the kernel
+    /* The snapshot schedule (see struct hs_sched_point). Written by both sides: */
+    HS_CTL_SCHED_DUE = 5,      /* the time (unit of struct hs_sched_point) from which the next event is a point:
+                                * the kernel moves it on at each point, user space sets it from the series */
+    HS_CTL_SCHED_PEAK_LEVEL = 6, /* heap + extra above which a free makes a peak point (Massif's peak snapshot
+                                  * total plus --peak-inaccuracy): the kernel raises it at each peak point */
+    /* and by user space, in the unit of the snapshots' times (B or ms): */
+    HS_CTL_SCHED_INTERVAL = 7, /* Massif's minimum time interval between snapshots, as the series has it */
+    HS_CTL_SCHED_CULL_AT = 8,  /* the point count at which the series culls next: from there the kernel
                                 * guesses the interval until user space says it (0: never guess) */
-    HS_CTL_SCHED_ORIGIN = 7,   /* HS_SCHED_NS: bpf_ktime_get_ns of time 0 */
-    HS_CTL_SCHED_MAX = 8,      /* --max-snapshots: the guess is the time so far divided by it */
-    HS_CTL_COUNT = 9,
+    HS_CTL_SCHED_ORIGIN = 9,   /* HS_SCHED_NS: bpf_ktime_get_ns of time 0 */
+    HS_CTL_SCHED_MAX = 10,     /* --max-snapshots: the guess is the time so far divided by it */
+    HS_CTL_SCHED_PEAK_PPM = 11, /* --peak-inaccuracy, in millionths */
+    HS_CTL_COUNT = 12,
 };
 
 /* Events sent to user space (perf buffer `events`), and the reasons the target is stopped. */
@@ -254,15 +260,21 @@ enum hs_event {
     HS_EV_LOADER = 2,     /* the dynamic loader changed the list of loaded objects (_dl_debug_state) */
     HS_EV_EXIT = 3,       /* the target called exit(): its mappings are about to go */
     HS_EV_SCHEDULE = 4,   /* the point count reached HS_CTL_SCHED_CULL_AT: user space should drain the points
-                           * and say the interval after its culling (never stops the target) */
+                           * and say the interval after its culling (stops the target only with time in B) */
 };
 
 /* One point of the snapshot schedule (ring buffer sched_points): the first allocator event at or after the
- * due time, with the totals right after it. */
+ * due time, with the totals right after it; or, as Massif's peak snapshots, a free (or a shrinking realloc)
+ * that comes down from above HS_CTL_SCHED_PEAK_LEVEL, with the totals right before it. */
+enum hs_sched_kind {
+    HS_SCHED_NORMAL = 0,
+    HS_SCHED_PEAK = 1,
+};
 struct hs_sched_point {
     __u64 time;   /* time_b, or bpf_ktime_get_ns (HS_SCHED_NS) */
     __u64 heap;
     __u64 extra;
+    __u64 kind;   /* enum hs_sched_kind */
 };
 
 /* One row of an unwind table: agent/unwind.py's ROW ("<IbBhhH"). It covers [pc, next row's pc). */
@@ -387,7 +399,6 @@ struct hs_global {
     __u64 walks_interrupted;  /* a walk another program run overtook on its CPU (a preemptible kernel): its
                                * per-CPU buffers may hold the other's stack, so its call goes to site 0 */
     /* the snapshot schedule */
-    __u64 sched_next_due;     /* the time (unit of struct hs_sched_point) from which the next event is a point */
     __u64 sched_points;       /* points sent to sched_points */
     __u64 sched_lost;         /* points the ring buffer could not take (user space did not drain it in time) */
     __u64 sched_signalled;    /* the HS_CTL_SCHED_CULL_AT for which HS_EV_SCHEDULE was sent */

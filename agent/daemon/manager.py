@@ -634,6 +634,7 @@ class TargetManager:
             malt=self.config.malt,
             pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
             stacks=o.stacks,
+            schedule_ns=o.time_unit == "ms",  # the snapshot schedule's clock
         )
 
     def _profile(

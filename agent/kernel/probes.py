@@ -42,12 +42,16 @@ EV_EXIT = 3
 CTL_STACK_EPOCH = 3
 CTL_STACK_END = 4
 # The snapshot schedule (probes/heap.h: HS_CTL_SCHED_*, HS_EV_SCHEDULE, struct hs_sched_point).
-CTL_SCHED_INTERVAL = 5
-CTL_SCHED_CULL_AT = 6
-CTL_SCHED_ORIGIN = 7
-CTL_SCHED_MAX = 8
+CTL_SCHED_DUE = 5
+CTL_SCHED_PEAK_LEVEL = 6
+CTL_SCHED_INTERVAL = 7
+CTL_SCHED_CULL_AT = 8
+CTL_SCHED_ORIGIN = 9
+CTL_SCHED_MAX = 10
+CTL_SCHED_PEAK_PPM = 11
 EV_SCHEDULE = 4
-_SCHED_POINT = struct.Struct("<3Q")  # time, heap, extra
+SCHED_PEAK = 1  # enum hs_sched_kind: a point of Massif's peak snapshots (HS_SCHED_NORMAL = 0)
+_SCHED_POINT = struct.Struct("<4Q")  # time, heap, extra, kind
 SCHED_RING_BYTES = 64 << 10  # the points' ring buffer (HS_SCHED_RING_PAGES): 2,000 points between two drains
 MAX_UMAPS = 512  # probes/heap.h: HS_MAX_UMAPS
 # control[CTL_UMAPS] = generation << UMAPS_GEN_SHIFT | first index << 32 | count (probes/heap.h)
@@ -170,7 +174,6 @@ class Counters:
     hashed_blocks: int = 0
     unwind_short_reads: int = 0
     walks_interrupted: int = 0
-    sched_next_due: int = 0
     sched_points: int = 0
     sched_lost: int = 0
     sched_signalled: int = 0
@@ -613,26 +616,33 @@ class HeapProbes:
             out.append(PageEvent(kind, time_ns, tid, site, addr, length, new_addr, new_length, flags, prot, failed))
         return out
 
-    def schedule_points(self) -> list[tuple[int, int, int]]:
-        """The snapshot schedule's points (time, heap, extra) sent since the last call, in time order; time is in
-        B, or bpf_ktime_get_ns with settings.schedule_ns."""
+    def schedule_points(self) -> list[tuple[int, int, int, int]]:
+        """The snapshot schedule's points (time, heap, extra, kind) sent since the last call, in time order; time
+        is in B, or bpf_ktime_get_ns with settings.schedule_ns; kind is SCHED_PEAK for a peak point, else 0."""
         if self._sched_ring is None:
             return []
-        return cast(list[tuple[int, int, int]], self._sched_ring.drain())
+        return cast(list[tuple[int, int, int, int]], self._sched_ring.drain())
 
-    def set_schedule(self, interval: int, cull_at: int) -> None:
-        """The series' minimum interval between snapshots (B or ms) and the point count at which it culls next."""
+    def set_schedule(self, interval: int, cull_at: int, due: int | None) -> None:
+        """The series' minimum interval between snapshots (B or ms), the point count at which it culls next, and
+        (unless None) the time from which the next event is a point (B, or ns with settings.schedule_ns)."""
         if self._bpf is None:  # unloaded (or a frozen copy): no schedule to steer
             return
         self._set_control(CTL_SCHED_CULL_AT, cull_at)
         self._set_control(CTL_SCHED_INTERVAL, interval)
+        if due is not None:
+            self._set_control(CTL_SCHED_DUE, due)
 
-    def start_schedule(self, origin_ns: int, max_snapshots: int) -> None:
-        """Time 0 of the snapshots (settings.schedule_ns) and --max-snapshots, before the first set_schedule."""
+    def start_schedule(self, origin_ns: int, max_snapshots: int, peak_inaccuracy: float) -> None:
+        """Time 0 of the snapshots (settings.schedule_ns), --max-snapshots and --peak-inaccuracy (percent); until
+        the first set_schedule, the interval is guessed from the first culling on (the first snapshot, taken at
+        a tick, makes one)."""
         if self._bpf is None:
             return
         self._set_control(CTL_SCHED_ORIGIN, origin_ns)
         self._set_control(CTL_SCHED_MAX, max_snapshots)
+        self._set_control(CTL_SCHED_PEAK_PPM, round(peak_inaccuracy * 10_000))
+        self._set_control(CTL_SCHED_CULL_AT, max_snapshots - 1)
 
     def page_counters(self) -> PageCounters:
         """The kernel side's counts of page events sent and not sent (settings.pages)."""

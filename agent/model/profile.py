@@ -457,6 +457,13 @@ class Snapshot:
     stacks_B: int
     tree: Tree | None
     kind: SnapshotKind
+    # The time the schedule counts this snapshot at, when not `time`: a tick's state that took a point's place
+    # (SnapshotSeries.give_tree) keeps the point's time for the culling and the next due time.
+    schedule_time: int | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def scheduled_at(self) -> int:
+        return self.time if self.schedule_time is None else self.schedule_time
 
     @property
     def total_B(self) -> int:
@@ -485,6 +492,9 @@ class SnapshotSeries:
     Samples with exact totals but no tree (the kernel's points, taken at the instants Massif would take them)
     go through `add_point`. When the detailed frequency falls on one of them, it is recorded as normal and its
     tree is owed: `give_tree` pays it with a later state, which takes the place of the latest snapshot.
+    `add_peak_point` records Massif's own peak snapshots (a free coming down from a new high, taken whatever
+    the interval): they hold places and move the schedule as in Massif; `set_peak` replaces the latest with
+    the exact peak at the end.
     """
 
     def __init__(self, *, detailed_freq: int = 10, max_snapshots: int = 100) -> None:
@@ -505,6 +515,8 @@ class SnapshotSeries:
         self._tree_owed = False
         self.n_cullings = 0
         self.n_skipped = 0
+        self.n_taken = 0  # snapshots recorded by add, add_point and add_peak_point (Massif's "real snapshots")
+        self.n_peaks_taken = 0  # of which by add_peak_point
 
     # -- queries
 
@@ -576,6 +588,7 @@ class SnapshotSeries:
         snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, kind)
         self._snapshots.append(snap)
         self._last_time = time
+        self.n_taken += 1
         self._cull_if_full()
         self._earliest_next = time + self._min_interval
         return snap
@@ -598,8 +611,31 @@ class SnapshotSeries:
         snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, None, SnapshotKind.NORMAL)
         self._snapshots.append(snap)
         self._last_time = time
+        self.n_taken += 1
         if self._tree_owed:
             self._payable = snap
+        self._cull_if_full()
+        self._earliest_next = time + self._min_interval
+        return snap
+
+    def add_peak_point(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int) -> Snapshot:
+        """Record one of Massif's peak snapshots (no tree): taken whatever the interval, it becomes the peak
+        (the previous one turns normal, as in Massif), counts as detailed for the frequency, and the next
+        snapshot is due an interval after it."""
+        if self._finished:
+            raise ValueError("the series is finished")
+        self._check_time(time)
+        for old in self._snapshots:
+            if old.kind is SnapshotKind.PEAK:
+                old.kind = SnapshotKind.DETAILED if old.tree is not None else SnapshotKind.NORMAL
+        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, None, SnapshotKind.PEAK)
+        self._snapshots.append(snap)
+        self._last_time = time
+        self.n_taken += 1
+        self.n_peaks_taken += 1
+        self._since_detailed = 0
+        self._tree_owed = False
+        self._payable = None
         self._cull_if_full()
         self._earliest_next = time + self._min_interval
         return snap
@@ -607,18 +643,19 @@ class SnapshotSeries:
     def give_tree(
         self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: Tree
     ) -> Snapshot | None:
-        """Pay an owed tree with the state at `time` (not before the latest snapshot): that state, with its tree,
-        replaces the latest snapshot when it is a point recorded while the tree was owed (not the first snapshot,
-        nor the peak). Returns the new detailed snapshot, or None when nothing is owed or payable."""
+        """Pay an owed tree with the state at `time`: that state, with its tree, replaces the latest snapshot when
+        it is a point recorded while the tree was owed (not the first snapshot, nor the peak). The caller makes
+        sure that no later point is pending (none may fall before `time`). The schedule goes on from the
+        point's time, as if the point had been kept, so the snapshots after it are Massif's. Returns the new
+        detailed snapshot, or None when nothing is owed or payable."""
         if self._finished or not self._tree_owed:
             return None
         snaps = self._snapshots
-        if len(snaps) < 2 or snaps[-1] is not self._payable or self._last_time is None or time < self._last_time:
+        last = self._last_time
+        if len(snaps) < 2 or snaps[-1] is not self._payable or last is None or time < last:
             return None
-        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, SnapshotKind.DETAILED)
+        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, SnapshotKind.DETAILED, schedule_time=last)
         snaps[-1] = snap
-        self._last_time = time
-        self._earliest_next = time + self._min_interval
         self._since_detailed = 0
         self._tree_owed = False
         self._payable = None
@@ -630,9 +667,16 @@ class SnapshotSeries:
         Returns the new peak snapshot, or None when it is not higher."""
         current = self.peak
         total = heap_B + heap_extra_B + stacks_B
-        if current is not None and total <= current.total_B:
+        if current is not None and current.tree is None and total >= current.total_B:
+            # A peak point (add_peak_point) has no tree: the exact peak takes its place, or, at another
+            # instant, leaves it as the normal snapshot it is in Massif's file.
+            if current.time == time:
+                self._snapshots.remove(current)
+            else:
+                current.kind = SnapshotKind.NORMAL
+        elif current is not None and total <= current.total_B:
             return None
-        if current is not None:
+        elif current is not None:
             self._snapshots.remove(current)
         snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, SnapshotKind.PEAK)
         at = bisect.bisect_right([s.time for s in self._snapshots], time)
@@ -686,7 +730,7 @@ class SnapshotSeries:
             for j in range(1, len(snaps) - 1):
                 if snaps[j].kind is SnapshotKind.PEAK:
                     continue
-                span = snaps[j + 1].time - snaps[j - 1].time
+                span = snaps[j + 1].scheduled_at - snaps[j - 1].scheduled_at
                 if best_j < 0 or span < best_span:
                     best_j, best_span = j, span
             if best_j < 0:
@@ -694,7 +738,7 @@ class SnapshotSeries:
             del snaps[best_j]
         # Gaps between two uncullable snapshots never grow, so they would pin the interval: skip them.
         gaps = [
-            snaps[i].time - snaps[i - 1].time
+            snaps[i].scheduled_at - snaps[i - 1].scheduled_at
             for i in range(1, len(snaps))
             if not (self._uncullable(i) and self._uncullable(i - 1))
         ]

@@ -20,32 +20,36 @@ from agent.model.profile import SnapshotSeries
 
 @dataclass(frozen=True)
 class KernelSchedule:
-    """What the kernel's side is told: the series' minimum interval (in the snapshots' unit) and the point count
-    at which the series culls next, from which the kernel guesses the interval until told again."""
+    """What the kernel's side is told, in the snapshots' unit: the series' minimum interval, the point count at
+    which the series culls next (from which the kernel guesses the interval until told again), and when the
+    next snapshot is due (the latest snapshot's time plus the interval; None before the first snapshot)."""
 
     interval: int
     cull_at: int
+    due: int | None
 
 
 @dataclass
 class PointFeed:
     """Feeds the kernel's points into a series, in order.
 
-    `to_time` turns a point's time into the series' unit (ms from the kernel's ns; B as it is). A point earlier
-    than the series' latest snapshot (a tick's state replaced a point after it was sent) is counted in
-    `n_late` and not offered."""
+    `to_time` turns a point's time into the series' unit (ms from the kernel's ns; B as it is). A point of kind
+    `peak_kind` is one of Massif's peak snapshots (SnapshotSeries.add_peak_point). A point earlier than the
+    series' latest snapshot (a tick's state replaced a point after it was sent) is counted in `n_late` and not
+    offered."""
 
     series: SnapshotSeries
     to_time: Callable[[int], int] = int
+    peak_kind: int = 1
     n_points: int = 0  # points read from the kernel, all of them: the kernel's count of points sent
     n_recorded: int = 0  # of which the series recorded
     n_late: int = 0
 
-    def feed(self, points: Iterable[tuple[int, int, int]], stacks_B: int) -> int:
-        """Offer points (time, heap, extra) to the series; returns how many it recorded."""
+    def feed(self, points: Iterable[tuple[int, int, int, int]], stacks_B: int) -> int:
+        """Offer points (time, heap, extra, kind) to the series; returns how many it recorded."""
         recorded = 0
         series = self.series
-        for raw_time, heap, extra in points:
+        for raw_time, heap, extra, kind in points:
             self.n_points += 1
             if series.finished:
                 continue
@@ -54,14 +58,21 @@ class PointFeed:
             if last is not None and time < last:
                 self.n_late += 1
                 continue
-            if series.add_point(time, heap, extra, stacks_B) is not None:
+            if kind == self.peak_kind:
+                series.add_peak_point(time, heap, extra, stacks_B)
+                recorded += 1
+            elif series.add_point(time, heap, extra, stacks_B) is not None:
                 recorded += 1
         self.n_recorded += recorded
         return recorded
 
     def kernel_schedule(self) -> KernelSchedule:
-        """The interval the series wants now, and the point count at which it will cull: as many points from
-        now as it has room for (each point it records takes one place; points it skips make the kernel's
-        guess start early, which the next feed corrects)."""
-        room = max(1, self.series.max_snapshots - len(self.series))
-        return KernelSchedule(self.series.min_time_interval, self.n_points + room)
+        """What the series wants now. It culls after as many points as it has room for (each point it records
+        takes one place; points it skips make the kernel's guess start early, which the next feed corrects).
+        The due time realigns the kernel's points with the series' snapshots after a culling or a tree (the
+        kernel moves the due time on from its own latest point, with the interval it knew then)."""
+        series = self.series
+        room = max(1, series.max_snapshots - len(series))
+        last = series.last_time
+        due = None if last is None else last + series.min_time_interval
+        return KernelSchedule(series.min_time_interval, self.n_points + room, due)

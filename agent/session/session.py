@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from agent.export.massif import render_snapshot, write_massif
-from agent.kernel.probes import EV_EXEC, EV_EXIT, EV_SCHEDULE, Counters, HeapProbes, UnwindMapping
+from agent.kernel.probes import EV_EXEC, EV_EXIT, EV_SCHEDULE, SCHED_PEAK, Counters, HeapProbes, UnwindMapping
 from agent.model.options import MassifOptions
 from agent.model.pages import (
     PAGE_SIZE,
@@ -187,8 +187,8 @@ class Session:
         # (agent.model.schedule). With --pages-as-heap=yes the heap is the page map's, and the ticks sample it.
         self.points: PointFeed | None = None
         if not opts.pages_as_heap:
-            self.points = PointFeed(self.series, self._point_time)
-            probes.start_schedule(self.start_ns, opts.max_snapshots)
+            self.points = PointFeed(self.series, self._point_time, peak_kind=SCHED_PEAK)
+            probes.start_schedule(self.start_ns, opts.max_snapshots, opts.peak_inaccuracy)
 
     # ---- time -------------------------------------------------------------------------------------
 
@@ -436,10 +436,17 @@ class Session:
         if self.points is not None and not self.series.finished:
             self.points.feed(self.probes.schedule_points(), self.stack_bytes)
 
-    def _steer(self) -> None:
-        if self.points is not None and not self.series.finished:
-            k = self.points.kernel_schedule()
-            self.probes.set_schedule(k.interval, k.cull_at)
+    def _steer(self, c: Counters | None = None) -> None:
+        """Tell the kernel the series' interval, its next culling and, when the kernel has sent no point since
+        the last feed (else the series is behind it), when the next point is due."""
+        if self.points is None or self.series.finished:
+            return
+        k = self.points.kernel_schedule()
+        c = c or self.probes.counters()
+        due = k.due if c.sched_points == self.points.n_points else None
+        if due is not None and self.opts.time_unit != "B":
+            due = self.start_ns + due * 1_000_000
+        self.probes.set_schedule(k.interval, k.cull_at, due)
 
     def sample(self) -> None:
         """One tick: record the kernel's schedule points, then what the tick itself adds: the first snapshot, an
@@ -458,7 +465,7 @@ class Session:
             # With the kernel's schedule a tick only takes the first snapshot and pays owed trees.
             kernel_scheduled = self.points is not None and len(self.series) > 0
             built = self._pay_tree(c, t) if kernel_scheduled else self._tick_snapshot(c, t)
-            self._steer()
+            self._steer(c)
         if built:
             # The index's nodes and the symbolized frames are long-lived objects: out of the cyclic collector's
             # sight, its full passes stay short (they stalled HTTP requests for half a second).
@@ -481,8 +488,11 @@ class Session:
 
     def _pay_tree(self, c: Counters, t: int) -> bool:
         """Kernel schedule, at a tick: when the detailed frequency fell on a point, the state now with its tree
-        takes the place of the latest point; else new stacks are only symbolized. True when a tree was built."""
-        if not self.series.tree_owed:
+        takes the place of the latest point; else new stacks are only symbolized. True when a tree was built.
+        Only when the kernel has sent no point since they were read: the state now is then less than an interval
+        after the latest point (else the kernel would have sent one), and no point is left behind it."""
+        assert self.points is not None
+        if not self.series.tree_owed or c.sched_points != self.points.n_points:
             self._symbolize_sites(c)
             return False
         tree, ignored = self.live_tree()
@@ -506,10 +516,13 @@ class Session:
         next_sample = time.monotonic() + interval
         while alive() and not stop.is_set() and not self.exec_ended():
             events = self.probes.wait_events(max(0.001, next_sample - time.monotonic()))
-            if EV_SCHEDULE in events:
-                self.take_points()
-            if any(e != EV_SCHEDULE for e in events) or self.probes.stopped():
+            stopped = self.probes.stopped()
+            if EV_SCHEDULE in events or stopped == EV_SCHEDULE:
+                self.take_points()  # the series culls: the kernel waits for its new interval
+            if any(e != EV_SCHEDULE for e in events) or stopped not in (0, EV_SCHEDULE):
                 self._catch_up()
+            elif stopped == EV_SCHEDULE:
+                self.probes.resume()
             if time.monotonic() >= next_sample:
                 next_sample += interval
                 if alive():
@@ -647,6 +660,12 @@ class Session:
             )
         if c.lost_returns:
             lines.append(f"{c.lost_returns} allocation calls whose return was not seen")
+        if self.points is not None:
+            st = self.series
+            lines.append(
+                f"snapshots: {st.n_taken} taken on Massif's schedule ({st.n_peaks_taken} at peaks), "
+                f"{st.n_cullings} cullings, {len(st)} kept"
+            )
         if c.sched_lost:
             lines.append(
                 f"NOT COUNTED: {c.sched_lost} of the snapshot schedule's points (their ring buffer was full): "
