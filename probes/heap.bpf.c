@@ -581,9 +581,7 @@ static __always_inline u64 schedule_next(u64 t, u64 interval, u64 *unit_time)
     }
     u64 origin = control_word(HS_CTL_SCHED_ORIGIN);
     *unit_time = (t > origin ? t - origin : 0) / 1000000;
-    /* At most one point a millisecond: an interval of 0 would send every event natively, where under Valgrind
-     * (a hundred times slower) Massif's culling soon makes it at least one. */
-    return origin + (*unit_time + (interval ? interval : 1)) * 1000000;
+    return origin + (*unit_time + interval) * 1000000;
 }
 
 static __always_inline void send_point(struct hs_global *g, u64 t, u64 heap, u64 extra, u64 kind)
@@ -617,6 +615,10 @@ static __always_inline u64 schedule_interval(void *ctx, struct hs_global *g, u64
         return interval;
     u64 max = control_word(HS_CTL_SCHED_MAX);
     u64 guess = max ? unit_time / max : 0;
+    /* ms: at least one; an interval of 0 (snapshots in the same millisecond, which Massif's culling keeps while
+     * Valgrind runs slowly enough to make few of them) would send every event of a native run meanwhile */
+    if (HS_SCHED_NS && guess == 0)
+        guess = 1;
     if (HS_ONCE(g->sched_signalled) != cull_at) {
         g->sched_signalled = cull_at;
         u64 event = HS_EV_SCHEDULE;

@@ -662,14 +662,15 @@ class SnapshotSeries:
         return snap
 
     def set_peak(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: Tree) -> Snapshot | None:
-        """Record the state at the peak, if higher (useful + extra + stacks) than the current peak.
-        The old peak snapshot is removed; the new one goes in time order (after snapshots at the same time).
-        Returns the new peak snapshot, or None when it is not higher."""
+        """Record the state at the peak, if higher (useful + extra + stacks) than the current peak, or if the
+        current one is a peak point (no tree). The old peak snapshot is removed; the new one goes in time order
+        (after snapshots at the same time). Returns the new peak snapshot, or None when it is not higher."""
         current = self.peak
         total = heap_B + heap_extra_B + stacks_B
-        if current is not None and current.tree is None and total >= current.total_B:
+        if current is not None and current.tree is None:
             # A peak point (add_peak_point) has no tree: the exact peak takes its place, or, at another
-            # instant, leaves it as the normal snapshot it is in Massif's file.
+            # instant, leaves it as the normal snapshot it is in Massif's file. Its totals may be higher:
+            # the kernel's count --ignore-fn allocations.
             if current.time == time:
                 self._snapshots.remove(current)
             else:
