@@ -13,6 +13,7 @@ import array
 import bisect
 import enum
 import functools
+import heapq
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -721,22 +722,34 @@ class SnapshotSeries:
         return True
 
     def _cull(self) -> int:
-        """Massif's cull_snapshots: remove max_snapshots/2, return the new minimum time interval."""
+        """Massif's cull_snapshots: remove max_snapshots/2, return the new minimum time interval.
+
+        Massif removes, one at a time, the snapshot whose neighbours are closest in time (the first such one
+        on a tie), never the first, the last or the peak. The same choice, with the spans in a heap keyed by
+        (span, position) instead of a scan per removal: the kernel's schedule culls while the target waits."""
         self.n_cullings += 1
         snaps = self._snapshots
-        for _ in range(self.max_snapshots // 2):
-            best_j = -1
-            best_span = 0
-            # The span a snapshot covers is from its previous to its next one; first and last never go.
-            for j in range(1, len(snaps) - 1):
-                if snaps[j].kind is SnapshotKind.PEAK:
-                    continue
-                span = snaps[j + 1].scheduled_at - snaps[j - 1].scheduled_at
-                if best_j < 0 or span < best_span:
-                    best_j, best_span = j, span
-            if best_j < 0:
-                break
-            del snaps[best_j]
+        n = len(snaps)
+        times = [x.scheduled_at for x in snaps]
+        prev = list(range(-1, n - 1))
+        nxt = list(range(1, n + 1))
+        alive = [True] * n
+        cullable = [0 < j < n - 1 and snaps[j].kind is not SnapshotKind.PEAK for j in range(n)]
+        heap = [(times[j + 1] - times[j - 1], j) for j in range(n) if cullable[j]]
+        heapq.heapify(heap)
+        removed = 0
+        while heap and removed < self.max_snapshots // 2:
+            span, j = heapq.heappop(heap)
+            if not alive[j] or span != times[nxt[j]] - times[prev[j]]:
+                continue  # gone, or its span grew since (a newer entry holds it)
+            alive[j] = False
+            removed += 1
+            p, q = prev[j], nxt[j]
+            nxt[p], prev[q] = q, p
+            for k in (p, q):
+                if cullable[k]:
+                    heapq.heappush(heap, (times[nxt[k]] - times[prev[k]], k))
+        snaps[:] = [x for x, keep in zip(snaps, alive, strict=True) if keep]
         # Gaps between two uncullable snapshots never grow, so they would pin the interval: skip them.
         gaps = [
             snaps[i].scheduled_at - snaps[i - 1].scheduled_at

@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from agent.model.profile import HeapTree, SnapshotKind, SnapshotSeries
+from agent.model.profile import HeapTree, Snapshot, SnapshotKind, SnapshotSeries
 from agent.model.schedule import PointFeed
 
 PEAK = 1  # the kind of a peak point (probes/heap.h HS_SCHED_PEAK)
@@ -270,3 +270,43 @@ def test_feed_converts_times_counts_late_points_and_steers() -> None:
     assert feed.n_points == 4
     k = feed.kernel_schedule()
     assert k.cull_at == 4 + (10 - len(s)) and k.due == 5 + s.min_time_interval
+
+
+def massif_cull(snaps: list[Snapshot], max_snapshots: int) -> list[Snapshot]:
+    """ms_main.c cull_snapshots' choice, as Massif makes it: max_snapshots/2 times, scan for the snapshot whose
+    neighbours are closest (the first on a tie; never the first, the last or the peak) and remove it."""
+    snaps = list(snaps)
+    for _ in range(max_snapshots // 2):
+        best = -1
+        best_span = 0
+        for j in range(1, len(snaps) - 1):
+            span = snaps[j + 1].time - snaps[j - 1].time
+            if snaps[j].kind is not SnapshotKind.PEAK and (best < 0 or span < best_span):
+                best, best_span = j, span
+        if best < 0:
+            break
+        del snaps[best]
+    return snaps
+
+
+def test_culling_removes_what_massifs_scan_removes() -> None:
+    """SnapshotSeries culls with a heap of spans (it runs while the target waits): the same snapshots go as in
+    Massif's scan, ties (equal times, equal spans) and the peak included."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        m = rng.choice([10, 11, 20, 100])
+        t = 0
+        snaps = []
+        for _ in range(m):
+            t += rng.choice([0, 0, 1, 2, 3, 5, 8, 100, rng.randrange(1000)])
+            snaps.append(Snapshot(t, 0, 0, 0, None, SnapshotKind.NORMAL))
+        if rng.random() < 0.5:
+            snaps[rng.randrange(m)].kind = SnapshotKind.PEAK
+        s = SnapshotSeries(detailed_freq=10, max_snapshots=m)
+        for x in snaps:
+            if x.kind is SnapshotKind.PEAK:
+                s.add_peak_point(x.time, 0, 0, 0)
+            else:
+                s.add_point(x.time, 0, 0, 0)
+        kept = [(x.time, x.kind) for x in s.snapshots]
+        assert kept == [(x.time, x.kind) for x in massif_cull(snaps, m)]
