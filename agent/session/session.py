@@ -520,7 +520,7 @@ class Session:
             if EV_SCHEDULE in events or stopped == EV_SCHEDULE:
                 self.take_points()  # the series culls: the kernel waits for its new interval
             if any(e != EV_SCHEDULE for e in events) or stopped not in (0, EV_SCHEDULE):
-                self._catch_up()
+                self._catch_up(events)
             elif stopped == EV_SCHEDULE:
                 self.probes.resume()
             if time.monotonic() >= next_sample:
@@ -534,14 +534,15 @@ class Session:
         """The target exec'ed another program: the kernel disarmed the probes and this profile is over."""
         return self.counters().execs > self.exec_limit
 
-    def _catch_up(self) -> None:
+    def _catch_up(self, events: Sequence[int] = ()) -> None:
         """New objects mapped, or the target is about to exit: record mappings, load unwind tables,
-        symbolize while the mappings are still there; then let a stopped target go on."""
+        symbolize while the mappings are still there; then let a stopped target go on. (A thread's stop for the
+        schedule may have taken the place of another's at exit in the stop word: `events` still says it.)"""
         self.sync_mappings()
         stopped = self.probes.stopped()
         if stopped == EV_EXEC:
             self.seed_pages()  # stopped at exec: the kernel's mappings of the new image, before any syscall
-        if stopped == EV_EXIT:
+        if stopped == EV_EXIT or EV_EXIT in events:
             with self._lock:
                 self.symbolize_new(self._used_site_keys())
         if stopped:
