@@ -2,7 +2,8 @@
  *
  * Uprobes at the allocation functions of the target's allocator record each call's arguments and stack;
  * the return probe turns the call into Massif-model accounting in BPF maps. Nothing is sent to user space
- * per call: agent/bpf.py reads the maps.
+ * per call: agent/bpf.py reads the maps. Only the calls at which Massif would take a snapshot send a point
+ * (time and totals) to a ring buffer (the snapshot schedule: schedule_check).
  *
  * Entry probes may sit a few instructions into a function (agent/placement.py picks the first instruction
  * the kernel emulates); they are always placed before the function touches %rsp, %rbp or the argument
