@@ -4,7 +4,7 @@ The kernel's side (probes/heap.bpf.c schedule_check, schedule_peak_check) is mod
 for line in B: the due time, the peak level, the guess after a culling and the wake-up. The reference is Massif's
 own rule applied at every event (ms_main.c maybe_take_snapshot: a peak snapshot before a free that comes down
 from above the last peak plus --peak-inaccuracy, a normal one after any event once the minimum interval has
-passed), with the series' culling. The real kernel and real Massif meet in tests/integration/test_schedule.py.
+passed), with the series' culling. The real kernel and real Massif meet in tests/integration/test_schedule_massif.py.
 """
 
 from __future__ import annotations
