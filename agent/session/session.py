@@ -186,6 +186,7 @@ class Session:
         # Snapshots on Massif's schedule: the kernel sends a point at each event that reaches the next due time
         # (agent.model.schedule). With --pages-as-heap=yes the heap is the page map's, and the ticks sample it.
         self.points: PointFeed | None = None
+        self._steered_cullings = 0  # the series' cullings when the kernel was last given a due time
         if not opts.pages_as_heap:
             self.points = PointFeed(self.series, self._point_time, peak_kind=SCHED_PEAK)
             probes.start_schedule(self.start_ns, opts.max_snapshots, opts.peak_inaccuracy)
@@ -437,13 +438,18 @@ class Session:
             self.points.feed(self.probes.schedule_points(), self.stack_bytes)
 
     def _steer(self, c: Counters | None = None) -> None:
-        """Tell the kernel the series' interval, its next culling and, when the kernel has sent no point since
-        the last feed (else the series is behind it), when the next point is due."""
+        """Tell the kernel the series' interval and its next culling; after a culling, also when the next point
+        is due (the kernel set it with the interval it guessed), if the kernel has sent no point since the last
+        feed (else the series is behind it). Between cullings the kernel's due time is already the series'; a
+        write then could only race with the kernel moving it on."""
         if self.points is None or self.series.finished:
             return
         k = self.points.kernel_schedule()
         c = c or self.probes.counters()
-        due = k.due if c.sched_points == self.points.n_points else None
+        due = None
+        if self.series.n_cullings != self._steered_cullings and c.sched_points == self.points.n_points:
+            due = k.due
+            self._steered_cullings = self.series.n_cullings
         if due is not None and self.opts.time_unit != "B":
             due = self.start_ns + due * 1_000_000
         self.probes.set_schedule(k.interval, k.cull_at, due)

@@ -127,12 +127,14 @@ class KernelModel:
         return out
 
 
-def steer(kernel: KernelModel, feed: PointFeed) -> None:
-    """Session._steer: the interval, the next culling, and the due time when the kernel sent nothing unseen."""
+def steer(kernel: KernelModel, feed: PointFeed, steered: list[int]) -> None:
+    """Session._steer: the interval, the next culling, and after a culling the due time, when the kernel sent
+    nothing unseen. `steered`: the series' cullings when the due time was last given."""
     k = feed.kernel_schedule()
     kernel.interval, kernel.cull_at = k.interval, k.cull_at
-    if kernel.n_points == feed.n_points and k.due is not None:
+    if feed.series.n_cullings != steered[0] and kernel.n_points == feed.n_points and k.due is not None:
         kernel.due = k.due
+        steered[0] = feed.series.n_cullings
 
 
 def run_kernel(evs: list[Event], max_snapshots: int, drain_every: int | None) -> SnapshotSeries:
@@ -142,14 +144,15 @@ def run_kernel(evs: list[Event], max_snapshots: int, drain_every: int | None) ->
     feed = PointFeed(series, peak_kind=PEAK)
     kernel = KernelModel(max_snapshots)
     series.add(0, 0, 0, 0)  # the first tick
-    steer(kernel, feed)
+    steered = [0]
+    steer(kernel, feed, steered)
     for i, e in enumerate(evs):
         kernel.event(e)
         tick = drain_every is not None and i % drain_every == drain_every - 1
         if (kernel.woken and drain_every is None) or tick:
             kernel.woken = False
             feed.feed(kernel.drain(), 0)
-            steer(kernel, feed)
+            steer(kernel, feed, steered)
     feed.feed(kernel.drain(), 0)
     return series
 
