@@ -633,6 +633,20 @@ static __always_inline u64 schedule_interval(void *ctx, struct hs_global *g, u64
     return guess > interval ? guess : interval;
 }
 
+/* HS_SCHED_NS: the clock costs ~50 ns a read here, jiffies (the tick count) a load. After setting the due
+ * time `next` at `t`, say until which jiffy no event can reach it: jiffies move on once a jiffy, so while fewer
+ * than the whole jiffies to `next`, less one, have passed, `next` is still ahead. */
+static __always_inline void schedule_jiffies(u64 t, u64 next)
+{
+    u64 jiffy_ns = control_word(HS_CTL_SCHED_JIFFY_NS);
+    u32 idx = HS_CTL_SCHED_DUE_JIFFIES;
+    u64 *word = control.lookup(&idx);
+    if (!HS_SCHED_NS || !word)
+        return;
+    u64 ahead = jiffy_ns && next > t ? (next - t) / jiffy_ns : 0;
+    HS_ONCE(*word) = ahead > 1 ? bpf_jiffies64() + ahead - 1 : 0;
+}
+
 /* The event at time t reached the due time: a point with the totals after it, and the next due time as
  * Massif's maybe_take_snapshot sets it (this one's time plus the minimum interval). */
 static __always_inline void schedule_point(void *ctx, struct hs_global *g, u64 t, u64 *due_word, u64 due)
@@ -642,14 +656,22 @@ static __always_inline void schedule_point(void *ctx, struct hs_global *g, u64 t
     u64 next = schedule_next(t, schedule_interval(ctx, g, unit_time), &unit_time);
     if (__sync_val_compare_and_swap(due_word, due, next) != due)
         return; /* another CPU's event took this point, or user space has just set the due time */
+    schedule_jiffies(t, next);
     send_point(g, t, HS_ONCE(g->heap), HS_ONCE(g->extra), HS_SCHED_NORMAL);
 }
 
 /* After an event's accounting: one compare, unless the event reached the schedule's due time. `time_b` is the
  * event's B time; `now` its bpf_ktime_get_ns when the caller has read it, else 0. The due time sits in the
- * control map's first cache line, which is_armed() has just read. */
+ * control map's first cache line, which is_armed() has just read; in ms, so does the jiffy before which the
+ * clock need not be read. */
 static __always_inline void schedule_check(void *ctx, struct hs_global *g, u64 time_b, u64 now)
 {
+    if (HS_SCHED_NS && !now) {
+        u32 jidx = HS_CTL_SCHED_DUE_JIFFIES;
+        u64 *due_jiffies = control.lookup(&jidx);
+        if (due_jiffies && bpf_jiffies64() < HS_ONCE(*due_jiffies))
+            return;
+    }
     u64 t = HS_SCHED_NS ? (now ? now : bpf_ktime_get_ns()) : time_b;
     u32 idx = HS_CTL_SCHED_DUE;
     u64 *due_word = control.lookup(&idx);
@@ -681,6 +703,7 @@ static __always_inline void schedule_peak_check(void *ctx, struct hs_global *g, 
     u64 *due_word = control.lookup(&due_idx);
     if (due_word)
         HS_ONCE(*due_word) = next;
+    schedule_jiffies(t, next);
     send_point(g, t, heap, extra, HS_SCHED_PEAK);
 }
 
@@ -953,8 +976,6 @@ static __always_inline void charge_freed(struct hs_global *g, struct hs_site *al
 /* The accounting of the free of a block no longer tracked. */
 static __always_inline void account_free(void *ctx, struct hs_global *g, struct hs_block *b, u64 free_stack, u64 now)
 {
-    if (HS_SCHED_NS && !now)
-        now = bpf_ktime_get_ns(); /* the schedule's clock, read once for both of its checks */
     schedule_peak_check(ctx, g, now);
     struct hs_block blk = *b;
     u64 extra = blk.slop + HS_HEAP_ADMIN;
@@ -1026,8 +1047,6 @@ static __always_inline void record_realloc(void *ctx, struct hs_global *g, u64 o
     }
     s64 dheap = (s64)size - (s64)ob.size;
     s64 dextra = (s64)nb.slop - (s64)ob.slop;
-    if (HS_SCHED_NS && !now)
-        now = bpf_ktime_get_ns();
     if (dheap < 0) /* Massif looks for a peak before a realloc that shrinks the block */
         schedule_peak_check(ctx, g, now);
     __sync_fetch_and_add(&g->heap, dheap);

@@ -244,14 +244,17 @@ enum hs_control {
                                 * the kernel moves it on at each point, user space sets it from the series */
     HS_CTL_SCHED_PEAK_LEVEL = 6, /* heap + extra above which a free makes a peak point (Massif's peak snapshot
                                   * total plus --peak-inaccuracy): the kernel raises it at each peak point */
+    HS_CTL_SCHED_DUE_JIFFIES = 7, /* HS_SCHED_NS: jiffies before which no event can reach the due time, so it
+                                   * need not read the clock (0: read it); user space zeroes it with the due */
     /* and by user space, in the unit of the snapshots' times (B or ms): */
-    HS_CTL_SCHED_INTERVAL = 7, /* Massif's minimum time interval between snapshots, as the series has it */
-    HS_CTL_SCHED_CULL_AT = 8,  /* the point count at which the series culls next: from there the kernel
+    HS_CTL_SCHED_INTERVAL = 8, /* Massif's minimum time interval between snapshots, as the series has it */
+    HS_CTL_SCHED_CULL_AT = 9,  /* the point count at which the series culls next: from there the kernel
                                 * guesses the interval until user space says it (0: never guess) */
-    HS_CTL_SCHED_ORIGIN = 9,   /* HS_SCHED_NS: bpf_ktime_get_ns of time 0 */
-    HS_CTL_SCHED_MAX = 10,     /* --max-snapshots: the guess is the time so far divided by it */
-    HS_CTL_SCHED_PEAK_PPM = 11, /* --peak-inaccuracy, in millionths */
-    HS_CTL_COUNT = 12,
+    HS_CTL_SCHED_ORIGIN = 10,  /* HS_SCHED_NS: bpf_ktime_get_ns of time 0 */
+    HS_CTL_SCHED_MAX = 11,     /* --max-snapshots: the guess is the time so far divided by it */
+    HS_CTL_SCHED_PEAK_PPM = 12, /* --peak-inaccuracy, in millionths */
+    HS_CTL_SCHED_JIFFY_NS = 13, /* HS_SCHED_NS: nanoseconds a jiffy (0: unknown, the clock is read always) */
+    HS_CTL_COUNT = 14,
 };
 
 /* Events sent to user space (perf buffer `events`), and the reasons the target is stopped. */

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import re
 import signal
 import struct
 import sys
@@ -44,11 +45,13 @@ CTL_STACK_END = 4
 # The snapshot schedule (probes/heap.h: HS_CTL_SCHED_*, HS_EV_SCHEDULE, struct hs_sched_point).
 CTL_SCHED_DUE = 5
 CTL_SCHED_PEAK_LEVEL = 6
-CTL_SCHED_INTERVAL = 7
-CTL_SCHED_CULL_AT = 8
-CTL_SCHED_ORIGIN = 9
-CTL_SCHED_MAX = 10
-CTL_SCHED_PEAK_PPM = 11
+CTL_SCHED_DUE_JIFFIES = 7
+CTL_SCHED_INTERVAL = 8
+CTL_SCHED_CULL_AT = 9
+CTL_SCHED_ORIGIN = 10
+CTL_SCHED_MAX = 11
+CTL_SCHED_PEAK_PPM = 12
+CTL_SCHED_JIFFY_NS = 13
 EV_SCHEDULE = 4
 SCHED_PEAK = 1  # enum hs_sched_kind: a point of Massif's peak snapshots (HS_SCHED_NORMAL = 0)
 _SCHED_POINT = struct.Struct("<4Q")  # time, heap, extra, kind
@@ -295,6 +298,33 @@ def _link_uprobe(prog_fd: int, path: bytes, offset: int, is_return: bool, pid: i
     libc = ctypes.CDLL(None, use_errno=True)
     fd = int(libc.syscall(_SYS_BPF, _BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr)))
     return fd if fd >= 0 else -ctypes.get_errno()
+
+
+# Kernel tick rates (CONFIG_HZ) Linux offers; a measured rate is rounded to the nearest.
+_HZ_CHOICES = (100, 250, 300, 1000)
+
+
+def jiffy_ns(proc: str = "/proc", seconds: float = 0.05) -> int:
+    """Nanoseconds a jiffy (the kernel's tick count), from two readings of /proc/timer_list `seconds` apart;
+    0 when it cannot be read (the schedule then reads the clock at every event)."""
+
+    def reading() -> tuple[int, int] | None:
+        try:
+            with open(f"{proc}/timer_list") as f:
+                text = f.read(4096)
+        except OSError:
+            return None
+        ns = re.search(r"now at (\d+) nsecs", text)
+        jiffies = re.search(r"^jiffies: (\d+)", text, re.M)
+        return (int(ns.group(1)), int(jiffies.group(1))) if ns and jiffies else None
+
+    first = reading()
+    time.sleep(seconds)
+    second = reading()
+    if first is None or second is None or second[0] <= first[0]:
+        return 0
+    hz = (second[1] - first[1]) * 1e9 / (second[0] - first[0])
+    return 1_000_000_000 // min(_HZ_CHOICES, key=lambda choice: abs(choice - hz))
 
 
 def block_slots(max_blocks: int) -> int:
@@ -631,6 +661,7 @@ class HeapProbes:
         self._set_control(CTL_SCHED_CULL_AT, cull_at)
         self._set_control(CTL_SCHED_INTERVAL, interval)
         if due is not None:
+            self._set_control(CTL_SCHED_DUE_JIFFIES, 0)  # read the clock until the kernel's next point
             self._set_control(CTL_SCHED_DUE, due)
 
     def start_schedule(self, origin_ns: int, max_snapshots: int, peak_inaccuracy: float) -> None:
@@ -643,6 +674,8 @@ class HeapProbes:
         self._set_control(CTL_SCHED_MAX, max_snapshots)
         self._set_control(CTL_SCHED_PEAK_PPM, round(peak_inaccuracy * 10_000))
         self._set_control(CTL_SCHED_CULL_AT, max_snapshots - 1)
+        if self.settings.schedule_ns:
+            self._set_control(CTL_SCHED_JIFFY_NS, jiffy_ns())
 
     def page_counters(self) -> PageCounters:
         """The kernel side's counts of page events sent and not sent (settings.pages)."""
