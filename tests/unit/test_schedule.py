@@ -313,3 +313,22 @@ def test_culling_removes_what_massifs_scan_removes() -> None:
                 s.add_point(x.time, 0, 0, 0)
         kept = [(x.time, x.kind) for x in s.snapshots]
         assert kept == [(x.time, x.kind) for x in massif_cull(snaps, m)]
+
+
+def test_jiffy_length_from_two_readings_of_timer_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ms schedule skips the clock until the jiffy before the due time: the jiffy's length is measured from
+    /proc/timer_list and rounded to a rate Linux offers; unreadable, it is 0 (the clock is read always)."""
+    import agent.kernel.probes as kp
+
+    timer_list = tmp_path / "timer_list"
+    readings = iter([(5_000_000_000, 1000), (5_050_000_000, 1012)])  # 12 jiffies in 50 ms: 240 Hz, so 250
+
+    def write_next(_: float = 0) -> None:
+        ns, jiffies = next(readings)
+        timer_list.write_text(f"Timer List Version: v0.9\nnow at {ns} nsecs\n\njiffies: {jiffies}\n")
+
+    write_next()
+    monkeypatch.setattr(kp.time, "sleep", write_next)
+    assert kp.jiffy_ns(str(tmp_path)) == 4_000_000
+    monkeypatch.setattr(kp.time, "sleep", lambda _: None)
+    assert kp.jiffy_ns(str(tmp_path / "missing")) == 0
