@@ -27,7 +27,7 @@ int sample_alloc_enter(struct pt_regs *ctx)
     note_stack((u32)bpf_get_current_pid_tgid(), PT_REGS_SP(ctx), 0);
 #endif
     u64 stack = capture_stack(ctx, g, HS_MALLOC);
-    record_alloc(g, addr, weight, HS_ALIGNMENT, stack, HS_MALT ? bpf_ktime_get_ns() : 0);
+    record_alloc(ctx, g, addr, weight, HS_ALIGNMENT, stack, HS_MALT ? bpf_ktime_get_ns() : 0);
     return 0;
 }
 
@@ -41,6 +41,6 @@ int sample_free_enter(struct pt_regs *ctx)
         return 0;
     block_prefetch(addr);
     u64 free_site = (HS_FREE_STACKS || HS_MALT) ? capture_stack(ctx, g, HS_FREE) : 0;
-    record_free(g, addr, free_site, HS_MALT ? bpf_ktime_get_ns() : 0);
+    record_free(ctx, g, addr, free_site, HS_MALT ? bpf_ktime_get_ns() : 0);
     return 0;
 }

@@ -32,10 +32,21 @@ class UnwindSummary:
 
 
 @dataclass(frozen=True)
+class ScheduleSummary:
+    """Snapshots taken on Massif's schedule (the kernel's points)."""
+
+    taken: int
+    at_peaks: int
+    cullings: int
+    kept: int
+
+
+@dataclass(frozen=True)
 class ProfileSummary:
     counters: Counters
     pages: PageSummary | None = None
     unwind: UnwindSummary | None = None
+    schedule: ScheduleSummary | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -58,6 +69,17 @@ class ProfileSummary:
             )
         if c.lost_returns:
             lines.append(f"{c.lost_returns} allocation calls whose return was not seen")
+        if self.schedule is not None:
+            sc = self.schedule
+            lines.append(
+                f"snapshots: {sc.taken} taken on Massif's schedule ({sc.at_peaks} at peaks), "
+                f"{sc.cullings} cullings, {sc.kept} kept"
+            )
+        if c.sched_lost:
+            lines.append(
+                f"NOT COUNTED: {c.sched_lost} of the snapshot schedule's points (their ring buffer was full): "
+                "the graph has fewer snapshots than Massif's"
+            )
         if c.walks_interrupted:
             lines.append(
                 f"{c.walks_interrupted} stack walks overtaken by another thread's on the same CPU (a preemptible "
