@@ -215,6 +215,7 @@ struct hs_stack_copy {
     __u64 fp;
     __u64 no_rule;
     __u64 walks;  /* walks started on this CPU: one that sees it move was overtaken (see walks_interrupted) */
+    __u64 site;   /* a walk's site id, passed through memory (heap.bpf.c capture_site) */
 };
 
 /* Arguments of an allocation call between its entry and its return, per thread. */
