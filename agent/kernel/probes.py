@@ -624,9 +624,12 @@ class HeapProbes(SiteReader):
         loaded like its caller)."""
         bcc = _load_bcc()
         assert self._bpf is not None
-        if self._use_links:
-            return self._bpf.load_func(name, bcc.BPF.KPROBE, attach_type=_BPF_TRACE_UPROBE_MULTI)
-        return self._bpf.load_func(name, bcc.BPF.KPROBE)
+        try:
+            if self._use_links:
+                return self._bpf.load_func(name, bcc.BPF.KPROBE, attach_type=_BPF_TRACE_UPROBE_MULTI)
+            return self._bpf.load_func(name, bcc.BPF.KPROBE)
+        except Exception as exc:  # bcc raises bare Exception when the verifier refuses a program
+            raise EnvironmentProblem(f"the kernel refused the BPF program {name.decode()}: {exc}") from exc
 
     def _attach(self, point: ProbePoint) -> None:
         kind = point.kind
