@@ -25,6 +25,18 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    at_least = int_at_least(low)
+
+    def parse(text: str) -> int:
+        value = at_least(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
+        return value
+
+    return parse
+
+
 def percent(text: str) -> float:
     try:
         value = float(text)

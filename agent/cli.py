@@ -25,10 +25,12 @@ from types import FrameType
 from typing import NoReturn
 
 from agent import __version__
-from agent.argtypes import int_at_least, percent, positive_seconds, yes_no
+from agent.argtypes import int_at_least, int_between, percent, positive_seconds, yes_no
+from agent.daemon.fleetopts import add_fleet_options, fleet_config_from
 from agent.errors import EnvironmentProblem, HeapscopeError, UsageError
 from agent.export.registry import FORMATS
 from agent.model.options import MassifOptions
+from agent.model.sampling import DEFAULT_SAMPLE_RATE, MAX_SAMPLE_RATE, MODES, Mode, ProfileMode
 from agent.model.summary import ProfileSummary
 from agent.offline import commands as offline_commands
 from agent.offline import view
@@ -36,7 +38,6 @@ from agent.process.capability import check_environment
 from agent.process.discovery import read_process
 from agent.process.launch import HeldChild
 from agent.process.target import TargetProcess, attach_to
-from agent.process.target import launch as launch_process
 from agent.session.pipeline import Profile, ProfileSettings
 
 PROG = "heapscope"
@@ -47,6 +48,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
+
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        """An @FILE line is one argument; blank lines and lines starting with # are left out."""
+        line = arg_line.strip()
+        return [] if not line or line.startswith("#") else [line]
 
 
 # Massif's options: (name, argparse keyword arguments). Their text as given goes into desc:. The two file
@@ -151,7 +157,27 @@ _MASSIF_OPTIONS: list[tuple[str, dict]] = [  # type: ignore[type-arg]
 _MASSIF_NAMES = {name for name, _ in _MASSIF_OPTIONS} | {f.file_option for f in FORMATS if f.massif_option}
 
 
-def _add_profile_options(p: argparse.ArgumentParser) -> None:
+def _add_mode_options(p: argparse.ArgumentParser, default: Mode) -> None:
+    m = p.add_argument_group("mode")
+    m.add_argument(
+        "--mode",
+        choices=MODES,
+        default=default,
+        help="exact: every allocation call, as Massif counts (three uprobes a malloc+free pair); sampled: an "
+        "in-process sampler reports one allocation per --sample-rate bytes on average, and the heap figures are "
+        f"estimates (default {default})",
+    )
+    m.add_argument(
+        "--sample-rate",
+        type=int_between(1, MAX_SAMPLE_RATE),
+        default=None,
+        metavar="BYTES",
+        help=f"sampled mode: the mean bytes between samples, Poisson by bytes (default {DEFAULT_SAMPLE_RATE})",
+    )
+
+
+def _add_profile_options(p: argparse.ArgumentParser, mode: Mode = "exact") -> None:
+    _add_mode_options(p, mode)
     g = p.add_argument_group("Massif options (Valgrind's names, defaults and meanings)")
     for name, kwargs in _MASSIF_OPTIONS:
         g.add_argument(name, **kwargs)
@@ -204,7 +230,12 @@ def _add_profile_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Heap profiling of running processes with eBPF, Massif-compatible.")
+    # @FILE reads arguments from FILE, one a line (a Kubernetes ConfigMap's selectors and limits, deploy/).
+    parser = _Parser(
+        prog=PROG,
+        description="Heap profiling of running processes with eBPF, Massif-compatible.",
+        fromfile_prefix_chars="@",
+    )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser(
@@ -215,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile_options(run)
     attach = sub.add_parser("attach", help="profile a running process until Ctrl-C, SIGTERM or its exit")
     attach.add_argument("pid", type=int_at_least(1), help="the process to profile")
-    _add_profile_options(attach)
+    _add_profile_options(attach, "sampled")
     _add_http_options(run, serve=False)
     _add_http_options(attach, serve=False)
     serve = sub.add_parser(
@@ -225,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--pid", type=int_at_least(1), action="append", default=[], dest="pids", help="attach to PID at start"
     )
-    _add_profile_options(serve)
+    _add_profile_options(serve, "sampled")
     _add_http_options(serve, serve=True)
+    add_fleet_options(serve)
     offline_commands.register(sub)
     view.add_parser(sub)
     return parser
@@ -365,6 +397,15 @@ def expand_filename(template: str, pid: int, env: dict[str, str] | None = None) 
     return name
 
 
+def mode_from(ns: argparse.Namespace) -> ProfileMode:
+    if ns.sample_rate is not None and ns.mode != "sampled":
+        raise UsageError("--sample-rate applies to --mode=sampled")
+    if ns.mode == "sampled" and ns.pages_as_heap:
+        raise UsageError("--pages-as-heap=yes profiles mapped pages, which sampled mode does not sample; "
+                         "use --mode=exact")
+    return ProfileMode(ns.mode, DEFAULT_SAMPLE_RATE if ns.sample_rate is None else ns.sample_rate)
+
+
 def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> ProfileSettings:
     """The pipeline's settings from the command line. A daemon keeps MALT's statistics unless --malt=no (for
     GET /malt); `run` and `attach` keep them only for a MALT file."""
@@ -381,6 +422,7 @@ def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> 
         max_blocks=ns.max_blocks,
         max_stacks=ns.max_stacks,
         malt=ns.malt == "yes" if daemon else "malt" in files,
+        mode=mode_from(ns),
     )
 
 
@@ -449,7 +491,7 @@ def cmd_run(ctx: _Ctx, program: list[str]) -> int:
     if not program:
         raise UsageError("no program given: heapscope run [options] -- PROG [ARGS]")
     _require_environment()
-    process = launch_process(program)
+    process = ctx.settings.launch(program)
     _stop_on_signals(threading.Event(), _forward_sigterm(process))  # the run ends when the child does
     _profile(ctx, process, threading.Event())
     assert process.child is not None
@@ -463,6 +505,7 @@ def cmd_attach(ctx: _Ctx) -> int:
     read_process(pid)  # a missing PID is said before anything else
     _require_environment()
     process = attach_to(pid)
+    ctx.settings.preflight(pid)
     stop = threading.Event()
     _stop_on_signals(stop)
     ctx.say(f"attaching to {pid} ({process.cmdline}); Ctrl-C or SIGTERM ends the profile")
@@ -518,11 +561,13 @@ def _try_lines(host: str, port: int, token: bool, pid: int | None) -> list[str]:
 
 def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | None = None) -> int:
     """`serve` (until SIGTERM), or `run`/`attach` with --http (until the target ends, as without --http)."""
-    from agent.daemon.manager import DaemonConfig, TargetManager
+    from agent.daemon.fleet import FleetManager
+    from agent.daemon.manager import DaemonConfig
     from api.app import create_app
     from api.server import bind, serve
 
     settings = _api_settings(ctx.ns)
+    fleet = fleet_config_from(ctx.ns)  # a bad selector is said before anything starts
     _require_environment()
     sock = bind(settings.host, settings.port)  # first: a bad address fails before anything is attached
     host, port = sock.getsockname()[:2]
@@ -533,7 +578,7 @@ def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | Non
         say=ctx.say,
         summary_file=ctx.ns.summary_file,
     )
-    manager = TargetManager(config)
+    manager = FleetManager(config, fleet)
     app = create_app(settings, manager)
     until = None
     child = None

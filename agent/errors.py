@@ -24,6 +24,13 @@ class TargetError(HeapscopeError):
     exit_code = 3
 
 
+class SamplingRefused(TargetError):
+    """Sampled mode cannot be made safe for this target (ptrace forbidden, seccomp, an allocator its sampler
+    cannot intercept, a sampler library the target cannot see); exact mode can profile it."""
+
+    http_status = 409
+
+
 class EnvironmentProblem(HeapscopeError):
     """The machine lacks something: BPF, uprobes, kernel headers, permission."""
 
@@ -47,3 +54,9 @@ class TargetConflict(HeapscopeError):
 
 class UnsafePath(UsageError):
     """A file name that would leave the output directory."""
+
+
+class TargetRefused(HeapscopeError):
+    """The daemon is at one of its limits (targets, sites, memory): the new target is refused, and counted."""
+
+    http_status = 429

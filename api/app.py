@@ -10,11 +10,11 @@ from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
 from agent import __version__
-from agent.export.metrics import HeapscopeCollector
+from agent.export.metrics import FleetCollector, HeapscopeCollector
 from agent.export.webdata import SiteCache
 from api.errors import install_error_handlers
 from api.ports import ManagerPort
-from api.routers import health, metrics, monitor, pprof, profiles, targets, web
+from api.routers import health, metrics, monitor, pprof, profiles, selectors, targets, web
 from api.security import token_dependency
 from api.settings import ApiSettings, check_exposure
 
@@ -44,6 +44,7 @@ def create_app(settings: ApiSettings, manager: ManagerPort) -> FastAPI:
     # The registry is the app's own, not prometheus_client's global one.
     app.state.registry = CollectorRegistry(auto_describe=False)
     app.state.registry.register(HeapscopeCollector(manager, settings.metrics_top_stacks))
+    app.state.registry.register(FleetCollector(manager))
     app.state.site_cache = SiteCache()  # the web page's per-tree site sums
     install_error_handlers(app)
 
@@ -51,6 +52,7 @@ def create_app(settings: ApiSettings, manager: ManagerPort) -> FastAPI:
     guarded = [Depends(auth)] if auth is not None else []
     app.include_router(health.router)
     app.include_router(web.page_router)
-    for r in (profiles.router, monitor.router, targets.router, metrics.router, pprof.router, web.router):
+    routers = (profiles.router, monitor.router, targets.router, selectors.router, metrics.router, pprof.router)
+    for r in (*routers, web.router):
         app.include_router(r, dependencies=guarded)
     return app

@@ -8,11 +8,15 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agent.errors import UsageError
 from agent.export.xtree import ALLOCS_EVENTS, FULL_EVENTS
 from agent.model.profile import MassifNode, SiteCounts, Snapshot, SnapshotKind, Stack, massif_tree
+from agent.model.sampling import DEFAULT_SAMPLE_RATE, MAX_SAMPLE_RATE, ProfileMode
+from agent.model.selector import MAX_PATTERN
 from agent.model.target import PID_MAX, MonitorResult, ProfileHeader, TargetStatus
+from api.fleetmodels import OriginOut, origin_out
 
 # ---- requests -------------------------------------------------------------------------------------------
 
@@ -28,9 +32,64 @@ class MonitorRequest(BaseModel):
 
 
 class AttachRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A PID, or a selector: the processes it matches are profiled as they appear (api/fleetmodels.py)."""
 
-    pid: int = Field(ge=1, le=PID_MAX, description="The process to profile from now on.")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [
+            {"pid": 1234}, {"pid": 4242, "mode": "exact"}, {"comm": "^nginx$"}, {"cgroup": "/system.slice/db.service"},
+        ]},
+    )
+
+    pid: int | None = Field(None, ge=1, le=PID_MAX, description="The process to profile from now on.")
+    comm: str | None = Field(
+        None, min_length=1, max_length=MAX_PATTERN, description="Selector: regular expression searched in the "
+        "process name (/proc/PID/comm), as pgrep does."
+    )
+    cmdline: str | None = Field(
+        None, min_length=1, max_length=MAX_PATTERN, description="Selector: regular expression searched in the "
+        "command line, its arguments joined by spaces."
+    )
+    cgroup: str | None = Field(
+        None, min_length=1, max_length=MAX_PATTERN, description="Selector: processes in this cgroup v2 path or "
+        "below it (shell wildcards allowed, * crosses /), or pod:UID, or container:ID."
+    )
+    follow_children: bool = Field(True, description="Selector: also profile the children chosen processes fork.")
+    mode: Literal["exact", "sampled"] | None = Field(
+        None, description="exact: every allocation call; sampled: an in-process sampler, estimates (default: the "
+        "daemon's --mode, sampled unless it was started otherwise).",
+    )
+    sample_rate: int | None = Field(
+        None, ge=1, le=MAX_SAMPLE_RATE, description="Sampled mode: mean bytes between samples (default 524288).",
+    )
+
+    @model_validator(mode="after")
+    def _pid_or_selector(self) -> AttachRequest:
+        selector = self.comm is not None or self.cmdline is not None or self.cgroup is not None
+        if (self.pid is None) == (not selector):
+            raise ValueError("give either pid, or a selector (comm, cmdline, cgroup: all given must match)")
+        if selector and (self.mode is not None or self.sample_rate is not None):
+            raise ValueError("mode and sample_rate apply to a pid; a selector's processes take the daemon's --mode")
+        return self
+
+
+class ModeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"mode": "exact"}]})
+
+    mode: Literal["exact", "sampled"] = Field(description="The mode to profile the target in from now on.")
+    sample_rate: int | None = Field(
+        None, ge=1, le=MAX_SAMPLE_RATE, description="Sampled mode: mean bytes between samples (default 524288).",
+    )
+
+
+def profile_mode(mode: str | None, sample_rate: int | None, default: ProfileMode | None = None) -> ProfileMode | None:
+    """The mode a request asks for; None: the daemon's own. A rate alone asks for sampled mode."""
+    if mode is None and sample_rate is None:
+        return default
+    if mode == "exact" and sample_rate is not None:
+        raise UsageError("sample_rate applies to mode sampled")
+    return ProfileMode("exact" if mode == "exact" else "sampled",
+                       DEFAULT_SAMPLE_RATE if sample_rate is None else sample_rate)
 
 
 # ---- errors ---------------------------------------------------------------------------------------------
@@ -205,6 +264,10 @@ class TargetOut(BaseModel):
     command: str = Field(description="The process name.")
     cmdline: str
     allocator: str
+    mode: Literal["exact", "sampled"] = Field(description="exact: every call counted; sampled: estimates.")
+    sample_rate: int = Field(description="Mean bytes between samples; 1 in exact mode (every call counted).")
+    estimate: bool = Field(description="True when the heap figures are estimates (sampled mode); the call "
+                           "counts are exact in both modes.")
     state: Literal["profiling", "exited", "detached"]
     exited: bool
     started_at: datetime
@@ -212,6 +275,7 @@ class TargetOut(BaseModel):
     files: list[str] = Field(description="Files written when profiling ended.")
     heap: HeapCounters
     pages: PagesOut | None = Field(description="Memory as the page syscalls left it: what malloc does not explain.")
+    origin: OriginOut = Field(description="The process's identity, cgroup, and why it is profiled.")
 
 
 def _time(t: float | None) -> datetime | None:
@@ -225,6 +289,9 @@ def target_out(s: TargetStatus) -> TargetOut:
         command=s.command,
         cmdline=s.cmdline,
         allocator=s.allocator,
+        mode="sampled" if s.mode == "sampled" else "exact",
+        sample_rate=s.sample_rate,
+        estimate=s.mode == "sampled",
         state=s.state,
         exited=s.state == "exited",
         started_at=_time(s.started_at),  # type: ignore[arg-type]
@@ -252,6 +319,7 @@ def target_out(s: TargetStatus) -> TargetOut:
             dropped=s.pages.dropped,
             stacks_bytes=s.pages.stacks,
         ),
+        origin=origin_out(s.origin),
     )
 
 

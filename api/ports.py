@@ -8,9 +8,11 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from agent.model.counters import Counters
+from agent.model.fleet import FleetStatus, SelectorStatus, TargetOrigin
 from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, Stack
+from agent.model.sampling import ProfileMode
 from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
 
 
@@ -18,6 +20,9 @@ class TargetPort(Protocol):
     pid: int
     command: str
     allocator: str
+    origin: TargetOrigin
+    mode: str  # exact, or sampled (estimates)
+    sample_rate: int  # 1 in exact mode
 
     @property
     def state(self) -> str: ...
@@ -54,8 +59,20 @@ class ManagerPort(Protocol):
 
     def get(self, pid: int | None) -> TargetPort: ...
 
-    def attach(self, pid: int) -> TargetPort: ...
+    def attach(self, pid: int, mode: ProfileMode | None = None) -> TargetPort: ...
+
+    def switch_mode(self, pid: int, mode: ProfileMode) -> TargetPort: ...
 
     def detach(self, pid: int) -> TargetStatus: ...
 
     def monitor(self, pid: int | None, command: str) -> MonitorResult: ...
+
+    def add_selector(
+        self, comm: str | None, cmdline: str | None, cgroup: str | None, follow_children: bool = True
+    ) -> SelectorStatus: ...
+
+    def remove_selector(self, id: int) -> SelectorStatus: ...
+
+    def selectors(self) -> Sequence[SelectorStatus]: ...
+
+    def fleet_status(self) -> FleetStatus: ...

@@ -16,10 +16,17 @@
  *                    stack of about CHURN_DEPTH + 3 frames, to measure what a profiler's stack walk costs.
  *   CHURN_MMAP       1: each pair is an munmap and an mmap of 1..16 anonymous pages instead (the same
  *                    slots and random sequence): what tracing the page system calls costs.
+ *   CHURN_WARMUP     N: before the timed loop, N untimed pairs and a 2 s pause: a profiler's one-time work
+ *                    at its first calls (symbolizing their stacks) is then done before the loop, which
+ *                    measures the steady cost per call (the same calls, so the loop is still PAIRS pairs).
+ *   CHURN_THREAD     1: start an idle second thread before the loop. glibc's malloc then takes its arena
+ *                    lock, as in any multi-threaded service (and in any process sampled mode's sampler,
+ *                    with its control thread, is in): the native baseline of that case.
  *
  * Prints nothing; no stdio (its buffers would be allocations outside the loop).
  */
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -98,9 +105,11 @@ static void churn(long pairs)
         p[0] = (char)i; /* touch it: the block is really used */
         slots[slot] = p;
     }
-    for (size_t s = 0; s < SLOTS; s++)
+    for (size_t s = 0; s < SLOTS; s++) {
         if (slots[s])
             free(slots[s]);
+        slots[s] = NULL; /* the timed loop after a warm-up starts empty too */
+    }
 }
 
 /* The same loop with page mappings: 1..16 pages, the first byte touched. */
@@ -120,9 +129,11 @@ static void churn_pages(long pairs)
         slots[slot] = p;
         lengths[slot] = length;
     }
-    for (size_t s = 0; s < SLOTS; s++)
+    for (size_t s = 0; s < SLOTS; s++) {
         if (slots[s])
             munmap(slots[s], lengths[s]);
+        slots[s] = NULL;
+    }
 }
 
 static int page_mode;
@@ -139,6 +150,14 @@ __attribute__((noinline)) static void descend(volatile int depth, long pairs)
     __asm__ volatile("" ::: "memory"); /* no tail call: each level keeps its frame */
 }
 
+static void *idle(void *arg)
+{
+    (void)arg;
+    for (;;)
+        pause();
+    return NULL;
+}
+
 int main(int argc, char **argv)
 {
     long pairs = argc > 1 ? atol(argv[1]) : 2000000L;
@@ -147,9 +166,20 @@ int main(int argc, char **argv)
     const char *depth = getenv("CHURN_DEPTH");
     const char *pages = getenv("CHURN_MMAP");
     page_mode = pages && *pages == '1';
+    const char *thread = getenv("CHURN_THREAD");
+    pthread_t idler;
+    if (thread && *thread == '1' && pthread_create(&idler, NULL, idle, NULL) != 0)
+        return 3;
 
     if (gate && *gate)
         wait_for_gate(gate);
+
+    const char *warmup = getenv("CHURN_WARMUP");
+    if (warmup && atol(warmup) > 0) {
+        descend(depth ? atoi(depth) : 0, atol(warmup));
+        struct timespec pause = {2, 0};
+        nanosleep(&pause, NULL);
+    }
 
     double start = now_seconds();
     descend(depth ? atoi(depth) : 0, pairs);

@@ -84,6 +84,28 @@ WORKLOADS: dict[str, Workload] = {
             unit="malloc+free pair, 20 frames deep",
             env=(("CHURN_DEPTH", "17"),),
         ),
+        # The loop with an idle second thread: glibc's malloc takes its locks, as in a service (and in any
+        # process with sampled mode's sampler, whose control thread is a second thread): that case's native.
+        Workload(
+            name="churn-mt",
+            source="churn.c",
+            cflags=("-O2", "-g", "-fno-omit-frame-pointer"),
+            calls=2_000_000,
+            quick_calls=200_000,
+            unit="malloc+free pair, a second thread idle",
+            env=(("CHURN_THREAD", "1"),),
+        ),
+        # The loop after 200,000 untimed pairs and a pause: each profiler's one-time work at its first calls
+        # (heapscope symbolizes their stacks, seconds of CPU on a 2-core machine) is not in the loop's time.
+        Workload(
+            name="churn-warm",
+            source="churn.c",
+            cflags=("-O2", "-g", "-fno-omit-frame-pointer"),
+            calls=2_000_000,
+            quick_calls=200_000,
+            unit="malloc+free pair, after a warm-up",
+            env=(("CHURN_WARMUP", "200000"),),
+        ),
         # mmap/munmap pairs: what the page syscall tracepoints cost (heapscope traces them in every mode).
         Workload(
             name="mmap-churn",
@@ -163,11 +185,14 @@ def run_native(binary: Path, args: list[str], env: dict[str, str], scratch: Path
     return Measurement(wall, read_loop_time(scratch / "loop_time"))
 
 
-def _heapscope(unwind: str, malt: bool = False, pages: bool = False, time_unit: str = "B") -> ToolFn:
+def _heapscope(
+    unwind: str, malt: bool = False, pages: bool = False, mode: str = "exact", time_unit: str = "B"
+) -> ToolFn:
     def run(binary: Path, args: list[str], env: dict[str, str], scratch: Path) -> Measurement:
         out = scratch / "massif.out.heapscope"
         extra = [f"--malt-out-file={scratch / 'malt.json'}"] if malt else []
         extra += ["--pages-as-heap=yes"] if pages else []
+        extra += [f"--mode={mode}"]
         cmd = [
             str(HEAPSCOPE), "run", "-q", f"--time-unit={time_unit}", f"--unwind={unwind}", f"--massif-out-file={out}",
             *extra, "--", str(binary), *args,
@@ -297,6 +322,8 @@ TOOLS: list[Tool] = [
     Tool("heapscope-ms", _heapscope("cfi", time_unit="ms"), "heapscope run --time-unit=ms"),
     Tool("heapscope-malt", _heapscope("cfi", malt=True), "heapscope run --malt-out-file: + MALT's statistics"),
     Tool("heapscope-pages", _heapscope("cfi", pages=True), "heapscope run --pages-as-heap=yes"),
+    Tool("heapscope-sampled", _heapscope("cfi", mode="sampled"),
+         "heapscope run --mode=sampled: the in-process sampler, one sample per 512 KiB on average"),
     Tool("massif", _massif(), "valgrind --tool=massif --time-unit=B"),
     Tool("massif-pages", _massif("--pages-as-heap=yes"), "valgrind --tool=massif --pages-as-heap=yes"),
     Tool("heaptrack", run_heaptrack, "heaptrack (LD_PRELOAD)"),

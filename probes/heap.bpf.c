@@ -808,10 +808,10 @@ static __always_inline u64 log2_bin(u64 v)
     return r + (((v >> 1) + 0xffffffffULL) >> 32);
 }
 
-static __always_inline void count_in(u64 *slot)
+static __always_inline void count_in(u64 *slot, u64 n)
 {
     if (slot)
-        __sync_fetch_and_add(slot, 1);
+        __sync_fetch_and_add(slot, n);
 }
 
 /* Min/max are updated without atomics: two threads racing on one stack may keep a slightly wrong
@@ -826,7 +826,7 @@ static __always_inline void min_max(u64 *mn, u64 *mx, u64 v)
 
 /* Only the thread itself writes its statistics (a slot has one owner, the hash is keyed by thread), and a
  * thread runs one program at a time: plain adds, no atomics. */
-static __always_inline void thread_stat(u64 tid, u32 fn, u64 bytes, u64 ns)
+static __always_inline void thread_stat(u64 tid, u32 fn, u64 n, u64 bytes, u64 ns)
 {
     u32 idx = (tid & (HS_THREAD_SLOTS - 1)) * HS_FN_COUNT + (fn < HS_FN_COUNT ? fn : 0);
     struct hs_thread_slot *slot = thread_slots.lookup(&idx);
@@ -847,17 +847,18 @@ static __always_inline void thread_stat(u64 tid, u32 fn, u64 bytes, u64 ns)
             return;
         }
     }
-    t->count++;
+    t->count += n;
     t->bytes += bytes;
     t->ns += ns;
 }
 
-static __always_inline void malt_alloc(struct hs_global *g, struct hs_site *s, u64 site, u64 size)
+/* n: the allocations this call stands for (1; in sampled mode the sample's weight in blocks). */
+static __always_inline void malt_alloc(struct hs_global *g, struct hs_site *s, u64 site, u64 size, u64 n)
 {
     if (size == 0) {
-        __sync_fetch_and_add(&g->zero_allocs, 1);
+        __sync_fetch_and_add(&g->zero_allocs, n);
         if (s)
-            __sync_fetch_and_add(&s->count_zeros, 1);
+            __sync_fetch_and_add(&s->count_zeros, n);
     } else if (s) {
         min_max(&s->alloc_min, &s->alloc_max, size);
     }
@@ -865,21 +866,21 @@ static __always_inline void malt_alloc(struct hs_global *g, struct hs_site *s, u
         s->max_alive = s->cur_bytes;
     if (size < HS_SMALL_SIZES) {
         u32 idx = size;
-        count_in(small_sizes.lookup(&idx));
+        count_in(small_sizes.lookup(&idx), n);
     } else {
-        u64 *n = size_map.lookup(&size);
-        if (n) {
-            __sync_fetch_and_add(n, 1);
+        u64 *c = size_map.lookup(&size);
+        if (c) {
+            __sync_fetch_and_add(c, n);
         } else {
-            u64 one = 1;
-            if (size_map.insert(&size, &one) == -17 /* EEXIST: another CPU inserted it */)
-                count_in(size_map.lookup(&size));
+            u64 first = n;
+            if (size_map.insert(&size, &first) == -17 /* EEXIST: another CPU inserted it */)
+                count_in(size_map.lookup(&size), n);
             else if (!size_map.lookup(&size))
                 __sync_fetch_and_add(&g->dropped_sizes, 1);
         }
     }
     u32 bin = log2_bin(size);
-    count_in(size_hist.lookup(&bin));
+    count_in(size_hist.lookup(&bin), n);
     u32 zero = 0;
     struct hs_window *w = window.lookup(&zero);
     if (w && g->heap > w->max_heap) {
@@ -889,21 +890,21 @@ static __always_inline void malt_alloc(struct hs_global *g, struct hs_site *s, u
 }
 
 static __always_inline void malt_free(struct hs_site *alloc_site, struct hs_site *free_site, u64 size, u64 alloc_ns,
-                                      u64 now)
+                                      u64 now, u64 n)
 {
     if (free_site) {
-        __sync_fetch_and_add(&free_site->free_count, 1);
-        __sync_fetch_and_add(&free_site->free_sum, size);
+        __sync_fetch_and_add(&free_site->free_count, n);
+        __sync_fetch_and_add(&free_site->free_sum, size * n);
         min_max(&free_site->free_min, &free_site->free_max, size);
     }
     u64 life = now - alloc_ns;
     if (alloc_site && life) {
-        __sync_fetch_and_add(&alloc_site->life_count, 1);
-        __sync_fetch_and_add(&alloc_site->life_sum, life);
+        __sync_fetch_and_add(&alloc_site->life_count, n);
+        __sync_fetch_and_add(&alloc_site->life_sum, life * n);
         min_max(&alloc_site->life_min, &alloc_site->life_max, life);
     }
     u32 bin = log2_bin(size) * HS_LOG2_BINS + log2_bin(life);
-    count_in(life_hist.lookup(&bin));
+    count_in(life_hist.lookup(&bin), n);
 }
 
 /* ---- the live blocks ------------------------------------------------------------------------------ */
@@ -1019,7 +1020,7 @@ static __always_inline void record_alloc(void *ctx, struct hs_global *g, u64 add
     u64 time_b = advance_time(g, size + extra);
     check_peak(g, s, 0);
     if (HS_MALT)
-        malt_alloc(g, s, stack, size);
+        malt_alloc(g, s, stack, size, 1);
     schedule_check(ctx, g, time_b, now);
 }
 
@@ -1050,7 +1051,7 @@ static __always_inline void account_free(void *ctx, struct hs_global *g, struct 
     }
     charge_freed(g, s, free_stack, blk.size);
     if (HS_MALT)
-        malt_free(s, free_stack ? get_site(free_stack, g) : 0, blk.size, blk.alloc_ns, now);
+        malt_free(s, free_stack ? get_site(free_stack, g) : 0, blk.size, blk.alloc_ns, now, 1);
     __sync_fetch_and_add(&g->heap, -blk.size);
     __sync_fetch_and_add(&g->extra, -extra);
     __sync_fetch_and_add(&g->blocks, -1);
@@ -1121,8 +1122,8 @@ static __always_inline void record_realloc(void *ctx, struct hs_global *g, u64 o
         check_peak(g, ns, os);
     if (HS_MALT) {
         /* MALT: the old block's life ends here; the new one is an allocation of realloc's stack. */
-        malt_free(os, 0, ob.size, ob.alloc_ns, now);
-        malt_alloc(g, ns, stack, size);
+        malt_free(os, 0, ob.size, ob.alloc_ns, now, 1);
+        malt_alloc(g, ns, stack, size, 1);
         if (ns) {
             __sync_fetch_and_add(&ns->realloc_count, 1);
             __sync_fetch_and_add(&ns->realloc_delta, dheap);
@@ -1134,7 +1135,7 @@ static __always_inline void record_realloc(void *ctx, struct hs_global *g, u64 o
         } else {
             u64 one = 1;
             if (realloc_jump.insert(&jump, &one) == -17)
-                count_in(realloc_jump.lookup(&jump));
+                count_in(realloc_jump.lookup(&jump), 1);
             else if (!realloc_jump.lookup(&jump))
                 __sync_fetch_and_add(&g->dropped_sizes, 1);
         }
@@ -1319,7 +1320,7 @@ int free_enter(struct pt_regs *ctx)
     u64 free_site = (HS_FREE_STACKS || HS_MALT) ? capture_site(ctx, g, HS_FREE) : 0;
     u64 size = record_free(ctx, g, addr, free_site, HS_MALT ? bpf_ktime_get_ns() : 0);
     if (HS_MALT)
-        thread_stat(tid, HS_FREE, size, 0);
+        thread_stat(tid, HS_FREE, 1, size, 0);
     return 0;
 }
 
@@ -1387,7 +1388,7 @@ int alloc_return(struct pt_regs *ctx)
     u64 size = request_size(&call);
     u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
     if (HS_MALT)
-        thread_stat(tid, call.fn, size, now - call.entry_ns);
+        thread_stat(tid, call.fn, 1, size, now - call.entry_ns);
     switch (call.fn) {
     case HS_POSIX_MEMALIGN:
         if (ret != 0) { /* an error number: nothing allocated */
@@ -1541,7 +1542,7 @@ BPF_PROG_ARRAY(page_walker, 1);
 
 static __always_inline void page_count(u32 which)
 {
-    count_in(page_counters.lookup(&which));
+    count_in(page_counters.lookup(&which), 1);
 }
 
 /* At a page syscall's entry: keep its arguments and charge it to the user stack that made it. The walk

@@ -106,6 +106,21 @@ struct hs_block {
     __u64 alloc_ns; /* when it was allocated (HS_MALT: lifetimes) */
 };
 
+/* Sampled mode (sampled.bpf.c): one live sampled block, keyed by its address, with what it was recorded at:
+ * the bytes and blocks it stands for (its weight) and their Massif extra bytes, so its free takes back
+ * exactly that. */
+#ifndef HS_SAMPLE_RATE
+#define HS_SAMPLE_RATE 524288    /* sampled mode: the sampler's mean bytes between samples */
+#endif
+struct hs_sampled_block {
+    __u64 bytes;  /* estimated bytes: blocks * size */
+    __u64 blocks; /* estimated blocks: 1 / (1 - e^(-size/rate)), rounded at random to a whole number */
+    __u64 extra;  /* blocks * (Massif's slop of size + HS_HEAP_ADMIN) */
+    __u64 stack;  /* site id */
+    __u64 size;   /* the sampled call's own size */
+    __u64 alloc_ns; /* HS_MALT: lifetimes */
+};
+
 /* One live block in block_slots, the same as struct hs_block with its address (0: the slot is free). 32 bytes:
  * a bucket of two slots is one cache line. A block whose slop or site id needs more than 32 bits goes to the
  * overflow hash instead. */

@@ -6,12 +6,36 @@
  * kernel. Both functions start with a 5-byte nop, so Linux 6.18 runs these probes through its uprobe
  * trampoline instead of a trap. No return probe is needed: the block's address is an argument.
  *
- * A sampled block is recorded at its weight, the bytes it stands for (s / (1 - e^(-s/T)), exactly s at or
- * above the rate T), so every sum the kernel keeps (sites, the peak, the timeline) is an estimate by
- * construction. Its free subtracts the same weight, since the block table keeps what was recorded.
- * The stack starts inside the sampler (hs_account_slow, then an hs_hook_* function); user space is to trim
- * those frames as it trims allocation functions (not done yet: the session does not know sampled mode).
+ * A sample of s bytes taken with probability p = 1 - e^(-s/T) stands for 1/p blocks of s bytes (the sampler
+ * passes the byte weight s/p, rounded; exactly s at or above the rate T). Here it stands for N whole blocks
+ * of s bytes, N being 1/p rounded at random (up with the probability of its fraction), so E[N] = 1/p and
+ * every sum kept here (the sites' counters, the totals, the peak, the --time-unit=B clock, MALT's counts) is
+ * an unbiased estimate, and each stays whole-block consistent: bytes = N * s, Massif's extra = N * (slop of s
+ * + --heap-admin), MALT's sizes and counts fit each other (its checks hold). The rounding adds little
+ * variance: 1/N of a block for s well below T, and at most a quarter of s^2 a sample near T, where N is 1
+ * or 2 (the sampling's own variance there is about s^2).
+ * Sampled blocks live in their own table (sampled_blocks), with what they were recorded at: a free takes
+ * back exactly that. The stack starts inside the sampler (hs_account_slow, then an hs_hook_* function); user
+ * space trims those frames (SiteReader.lead_trim) as it trims allocation functions.
+ * The snapshot schedule (heap.bpf.c schedule_check) runs at the sampled calls, as at every call in exact mode:
+ * without it the session would take no snapshot after its first. Its points carry the estimated totals, and in
+ * ms no point can come between two samples.
  */
+
+/* sampled_blocks: block address -> struct hs_sampled_block (the live sampled blocks) */
+BPF_HASH(sampled_blocks, u64, struct hs_sampled_block, HS_MAX_BLOCKS);
+
+/* N: 1/p from the weight (weight / size in 16.16 fixed point), its fraction rounded at random. */
+static __always_inline u64 sample_blocks(u64 size, u64 weight)
+{
+    if (size >= HS_SAMPLE_RATE || weight <= size)
+        return 1;
+    u64 fixed = (weight << 16) / size;
+    u64 blocks = fixed >> 16;
+    if ((bpf_get_prandom_u32() & 0xffff) < (fixed & 0xffff))
+        blocks++;
+    return blocks;
+}
 
 int sample_alloc_enter(struct pt_regs *ctx)
 {
@@ -19,15 +43,48 @@ int sample_alloc_enter(struct pt_regs *ctx)
     if (!g || !is_armed())
         return 0;
     u64 addr = PT_REGS_PARM1(ctx);
+    u64 size = PT_REGS_PARM2(ctx);
     u64 weight = PT_REGS_PARM3(ctx);
-    if (!addr || !weight)
+    if (!addr || !size || !weight)
         return 0;
-    block_prefetch(addr);
 #if HS_STACKS
     note_stack((u32)bpf_get_current_pid_tgid(), PT_REGS_SP(ctx), 0);
 #endif
     u64 stack = capture_stack(ctx, g, HS_MALLOC);
-    record_alloc(ctx, g, addr, weight, HS_ALIGNMENT, stack, HS_MALT ? bpf_ktime_get_ns() : 0);
+    u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
+    struct hs_sampled_block b = {
+        .blocks = sample_blocks(size, weight),
+        .stack = stack,
+        .size = size,
+        .alloc_ns = now,
+    };
+    b.bytes = b.blocks * size;
+    b.extra = b.blocks * (massif_slop(size, HS_ALIGNMENT) + HS_HEAP_ADMIN);
+    if (sampled_blocks.update(&addr, &b)) {
+        __sync_fetch_and_add(&g->dropped_blocks, 1);
+        return 0;
+    }
+    struct hs_site *s = get_site(stack, g);
+    if (s) {
+        site_touch(s, g);
+        __sync_fetch_and_add(&s->cur_bytes, b.bytes);
+        __sync_fetch_and_add(&s->cur_extra, b.extra);
+        __sync_fetch_and_add(&s->cur_blocks, b.blocks);
+        __sync_fetch_and_add(&s->tot_bytes, b.bytes);
+        __sync_fetch_and_add(&s->tot_blocks, b.blocks);
+    }
+    __sync_fetch_and_add(&g->heap, b.bytes);
+    __sync_fetch_and_add(&g->extra, b.extra);
+    __sync_fetch_and_add(&g->blocks, b.blocks);
+    __sync_fetch_and_add(&g->n_allocs, b.blocks); /* user space shows the sampler's exact count instead */
+    __sync_fetch_and_add(&g->alloc_bytes, b.bytes);
+    u64 time_b = advance_time(g, b.bytes + b.extra);
+    check_peak(g, s, 0);
+    if (HS_MALT) {
+        malt_alloc(g, s, stack, size, b.blocks);
+        thread_stat((u32)bpf_get_current_pid_tgid(), HS_MALLOC, b.blocks, b.bytes, 0);
+    }
+    schedule_check(ctx, g, time_b, now);
     return 0;
 }
 
@@ -39,8 +96,38 @@ int sample_free_enter(struct pt_regs *ctx)
     u64 addr = PT_REGS_PARM1(ctx);
     if (!addr)
         return 0;
-    block_prefetch(addr);
+    struct hs_sampled_block *found = sampled_blocks.lookup(&addr);
+    if (!found) {
+        __sync_fetch_and_add(&g->untracked_frees, 1);
+        return 0;
+    }
+    struct hs_sampled_block b = *found;
+    if (sampled_blocks.delete(&addr)) /* another CPU took it first (a double free racing) */
+        return 0;
     u64 free_site = (HS_FREE_STACKS || HS_MALT) ? capture_stack(ctx, g, HS_FREE) : 0;
-    record_free(ctx, g, addr, free_site, HS_MALT ? bpf_ktime_get_ns() : 0);
+    u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
+    schedule_peak_check(ctx, g, now);
+    struct hs_site *s = get_site(b.stack, g);
+    if (s) {
+        site_touch(s, g);
+        __sync_fetch_and_add(&s->cur_bytes, -b.bytes);
+        __sync_fetch_and_add(&s->cur_extra, -b.extra);
+        __sync_fetch_and_add(&s->cur_blocks, -b.blocks);
+    }
+    struct hs_site *charged = (HS_FREE_STACKS && free_site) ? get_site(free_site, g) : s;
+    if (charged) {
+        __sync_fetch_and_add(&charged->freed_bytes, b.bytes);
+        __sync_fetch_and_add(&charged->freed_blocks, b.blocks);
+    }
+    if (HS_MALT) {
+        malt_free(s, free_site ? get_site(free_site, g) : 0, b.size, b.alloc_ns, now, b.blocks);
+        thread_stat((u32)bpf_get_current_pid_tgid(), HS_FREE, b.blocks, b.bytes, 0);
+    }
+    __sync_fetch_and_add(&g->heap, -b.bytes);
+    __sync_fetch_and_add(&g->extra, -b.extra);
+    __sync_fetch_and_add(&g->blocks, -b.blocks);
+    __sync_fetch_and_add(&g->n_frees, b.blocks);
+    __sync_fetch_and_add(&g->freed_bytes, b.bytes);
+    schedule_check(ctx, g, advance_time(g, b.bytes + b.extra), now);
     return 0;
 }

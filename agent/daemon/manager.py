@@ -15,14 +15,16 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agent.daemon.monitor import run_monitor
 from agent.errors import HeapscopeError, NoSuchTarget, TargetConflict, UsageError
 from agent.export.massif import render_snapshot
+from agent.model.fleet import TargetOrigin
+from agent.model.sampling import ProfileMode
 from agent.model.target import PID_MAX, MonitorResult, TargetStatus
-from agent.process.target import TargetProcess, attach_to, launch
+from agent.process.target import TargetProcess, attach_to
 from agent.session.pipeline import Profile, ProfileSettings
 
 # How long an attach may take (compiling the BPF program, reading symbols) before it is given up.
@@ -41,6 +43,7 @@ class Target(Profile):
         self.done = threading.Event()  # the sampling thread has ended and written the files
         self.thread: threading.Thread | None = None
         self._xt_seq = 0
+        self.origin = TargetOrigin()  # identity, cgroup, selector: set by agent.daemon.fleet
 
     def status(self) -> TargetStatus:
         return TargetStatus(
@@ -54,6 +57,9 @@ class Target(Profile):
             files=self.files,
             counters=self.counters(),
             pages=self.page_totals(),
+            origin=self.origin,
+            mode=self.mode,
+            sample_rate=self.sample_rate,
         )
 
     def snapshot_text(self, detailed: bool) -> str:
@@ -130,21 +136,58 @@ class TargetManager:
 
     # ---- attach, launch, detach ----
 
-    def attach(self, pid: int) -> Target:
-        """Profile a running process from now on. Returns once the probes are attached."""
+    def attach(self, pid: int, mode: ProfileMode | None = None) -> Target:
+        """Profile a running process from now on, in `mode` (default: the daemon's). Returns once the probes are
+        attached."""
         if pid == os.getpid():
             raise UsageError("heapscope cannot profile itself")
         if not 1 <= pid <= PID_MAX:
             raise UsageError(f"{pid} is not a PID")
+        settings = self._settings(mode)
         self._reserve(pid)
         try:
-            return self._start(attach_to(pid, self.proc))
+            process = attach_to(pid, self.proc)
+            settings.preflight(pid)
+            return self._start(process, settings)
         finally:
             self._release_reservation(pid)
 
+    def switch_mode(self, pid: int, mode: ProfileMode) -> Target:
+        """Profile `pid` in `mode` from now on: the current profile is detached (its files written) and the
+        other attached, its history continuing the first's (Profile.continue_from). Should the new mode fail to
+        attach, the old one is attached again, so the target stays profiled, and the error is raised."""
+        old = self.get(pid)
+        if old.state != "profiling":
+            raise TargetConflict(f"target {pid} is {old.state}: attach it again with POST /targets")
+        if old.settings.mode == mode:
+            return old
+        self._settings(mode).preflight(pid)  # refusals (ptrace, seccomp, allocator) before anything changes
+        with self._lock:
+            if pid in self._attaching:
+                raise TargetConflict(f"process {pid} is already being attached")
+            self._attaching.add(pid)
+        try:
+            old.stop.set()
+            if old.thread is not None:
+                old.thread.join(ATTACH_TIMEOUT)
+            try:
+                new = self._start(attach_to(pid, self.proc), self._settings(mode), before=old)
+            except HeapscopeError:
+                if old.process.alive():
+                    self._start(attach_to(pid, self.proc), old.settings, before=old).origin = old.origin
+                raise
+            new.origin = old.origin  # the same process, chosen the same way
+            return new
+        finally:
+            self._release_reservation(pid)
+
+    def _settings(self, mode: ProfileMode | None) -> ProfileSettings:
+        base = self.config.profile
+        return base if mode is None or mode == base.mode else replace(base, mode=mode)
+
     def launch(self, argv: Sequence[str]) -> Target:
         """Start a program held before exec, attach, then let it run (`heapscope run --http`)."""
-        process = launch(argv)
+        process = self.config.profile.launch(list(argv))
         try:
             self._reserve(process.pid)
         except BaseException:
@@ -177,8 +220,11 @@ class TargetManager:
         with self._lock:
             self._attaching.discard(pid)
 
-    def _start(self, process: TargetProcess) -> Target:
-        t = Target(self.config.profile, process, self.config.say)
+    def _start(self, process: TargetProcess, settings: ProfileSettings | None = None,
+               before: Target | None = None) -> Target:
+        t = Target(settings or self.config.profile, process, self.config.say)
+        if before is not None:
+            t.continue_from(before)
         t.thread = threading.Thread(target=self._profile, args=(t,), name=f"heapscope-{t.pid}", daemon=True)
         t.thread.start()
         if not t.ready.wait(ATTACH_TIMEOUT):

@@ -455,6 +455,8 @@ class MaltConfig:
     stack_mode: str = "ebpf"
     output_name: str = ""
     mmap: bool = False  # the profile has the stacks of mmap and munmap calls
+    mode: str = "exact"  # heapscope's mode: exact (every call) or sampled (estimates from Poisson samples)
+    sample_rate: int = 0  # sampled: the mean bytes between samples
 
 
 @dataclass
@@ -650,19 +652,29 @@ def build_sites(
 # The writer
 
 
+def _heapscope_json(cfg: MaltConfig) -> dict[str, Any]:
+    """heapscope's own config section: which mode the figures come from."""
+    sampled = cfg.mode == "sampled"
+    return {"mode": cfg.mode, "sample-rate": cfg.sample_rate if sampled else 0, "estimates": sampled}
+
+
 def _config_json(cfg: MaltConfig, version: FormatVersion) -> dict[str, Any]:
+    sampled = cfg.mode == "sampled"
     if version == "1.1":
         return {
             "time": {"enabled": cfg.time_enabled, "points": cfg.points, "linear": False},
             "stack": {"enabled": cfg.stack_enabled, "mode": cfg.stack_mode, "resolve": True},
             "output": {"name": cfg.output_name, "json": True},
+            "sampling": {"enabled": sampled, "volume": cfg.sample_rate if sampled else 0},
+            "heapscope": _heapscope_json(cfg),
         }
     # Every key MALT 1.6's reader loads (format/Config.cpp), with heapscope's meaning where one exists.
     return {
         "time": {"enabled": cfg.time_enabled, "points": cfg.points, "linear": False},
         "stack": {"enabled": cfg.stack_enabled, "mode": cfg.stack_mode, "resolve": True, "libunwind": False, "skip": 0},
         "addr2line": {"bucket": 0, "threads": 1, "huge": 0},
-        "sampling": {"enabled": False, "volume": 0, "count": 0},
+        # MALT's own sampling is by volume too (one allocation in `volume` bytes); heapscope's, by Poisson.
+        "sampling": {"enabled": sampled, "volume": cfg.sample_rate if sampled else 0, "count": 0},
         "python": {
             "instru": False,
             "mix": False,
@@ -702,6 +714,7 @@ def _config_json(cfg: MaltConfig, version: FormatVersion) -> dict[str, Any]:
             "watch-dog": False,
         },
         "tools": {"nm": False, "nm-max-size": ""},
+        "heapscope": _heapscope_json(cfg),
     }
 
 

@@ -18,16 +18,22 @@ from prometheus_client.registry import Collector
 
 from agent.errors import HeapscopeError
 from agent.model.counters import Counters
+from agent.model.fleet import REFUSAL_REASONS, FleetStatus, TargetOrigin
 from agent.model.pages import PageTotals
 from agent.model.target import SiteTotal
 
-TARGET_LABELS = ("pid", "command")
+# Every per-target series: the process, and where it runs as its cgroup path tells (agent.model.cgroup; "" where
+# the path does not say). One value of each per target, so they add no series.
+TARGET_LABELS = ("pid", "command", "cgroup", "unit", "container", "pod")
 
 
 class MetricsTarget(Protocol):
     pid: int
     command: str
     allocator: str
+    origin: TargetOrigin
+    mode: str  # exact, or sampled: the byte and block figures are estimates
+    sample_rate: int  # 1 in exact mode
 
     @property
     def state(self) -> str: ...
@@ -94,6 +100,12 @@ class HeapscopeCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         info = InfoMetricFamily("heapscope_target", "A profiled process.", labels=TARGET_LABELS)
+        profile = InfoMetricFamily(
+            "heapscope_profile",
+            "How a target is profiled: mode exact (every call counted) or sampled (one sample per sample_rate "
+            "bytes on average: the heap byte and block figures are estimates, the call counts exact).",
+            labels=TARGET_LABELS,
+        )
         exited = GaugeMetricFamily(
             "heapscope_target_exited", "1 once the process has exited (its last state stays).", labels=TARGET_LABELS
         )
@@ -129,8 +141,10 @@ class HeapscopeCollector(Collector):
             except HeapscopeError:  # detached or gone between the listing and the read: leave it out
                 continue
             n_targets += 1
-            labels = [str(t.pid), t.command]
+            where = t.origin.placement
+            labels = [str(t.pid), t.command, where.path, where.unit, where.container, where.pod]
             info.add_metric(labels, {"state": t.state, "allocator": t.allocator})
+            profile.add_metric(labels, {"mode": t.mode, "sample_rate": str(t.sample_rate)})
             exited.add_metric(labels, 1.0 if t.state == "exited" else 0.0)
             for fam, (_, _, fld) in zip(gauges, _GAUGES, strict=True):
                 fam.add_metric(labels, max(getattr(c, fld), 0))
@@ -148,6 +162,7 @@ class HeapscopeCollector(Collector):
                 site_blocks.add_metric([*labels, s.site], s.blocks)
         yield GaugeMetricFamily("heapscope_targets", "Processes the daemon holds a profile of.", value=n_targets)
         yield info
+        yield profile
         yield exited
         yield from gauges
         yield from counters
@@ -156,3 +171,67 @@ class HeapscopeCollector(Collector):
         yield drops
         yield site_bytes
         yield site_blocks
+
+
+class FleetSource(Protocol):
+    def fleet_status(self) -> FleetStatus: ...
+
+
+class FleetCollector(Collector):
+    """The daemon's own figures: its selectors, the targets it refused at a limit, the kernel's process events,
+    its limits and what it holds against them."""
+
+    def __init__(self, source: FleetSource) -> None:
+        self.source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        f = self.source.fleet_status()
+        refused = CounterMetricFamily(
+            "heapscope_targets_refused",
+            "New targets refused because the daemon was at a limit (--max-targets, --max-sites, --max-memory).",
+            labels=("reason",),
+        )
+        for reason in REFUSAL_REASONS:
+            refused.add_metric([reason], f.refused.get(reason, 0))
+        yield refused
+        yield CounterMetricFamily(
+            "heapscope_attach_failures",
+            "Processes a selector chose that could not be attached (gone, no allocator found, ...).",
+            value=f.attach_failures,
+        )
+        yield CounterMetricFamily(
+            "heapscope_process_events", "exec, fork and exit events received from the kernel.", value=f.events
+        )
+        yield CounterMetricFamily(
+            "heapscope_process_events_lost",
+            "Process events the kernel could not deliver (each loss is followed by a scan of /proc).",
+            value=f.events_lost,
+        )
+        yield CounterMetricFamily("heapscope_proc_scans", "Scans of /proc for selected processes.", value=f.scans)
+        matches = CounterMetricFamily(
+            "heapscope_selector_matches", "Processes each selector chose since it was added.", labels=("selector",)
+        )
+        current = GaugeMetricFamily(
+            "heapscope_selector_targets", "Processes profiled now because of each selector.", labels=("selector",)
+        )
+        for s in f.selectors:
+            matches.add_metric([str(s.id)], s.matched)
+            current.add_metric([str(s.id)], len(s.targets))
+        yield matches
+        yield current
+        limit = GaugeMetricFamily("heapscope_limit", "The daemon's limits that are set.", labels=("kind",))
+        held = GaugeMetricFamily("heapscope_held", "What the daemon holds against its limits.", labels=("kind",))
+        lim = f.limits
+        for kind, value, now in (
+            ("targets", lim.max_targets, f.profiling),
+            ("sites", lim.max_sites, f.sites),
+            ("memory", lim.max_memory, f.rss),
+        ):
+            if value is not None:
+                limit.add_metric([kind], value)
+            held.add_metric([kind], now)
+        yield limit
+        yield held

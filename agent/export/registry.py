@@ -95,7 +95,10 @@ def render_xtree(source: ProfileSource, variant: str = "") -> str:
     # it keeps other alloc-fns and all Massif captured (--depth + 49 frames), not --depth of them.
     h = source.header()
     out = io.StringIO()
-    write_xtree(out, source.xtree_sites(), cmd=h.cmd, pid=h.pid, kind=h.xtree_kind)
+    desc: tuple[str, ...] = ()
+    if h.mode == "sampled":
+        desc = (f"Mode: sampled, one sample per {h.sample_rate} bytes on average: the values are estimates",)
+    write_xtree(out, source.xtree_sites(), cmd=h.cmd, pid=h.pid, kind=h.xtree_kind, desc=desc)
     return out.getvalue()
 
 

@@ -91,6 +91,7 @@ def write_xtree(
     pid: int,
     kind: XtreeKind,
     creator: str = "xtree-1",
+    desc: Sequence[str] = (),
 ) -> None:
     """Write the report for `sites` (stack -> counters, stacks innermost first, in the order wanted in the
     file; Valgrind writes them in the order it first saw them).
@@ -99,6 +100,7 @@ def write_xtree(
     kind="full": curB curBk totB totBk totFdB totFdBk. Note that Valgrind puts freed bytes on the stack of
     the `free` call; here they go on whatever stacks the caller gives them for.
     Sites whose values are all zero, and empty stacks, are left out, as Valgrind does.
+    `desc`: the format's `desc:` header lines ("Key: value"; callgrind_annotate prints them).
     """
     if kind not in ("allocs", "full"):
         raise ValueError(f"kind must be 'allocs' or 'full', got {kind!r}")
@@ -108,6 +110,8 @@ def write_xtree(
     out.write(f"creator: {_one_line(creator)}\n")
     out.write(f"pid: {int(pid)}\n")
     out.write(f"cmd: {_one_line(cmd)}\n")
+    for line in desc:
+        out.write(f"desc: {_one_line(line)}\n")
     out.write("\npositions: line\n")
     for name, text in events:
         out.write(f"event: {name} : {text}\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import array
+import atexit
 import contextlib
 import ctypes
 import mmap
@@ -179,6 +180,7 @@ class ProbeSettings:
     stacks: bool = False  # keep each thread's stack extent (--stacks=yes: stack_bytes())
     sampled: bool = False  # also compile probes/sampled.bpf.c (points of kind sample_alloc / sample_free)
     schedule_ns: bool = False  # the snapshot schedule's points are timed in ns (--time-unit=ms), else in B
+    sample_rate: int = 524288  # sampled: the sampler's mean bytes between samples (its weights' rate)
 
 
 # bpf(2) uprobe_multi links: include/uapi/linux/bpf.h.
@@ -382,12 +384,49 @@ class MappedArray:
         self._mappings.clear()
 
 
+# libbcc keeps every loaded program's tables in one process-wide map, unguarded: two threads loading, unloading or
+# looking up tables at once crashed a daemon with several targets (in ebpf::TableStorage). Every load and cleanup
+# holds this lock, and each program's tables are looked up once, under it, at the load (_cache_tables).
+BCC_LOCK = threading.RLock()
+
+
+def _cache_tables(bpf: Any) -> None:
+    """Look every table of a freshly loaded program up once (bcc caches the objects), so that later reads never
+    search libbcc's shared table map while another thread changes it. Call with BCC_LOCK held."""
+    lib = _load_bcc().libbcc.lib
+    lib.bpf_num_tables.restype = ctypes.c_size_t
+    lib.bpf_num_tables.argtypes = [ctypes.c_void_p]
+    lib.bpf_table_name.restype = ctypes.c_char_p
+    lib.bpf_table_name.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    for i in range(lib.bpf_num_tables(bpf.module)):
+        name = lib.bpf_table_name(bpf.module, i)
+        if name:
+            bpf[name.decode()]  # the code reads tables by str names: cache them under those
+
+
+def _unload(bpf: Any) -> None:
+    """Unload a program and let its Python objects go: bcc registers every BPF object's cleanup with atexit, which
+    would keep each one, its tables and their ctypes types alive for the life of a daemon (megabytes a target)."""
+    with BCC_LOCK:
+        bpf.cleanup()
+    atexit.unregister(bpf.cleanup)
+    bpf.tables.clear()
+
+
 def _load_bcc():  # type: ignore[no-untyped-def]
     try:
         import bcc
     except ImportError as exc:
         raise EnvironmentProblem("the bcc Python module is not available (python3-bpfcc; run `make setup`)") from exc
     return bcc
+
+
+def _drop_leading(ips: tuple[int, ...], ranges: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """`ips` without its leading addresses that lie in one of `ranges` ([lo, hi))."""
+    i = 0
+    while i < len(ips) and any(lo <= ips[i] < hi for lo, hi in ranges):
+        i += 1
+    return ips[i:]
 
 
 class SiteReader(abc.ABC):
@@ -401,6 +440,9 @@ class SiteReader(abc.ABC):
 
     def __init__(self) -> None:
         self._stacks: dict[int, tuple[int, ...]] = {}  # site id -> return addresses, read once per site
+        # Address ranges whose frames are dropped from the start of every stack: sampled mode's stacks begin
+        # inside the sampler library (its hooks), which stand where exact mode's probe sees the caller.
+        self.lead_trim: tuple[tuple[int, int], ...] = ()
 
     @abc.abstractmethod
     def counters(self) -> Counters: ...
@@ -470,6 +512,8 @@ class SiteReader(abc.ABC):
             ips = self._stacks.get(key)
             if ips is None:
                 ips = self._read_stack(key)
+                if ips and self.lead_trim:
+                    ips = _drop_leading(ips, self.lead_trim)
                 if ips:
                     self._stacks[key] = ips
             out[key] = ips
@@ -524,8 +568,9 @@ class HeapProbes(SiteReader):
             f"-DHS_STACKS={int(s.stacks)}",
             f"-DHS_SCHED_NS={int(s.schedule_ns)}",
             f"-DHS_SCHED_RING_PAGES={SCHED_RING_BYTES // mmap.PAGESIZE}",
+            f"-DHS_SAMPLE_RATE={s.sample_rate}ULL",
         ]
-        with _captured_stderr() as messages:
+        with BCC_LOCK, _captured_stderr() as messages:
             try:
                 if s.sampled:  # sampled.bpf.c uses heap.bpf.c's helpers: one translation unit
                     source = "".join(
@@ -537,6 +582,7 @@ class HeapProbes(SiteReader):
             except Exception as exc:  # bcc raises bare Exception for compile and load failures
                 first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
                 raise EnvironmentProblem(f"cannot compile or load the BPF program: {first.strip()}") from exc
+            _cache_tables(bpf)
         try:
             try:
                 self._sites = MappedArray(bpf["sites"], s.max_stacks)
@@ -593,7 +639,7 @@ class HeapProbes(SiteReader):
                 ring.close()
         self._page_ring = self._sched_ring = None
         if self._bpf is not None:
-            self._bpf.cleanup()
+            _unload(self._bpf)
             self._bpf = None
 
     def _unmap(self) -> None:
@@ -607,7 +653,9 @@ class HeapProbes(SiteReader):
         tail-call (probes/heap.bpf.c alloc_walker, page_walker): before any probe can fire."""
         bcc = _load_bcc()
         assert self._bpf is not None
-        walkers = [("alloc_walker", self._load_uprobe_program(b"alloc_enter"))]
+        walkers = []
+        if not self.settings.sampled:  # sampled mode probes no allocation function: no call tail-calls it
+            walkers.append(("alloc_walker", self._load_uprobe_program(b"alloc_enter")))
         if self.settings.pages:
             walkers.append(("page_walker", self._bpf.load_func(b"page_enter_walk", bcc.BPF.TRACEPOINT)))
         for table, fn in walkers:

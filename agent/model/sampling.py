@@ -19,8 +19,52 @@ import math
 import random
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 DEFAULT_SAMPLE_RATE = 524288  # bytes: jemalloc's lg_prof_sample 19, Go's MemProfileRate, gperftools' advice
+MAX_SAMPLE_RATE = 1 << 40  # the sampler (probes/sampler/hs_sampler.c) refuses more
+
+Mode = Literal["exact", "sampled"]
+MODES: tuple[Mode, ...] = ("exact", "sampled")
+ESTIMATE_NOTE = "(sampled: heap sizes are estimates)"
+
+
+@dataclass(frozen=True)
+class ProfileMode:
+    """How a profile counts: every call (exact, Massif's figures) or a Poisson sample by bytes at `rate`
+    (sampled: every byte and block figure is an estimate; the call counts the sampler keeps are exact)."""
+
+    mode: Mode = "exact"
+    rate: int = DEFAULT_SAMPLE_RATE
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        validate_rate(self.rate)
+        if self.rate > MAX_SAMPLE_RATE:
+            raise ValueError(f"sample rate must be at most {MAX_SAMPLE_RATE} bytes, not {self.rate}")
+
+    @property
+    def sampled(self) -> bool:
+        return self.mode == "sampled"
+
+    @property
+    def period(self) -> int:
+        """The mean bytes between counted allocations: the rate when sampled, 1 when every call counts."""
+        return self.rate if self.sampled else 1
+
+    def desc(self) -> tuple[str, ...]:
+        """What massif.out's desc: line says of the mode (ms_print shows it as Massif's arguments)."""
+        if not self.sampled:
+            return ("--mode=exact",)
+        return ("--mode=sampled", f"--sample-rate={self.rate}", ESTIMATE_NOTE)
+
+    def label(self) -> str:
+        """One line for a person: the summary, logs."""
+        if not self.sampled:
+            return "exact mode: every allocation call counted"
+        return (f"sampled mode, one sample per {self.rate} bytes on average: heap bytes and blocks are estimates, "
+                "call counts exact")
 
 
 def validate_rate(rate: int) -> int:

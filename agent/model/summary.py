@@ -42,21 +42,44 @@ class ScheduleSummary:
 
 
 @dataclass(frozen=True)
+class SamplingSummary:
+    """Sampled mode: what the in-process sampler reported."""
+
+    rate: int  # mean bytes between samples
+    samples: int = 0  # allocations sampled
+    sampled_frees: int = 0  # frees of sampled blocks
+    unseen_frees: int = 0  # samples whose address did not fit the sampler's set: their frees are not seen
+
+
+@dataclass(frozen=True)
 class ProfileSummary:
     counters: Counters
     pages: PageSummary | None = None
     unwind: UnwindSummary | None = None
     schedule: ScheduleSummary | None = None
+    sampling: SamplingSummary | None = None  # None: exact mode
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def lines(self) -> list[str]:
         c = self.counters
-        lines = [
+        lines = []
+        sm = self.sampling
+        if sm is not None:
+            lines.append(
+                f"sampled mode, one sample per {sm.rate} bytes on average ({sm.samples} samples, {sm.sampled_frees} "
+                "of their frees): the peak, the live blocks and bytes are ESTIMATES; call counts are exact"
+            )
+            if sm.unseen_frees:
+                lines.append(f"{sm.unseen_frees} samples did not fit the sampler's address set: their frees "
+                             "were not seen (those blocks stay in the estimate)")
+        est = "~" if sm is not None else ""
+        lines.append(
             f"{c.n_allocs} allocations, {c.n_frees} frees, {c.n_reallocs} reallocs; "
-            f"peak {c.peak_heap} B useful + {c.peak_extra} B extra; {c.blocks} blocks ({c.heap} B) live at the end"
-        ]
+            f"peak {est}{c.peak_heap} B useful + {est}{c.peak_extra} B extra; {est}{c.blocks} blocks "
+            f"({est}{c.heap} B) live at the end"
+        )
         if c.untracked_frees:
             lines.append(f"{c.untracked_frees} frees of blocks allocated before the probes were attached (not counted)")
         if c.failed_allocs:

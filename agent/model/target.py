@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from agent.model.counters import Counters
+from agent.model.fleet import TargetOrigin
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Stack
 
@@ -26,6 +27,8 @@ class ProfileHeader:
     time_unit: str
     threshold: float
     xtree_kind: XtreeKind
+    mode: str = "exact"  # sampled: the figures are estimates (agent.model.sampling.ProfileMode)
+    sample_rate: int = 1
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,9 @@ class TargetStatus:
     files: tuple[str, ...]  # the files written when profiling ended
     counters: Counters
     pages: PageTotals | None = None  # mapped memory (None until the page map is seeded)
+    origin: TargetOrigin = field(default_factory=TargetOrigin)  # identity, cgroup, selector (agent.model.fleet)
+    mode: str = "exact"  # exact, or sampled: the heap figures are estimates (agent.model.sampling)
+    sample_rate: int = 1  # sampled: mean bytes between samples; 1 when every call counts
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from agent.errors import HeapscopeError, UsageError
 from agent.export.webdata import (
     DIFF_ROWS,
     TOP_SITES,
+    Mode,
     build_timeline,
     memory_lookup,
     path_bytes,
@@ -62,13 +63,16 @@ def _top(entries: dict[Any, int], limit: int) -> tuple[list[list[Any]], int]:
 
 def page_data(profile: MassifFile, name: str, memory: Sequence[MemoryPoint] = ()) -> dict[str, Any]:
     snaps = profile.snapshots
-    timeline = build_timeline(snaps, time_unit=profile.time_unit, top=TOP_SITES, memory=memory_lookup(memory))
+    # heapscope's sampled mode says so in desc: (agent.model.sampling.ProfileMode.desc)
+    mode: Mode = "sampled" if "--mode=sampled" in profile.desc.split() else "exact"
+    timeline = build_timeline(snaps, time_unit=profile.time_unit, top=TOP_SITES, memory=memory_lookup(memory),
+                              mode=mode)
     trees: dict[str, Any] = {}
     diffdata: dict[str, Any] = {}
     for sid, s in zip(snapshot_ids(snaps), snaps, strict=True):
         if s.tree is None:
             continue
-        trees[sid] = dataclasses.asdict(snapshot_tree(snaps, sid))
+        trees[sid] = dataclasses.asdict(snapshot_tree(snaps, sid, mode=mode))
         sites, cut_sites = _top(site_bytes(s.tree), DIFF_ENTRIES)
         paths, cut_paths = _top(path_bytes(s.tree), DIFF_ENTRIES)
         diffdata[sid] = {"sites": sites, "paths": [[list(p), v] for p, v in paths], "truncated": cut_sites + cut_paths}

@@ -50,9 +50,9 @@ from typing import TypeVar
 
 from elftools.elf.elffile import ELFFile
 
-from agent.errors import EnvironmentProblem, TargetError
+from agent.errors import EnvironmentProblem, SamplingRefused, TargetError
 from agent.process.discovery import allocator_of_process
-from agent.process.sampler import MapLine, build_stub, mapped_base, read_map_lines
+from agent.process.sampler import MapLine, build_sampler, build_stub, mapped_base, read_map_lines
 from agent.symbols.elf import ElfObject, open_elf
 from agent.symbols.symbolizer import DEFAULT_DEBUG_ROOTS, find_debug_file
 
@@ -239,15 +239,15 @@ def preflight_ptrace(pid: int) -> dict[str, str]:
         raise EnvironmentProblem("ptrace is disabled on this machine (kernel.yama.ptrace_scope=3); use --mode=exact")
     status = _status_fields(pid)
     if status.get("TracerPid", "0").strip() != "0":
-        raise TargetError(f"process {pid} is already traced by PID {status['TracerPid'].strip()}; use --mode=exact")
+        raise SamplingRefused(f"process {pid} is already traced by PID {status['TracerPid'].strip()}; use --mode=exact")
     seccomp = status.get("Seccomp", "0").strip()
     if seccomp != "0":
-        raise TargetError(
+        raise SamplingRefused(
             f"process {pid} runs under seccomp (mode {seccomp}): its filter could kill it on a system call the "
             "sampler makes; use --mode=exact"
         )
     if status.get("State", "").startswith(("T", "t")):
-        raise TargetError(f"process {pid} is stopped; resume it or use --mode=exact")
+        raise SamplingRefused(f"process {pid} is stopped; resume it or use --mode=exact")
     return status
 
 
@@ -260,21 +260,29 @@ def preflight(pid: int, library: Path, proc_root: str = "/proc") -> None:
         inside = None
     ours = os.stat(library)
     if inside is None or (inside.st_dev, inside.st_ino) != (ours.st_dev, ours.st_ino):
-        raise TargetError(
+        raise SamplingRefused(
             f"process {pid} cannot see the sampler library {library} through its own root (a container?); "
             "use --mode=exact"
         )
     maps = read_map_lines(pid)
     libc = _libc_mapping(maps)
     if libc is None or open_elf(f"{proc_root}/{pid}/root{libc.path}").find_symbol("dlopen") is None:
-        raise TargetError(f"process {pid} has no glibc dlopen (a static or non-glibc program); use --mode=exact")
+        raise SamplingRefused(f"process {pid} has no glibc dlopen (a static or non-glibc program); use --mode=exact")
     allocator = allocator_of_process(pid, proc_root)
     exe = os.path.realpath(f"{proc_root}/{pid}/exe")
     if os.path.realpath(allocator.path) == exe:
-        raise TargetError(
+        raise SamplingRefused(
             f"process {pid}'s allocator ({allocator.family}) is linked into its executable: its calls do not go "
             "through the GOT and cannot be sampled; use --mode=exact"
         )
+
+
+def preflight_sampled(pid: int, proc_root: str = "/proc") -> None:
+    """Sampled mode's refusals for process `pid`, before anything is changed: those of inject(), with the
+    library it would inject (nothing to check when that library is loaded already: it is reused)."""
+    library = Path(os.path.realpath(build_sampler()))
+    if mapped_base(pid, library) is None:
+        preflight(pid, library, proc_root)
 
 
 # ---- the unsafe ranges ---------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.errors import EnvironmentProblem, TargetError, UsageError
+from agent.process.discovery import ProbePoint
 from agent.symbols.elf import open_elf
+from agent.symbols.placement import choose_offset
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "probes" / "sampler"
 SOURCES = ("hs_sampler.c", "hs_sampler.h")
@@ -182,6 +184,32 @@ def mapped_base(pid: int, library: Path) -> int | None:
         if m.offset == 0 and (m.dev_major, m.dev_minor, m.inode) == wanted:
             return m.start
     return None
+
+
+def library_range(pid: int, library: Path) -> tuple[int, int] | None:
+    """[lowest start, highest end) of the mappings of `library` in process `pid` (by device and inode), or None."""
+    st = os.stat(library)
+    wanted = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    spans = [(m.start, m.end) for m in read_map_lines(pid) if (m.dev_major, m.dev_minor, m.inode) == wanted]
+    if not spans:
+        return None
+    return min(lo for lo, _ in spans), max(hi for _, hi in spans)
+
+
+def probe_points(library: Path) -> list[ProbePoint]:
+    """The uprobes of sampled mode: hs_sample_alloc(ptr, size, weight) and hs_sample_free(ptr), each on the
+    5-byte nop it starts with (no trap on Linux 6.18: its uprobe runs through a trampoline)."""
+    obj = open_elf(str(library))
+    points = []
+    for name, kind, regs in (("hs_sample_alloc", "sample_alloc", ("rdi", "rsi", "rdx")),
+                             ("hs_sample_free", "sample_free", ("rdi",))):  # fmt: skip
+        found = obj.find_symbol(name)
+        if found is None:
+            raise EnvironmentProblem(f"{library} has no symbol {name}: not a heapscope sampler")
+        placement = choose_offset(obj.code_bytes(found[0], 16), regs)
+        offset = obj.vaddr_to_file_offset(found[0] + placement.offset)
+        points.append(ProbePoint(name, kind, str(library), found[0], offset, placement))
+    return points
 
 
 def symbol_value(library: Path, name: str) -> int:

@@ -63,9 +63,10 @@ def attach_to(pid: int, proc: str = "/proc") -> TargetProcess:
     return TargetProcess(pid, name, " ".join(info.cmdline), allocator, alive)
 
 
-def launch(argv: Sequence[str]) -> TargetProcess:
-    """A program started held before its exec: the probes arm at the exec, so nothing it allocates is missed."""
-    child = HeldChild(argv)
+def launch(argv: Sequence[str], env: dict[str, str] | None = None) -> TargetProcess:
+    """A program started held before its exec: the probes arm at the exec, so nothing it allocates is missed.
+    `env`: its environment (default: ours)."""
+    child = HeldChild(argv, env)
     try:
         allocator = allocator_of_program(child.path, child.env)
     except BaseException:

@@ -38,6 +38,7 @@ from agent.export.malt import (
 from agent.kernel.probes import FN_KINDS, LOG2_BINS, HeapProbes
 from agent.model.counters import Counters
 from agent.model.functions import BY_SYMBOL, malt_name_of_kind
+from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint
 from agent.symbols.globalvars import global_variables
 
@@ -48,10 +49,11 @@ TICKS_PER_SECOND = 1_000_000_000  # the kernel's clock: nanoseconds
 
 
 class MaltRecorder:
-    def __init__(self, probes: HeapProbes, pid: int, points: int = 512) -> None:
+    def __init__(self, probes: HeapProbes, pid: int, points: int = 512, mode: ProfileMode | None = None) -> None:
         self.probes = probes
         self.pid = pid
         self.points = points
+        self.mode = mode or ProfileMode()  # sampled: the kernel's counts are the samples' weights
         self.start_ns = time.monotonic_ns()
         self.memory = TimelineBinner(MEMORY_FIELDS, points=points, start=0)
         self.system = TimelineBinner(SYSTEM_FIELDS, points=points, start=0)
@@ -206,7 +208,8 @@ class MaltRecorder:
                 mmap_count=sum(m.count for m in mmap_calls),
                 mmap_bytes=sum(m.sum for m in mmap_calls),
             ),
-            config=MaltConfig(points=self.points, mmap=session.pages is not None),
+            config=MaltConfig(points=self.points, mmap=session.pages is not None, mode=self.mode.mode,
+                              sample_rate=self.mode.period),
             stacks=stacks,
             function_addresses={**_function_addresses(probe_points, mappings), **page_functions},
             mappings=mappings,

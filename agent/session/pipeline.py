@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -28,11 +28,15 @@ from agent.model.counters import Counters
 from agent.model.memline import MemoryLine, MemoryPoint
 from agent.model.options import MAX_WALKED_FRAMES, MassifOptions
 from agent.model.pages import PageTotals
-from agent.model.profile import SiteCounts, Snapshot, Stack
-from agent.model.summary import ProfileSummary
+from agent.model.profile import SiteCounts, Snapshot, SnapshotKind, Stack
+from agent.model.sampling import ProfileMode
+from agent.model.summary import ProfileSummary, SamplingSummary
 from agent.model.target import ProfileHeader, SiteTotal, TargetState, top_sites
-from agent.process.target import TargetProcess
+from agent.process.discovery import HOOK_KINDS
+from agent.process.inject import preflight_sampled
+from agent.process.target import TargetProcess, launch
 from agent.session.pprof_context import pprof_context
+from agent.session.sampled import SamplerLink, launch_sampled
 from agent.session.session import Session, SessionInfo
 
 
@@ -53,10 +57,13 @@ class ProfileSettings:
     max_blocks: int = 1 << 20
     max_stacks: int = 1 << 16
     malt: bool = False  # keep MALT's statistics in the kernel (GET /malt, --malt-out-file)
+    mode: ProfileMode = field(default_factory=ProfileMode)  # exact, or sampled (agent.session.sampled)
 
     def probe_settings(self, pid: int, launched: bool) -> ProbeSettings:
         o = self.opts
         return ProbeSettings(
+            sampled=self.mode.sampled,
+            sample_rate=self.mode.rate,
             target_tgid=pid,
             arm_on_exec=launched,
             stop_events=launched,
@@ -77,6 +84,16 @@ class ProfileSettings:
         """The formats written at the end, with their file name templates."""
         return [(f, self.files[f.name]) for f in FORMATS if f.name in self.files and f.written_if(self.opts)]
 
+    def preflight(self, pid: int) -> None:
+        """Refuse, with one line and before anything is changed or said, a running process this mode cannot
+        profile safely (sampled: agent.process.inject's refusals)."""
+        if self.mode.sampled:
+            preflight_sampled(pid)
+
+    def launch(self, argv: list[str]) -> TargetProcess:
+        """A program started held before its exec (`run`); in sampled mode with the sampler preloaded."""
+        return launch_sampled(argv) if self.mode.sampled else launch(argv)
+
 
 class Profile:
     """One target's profile, from the probes to the outputs. Readers (HTTP requests) may call the methods below
@@ -91,13 +108,18 @@ class Profile:
         self.allocator = process.allocator.family
         self.say = say
         o = settings.opts
+        self.mode: str = settings.mode.mode  # what /targets and the web page say
+        self.sample_rate = settings.mode.period
+        self._sampler: SamplerLink | None = None
         self._header = ProfileHeader(
-            desc=tuple(settings.desc),
+            desc=(*settings.desc, *settings.mode.desc()),
             cmd=process.cmdline,
             pid=process.pid,
             time_unit=o.time_unit,
             threshold=o.threshold,
             xtree_kind="full" if o.xtree_memory == "full" else "allocs",
+            mode=settings.mode.mode,
+            sample_rate=settings.mode.period,
         )
         self.state: TargetState = "profiling"
         self.started_at = time.time()
@@ -107,6 +129,24 @@ class Profile:
         self.lock = threading.Lock()
         self._malt_final: MaltDocument | None = None  # MALT's profile at the end, once the probes are closed
         self.memory = MemoryLine()  # mapped bytes and RSS beside the snapshots, for the web page's lines
+        self._history: list[Snapshot] = []  # snapshots of an earlier profile this one continues
+        self._clock: tuple[int, int] | None = None  # (session start_ns, B offset) to continue from
+
+    def continue_from(self, before: Profile) -> None:
+        """Continue the history of an earlier profile of the same process (the daemon switching its mode): its
+        snapshots come first, the clock goes on from its start, and the memory line goes on. The new profile
+        counts from 0: blocks allocated before it are not in its figures, as for any attach. The earlier
+        peak stays as a detailed snapshot (massif.out has one peak)."""
+        earlier = before.snapshots() if before.session is not None else []
+        self._history = [
+            Snapshot(x.time, x.heap_B, x.heap_extra_B, x.stacks_B, x.tree, SnapshotKind.DETAILED)
+            if x.kind is SnapshotKind.PEAK else x
+            for x in earlier
+        ]
+        start_ns = before.session.start_ns if before.session is not None else time.monotonic_ns()
+        self._clock = (start_ns, earlier[-1].time if earlier else 0)
+        self.started_at = before.started_at
+        self.memory = before.memory
 
     # ---- the pipeline -----------------------------------------------------------------------------
 
@@ -114,38 +154,56 @@ class Profile:
         """Attach, let a held target go, sample until it exits or `stop` is set, detach, and keep the last state.
         `ready` is called once the probes are live."""
         s, p = self.settings, self.process
-        for line in p.allocator.describe():
+        lines = p.allocator.describe()
+        for line in lines[:1] if s.mode.sampled else lines:  # sampled mode probes no allocation function
             self.say(line)
         if s.opts.depth + 12 > MAX_WALKED_FRAMES:
             self.say(f"stacks are walked to {MAX_WALKED_FRAMES} frames at most (the BPF verifier's limit)")
-        points = p.allocator.points(p.launched, heap=not s.opts.pages_as_heap)
+        alloc_points = p.allocator.points(p.launched, heap=not s.opts.pages_as_heap)
+        points = alloc_points
         tables = None
         if s.unwind == "cfi":
             from agent.symbols.unwind import load_table
 
             tables = load_table
         try:
+            link = None
+            if s.mode.sampled:
+                self.say(s.mode.label())
+                # attach: injected now, before the probes; run: preloaded, armed once the program maps it
+                link = self._sampler = SamplerLink(p, s.mode, self.say)
+                points = link.points + [pt for pt in alloc_points if pt.kind in HOOK_KINDS]
             with HeapProbes(s.probe_settings(p.pid, p.launched), points) as probes:
                 session = Session(
                     s.opts,
                     probes,
-                    SessionInfo(p.pid, p.cmdline, list(s.desc), p.allocator.family),
+                    SessionInfo(p.pid, p.cmdline, list(self._header.desc), p.allocator.family),
                     tables=tables,
                     exec_limit=int(p.launched),
                 )
+                if self._clock is not None:
+                    session.start_ns, session.time_offset_b = self._clock
+                if link is not None:
+                    session.before_exit = link.poll  # the sampler's exact counts at the target's exit()
                 if s.malt:
                     from agent.session.maltrec import MaltRecorder
 
-                    session.recorder = MaltRecorder(probes, p.pid)
+                    session.recorder = MaltRecorder(probes, p.pid, mode=s.mode)
                 if not p.launched:
                     session.prepare_attach()
-                self.say(f"probes attached to {p.pid} ({probes.attached_through})")
-                p.release()
-                self.session = session
-                ready()
                 try:
+                    self.say(f"probes attached to {p.pid} ({probes.attached_through})")
+                    if link is not None and not p.launched:
+                        link.arm(probes)  # after prepare_attach: the sampler's unwind table is published
+                    p.release()
+                    if link is not None and p.launched:
+                        link.arm_in_background(probes)
+                    self.session = session
+                    ready()
                     session.run(self._alive_and_recording(session), stop, s.sample_interval)
                 finally:
+                    if link is not None:
+                        link.disarm()  # before the probes go: no sample without its probe
                     probes.detach()  # the target runs on untouched from here
                     if session.exec_ended():
                         self.say(f"process {p.pid} exec'ed another program: its profile ends there")
@@ -153,7 +211,7 @@ class Profile:
                     assert session.end_counters is not None
                     if session.recorder is not None:  # built while the maps are open: readable after the end
                         self._malt_final = MaltDocument(
-                            session.malt_profile(points, p.allocator.path),
+                            session.malt_profile(alloc_points, p.allocator.path),
                             symbolizer_resolver(session.symbolizer, session.maps.mappings),
                         )
                         for problem in check_consistency(self._malt_final.profile):
@@ -182,6 +240,8 @@ class Profile:
             if now >= next_at:
                 next_at = now + interval
                 self._record_memory(session, proc)
+                if self._sampler is not None:
+                    self._sampler.poll()  # its last counts stand should the target exit unheld
             return self.process.alive()
 
         return check
@@ -241,7 +301,16 @@ class Profile:
     def counters(self) -> Counters:
         s = self._session()
         with self.lock:
-            return s.end_counters or s.counters()
+            c = s.end_counters or s.counters()
+        return self._exact_counts(c)
+
+    def _exact_counts(self, c: Counters) -> Counters:
+        """Sampled mode: the call counts and bytes asked for are the sampler's own, exact; the rest stays the
+        samples' estimate (the kernel's weighted sums, which MALT's statistics keep to add up)."""
+        counts = self._sampler.counts() if self._sampler is not None else None
+        if counts is None:
+            return c
+        return replace(c, n_allocs=counts["allocs"], n_frees=counts["frees"], alloc_bytes=counts["alloc_bytes"])
 
     def page_totals(self) -> PageTotals | None:
         s = self._session()
@@ -257,7 +326,7 @@ class Profile:
     def snapshots(self) -> list[Snapshot]:
         s = self._session()
         with self.lock:
-            return s.snapshot_list()
+            return self._history + s.snapshot_list()
 
     def xtree_sites(self) -> dict[Stack, SiteCounts]:
         s = self._session()
@@ -268,7 +337,7 @@ class Profile:
         """The mappings with their build ids, and the times, of a pprof profile of now (of the end, once ended)."""
         s = self._session()
         with self.lock:
-            return pprof_context(s, self.started_at, self.ended_at)
+            return pprof_context(s, self.started_at, self.ended_at, self.settings.mode)
 
     def top_sites(self, n: int) -> tuple[list[SiteTotal], SiteTotal]:
         s = self._session()
@@ -291,4 +360,10 @@ class Profile:
     def summary(self) -> ProfileSummary:
         s = self._session()
         with self.lock:
-            return s.summary()
+            summary = s.summary()
+        link = self._sampler
+        if link is None:
+            return summary
+        st = link.statistics()
+        sampling = SamplingSummary(link.rate, st.get("samples", 0), st.get("sampled_frees", 0), st.get("set_full", 0))
+        return replace(summary, counters=self._exact_counts(summary.counters), sampling=sampling)

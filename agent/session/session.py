@@ -99,8 +99,11 @@ class Session:
         self.symbolizer = symbolizer or Symbolizer()
         self.sites = SiteTrees(opts, self.maps, self.symbolizer, root_label, Frame(address=0, function=pre_existing))
         self.recorder: Recorder | None = None  # MALT's timelines, when a MALT profile is wanted
+        # Called while a `run` target is held at its exit(): the last moment its memory can be read.
+        self.before_exit: Callable[[], None] | None = None
         self.series = SnapshotSeries(detailed_freq=opts.detailed_freq, max_snapshots=opts.max_snapshots)
         self.start_ns = time.monotonic_ns()  # the same clock as bpf_ktime_get_ns
+        self.time_offset_b = 0  # --time-unit=B: where this session's clock starts (a profile continued)
         self._ended_ns: int | None = None  # when run() stopped sampling
         self.end_counters: Counters | None = None
         self._sites_seen = 0  # the kernel's n_sites when the sites were last symbolized
@@ -121,7 +124,7 @@ class Session:
     def now(self, c: Counters) -> int:
         """The current time in the session's unit (once sampling has ended, the time it ended)."""
         if self.opts.time_unit == "B":
-            return c.time_b
+            return c.time_b + self.time_offset_b
         now_ns = self._ended_ns if self._ended_ns is not None else time.monotonic_ns()
         return (now_ns - self.start_ns) // 1_000_000
 
@@ -133,7 +136,7 @@ class Session:
 
     def peak_time(self, c: Counters) -> int:
         if self.opts.time_unit == "B":
-            return c.peak_time_b
+            return c.peak_time_b + self.time_offset_b
         return max(0, (c.peak_ns - self.start_ns) // 1_000_000)
 
     # ---- stacks -----------------------------------------------------------------------------------
@@ -365,6 +368,8 @@ class Session:
         if stopped == EV_EXIT or EV_EXIT in events:
             with self._lock:
                 self.symbolize_new(self._used_site_keys())
+            if self.before_exit is not None:
+                self.before_exit()
         if stopped:
             live.resume()
 

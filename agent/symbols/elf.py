@@ -300,4 +300,14 @@ def open_elf(path: str) -> ElfObject:
         return cached
     obj = _read_header(path)
     with _cache_lock:
+        _forget_gone_processes()
         return _cache.setdefault(key, obj)
+
+
+def _forget_gone_processes() -> None:
+    """Drop the entries reached through /proc/PID/root of a process that is gone: no one opens them by that path
+    again, and a daemon that profiles one process after another would otherwise keep every one's objects (and the
+    symbol tables read from them). Holders of an object keep it alive as long as they need it."""
+    gone = [k for k in _cache if k[0].startswith("/proc/") and not os.path.exists(k[0].split("/root/", 1)[0])]
+    for key in gone:
+        del _cache[key]

@@ -16,3 +16,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         "description": "The target is busy (already profiled, or not attached yet), or MALT statistics are off",
     },
 }
+# A new target at one of the daemon's limits (--max-targets, --max-sites, --max-memory).
+REFUSED: dict[int | str, dict[str, Any]] = {
+    429: {"model": ErrorBody, "description": "Refused: the daemon is at one of its limits (targets, sites, memory)"},
+}

@@ -26,9 +26,7 @@ SnapshotId = Annotated[str, Path(max_length=64, description="A point's id from t
 
 
 def _mode(t: TargetPort) -> Mode:
-    # Sampled mode will give targets a `mode`; until then every profile is exact.
-    mode = getattr(t, "mode", "exact")
-    return "sampled" if mode == "sampled" else "exact"
+    return "sampled" if t.mode == "sampled" else "exact"
 
 
 def _cache(request: Request) -> SiteCache:

@@ -35,6 +35,7 @@
 #include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -1059,6 +1060,8 @@ static void handle_request(void)
     __atomic_store_n(&hs_control.ack_seq, seq, __ATOMIC_RELEASE);
 }
 
+static int holding; /* the program waits in hold_for_arming (run --mode=sampled) */
+
 static void *control_thread(void *arg)
 {
     (void)arg;
@@ -1071,7 +1074,9 @@ static void *control_thread(void *arg)
         /* events = 0: a pipe's read end still reports POLLHUP (no writer left), POLLERR and POLLNVAL, and
          * nothing is ever read from it, so a descriptor the program reused is never consumed. */
         struct pollfd pfd = {.fd = lease_read_fd, .events = 0};
-        int n = poll(is_armed ? &pfd : NULL, is_armed ? 1 : 0, is_armed ? 50 : 500);
+        /* Every 50 ms armed (the watchdog's period), 500 ms idle, 2 ms while a preloaded program waits in
+         * hold_for_arming for heapscope's first request. */
+        int n = poll(is_armed ? &pfd : NULL, is_armed ? 1 : 0, is_armed ? 50 : LOAD(holding) ? 2 : 500);
         if (is_armed) {
             if (fd_ino(lease_read_fd) != lease_ino)
                 disarm(HS_DISARM_PIPE_LOST);
@@ -1114,6 +1119,31 @@ static void after_fork_in_child(void)
 static void broken(void)
 {
     STORE(hs_control.state, HS_STATE_BROKEN);
+}
+
+/* `heapscope run --mode=sampled` preloads the library (LD_PRELOAD) instead of injecting it, with
+ * HEAPSCOPE_SAMPLER_HOLD=<ms>: the constructor then waits, up to that long, for heapscope to arm the sampler,
+ * so the program's own allocations from main() on are sampled. It first puts the environment back as it
+ * was (LD_PRELOAD as given to heapscope, in HEAPSCOPE_SAMPLER_LD_PRELOAD), so that the program's children
+ * neither load the sampler nor wait. Runs before main(): single-threaded but for the control thread. */
+static void hold_for_arming(void)
+{
+    const char *hold = getenv("HEAPSCOPE_SAMPLER_HOLD");
+    if (!hold)
+        return;
+    long ms = strtol(hold, NULL, 10);
+    const char *preload = getenv("HEAPSCOPE_SAMPLER_LD_PRELOAD");
+    if (preload)
+        setenv("LD_PRELOAD", preload, 1);
+    else
+        unsetenv("LD_PRELOAD");
+    unsetenv("HEAPSCOPE_SAMPLER_LD_PRELOAD");
+    unsetenv("HEAPSCOPE_SAMPLER_HOLD");
+    struct timespec tick = {.tv_sec = 0, .tv_nsec = 1000000};
+    STORE(holding, 1);
+    for (long waited = 0; waited < ms && LOAD(hs_control.state) != HS_STATE_ARMED; waited++)
+        nanosleep(&tick, NULL);
+    STORE(holding, 0);
 }
 
 __attribute__((constructor)) static void hs_sampler_init(void)
@@ -1159,4 +1189,5 @@ __attribute__((constructor)) static void hs_sampler_init(void)
     if (rc != 0)
         { broken(); return; }
     STORE(hs_control.state, HS_STATE_IDLE);
+    hold_for_arming();
 }

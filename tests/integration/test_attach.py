@@ -160,6 +160,7 @@ def start_attach(heapscope_cmd: list[str], pid: int, out: Path) -> subprocess.Po
         *heapscope_cmd,
         "attach",
         str(pid),
+        "--mode=exact",  # exact figures, as Massif counts them (attach samples by default: test_modes.py)
         "--time-unit=B",
         "--threshold=0.0",
         "--detailed-freq=1",

@@ -63,6 +63,12 @@ BAD_OPTIONS = [
     pytest.param(["--heap-admin=-8"], id="heap-admin-negative"),
     pytest.param(["--alignment=3"], id="alignment-not-power-of-two"),
     pytest.param(["--no-such-option=1"], id="unknown-option"),
+    pytest.param(["--mode=fast"], id="mode-unknown"),
+    pytest.param(["--mode=sampled", "--sample-rate=0"], id="sample-rate-zero"),
+    pytest.param(["--mode=sampled", "--sample-rate=lots"], id="sample-rate-not-a-number"),
+    pytest.param(["--mode=sampled", f"--sample-rate={(1 << 40) + 1}"], id="sample-rate-over-the-sampler-limit"),
+    pytest.param(["--mode=exact", "--sample-rate=4096"], id="sample-rate-in-exact-mode"),
+    pytest.param(["--mode=sampled", "--pages-as-heap=yes"], id="sampled-pages-as-heap"),
 ]
 
 

@@ -77,6 +77,8 @@ def start_daemon(heapscope_cmd: list[str], tmp: Path, *extra: str, token: str | 
     env = {k: v for k, v in os.environ.items() if k != "HEAPSCOPE_TOKEN"}
     if token is not None:
         env["HEAPSCOPE_TOKEN"] = token
+    if not any(a.startswith("--mode") for a in extra):
+        extra = ("--mode=exact", *extra)  # exact figures; the daemon's sampled default has test_modes.py
     cmd = [*heapscope_cmd, "serve", "--http", f"127.0.0.1:{port}", "--output-dir", str(out_dir), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("wb"), env=env)
     url = f"http://127.0.0.1:{port}"
@@ -300,7 +302,9 @@ def test_metrics_pass_promtool_and_reach_prometheus(daemon: Daemon, target: Targ
         text = client.get("/metrics").text
     done = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False)
     assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), done.stdout + done.stderr
-    assert f'heapscope_heap_useful_bytes{{command="daemon_target",pid="{target.pid}"}} 17000.0' in text
+    # Labels in name order; the placement labels (cgroup, container, pod, unit) come from the target's cgroup.
+    labels = rf'{{cgroup="[^"]*",command="daemon_target",container="",pid="{target.pid}",pod="",unit="[^"]*"}}'
+    assert re.search(rf"heapscope_heap_useful_bytes{labels} 17000.0", text), text
 
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -375,7 +379,8 @@ def test_mapped_memory_agrees_with_proc_maps(daemon: Daemon, target: Target) -> 
         _, _, stack_at_attach = _maps_figures(target.pid)
         target.step("allocated")
         text = client.get("/metrics").text
-        series = re.search(rf'heapscope_mapped_bytes{{command="daemon_target",pid="{target.pid}"}} (\S+)', text)
+        labels = rf'{{[^}}]*command="daemon_target",[^}}]*pid="{target.pid}"[^}}]*}}'
+        series = re.search(rf"heapscope_mapped_bytes{labels} (\S+)", text)
         assert series, text
         gauge = int(float(series[1]))
         total, uprobes, stack = _maps_figures(target.pid)

@@ -145,7 +145,8 @@ def test_pages_as_heap_attach_charges_earlier_mappings_to_their_own_entry(
     target = subprocess.Popen([str(pages_program), "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert target.stdout is not None and target.stdin is not None
     assert target.stdout.readline() == b"ready\n"
-    cmd = [*heapscope_cmd, "attach", str(target.pid), "--pages-as-heap=yes", "--time-unit=B", "--threshold=0.0"]
+    cmd = [*heapscope_cmd, "attach", str(target.pid), "--mode=exact", "--pages-as-heap=yes", "--time-unit=B",
+           "--threshold=0.0"]
     profiler = subprocess.Popen([*cmd, f"--massif-out-file={out}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         said = _wait_for(profiler, "probes attached")

@@ -14,9 +14,12 @@ from agent.export.massif import render_snapshot
 from agent.export.pprof import PprofContext
 from agent.export.registry import BY_NAME, MaltDocument
 from agent.model.counters import Counters
+from agent.model.fleet import FleetStatus, SelectorStatus, TargetOrigin
 from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
 from agent.model.profile import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
+from agent.model.sampling import ProfileMode
+from agent.model.selector import Selector
 from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus, top_sites
 from agent.symbols.symbolizer import Mapping
 
@@ -57,12 +60,15 @@ class FakeTarget:
     pid: int
     command: str = "prog"
     allocator: str = "glibc"
+    mode: str = "exact"
+    sample_rate: int = 1
     state: str = "profiling"
     sites: dict[Stack, SiteCounts] = field(default_factory=sample_sites)
     time: int = 1234
     fail_with: BaseException | None = None  # raised by every read: an unexpected error in the daemon
     history: list[Snapshot] | None = None  # the kept snapshots, when a test gives them (else three made up)
     memory: list[MemoryPoint] = field(default_factory=list)  # the mapped/RSS line
+    origin: TargetOrigin = field(default_factory=TargetOrigin)  # identity, cgroup, selector
     _xt_seq: int = 0
 
     def header(self) -> ProfileHeader:
@@ -99,6 +105,8 @@ class FakeTarget:
             pid=self.pid, command=self.command, cmdline=f"/bin/{self.command} --serve", allocator=self.allocator,
             state=self.state, started_at=1_700_000_000.0,
             ended_at=None if self.state == "profiling" else 1_700_000_060.0, files=(), counters=self.counters(),
+            origin=self.origin,
+            mode=self.mode, sample_rate=self.sample_rate,
         )
 
     def _tree(self) -> HeapTree:
@@ -165,6 +173,8 @@ class FakeManager:
         self.by_pid = {t.pid: t for t in targets}
         self.attachable: dict[int, FakeTarget] = {}  # what attach(pid) may find
         self.calls: list[str] = []
+        self.chosen: dict[int, Selector] = {}  # the selectors added, by id
+        self.refused: dict[str, int] = {}  # what fleet_status() reports as refused, by reason
 
     def start(self) -> None:
         self.calls.append("start")
@@ -186,13 +196,22 @@ class FakeManager:
             raise NoSuchTarget("no target is profiled")
         raise UsageError("several targets: pick one with ?pid=")
 
-    def attach(self, pid: int) -> FakeTarget:
+    def attach(self, pid: int, mode: ProfileMode | None = None) -> FakeTarget:
         if pid in self.by_pid:
             raise TargetConflict(f"process {pid} is already being profiled")
         if pid not in self.attachable:
             raise NoSuchTarget(f"no process with PID {pid}")
-        self.by_pid[pid] = self.attachable.pop(pid)
-        return self.by_pid[pid]
+        t = self.by_pid[pid] = self.attachable.pop(pid)
+        if mode is not None:
+            t.mode, t.sample_rate = mode.mode, mode.period
+        self.calls.append(f"attach {pid} {t.mode}")
+        return t
+
+    def switch_mode(self, pid: int, mode: ProfileMode) -> FakeTarget:
+        t = self.get(pid)
+        t.mode, t.sample_rate = mode.mode, mode.period
+        self.calls.append(f"switch {pid} {mode.mode} {mode.period}")
+        return t
 
     def detach(self, pid: int) -> TargetStatus:
         t = self.get(pid)
@@ -203,3 +222,26 @@ class FakeManager:
     def monitor(self, pid: int | None, command: str) -> MonitorResult:
         assert self.output_dir is not None, "give the fake an output_dir to run monitor commands"
         return run_monitor(self.get, self.output_dir, pid, command)  # the daemon's own logic
+
+    def add_selector(
+        self, comm: str | None, cmdline: str | None, cgroup: str | None, follow_children: bool = True
+    ) -> SelectorStatus:
+        s = Selector.make(comm, cmdline, cgroup, follow_children, id=len(self.chosen) + 1, origin="api")  # checks
+        self.chosen[s.id] = s
+        return self._status(s)
+
+    def remove_selector(self, id: int) -> SelectorStatus:
+        if id not in self.chosen:
+            raise NoSuchTarget(f"no selector {id}")
+        return self._status(self.chosen.pop(id))
+
+    def selectors(self) -> list[SelectorStatus]:
+        return [self._status(s) for s in self.chosen.values()]
+
+    def _status(self, s: Selector) -> SelectorStatus:
+        pids = tuple(t.pid for t in self.targets() if t.origin.selector == s.id)
+        return SelectorStatus(s.id, s.comm, s.cmdline, s.cgroup, s.follow_children, s.origin, len(pids), pids)
+
+    def fleet_status(self) -> FleetStatus:
+        return FleetStatus(selectors=tuple(self.selectors()), refused=dict(self.refused),
+                           profiling=sum(1 for t in self.by_pid.values() if t.state == "profiling"))

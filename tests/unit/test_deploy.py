@@ -17,6 +17,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.cli import build_parser
+from agent.errors import HeapscopeError
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -40,7 +41,7 @@ def test_manifests_are_valid_kubernetes() -> None:
         # strict: unknown fields are errors too (a typo in a field name would otherwise pass silently).
         kubernetes_validate.validate(doc, version, strict=True)
         kinds.append(doc["kind"])
-    assert sorted(kinds) == ["DaemonSet", "Service", "ServiceAccount"]
+    assert sorted(kinds) == ["ConfigMap", "DaemonSet", "Service", "ServiceAccount"]
 
 
 def test_a_broken_manifest_is_caught() -> None:
@@ -63,15 +64,29 @@ def test_daemonset_has_what_bpf_needs() -> None:
         assert path in mounts, path
     volumes = {v["name"]: v for v in pod["volumes"]}
     for m in mounts.values():
-        assert "hostPath" in volumes[m["name"]]
+        assert "hostPath" in volumes[m["name"]] or m["name"] == "selectors"
     assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
     # Listening on the pod IP: the token must come with it (the daemon refuses to start otherwise).
     assert any(e["name"] == "HEAPSCOPE_TOKEN" and "secretKeyRef" in e["valueFrom"] for e in c["env"])
 
 
-def test_the_command_lines_parse() -> None:
+def configmap_args(tmp_path: Path) -> tuple[list[str], Path]:
+    """The container's arguments with its @FILE pointing at the ConfigMap's serve.args, written to tmp_path."""
     [c] = daemonset()["spec"]["template"]["spec"]["containers"]
-    ns = build_parser().parse_args(c["args"])
+    [cm] = [d for d in documents() if d["kind"] == "ConfigMap"]
+    mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["selectors"]
+    volume = {v["name"]: v for v in daemonset()["spec"]["template"]["spec"]["volumes"]}["selectors"]
+    assert volume["configMap"]["name"] == cm["metadata"]["name"]
+    local = tmp_path / "serve.args"
+    local.write_text(cm["data"]["serve.args"])
+    [at] = [a for a in c["args"] if a.startswith("@")]
+    assert at == f"@{mount}/serve.args"
+    return [f"@{local}" if a == at else a for a in c["args"]], local
+
+
+def test_the_command_lines_parse(tmp_path: Path) -> None:
+    args, _ = configmap_args(tmp_path)
+    ns = build_parser().parse_args(args)
     assert ns.command == "serve" and ns.http == "0.0.0.0:7411"
     unit = (DEPLOY / "systemd" / "heapscope.service").read_text()
     [exec_start] = [ln.split("=", 1)[1] for ln in unit.splitlines() if ln.startswith("ExecStart=")]
@@ -103,3 +118,24 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     done = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, check=False)
     problems = [ln for ln in done.stderr.splitlines() if "heapscope.service" in ln]
     assert done.returncode == 0 and not problems, done.stderr
+
+
+def test_the_configmap_gives_the_daemon_its_limits_and_example_selectors(tmp_path: Path) -> None:
+    """serve.args is read as arguments (comments left out) into the fleet's limits; each example selector in its
+    comments is one the daemon accepts."""
+    from agent.daemon.fleetopts import fleet_config_from
+
+    args, local = configmap_args(tmp_path)
+    config = fleet_config_from(build_parser().parse_args(args))
+    assert config.limits.max_targets == 32 and config.limits.max_memory == 900 << 20
+    assert config.keep_exited == 3600
+    examples = [ln.strip().removeprefix("# ") for ln in local.read_text().splitlines()
+                if ln.strip().startswith("# --attach-")]
+    assert len(examples) >= 4
+    for example in examples:
+        chosen = fleet_config_from(build_parser().parse_args(["serve", example])).selectors
+        assert len(chosen) == 1, example
+    # A bad selector in the ConfigMap is one clear error, as on the command line.
+    local.write_text("--attach-cgroup=kubepods\n")
+    with pytest.raises(HeapscopeError, match="--attach-cgroup"):
+        fleet_config_from(build_parser().parse_args(["serve", f"@{local}"]))

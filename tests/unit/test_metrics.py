@@ -36,6 +36,9 @@ def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 
 def value(text: str, name: str, **labels: str) -> float:
+    """A series' value; a per-target series' placement labels are "" unless given."""
+    if "pid" in labels:
+        labels = {"cgroup": "", "unit": "", "container": "", "pod": "", **labels}
     return samples(text)[(name, frozenset(labels.items()))]
 
 

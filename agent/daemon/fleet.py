@@ -1,0 +1,569 @@
+"""The daemon in a fleet: it finds its targets by selectors, follows their forks and execs, keeps exited ones for a
+while, and holds to its limits.
+
+FleetManager is the TargetManager `heapscope serve` runs. On top of attaching the PIDs it is given, it
+- chooses processes by selectors (agent.model.selector): at start, and whenever one is added, by a scan of /proc;
+  then from the kernel's exec events (agent.kernel.procevents: one small BPF program for the whole daemon), with a
+  /proc scan again when the kernel lost events and every --rescan-interval seconds, in case;
+- follows the children a selected process forks (prefork workers: the kernel reports the forks of the processes it
+  profiles), as long as they run the parent's program;
+- follows an exec of a selected target: its profile ends there (as for any attached target), and the new program
+  is profiled from its start if it matches a selector on its own;
+- keeps an ended target in /targets for --keep-exited seconds, marked with why and when it ended, then forgets it;
+- refuses a new target at a limit (targets, sites, memory: agent.model.fleet.Limits) with TargetRefused (HTTP 429)
+  and counts it by reason; exited targets kept for reading are forgotten first, oldest first, to make room.
+
+Attaching takes seconds (compiling the BPF program), so selected processes wait in a queue served by a few
+worker threads; the event thread never attaches itself. A process is known by (PID, start time): a PID reused by
+another process is a new process, and a restarted daemon finds the same identities again.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from agent.daemon.manager import ATTACH_TIMEOUT, DaemonConfig, Target, TargetManager
+from agent.errors import EnvironmentProblem, HeapscopeError, NoSuchTarget, TargetConflict, TargetRefused
+from agent.kernel.procevents import ProcEvent, ProcEvents
+from agent.model.cgroup import placement_of
+from agent.model.fleet import REFUSAL_REASONS, FleetStatus, Limits, Refusal, SelectorStatus, TargetOrigin
+from agent.model.sampling import ProfileMode
+from agent.model.selector import ProcessFacts, Selector, first_match
+from agent.model.target import TargetStatus
+from agent.process.procinfo import (
+    cgroup_of,
+    process_ids,
+    read_facts,
+    release_free_memory,
+    resident_bytes,
+    start_time,
+)
+
+# Without the tracepoints, how often /proc is scanned instead.
+POLL_INTERVAL = 2.0
+# How long the event loop sleeps at most: the housekeeping (expiry of exited targets) runs at least this often.
+TICK = 1.0
+MAX_SELECTORS = 256
+
+Identity = tuple[int, int]  # (pid, start time)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    selectors: tuple[Selector, ...] = ()
+    limits: Limits = field(default_factory=Limits)
+    keep_exited: float = 3600.0  # seconds an ended target stays in /targets
+    rescan_interval: float = 60.0  # /proc scans besides the kernel's events
+    attach_workers: int = 2
+    use_events: bool = True  # the kernel's exec/fork/exit events; False: /proc scans every POLL_INTERVAL only
+
+
+@dataclass(frozen=True)
+class _Job:
+    pid: int
+    kind: Literal["match", "fork", "exec"]
+    selector: int | None = None  # match: the selector that chose it; fork: the parent's
+    parent: int | None = None  # fork: the profiled parent
+    start_time: int | None = None  # the identity seen when the job was made (None: read at attach)
+    after: Target | None = None  # exec: the profile that ends at the exec
+
+
+class FleetManager(TargetManager):
+    def __init__(self, config: DaemonConfig, fleet: FleetConfig | None = None, proc: str = "/proc") -> None:
+        super().__init__(config, proc)
+        self.fleet = fleet or FleetConfig()
+        self._flock = threading.Lock()  # selectors, the queue's bookkeeping, the counters
+        self._admit = threading.Lock()  # one admission decision at a time
+        self._selectors: dict[int, Selector] = {}
+        self._matched: Counter[int] = Counter()  # selector id -> processes it chose
+        self._next_id = 1
+        for s in self.fleet.selectors:
+            self._add(s)
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._queued: set[int] = set()  # PIDs with a job waiting or running
+        self._recheck: set[int] = set()  # PIDs that exec'ed while their job ran
+        self._inflight = 0  # admitted and attaching
+        self._refused: Counter[str] = Counter()
+        self._refusal_said: set[tuple[Identity, str]] = set()
+        self._failed: dict[Identity, str] = {}  # selected processes that could not be attached: not retried
+        self._released: set[Identity] = set()  # detached by the user: not selected again while they run
+        self._failures = 0
+        self._events = 0
+        self._lost = 0
+        self._scans = 0
+        self._source = "none"
+        self._rescan = threading.Event()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._ev: ProcEvents | None = None
+        self._watched: set[int] = set()
+        self._trim = False
+
+    # ---- life cycle ----
+
+    def start(self) -> None:
+        super().start()
+        if self._threads:
+            return
+        self._rescan.set()  # the first scan: what already runs (also what a restarted daemon re-attaches)
+        loop = threading.Thread(target=self._loop, name="heapscope-fleet", daemon=True)
+        workers = [
+            threading.Thread(target=self._work, name=f"heapscope-attach-{i}", daemon=True)
+            for i in range(max(1, self.fleet.attach_workers))
+        ]
+        self._threads = [loop, *workers]
+        for t in self._threads:
+            t.start()
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        self._stopping.set()
+        for _ in self._threads[1:]:
+            self._queue.put(None)
+        deadline = time.monotonic() + min(timeout, 10.0)  # an attach under way is not waited for long
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._threads = []
+        super().shutdown(timeout)
+
+    # ---- selectors ----
+
+    def _add(self, selector: Selector) -> Selector:
+        with self._flock:
+            if len(self._selectors) >= MAX_SELECTORS:
+                raise TargetRefused(f"the daemon has {MAX_SELECTORS} selectors already")
+            s = selector.with_id(self._next_id)
+            self._next_id += 1
+            self._selectors[s.id] = s
+        return s
+
+    def add_selector(
+        self, comm: str | None, cmdline: str | None, cgroup: str | None, follow_children: bool = True
+    ) -> SelectorStatus:
+        """A new selector (POST /targets): what it matches is attached from now on, what runs already included."""
+        s = self._add(Selector.make(comm, cmdline, cgroup, follow_children, origin="api"))
+        self.config.say(f"{s.describe()} added")
+        self._rescan.set()
+        return self._selector_status(s)
+
+    def remove_selector(self, id: int) -> SelectorStatus:
+        """Stop choosing processes by selector `id`; the targets it chose stay profiled."""
+        with self._flock:
+            s = self._selectors.pop(id, None)
+        if s is None:
+            raise NoSuchTarget(f"no selector {id}")
+        self.config.say(f"{s.describe()} removed")
+        return self._selector_status(s)
+
+    def selectors(self) -> list[SelectorStatus]:
+        with self._flock:
+            chosen = list(self._selectors.values())
+        return [self._selector_status(s) for s in chosen]
+
+    def _selector_status(self, s: Selector) -> SelectorStatus:
+        pids = tuple(t.pid for t in self.targets() if t.origin.selector == s.id and t.state == "profiling")
+        return SelectorStatus(
+            id=s.id,
+            comm=s.comm,
+            cmdline=s.cmdline,
+            cgroup=s.cgroup,
+            follow_children=s.follow_children,
+            origin=s.origin,
+            matched=self._matched[s.id],
+            targets=pids,
+        )
+
+    def fleet_status(self) -> FleetStatus:
+        selectors = tuple(self.selectors())
+        held = self.targets()
+        profiling = sum(1 for t in held if t.state == "profiling")
+        sites = sum(_sites(t) for t in held)
+        with self._flock:
+            return FleetStatus(
+                selectors=selectors,
+                limits=self.fleet.limits,
+                refused={r: self._refused[r] for r in REFUSAL_REASONS},
+                attach_failures=self._failures,
+                events=self._events,
+                events_lost=self._lost,
+                scans=self._scans,
+                event_source=self._source,
+                profiling=profiling,
+                sites=sites,
+                rss=resident_bytes(),
+            )
+
+    def _current_selectors(self) -> list[Selector]:
+        with self._flock:
+            return list(self._selectors.values())
+
+    # ---- attaching, within the limits ----
+
+    def attach(
+        self,
+        pid: int,
+        mode: ProfileMode | None = None,
+        selector: int | None = None,
+        parent: int | None = None,
+        identity: int | None = None,
+    ) -> Target:
+        """Attach `pid` (POST /targets, --pid, or a selector's choice) if the limits allow; TargetRefused if not.
+        `identity`: the start time the process was chosen with; a different one means the PID was reused."""
+        with self._admit:
+            refusal = self._refusal()
+            if refusal is not None:
+                with self._flock:
+                    self._refused[refusal.reason] += 1
+                raise TargetRefused(f"not profiling process {pid}: {refusal.message}")
+            self._inflight += 1
+        try:
+            started = start_time(pid, self.proc)
+            if identity is not None and started != identity:
+                raise NoSuchTarget(f"process {pid} went away before it could be attached")
+            placement = placement_of(cgroup_of(pid, self.proc))
+            t = super().attach(pid, mode)
+        finally:
+            with self._admit:
+                self._inflight -= 1
+        t.origin = TargetOrigin(start_time=started or 0, placement=placement, selector=selector, parent=parent)
+        if selector is not None:
+            self._watch(pid)
+            chosen_by = self._selectors.get(selector)
+            if chosen_by is not None and chosen_by.follow_children:
+                self._adopt_children(t)
+        return t
+
+    def detach(self, pid: int) -> TargetStatus:
+        t = self.get(pid)
+        if t.origin.start_time:
+            self._released.add((pid, t.origin.start_time))  # the user let it go: not chosen again
+        status = super().detach(pid)
+        self._unwatch(pid)
+        self._trim = True
+        return status
+
+    def _refusal(self) -> Refusal | None:
+        """Why one more target cannot be taken now (agent.model.fleet.Refusal), after forgetting exited targets
+        if that makes room."""
+        limits = self.fleet.limits
+        while True:
+            held = self.targets()
+            live = sum(1 for t in held if t.state == "profiling") + self._inflight
+            sites = sum(_sites(t) for t in held) if limits.max_sites is not None else 0
+            rss = resident_bytes() if limits.max_memory is not None else 0
+            refusal = limits.refusal(live, sites, rss)
+            if refusal is None or refusal.reason == "targets":
+                return refusal
+            ended = sorted((t for t in held if t.state != "profiling"), key=lambda t: t.ended_at or 0.0)
+            if not ended:
+                return refusal
+            self._forget(ended[0], f"to make room ({refusal.reason})")
+
+    def _forget(self, t: Target, why: str) -> None:
+        with self._lock:
+            if self._targets.get(t.pid) is not t:
+                return
+            del self._targets[t.pid]
+        self.config.say(f"forgot ended target {t.pid} ({t.command}) {why}")
+        self._trim = True
+
+    # ---- the queue of selected processes ----
+
+    def _enqueue(self, job: _Job) -> None:
+        with self._flock:
+            if job.pid in self._queued and job.kind != "exec":
+                return
+            self._queued.add(job.pid)
+        self._queue.put(job)
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None or self._stopping.is_set():
+                return
+            try:
+                self._do(job)
+            except Exception as exc:  # never let a worker die: say it, count it
+                self._failures += 1
+                self.config.say(f"attaching process {job.pid} failed: {type(exc).__name__}: {exc}")
+            finally:
+                with self._flock:
+                    self._queued.discard(job.pid)
+                    again = job.pid in self._recheck
+                    self._recheck.discard(job.pid)
+                if again:  # it exec'ed while it was being attached
+                    t = self._live(job.pid)
+                    self._enqueue(_Job(job.pid, "exec", after=t) if t is not None else _Job(job.pid, "match"))
+
+    def _do(self, job: _Job) -> None:
+        if job.after is not None:  # an exec: the old profile ends by itself first (the kernel disarmed it)
+            job.after.done.wait(ATTACH_TIMEOUT)
+            job.after.origin = replace(job.after.origin, end_reason="exec")
+        facts = read_facts(job.pid, self.proc)
+        if facts is None or self._stopping.is_set():
+            return
+        selector, parent = job.selector, job.parent
+        if job.kind == "fork" and not self._same_program(job.pid, job.parent):
+            selector, parent = None, None  # the child runs another program: it stands on its own
+        if job.kind != "fork" or selector is None:
+            found = first_match(self._current_selectors(), facts)
+            if found is not None:
+                selector, parent = found.id, None
+            else:  # a chosen process's child that exec'ed its parent's program again is still followed
+                selector, parent = self._followed_parent(facts), facts.ppid
+                if selector is None:
+                    return
+        else:
+            followed = self._selectors.get(selector)
+            if followed is None or not followed.follow_children:
+                return  # the parent's selector was removed meanwhile, or follows no children
+        identity = (facts.pid, facts.start_time)
+        if identity in self._failed or identity in self._released or self._profiling(facts):
+            return
+        try:
+            t = self.attach(facts.pid, selector=selector, parent=parent, identity=facts.start_time)
+        except TargetConflict:
+            return  # attached meanwhile by another way (POST /targets, another job)
+        except TargetRefused as exc:
+            if (identity, str(exc)) not in self._refusal_said:
+                self._refusal_said.add((identity, str(exc)))
+                self.config.say(f"selector {selector}: {exc}")
+            return
+        except HeapscopeError as exc:
+            with self._flock:
+                self._failures += 1
+                self._failed[identity] = str(exc)
+            if read_facts(facts.pid, self.proc) is not None:  # one gone meanwhile is not worth a line
+                self.config.say(f"selector {selector}: cannot profile {facts.pid} ({facts.comm}): {exc}")
+            return
+        with self._flock:
+            self._matched[selector] += 1
+        how = f"child of {parent}" if parent is not None else f"selector {selector}"
+        self.config.say(f"profiling {t.pid} ({t.command}, {how})")
+
+    def _profiling(self, facts: ProcessFacts) -> bool:
+        with self._lock:
+            t = self._targets.get(facts.pid)
+            attaching = facts.pid in self._attaching
+        return attaching or (t is not None and t.state == "profiling")
+
+    def _followed_parent(self, facts: ProcessFacts) -> int | None:
+        """The selector of `facts`' parent, if the parent is profiled for a selector that follows children and
+        the process runs the parent's program."""
+        parent = self._live(facts.ppid)
+        if parent is None or parent.origin.selector is None:
+            return None
+        s = self._selectors.get(parent.origin.selector)
+        if s is None or not s.follow_children or not self._same_program(facts.pid, facts.ppid):
+            return None
+        return s.id
+
+    def _same_program(self, pid: int, parent: int | None) -> bool:
+        if parent is None:
+            return False
+        try:
+            return os.readlink(f"{self.proc}/{pid}/exe") == os.readlink(f"{self.proc}/{parent}/exe")
+        except OSError:
+            return False
+
+    def _adopt_children(self, t: Target) -> None:
+        """Children the target forked before its forks were watched (a prefork server found running)."""
+        for pid in process_ids(self.proc):
+            facts = read_facts(pid, self.proc, cmdline=False, cgroup=False)
+            if facts is not None and facts.ppid == t.pid:
+                self._enqueue(_Job(pid, "fork", t.origin.selector, t.pid, facts.start_time))
+
+    # ---- choosing: the /proc scan and the kernel's events ----
+
+    def _scan(self) -> None:
+        """Every process now: those a selector matches, and the children of those (same program) for selectors
+        that follow children."""
+        selectors = self._current_selectors()
+        with self._flock:
+            self._scans += 1
+        if not selectors:
+            return
+        need_cmdline = any(s.needs_cmdline for s in selectors)
+        need_cgroup = any(s.needs_cgroup for s in selectors)
+        me = os.getpid()
+        chosen: dict[int, Selector] = {}
+        by_parent: dict[int, list[ProcessFacts]] = {}
+        for pid in process_ids(self.proc):
+            if pid == me:
+                continue
+            facts = read_facts(pid, self.proc, cmdline=need_cmdline, cgroup=need_cgroup)
+            if facts is None:
+                continue
+            found = first_match(selectors, facts)
+            if found is not None:
+                chosen[pid] = found
+                self._enqueue(_Job(pid, "match", found.id, None, facts.start_time))
+            else:
+                by_parent.setdefault(facts.ppid, []).append(facts)
+        # Descendants of chosen processes, breadth first.
+        frontier = [p for p, s in chosen.items() if s.follow_children]
+        while frontier:
+            parent = frontier.pop()
+            for child in by_parent.get(parent, ()):
+                if child.pid not in chosen and child.cmdline:
+                    chosen[child.pid] = chosen[parent]
+                    self._enqueue(_Job(child.pid, "fork", chosen[parent].id, parent, child.start_time))
+                    frontier.append(child.pid)
+
+    def _on_event(self, e: ProcEvent) -> None:
+        if e.kind == "exit":
+            self._unwatch(e.pid)
+            return
+        if e.kind == "fork":
+            parent = self._live(e.parent)
+            if parent is not None and parent.origin.selector is not None:
+                s = self._selectors.get(parent.origin.selector)
+                if s is not None and s.follow_children:
+                    self._enqueue(_Job(e.pid, "fork", s.id, e.parent))
+            return
+        old = self._live(e.pid)
+        if old is not None:  # a target's exec: its profile ends there (the kernel disarmed its probes)
+            old.origin = replace(old.origin, end_reason="exec")
+            if old.origin.selector is not None:
+                self._enqueue(_Job(e.pid, "exec", after=old))
+            return
+        with self._flock:
+            if e.pid in self._queued:  # being attached as the program it was: look again once that is done
+                self._recheck.add(e.pid)
+                return
+        selectors = self._current_selectors()
+        if not selectors:
+            return
+        # The name is in the event: selectors on the name alone need no read of /proc for most execs.
+        names_only = all(s.cmdline is None and s.cgroup is None for s in selectors)
+        if names_only and first_match(selectors, ProcessFacts(e.pid, 0, 0, e.comm, e.comm, "")) is None:
+            return
+        facts = read_facts(
+            e.pid,
+            self.proc,
+            cmdline=any(s.needs_cmdline for s in selectors),
+            cgroup=any(s.needs_cgroup for s in selectors),
+        )
+        found = None if facts is None else first_match(selectors, facts)
+        if facts is not None and found is not None:
+            self._enqueue(_Job(e.pid, "match", found.id, None, facts.start_time))
+
+    def _live(self, pid: int) -> Target | None:
+        with self._lock:
+            t = self._targets.get(pid)
+        return t if t is not None and t.state == "profiling" else None
+
+    def _watch(self, pid: int) -> None:
+        ev = self._ev
+        if ev is not None:
+            ev.watch(pid)
+            self._watched.add(pid)
+
+    def _unwatch(self, pid: int) -> None:
+        ev = self._ev
+        if ev is not None and pid in self._watched:
+            ev.unwatch(pid)
+            self._watched.discard(pid)
+
+    def _open_events(self) -> ProcEvents | None:
+        try:
+            ev = ProcEvents().__enter__()
+        except EnvironmentProblem as exc:
+            self.config.say(f"{exc}; scanning /proc every {POLL_INTERVAL:.0f} s instead")
+            self._source = "/proc scans"
+            return None
+        self._source = "tracepoints"
+        self._ev = ev
+        for t in self.targets():
+            if t.state == "profiling" and t.origin.selector is not None:
+                self._watch(t.pid)
+        return ev
+
+    def _loop(self) -> None:
+        ev: ProcEvents | None = None
+        next_scan = next_chores = 0.0
+        try:
+            while not self._stopping.is_set():
+                have = bool(self._current_selectors())
+                if have and ev is None and self._source == "none":
+                    if self.fleet.use_events:
+                        ev = self._open_events()
+                        self._rescan.set()  # scan once the events flow: nothing slips in between
+                    else:
+                        self._source = "/proc scans"
+                now = time.monotonic()
+                if self._rescan.is_set() or now >= next_scan:
+                    self._rescan.clear()
+                    if have:
+                        self._scan()
+                    next_scan = now + (self.fleet.rescan_interval if ev is not None else POLL_INTERVAL)
+                if ev is not None:
+                    events = ev.poll(TICK)
+                    with self._flock:
+                        self._events += len(events)
+                    for e in events:
+                        self._on_event(e)
+                    lost = ev.lost()
+                    if lost:
+                        with self._flock:
+                            self._lost += lost
+                        self.config.say(f"the kernel lost {lost} process events; scanning /proc")
+                        self._rescan.set()
+                else:
+                    self._rescan.wait(TICK)
+                if time.monotonic() >= next_chores:
+                    next_chores = time.monotonic() + TICK
+                    self._housekeeping()
+        except Exception as exc:  # the fleet thread must not die silently
+            self.config.say(f"the selector thread stopped: {type(exc).__name__}: {exc}")
+        finally:
+            self._ev = None
+            if ev is not None:
+                ev.close()
+
+    def _housekeeping(self) -> None:
+        """Ended targets: say why they ended and until when they stay; forget them at that time. Identities of
+        processes that are gone are dropped from the remembered sets."""
+        now = time.time()
+        if self._trim:  # a target was forgotten: give its memory back
+            self._trim = False
+            # Sessions freeze the collector's objects at every sample (agent.session.session: full passes over a big
+            # profile stalled requests); an ended target's cycles (its symbolizer's DWARF, its trees) were frozen
+            # with the rest and would never be collected. One full pass per forgotten batch of targets.
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+            release_free_memory()
+        for t in self.targets():
+            if t.state == "profiling" or not t.done.is_set():
+                continue
+            o = t.origin
+            if o.expires_at is None:
+                reason = o.end_reason or ("exited" if t.state == "exited" else "detached")
+                t.origin = replace(o, end_reason=reason, expires_at=(t.ended_at or now) + self.fleet.keep_exited)
+                self._unwatch(t.pid)
+            elif now >= o.expires_at:
+                self._forget(t, f"{self.fleet.keep_exited:.0f} s after it ended (--keep-exited)")
+        if self._failed or self._released or self._refusal_said:
+            alive = {(pid, st) for pid, st in ((i[0], start_time(i[0], self.proc)) for i in self._identities())}
+            with self._flock:
+                self._failed = {k: v for k, v in self._failed.items() if k in alive}
+                self._released = {k for k in self._released if k in alive}
+                self._refusal_said = {k for k in self._refusal_said if k[0] in alive}
+
+    def _identities(self) -> set[Identity]:
+        with self._flock:
+            return set(self._failed) | set(self._released) | {k[0] for k in self._refusal_said}
+
+
+def _sites(t: Target) -> int:
+    try:
+        return t.counters().n_sites
+    except HeapscopeError:
+        return 0  # not attached yet

@@ -1,0 +1,103 @@
+"""The facts selectors look at, read from /proc: name, command line, cgroup, parent and start time. Each read is
+a few small files; a process that went away in between reads as None, never as an error."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Iterator
+
+from agent.model.cgroup import parse_proc_cgroup
+from agent.model.selector import ProcessFacts
+
+
+def _stat_fields(pid: int, proc: str) -> list[str] | None:
+    """/proc/PID/stat after the command name (which may hold spaces and parentheses): field 3 onwards."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    _, sep, rest = text.rpartition(")")
+    return rest.split() if sep else None
+
+
+def start_time(pid: int, proc: str = "/proc") -> int | None:
+    """Clock ticks after boot at which the process started: with the PID, its identity."""
+    fields = _stat_fields(pid, proc)
+    if fields is None or len(fields) < 20:
+        return None
+    return int(fields[19])
+
+
+def read_facts(pid: int, proc: str = "/proc", cmdline: bool = True, cgroup: bool = True) -> ProcessFacts | None:
+    """What selectors need of `pid` (the command line and the cgroup only when asked); None if it is gone."""
+    fields = _stat_fields(pid, proc)
+    if fields is None or len(fields) < 20:
+        return None
+    try:
+        with open(f"{proc}/{pid}/comm", "rb") as f:
+            comm = f.read().decode(errors="replace").rstrip("\n")
+        args = ""
+        if cmdline:
+            with open(f"{proc}/{pid}/cmdline", "rb") as f:
+                args = " ".join(a.decode(errors="replace") for a in f.read().split(b"\0") if a)
+        else:  # kernel threads have none; selectors skip them: say whether there is one
+            with open(f"{proc}/{pid}/cmdline", "rb") as f:
+                args = comm if f.read(1) else ""
+        path = ""
+        if cgroup:
+            with open(f"{proc}/{pid}/cgroup") as f:
+                path = parse_proc_cgroup(f.read())
+    except OSError:
+        return None
+    return ProcessFacts(pid=pid, ppid=int(fields[1]), start_time=int(fields[19]), comm=comm, cmdline=args, cgroup=path)
+
+
+def cgroup_of(pid: int, proc: str = "/proc") -> str:
+    try:
+        with open(f"{proc}/{pid}/cgroup") as f:
+            return parse_proc_cgroup(f.read())
+    except OSError:
+        return ""
+
+
+def process_ids(proc: str = "/proc") -> Iterator[int]:
+    """Every process (thread group) now, in PID order."""
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return
+    yield from sorted(int(n) for n in names if n.isdigit())
+
+
+def is_thread_group_leader(pid: int, proc: str = "/proc") -> bool:
+    """Whether `pid` is a process rather than a thread of one (threads are reachable as /proc/TID too)."""
+    try:
+        with open(f"{proc}/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1]) == pid
+    except OSError:
+        return False
+    return False
+
+
+def resident_bytes(pid: int | None = None, proc: str = "/proc") -> int:
+    """Resident memory of a process (by default this one)."""
+    target = "self" if pid is None else str(pid)
+    try:
+        with open(f"{proc}/{target}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def release_free_memory() -> None:
+    """Give the memory malloc holds free back to the system (glibc's malloc_trim): a profile's tables are large, and
+    each target's thread has its own malloc arena, which keeps what it freed otherwise."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

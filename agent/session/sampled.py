@@ -1,0 +1,183 @@
+"""Sampled mode's part of a profile: the in-process sampler (probes/sampler) brought into the target, its probe
+points, arming it once the kernel's probes are live, its exact call counts, and letting it go.
+
+- `attach` (and a daemon's target): the library is injected with ptrace (agent.process.inject, heapscope's own
+  code: it picks the thread and the moment, see there) and armed.
+- `run`: the program starts with the library preloaded (LD_PRELOAD). Its constructor holds the program before
+  main() until heapscope has armed it (HEAPSCOPE_SAMPLER_HOLD), and puts the environment back first, so the
+  program's children see what they would have seen without heapscope.
+
+Order: the probes on hs_sample_alloc/hs_sample_free are live before the sampler is armed, and it is disarmed
+before they are removed, so no sample is taken without its probe. A failure after arming never leaves the
+sampler armed: disarm() runs on every way out, and the lease makes it disarm itself if heapscope dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from agent.errors import HeapscopeError, SamplingRefused, TargetError
+from agent.kernel.probes import SiteReader
+from agent.model.sampling import ProfileMode
+from agent.process.discovery import ProbePoint
+from agent.process.inject import inject
+from agent.process.sampler import SamplerControl, build_sampler, library_range, mapped_base, probe_points
+from agent.process.target import TargetProcess, launch
+
+HOLD_MS = 10_000  # run: how long the preloaded sampler holds the program for heapscope to arm it
+ARM_WAIT = 10.0  # run: seconds to wait for the program to map the preloaded library
+
+_HOLD_ENV = "HEAPSCOPE_SAMPLER_HOLD"
+_PRELOAD_ENV = "HEAPSCOPE_SAMPLER_LD_PRELOAD"
+
+
+def _refuse_static(process: TargetProcess, exe: str) -> None:
+    if os.path.realpath(process.allocator.path) == os.path.realpath(exe):
+        raise SamplingRefused(
+            f"the allocator of {exe} ({process.allocator.family}) is linked into the executable: its calls do not "
+            "go through the GOT and cannot be sampled; use --mode=exact"
+        )
+
+
+def launch_sampled(argv: Sequence[str]) -> TargetProcess:
+    """`run --mode=sampled`: the program started held before its exec, with the sampler preloaded."""
+    library = build_sampler()
+    env = dict(os.environ)
+    given = env.get("LD_PRELOAD")
+    if given is not None:
+        env[_PRELOAD_ENV] = given
+    env["LD_PRELOAD"] = f"{library}:{given}" if given else str(library)
+    env[_HOLD_ENV] = str(HOLD_MS)
+    process = launch(argv, env=env)
+    assert process.child is not None
+    try:
+        _refuse_static(process, process.child.path)
+    except BaseException:
+        process.abandon()
+        raise
+    return process
+
+
+class SamplerLink:
+    """The sampler of one target, from loading to letting go."""
+
+    def __init__(self, process: TargetProcess, mode: ProfileMode, say: Callable[[str], None]) -> None:
+        self.process = process
+        self.pid = process.pid
+        self.rate = mode.rate
+        self.say = say
+        self.library = build_sampler()
+        self.control: SamplerControl | None = None
+        self._last_counts: dict[str, int] | None = None
+        self._last_stats: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.arm_error: BaseException | None = None
+        if not process.launched:
+            injection = inject(self.pid, self.library)
+            if injection.reused:
+                say(f"sampler already loaded in {self.pid}: reused")
+            else:
+                say(f"sampler loaded into {self.pid} by thread {injection.tid} in {injection.seconds * 1000:.0f} ms")
+            for line in injection.warnings:
+                say(line)
+        self.points: list[ProbePoint] = probe_points(self.library)
+
+    # ---- arming ----------------------------------------------------------------------------------------
+
+    def arm(self, probes: SiteReader) -> None:
+        """Arm the sampler (the probes are live). `run`: first wait for the program to map the library."""
+        deadline = time.monotonic() + ARM_WAIT
+        while mapped_base(self.pid, self.library) is None:
+            if not self.process.alive():
+                raise TargetError(f"process {self.pid} exited before its sampler could be armed")
+            if time.monotonic() > deadline:
+                raise TargetError(f"process {self.pid} did not load the sampler library within {ARM_WAIT:.0f} s")
+            time.sleep(0.001)
+        span = library_range(self.pid, self.library)
+        if span is not None:
+            probes.lead_trim = (span,)  # the hooks' frames lead every sampled stack: not the program's
+        control = SamplerControl(self.pid, self.library)
+        try:
+            st = control.arm(self.rate)
+        except BaseException:
+            control.close()
+            raise
+        with self._lock:
+            self.control = control
+        self.say(
+            f"sampler armed in {self.pid}: one sample per {self.rate} bytes on average; "
+            f"{st['slots_patched']} allocation slots patched in {st['objects_scanned']} objects"
+        )
+
+    def arm_in_background(self, probes: SiteReader) -> threading.Thread:
+        """`run`: arm from another thread, while the session lets the program go past its exec and loader
+        stops up to the library's constructor, which waits there. A failure is kept in arm_error."""
+
+        def body() -> None:
+            try:
+                self.arm(probes)
+            except BaseException as exc:  # reported by the pipeline
+                self.arm_error = exc
+                self.say(f"the sampler could not be armed in {self.pid}: {exc}")
+
+        thread = threading.Thread(target=body, name=f"heapscope-arm-{self.pid}", daemon=True)
+        thread.start()
+        return thread
+
+    # ---- reading ---------------------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Read the counts and the statistics now, while the target is there (they stay readable after)."""
+        self.counts()
+        self.statistics()
+
+    def counts(self) -> dict[str, int] | None:
+        """Exact counts since arming (allocs, frees, alloc_bytes), all threads together; the last ones read
+        once the sampler is disarmed or the target gone; None before arming."""
+        with self._lock:
+            if self.control is None:
+                return self._last_counts
+            with contextlib.suppress(OSError, HeapscopeError):  # the target exited: its last counts stand
+                self._last_counts = self.control.counts()
+            return self._last_counts
+
+    _STATS = ("samples", "sampled_frees", "set_full", "slots_patched", "lazy_skipped")
+
+    def statistics(self) -> dict[str, int]:
+        """The sampler's own figures since arming (samples, sampled frees, samples whose free cannot be seen...);
+        the last ones read once it is disarmed."""
+        with self._lock:
+            if self.control is not None:
+                with contextlib.suppress(OSError, HeapscopeError):
+                    st = self.control.read()
+                    self._last_stats = {k: st[k] for k in self._STATS}
+            return dict(self._last_stats)
+
+    # ---- letting go ------------------------------------------------------------------------------------
+
+    def disarm(self) -> None:
+        """Restore every patched slot (the target runs on at full speed); keep the last counts. The library
+        stays loaded (never dlclosed); attaching again reuses it."""
+        self.counts()
+        self.statistics()
+        with self._lock:
+            control, self.control = self.control, None
+        if control is None:
+            return
+        try:
+            st = control.disarm()
+            if st["set_full"]:
+                self.say(
+                    f"sampler: {st['set_full']} samples did not fit its address set: their frees were not seen "
+                    "(those blocks stay in the estimate)"
+                )
+        except (OSError, HeapscopeError) as exc:
+            # Gone, or not answering: closing the lease makes a live sampler disarm itself within 50 ms.
+            control.close()
+            if self.process.alive():
+                self.say(f"sampler in {self.pid} did not answer the disarm ({exc}); its lease is closed")
+

@@ -1,0 +1,357 @@
+#!/usr/bin/env python3
+"""The daemon in a fleet over time: services start, fork, restart and exit at a steady rate while a selector picks
+them up, and one more process is attached and detached over and over through the API.
+
+    sudo .venv/bin/python bench/fleet_soak.py                     # one hour
+    sudo .venv/bin/python bench/fleet_soak.py --duration 300      # five minutes
+
+The services are tests/integration/programs/fleet_service.c, built here with gcc: each process allocates a
+1000-byte block every 20 ms into a ring of 8, so once attached a second its live heap is exactly 8000 bytes.
+Every --period seconds one step of a round runs, in turn: start a service (a parent and one worker, both chosen
+by `--attach-comm ^soak-svc$`, the worker as a followed child), make a worker exit (its parent forks a new one:
+a restart), end the oldest service when more than --services run. Beside that, all the time, a cycle of
+attach (POST /targets {"pid"}), check, detach (DELETE /targets/PID) on a process no selector matches, in exact
+and sampled mode in turn (sampled at a rate of 1 byte, where every block is sampled at a weight of 1, so that the
+exact answer still holds while the sampler is injected, armed and disarmed every other cycle).
+
+Reported (JSON on stdout, and bench/results/fleet_soak.json):
+- target crashes: a service or worker that ended other than by the soak's own signals (the parents report their
+  workers' ends), or the attach/detach process found not running;
+- wrong results: a target profiled for more than a second whose live heap is not 8000 bytes;
+- leaked probes: the BPF links, programs, maps and perf events the daemon holds (its /proc/PID/fd) once every
+  target is gone, against their count before the first target; and bpftool's system-wide count of uprobe_multi
+  links before the daemon started and after it ended (other work on the machine may move that one);
+- the daemon's RSS every 10 s, and its CPU time.
+Exit status 0 only when there were no crashes, no wrong results and no leaked probes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = REPO / "tests" / "integration" / "programs" / "fleet_service.c"
+RING_BYTES = 8000
+SETTLE = 1.0  # seconds after an attach by which a target's ring has turned over (every 20 ms, 8 slots)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def heapscope_cmd() -> list[str]:
+    exe = REPO / ".venv" / "bin" / "heapscope"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "agent.cli"]
+
+
+def bpf_fds(pid: int) -> Counter[str]:
+    """The BPF objects and perf events the process holds, by kind."""
+    kinds: Counter[str] = Counter()
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return kinds
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        for kind in ("bpf-link", "bpf-prog", "bpf-map", "perf_event"):
+            if kind in link:
+                kinds[kind] += 1
+    return kinds
+
+
+def uprobe_links() -> int | None:
+    """uprobe_multi links on the whole machine (bpftool), or None without bpftool."""
+    if shutil.which("bpftool") is None:
+        return None
+    done = subprocess.run(["bpftool", "-j", "link", "list"], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return None
+    links = json.loads(done.stdout or "[]")
+    return sum(1 for link in links if link.get("type") in ("uprobe_multi", 12))
+
+
+def rss_and_cpu(pid: int) -> tuple[int, float]:
+    rss = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return rss, cpu
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                fields = Path(f"/proc/{name}/stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(name))
+    return out
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args = args
+        self.work = work
+        self.exe = work / "soak-svc"
+        self.manual_exe = work / "soak-manual"
+        self.services: list[subprocess.Popen[bytes]] = []
+        self.ended: list[subprocess.Popen[bytes]] = []  # ended by the soak: their exit status is checked
+        self.crashes: list[str] = []
+        self.wrong: list[str] = []
+        self.counts: Counter[str] = Counter()
+        self.rss: list[tuple[float, int]] = []
+        self.cycle_seconds: list[float] = []
+        self.daemon: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.log = work / "daemon.log"
+
+    # ---- set-up ----
+
+    def build(self) -> None:
+        subprocess.run(["gcc", "-g", "-O0", "-o", str(self.exe), str(SOURCE)], check=True)
+        shutil.copy(self.exe, self.manual_exe)
+
+    def start_daemon(self) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [*heapscope_cmd(), "serve", "--http", f"127.0.0.1:{port}", "--output-dir", str(self.work / "out"),
+               "--attach-comm", "^soak-svc$", "--keep-exited", "5", "--malt", "no", "--mode", "exact", "-q"]
+        env = {k: v for k, v in os.environ.items() if k != "HEAPSCOPE_TOKEN"}
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        self.daemon = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"), env=env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.daemon.poll() is not None:
+                raise SystemExit(f"the daemon exited with {self.daemon.returncode}:\n{self.log.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise SystemExit("the daemon did not answer within 60 s")
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60.0)
+
+    def spawn(self, exe: Path, workers: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([str(exe), str(workers)], stderr=subprocess.PIPE)
+
+    # ---- checks ----
+
+    def targets(self) -> dict[int, dict[str, Any]]:
+        assert self.daemon is not None
+        if self.daemon.poll() is not None:
+            raise SystemExit(f"the daemon ended with status {self.daemon.returncode}; its log: {self.log}")
+        with self.client() as c:
+            return {t["pid"]: t for t in c.get("/targets").json()}
+
+    def check_results(self, held: dict[int, dict[str, Any]]) -> None:
+        now = time.time()
+        for pid, t in held.items():
+            if t["state"] != "profiling":
+                continue
+            started = datetime.fromisoformat(t["started_at"]).timestamp()
+            if now - started < SETTLE + 1:
+                continue
+            self.counts["results checked"] += 1
+            off = t["heap"]["useful_bytes"] != RING_BYTES or t["heap"]["live_blocks"] != 8
+            # A process that has just exited can be caught between its last free and its exit: ask again.
+            if off and Path(f"/proc/{pid}").exists() and self.targets().get(pid, {}).get("state") == "profiling":
+                self.wrong.append(f"{pid} ({t['command']}): {t['heap']['useful_bytes']} B in "
+                                      f"{t['heap']['live_blocks']} blocks, expected {RING_BYTES} B in 8")
+
+    def check_services(self) -> None:
+        for p in list(self.services):
+            if p.poll() is not None:
+                self.crashes.append(f"service {p.pid} ended by itself with status {p.returncode}")
+                self.services.remove(p)
+
+    # ---- steps ----
+
+    def start_service(self) -> None:
+        self.services.append(self.spawn(self.exe, 1))
+        self.counts["services started"] += 1
+
+    def restart_a_worker(self) -> None:
+        for p in self.services:
+            kids = children(p.pid)
+            if kids:
+                os.kill(kids[0], signal.SIGUSR1)
+                self.counts["workers restarted"] += 1
+                return
+
+    def end_oldest(self) -> None:
+        if len(self.services) > self.args.services:
+            p = self.services.pop(0)
+            p.terminate()
+            self.ended.append(p)
+            self.counts["services ended"] += 1
+
+    def attach_detach(self, manual: subprocess.Popen[bytes]) -> None:
+        started = time.monotonic()
+        # Both modes in turn. Sampled at a rate of 1 byte samples every block at a weight of 1, so the exact
+        # figure is still the right answer, while the sampler is injected, armed and disarmed every other cycle.
+        sampled = self.counts["attach/detach cycles"] % 2 == 1
+        mode = {"mode": "sampled", "sample_rate": 1} if sampled else {"mode": "exact"}
+        with self.client() as c:
+            r = c.post("/targets", json={"pid": manual.pid, **mode})
+            if r.status_code != 201:
+                self.wrong.append(f"attach {manual.pid}: {r.status_code} {r.text}")
+                return
+            time.sleep(SETTLE + 0.5)
+            t = c.get("/targets").json()
+            [mine] = [x for x in t if x["pid"] == manual.pid]
+            if mine["heap"]["useful_bytes"] != RING_BYTES:
+                self.wrong.append(f"attach/detach {manual.pid} ({mode['mode']}): {mine['heap']['useful_bytes']} B live")
+            r = c.delete(f"/targets/{manual.pid}")
+            if r.status_code != 200:
+                self.wrong.append(f"detach {manual.pid}: {r.status_code} {r.text}")
+        self.counts["attach/detach cycles"] += 1
+        self.cycle_seconds.append(time.monotonic() - started)
+        if manual.poll() is not None:
+            self.crashes.append(f"the attach/detach process ended with status {manual.returncode}")
+
+    # ---- the run ----
+
+    def run(self) -> dict[str, Any]:
+        a = self.args
+        self.build()
+        links_before = uprobe_links()
+        self.start_daemon()
+        assert self.daemon is not None
+        time.sleep(3)  # the selector's tracepoints loaded, nothing chosen yet
+        baseline = bpf_fds(self.daemon.pid)
+        rss0, cpu0 = rss_and_cpu(self.daemon.pid)
+        self.rss.append((0.0, rss0))
+        manual = self.spawn(self.manual_exe, 0)
+        t0 = time.monotonic()
+        steps = [self.start_service, self.restart_a_worker, self.end_oldest]
+        next_step = next_check = next_rss = t0
+        step = 0
+        # Attach/detach cycles run back to back between the fleet's steps; each takes an attach's time.
+        while time.monotonic() - t0 < a.duration:
+            now = time.monotonic()
+            if now >= next_step:
+                steps[step % len(steps)]()
+                step += 1
+                next_step = now + a.period
+            if now >= next_check:
+                self.check_services()
+                self.check_results(self.targets())
+                next_check = now + 5
+            if now >= next_rss:
+                self.rss.append((round(now - t0, 1), rss_and_cpu(self.daemon.pid)[0]))
+                next_rss = now + 10
+            if a.cycles:
+                self.attach_detach(manual)
+            else:
+                time.sleep(0.5)
+            if self.daemon.poll() is not None:
+                self.crashes.append(f"the daemon ended with status {self.daemon.returncode}")
+                break
+        soak_seconds = time.monotonic() - t0
+        # Wind down: every service ends; the daemon forgets them after --keep-exited.
+        for p in self.services:
+            p.terminate()
+            self.ended.append(p)
+        self.services = []
+        manual.terminate()
+        self.ended.append(manual)
+        for p in self.ended:
+            try:
+                status = p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                status = p.wait()
+            err = p.stderr.read().decode(errors="replace") if p.stderr else ""
+            self.crashes += [ln for ln in err.splitlines() if "crashed" in ln]
+            if status != 0:
+                self.crashes.append(f"process {p.pid} ended with status {status} after SIGTERM")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self.targets():
+            time.sleep(0.5)
+        left = self.targets()
+        rss1, cpu1 = rss_and_cpu(self.daemon.pid)
+        self.rss.append((round(time.monotonic() - t0, 1), rss1))
+        after = bpf_fds(self.daemon.pid)
+        self.daemon.send_signal(signal.SIGTERM)
+        self.daemon.wait(90)
+        links_after = uprobe_links()
+        leaked = {k: after[k] - baseline[k] for k in set(after) | set(baseline) if after[k] != baseline[k]}
+        rss_values = [r for _, r in self.rss]
+        half = len(rss_values) // 2
+        return {
+            "duration_s": round(soak_seconds, 1),
+            "period_s": a.period,
+            "counts": dict(self.counts),
+            "target_crashes": len(self.crashes),
+            "crashes": self.crashes,
+            "wrong_results": len(self.wrong),
+            "wrong": self.wrong[:20],
+            "targets_left": sorted(left),
+            "daemon_bpf_fds_before": dict(baseline),
+            "daemon_bpf_fds_after": dict(after),
+            "leaked_probes": leaked,
+            "uprobe_links_machine_before": links_before,
+            "uprobe_links_machine_after": links_after,
+            "daemon_rss_mib": [(t, round(r / 2**20, 1)) for t, r in self.rss],
+            "daemon_rss_first_half_max_mib": round(max(rss_values[: max(half, 1)]) / 2**20, 1),
+            "daemon_rss_second_half_max_mib": round(max(rss_values[half:]) / 2**20, 1),
+            "daemon_cpu_s": round(cpu1 - cpu0, 1),
+            "attach_detach_cycle_s_median": sorted(self.cycle_seconds)[len(self.cycle_seconds) // 2]
+            if self.cycle_seconds else None,
+            "daemon_log_errors": [ln for ln in self.log.read_text().splitlines() if "Traceback" in ln
+                                  or "failed" in ln or "stopped" in ln][:20],
+        }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=3600.0, help="seconds of churn (default 3600)")
+    p.add_argument("--period", type=float, default=10.0, help="seconds between the fleet's steps (default 10)")
+    p.add_argument("--services", type=int, default=3, help="services kept running at most (default 3)")
+    p.add_argument("--no-cycles", dest="cycles", action="store_false", help="no attach/detach cycles")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fleet_soak.json")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        print("fleet_soak: needs root (BPF)", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="heapscope-soak-"))
+    report = Soak(args, work).run()
+    shutil.rmtree(work)  # kept when the run ends early, with the daemon's log
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    bad = report["target_crashes"] or report["wrong_results"] or report["leaked_probes"] or report["targets_left"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

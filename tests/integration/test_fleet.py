@@ -1,0 +1,325 @@
+"""The daemon in a fleet, for real: `heapscope serve` with selectors finds compiled services started after it, follows
+a prefork parent's children through an exit, a restart and an exec, refuses a target at its limit with a clear
+line, a 429 and a metric, and after a SIGKILL a restarted daemon finds the same processes again (which ran on
+unharmed meanwhile).
+
+fleet_service.c allocates a 1000-byte block every 20 ms into a ring of 8, freeing the slot's old block first: once
+attached for a few ticks, a target's live heap is exactly 8000 bytes, all at ring_alloc, whatever it did before.
+Each process writes its tick count to $FLEET_DIR/PID, so the test can tell it still runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.harness import PROGRAMS
+from tests.integration.test_daemon import Daemon, start_daemon, stop_daemon, wait_for
+
+pytestmark = pytest.mark.integration
+
+SOURCE = PROGRAMS / "fleet_service.c"
+RING_BYTES = 8 * 1000
+FOUND_WITHIN = 90.0  # attaching compiles a BPF program: seconds each on a loaded 2-core machine
+
+
+def ring_site() -> str:
+    [line] = [n for n, text in enumerate(SOURCE.read_text().splitlines(), 1) if "return malloc(1000);" in text]
+    return f"ring_alloc (fleet_service.c:{line})"
+
+
+class Services:
+    """fleet_service copies under given names (the process name is the file's), started and ended by the test."""
+
+    def __init__(self, program: Path, tmp: Path) -> None:
+        self.program = program
+        self.tmp = tmp
+        self.ticks = tmp / "ticks"
+        self.ticks.mkdir(exist_ok=True)
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, workers: int = 0, cgroup: Path | None = None) -> subprocess.Popen[bytes]:
+        exe = self.tmp / name
+        if not exe.exists():
+            exe.write_bytes(self.program.read_bytes())
+            exe.chmod(0o755)
+
+        def enter_cgroup() -> None:
+            if cgroup is not None:
+                (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+
+        p = subprocess.Popen(
+            [str(exe), str(workers)], env={**os.environ, "FLEET_DIR": str(self.ticks)}, preexec_fn=enter_cgroup
+        )
+        self.procs.append(p)
+        return p
+
+    def tick(self, pid: int) -> int:
+        try:
+            return int((self.ticks / str(pid)).read_text() or 0)
+        except (OSError, ValueError):
+            return -1
+
+    def running(self, pid: int) -> bool:
+        """Alive, not stopped, and its loop advances."""
+        before = self.tick(pid)
+        time.sleep(0.3)
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            return False
+        return state in ("R", "S") and self.tick(pid) > before >= 0
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                out.append(int(name))
+    return sorted(out)
+
+
+def start_ticks(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+
+
+def targets(d: Daemon) -> dict[int, dict[str, Any]]:
+    with d.client() as c:
+        r = c.get("/targets")
+    assert r.status_code == 200, r.text
+    return {t["pid"]: t for t in r.json()}
+
+
+def profiling(d: Daemon, pid: int, heap: int | None = RING_BYTES) -> Callable[[], bool]:
+    """The target is profiled (and, once the ring turned over since the attach, holds exactly `heap` bytes)."""
+
+    def check() -> bool:
+        t = targets(d).get(pid)
+        return t is not None and t["state"] == "profiling" and (heap is None or t["heap"]["useful_bytes"] == heap)
+
+    return check
+
+
+def metric(d: Daemon, name: str, **labels: str) -> float | None:
+    with d.client() as c:
+        text = c.get("/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            have = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', line.split("}")[0]))
+            if all(have.get(k) == v for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@pytest.fixture
+def services(build: Callable[..., Path], tmp_path: Path) -> Iterator[Services]:
+    s = Services(build("fleet_service.c"), tmp_path)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def pod_cgroup() -> Iterator[tuple[Path, str, str]]:
+    """A cgroup v2 directory laid out as the kubelet (systemd driver) and containerd make it: (dir, pod, id)."""
+    mounts = [ln.split() for ln in Path("/proc/self/mounts").read_text().splitlines()]
+    roots = [m[1] for m in mounts if m[2] == "cgroup2"]
+    if not roots:
+        pytest.skip("no cgroup v2 hierarchy is mounted")
+    pod = str(uuid.uuid4())
+    container = uuid.uuid4().hex + uuid.uuid4().hex
+    parts = ["kubepods.slice", "kubepods-burstable.slice", f"kubepods-burstable-pod{pod.replace('-', '_')}.slice",
+             f"cri-containerd-{container}.scope"]
+    base = Path(roots[0])
+    made = []
+    path = base
+    for part in parts:
+        path = path / part
+        if not path.exists():
+            path.mkdir()
+            made.append(path)
+    yield path, pod, container
+    # Runs before the services fixture's end: what still runs in the cgroup (the test's own service) ends first.
+    for pid in (path / "cgroup.procs").read_text().split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGTERM)
+    for p in reversed(made):
+        for _ in range(50):  # the processes in it may take a moment to be gone
+            try:
+                p.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_services_started_after_the_daemon_are_found_and_marked(
+    heapscope_cmd: list[str], services: Services, pod_cgroup: tuple[Path, str, str], tmp_path: Path
+) -> None:
+    cgroup_dir, pod, container = pod_cgroup
+    d = start_daemon(heapscope_cmd, tmp_path, "--attach-comm", "^svc-alpha$", "--attach-cgroup", f"pod:{pod}",
+                     "--keep-exited", "4")
+    try:
+        alpha = services.start("svc-alpha")
+        beta = services.start("svc-beta", cgroup=cgroup_dir)  # chosen by its pod
+        gamma = services.start("svc-gamma")  # chosen by nothing
+        wait_for(profiling(d, alpha.pid), FOUND_WITHIN, "svc-alpha profiled")
+        wait_for(profiling(d, beta.pid), FOUND_WITHIN, "svc-beta profiled")
+        held = targets(d)
+        assert gamma.pid not in held
+        a, b = held[alpha.pid], held[beta.pid]
+        with d.client() as c:
+            sel = {s["id"]: s for s in c.get("/selectors").json()}
+        assert sel[a["origin"]["selector"]]["comm"] == "^svc-alpha$"
+        assert sel[b["origin"]["selector"]]["cgroup"] == f"pod:{pod}"
+        assert a["origin"]["start_time"] == start_ticks(alpha.pid) and a["origin"]["parent"] is None
+        placement = b["origin"]["placement"]
+        assert (placement["pod"], placement["container"], placement["runtime"]) == (pod, container, "containerd")
+        assert placement["cgroup"].endswith(f"/cri-containerd-{container}.scope")
+        # The metrics carry the pod and the container; the whole heap sits at ring_alloc.
+        site = ring_site()
+        assert metric(d, "heapscope_site_live_bytes", pid=str(beta.pid), pod=pod, container=container,
+                      site=site) == RING_BYTES
+        assert metric(d, "heapscope_site_live_bytes", pid=str(alpha.pid), pod="", site=site) == RING_BYTES
+        assert metric(d, "heapscope_selector_matches_total", selector=str(a["origin"]["selector"])) == 1
+
+        # A target that exits is marked, stays for --keep-exited, then goes.
+        alpha.terminate()
+        alpha.wait(10)
+        wait_for(lambda: targets(d)[alpha.pid]["state"] == "exited", 30, "svc-alpha marked exited")
+        wait_for(lambda: targets(d)[alpha.pid]["origin"]["expires_at"] is not None, 10, "an expiry time")
+        gone = targets(d)[alpha.pid]
+        assert gone["exited"] and gone["ended_at"] is not None and gone["origin"]["end_reason"] == "exited"
+        wait_for(lambda: alpha.pid not in targets(d), 30, "svc-alpha forgotten after --keep-exited")
+        assert services.running(beta.pid) and services.running(gamma.pid)
+    finally:
+        stop_daemon(d)
+
+
+def test_a_prefork_parent_and_its_children_through_exit_restart_and_exec(
+    heapscope_cmd: list[str], services: Services, tmp_path: Path
+) -> None:
+    d = start_daemon(heapscope_cmd, tmp_path, "--attach-comm", "^svc-prefork$")
+    try:
+        parent = services.start("svc-prefork", workers=2)
+        wait_for(lambda: len(children(parent.pid)) == 2, 10, "two workers")
+        first, second = children(parent.pid)
+        # The workers are named fleet-worker: the selector does not match them; they are followed as children.
+        for pid in (parent.pid, first, second):
+            wait_for(profiling(d, pid), FOUND_WITHIN, f"{pid} profiled")
+        held = targets(d)
+        assert Path(f"/proc/{first}/comm").read_text().strip() == "fleet-worker"
+        assert held[parent.pid]["origin"]["parent"] is None
+        assert held[first]["origin"]["parent"] == parent.pid and held[second]["origin"]["parent"] == parent.pid
+        assert held[first]["origin"]["selector"] == held[parent.pid]["origin"]["selector"]
+
+        # One worker exits; the parent forks a new one (a restart): the old one is marked, the new one followed.
+        os.kill(first, signal.SIGUSR1)
+        wait_for(lambda: len(set(children(parent.pid)) - {second}) == 1, 10, "a new worker")
+        [third] = set(children(parent.pid)) - {second}
+        wait_for(lambda: targets(d)[first]["state"] == "exited", 30, "the old worker marked exited")
+        wait_for(profiling(d, third), FOUND_WITHIN, "the new worker profiled")
+        assert targets(d)[third]["origin"]["parent"] == parent.pid
+
+        # The other worker execs the program again: its profile ends there, and the new image, still the parent's
+        # program, is followed from its start (its name is now "exe": no selector matches it by name).
+        before = targets(d)[second]
+        os.kill(second, signal.SIGUSR2)
+        wait_for(lambda: targets(d)[second]["started_at"] != before["started_at"], FOUND_WITHIN, "re-attached")
+        wait_for(profiling(d, second), FOUND_WITHIN, "the exec'ed worker profiled")
+        after = targets(d)[second]
+        assert after["command"] == "exe" and after["cmdline"].endswith("--worker")
+        assert after["origin"]["parent"] == parent.pid
+        assert after["origin"]["start_time"] == before["origin"]["start_time"]  # the same process
+        assert f"process {second} exec'ed another program" in d.stderr()
+
+        # An exec of another program ends the profile cleanly: marked, kept, not followed.
+        os.kill(third, signal.SIGHUP)
+        wait_for(lambda: targets(d)[third]["state"] != "profiling", 30, "the profile ended at the exec")
+        wait_for(lambda: targets(d)[third]["origin"]["end_reason"] == "exec", 10, "marked as ended by an exec")
+        assert Path(f"/proc/{third}/comm").read_text().strip() == "sleep"
+        time.sleep(2)  # nothing re-attaches it
+        assert targets(d)[third]["state"] == "detached"
+        for pid in (parent.pid, second):
+            assert services.running(pid)
+    finally:
+        stop_daemon(d)
+
+
+def test_a_limit_refuses_with_a_clear_line_a_429_and_a_metric(
+    heapscope_cmd: list[str], services: Services, tmp_path: Path
+) -> None:
+    d = start_daemon(heapscope_cmd, tmp_path, "--attach-comm", "^svc-limit$", "--max-targets", "1")
+    try:
+        one = services.start("svc-limit")
+        wait_for(profiling(d, one.pid, heap=None), FOUND_WITHIN, "the first profiled")
+        two = services.start("svc-limit")
+        says = f"not profiling process {two.pid}: the daemon profiles 1 processes, its limit (--max-targets)"
+        wait_for(lambda: says in d.stderr(), 30, "the refusal in the log")
+        assert d.stderr().count(says) == 1  # said once, however often the scan meets it again
+        assert two.pid not in targets(d)
+        with d.client() as c:
+            r = c.post("/targets", json={"pid": two.pid})
+        assert r.status_code == 429 and r.json() == {"detail": says, "error": "TargetRefused"}
+        refused = metric(d, "heapscope_targets_refused_total", reason="targets")
+        assert refused is not None and refused >= 2
+        assert metric(d, "heapscope_limit", kind="targets") == 1
+        assert services.running(two.pid)
+    finally:
+        stop_daemon(d)
+
+
+def test_sigkill_then_a_restarted_daemon_finds_the_same_processes(
+    heapscope_cmd: list[str], services: Services, tmp_path: Path
+) -> None:
+    args = ("--attach-comm", "^svc-restart$")
+    (tmp_path / "first").mkdir()
+    d = start_daemon(heapscope_cmd, tmp_path / "first", *args)
+    parent = services.start("svc-restart", workers=1)
+    wait_for(lambda: len(children(parent.pid)) == 1, 10, "a worker")
+    [worker] = children(parent.pid)
+    try:
+        for pid in (parent.pid, worker):
+            wait_for(profiling(d, pid), FOUND_WITHIN, f"{pid} profiled")
+        identities = {pid: t["origin"]["start_time"] for pid, t in targets(d).items()}
+    finally:
+        d.proc.kill()  # SIGKILL: nothing of the daemon's shutdown runs
+        d.proc.wait()
+    for pid in (parent.pid, worker):
+        assert services.running(pid), f"{pid} does not run on after the daemon's SIGKILL"
+    (tmp_path / "second").mkdir()
+    d = start_daemon(heapscope_cmd, tmp_path / "second", *args)
+    try:
+        for pid in (parent.pid, worker):
+            wait_for(profiling(d, pid), FOUND_WITHIN, f"{pid} profiled again")
+        held = targets(d)
+        assert {pid: held[pid]["origin"]["start_time"] for pid in identities} == identities
+        assert held[worker]["origin"]["parent"] == parent.pid  # found as the chosen parent's child again
+        for pid in (parent.pid, worker):
+            assert services.running(pid)
+    finally:
+        stop_daemon(d)

@@ -1,0 +1,461 @@
+"""The two modes end to end, through the real CLI and daemon: `attach` samples by default and its estimates
+hold; exact mode still equals Massif; every output says which mode it came from; a SIGKILLed heapscope leaves
+its target as it found it; the daemon switches a live target between modes and keeps serving; and where
+sampling cannot be made safe, heapscope refuses with one line.
+
+modes_sites.c holds known bytes at four call sites (its own count of them is printed at the end: the truth).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent.model.sampling import sample_probability
+from agent.process.sampler import SamplerControl, build_sampler
+from tests.integration.harness import Completed
+from tests.integration.test_daemon import Daemon, start_daemon, stop_daemon
+from tests.integration.test_oracle import NO_CULL, _diff, final, read_snapshots
+from tests.integration.test_sampler import got_slot, libc_function, read_word
+from tests.support.massif_reader import parse_massif, paths
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT = 60.0
+MIN_SAMPLES = 1600  # per big site: 10% is then about 4 standard errors (the issue asks for 400 at least)
+SITES = ("site_small", "site_medium", "site_calloc", "site_large")
+SCALE = 4  # the estimates' run: a rate of 4096 gives each big site 1,600 samples, all but site_large at random
+
+
+def site_sizes(scale: int) -> dict[str, list[int]]:
+    """modes_sites.c's blocks live at the end, per site, as its comment and loops say."""
+    return {
+        "site_small": [16 + (i % 7) * 16 for i in range(40000 * scale)],
+        "site_medium": [1000 + (i % 500) for i in range(2500 * scale)],
+        "site_calloc": [640] * (3000 * scale),
+        "site_large": [262144] * (4 * scale),
+    }
+
+
+def sampling_rate(scale: int) -> int:
+    """The largest power-of-two rate at which every site holding 10% or more of the heap, and sampled at
+    random (blocks below the rate), expects MIN_SAMPLES samples."""
+    sizes = site_sizes(scale)
+    total = sum(sum(v) for v in sizes.values())
+    rate = 1 << 20
+    while rate > 1:
+        expected = [
+            sum(sample_probability(s, rate) for s in blocks)
+            for blocks in sizes.values()
+            if sum(blocks) >= total / 10 and max(blocks) < rate
+        ]
+        if all(e >= MIN_SAMPLES for e in expected):
+            return rate
+        rate //= 2
+    raise AssertionError("no rate gives the sites enough samples")
+
+
+class Program:
+    """modes_sites in its `wait` form, driven line by line."""
+
+    def __init__(self, path: Path, scale: int = 1) -> None:
+        self.proc = subprocess.Popen([str(path), str(scale), "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)
+        self.expect("ready")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def expect(self, word: str) -> None:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        assert line == word, f"expected {word!r}, got {line!r} (exit {self.proc.poll()})"
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> dict[str, int]:
+        """Let it print its truth and exit; the live bytes per site."""
+        self.go()
+        out, _ = self.proc.communicate(timeout=TIMEOUT)
+        assert self.proc.returncode == 0, out
+        truth = {}
+        for line in out.splitlines():
+            _, name, value = line.split()
+            truth[name] = int(value)
+        assert set(truth) == set(SITES), out
+        return truth
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Attach:
+    """`heapscope attach` in the background, its stderr collected line by line."""
+
+    def __init__(self, cmd: list[str], cwd: Path) -> None:
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self._cond:
+                self.lines.append(line)
+                self._cond.notify_all()
+        with self._cond:
+            self.lines.append("")  # EOF
+            self._cond.notify_all()
+
+    @property
+    def stderr(self) -> str:
+        with self._cond:
+            return "".join(self.lines)
+
+    def wait_for(self, text: str) -> None:
+        deadline = time.monotonic() + TIMEOUT
+        with self._cond:
+            while not any(text in line for line in self.lines):
+                if "" in self.lines or time.monotonic() > deadline:
+                    raise AssertionError(f"heapscope never said {text!r}:\n{''.join(self.lines)}")
+                self._cond.wait(0.5)
+
+    def end(self, sig: int = signal.SIGINT) -> int:
+        self.proc.send_signal(sig)
+        code = self.proc.wait(TIMEOUT)
+        self._reader.join(TIMEOUT)
+        assert "Traceback" not in self.stderr, self.stderr
+        return code
+
+
+def tree_sites(tree_paths: dict[tuple[str, ...], int]) -> dict[str, int]:
+    """Bytes per allocation site (the tree's first level), by function name."""
+    out: dict[str, int] = {}
+    for p, b in tree_paths.items():
+        if len(p) == 1:
+            name = p[0].split(" ", 1)[0]
+            out[name] = out.get(name, 0) + b
+    return out
+
+
+@pytest.fixture(scope="module")
+def program(build: Callable[..., Path]) -> Path:
+    return build("modes_sites.c")
+
+
+@pytest.fixture(scope="module")
+def sampled_run(program: Path, heapscope_cmd: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One `heapscope attach` (no --mode: sampled by default) with every output asked for."""
+    tmp = tmp_path_factory.mktemp("sampled")
+    rate = sampling_rate(SCALE)
+    files = {
+        "massif": tmp / "m.out", "malt": tmp / "malt.json", "pprof": tmp / "heap.pb.gz",
+        "xtree": tmp / "xt.kcg", "summary": tmp / "summary.json",
+    }
+    target = Program(program, SCALE)
+    try:
+        attach = Attach([
+            *heapscope_cmd, "attach", str(target.pid), f"--sample-rate={rate}", "--time-unit=B", "--threshold=0.0",
+            "--detailed-freq=1", f"--massif-out-file={files['massif']}", f"--malt-out-file={files['malt']}",
+            f"--pprof-out-file={files['pprof']}", "--xtree-memory=allocs", f"--xtree-memory-file={files['xtree']}",
+            f"--summary-file={files['summary']}",
+        ], tmp)
+        attach.wait_for("sampler armed")
+        target.go()
+        target.expect("allocated")
+        time.sleep(0.3)  # a few sampling intervals
+        assert attach.end() == 0, attach.stderr
+        truth = target.finish()
+    finally:
+        target.kill()
+    return {"rate": rate, "truth": truth, "files": files, "stderr": attach.stderr, "tmp": tmp}
+
+
+def test_attach_samples_by_default_within_10_percent_per_big_site(sampled_run: dict) -> None:
+    truth, rate = sampled_run["truth"], sampled_run["rate"]
+    stderr = sampled_run["stderr"]
+    assert "sampler loaded into" in stderr and f"one sample per {rate} bytes" in stderr, stderr
+    last = parse_massif(sampled_run["files"]["massif"].read_text()).snapshots[-1]
+    assert last.tree is not None
+    got = tree_sites(paths(last.tree))
+    total = sum(truth.values())
+    for site, true_bytes in truth.items():
+        ratio = got.get(site, 0) / true_bytes
+        print(f"{site}: {true_bytes / total:.0%} of the heap, estimate/truth {ratio:.4f} at rate {rate}")
+        if true_bytes >= total / 10:
+            assert abs(ratio - 1) <= 0.10, (site, got.get(site), true_bytes)
+    # Blocks at or above the rate are always sampled, at their size: exact.
+    assert got["site_large"] == truth["site_large"]
+    # The sampler's own frames are trimmed: the program's call site leads every stack.
+    assert not [p for p in paths(last.tree) if any("hs_" in label for label in p)]
+    assert abs(last.heap_B / (total + 2500 * SCALE * 8) - 1) <= 0.10  # + main's array of pointers
+    sampled_sites = [s for s, blocks in site_sizes(SCALE).items() if max(blocks) < rate]
+    assert sampled_sites == ["site_small", "site_medium", "site_calloc"]  # what was estimated, not counted
+
+
+def test_sampled_counts_are_exact_and_the_extra_model_comes_from_weights(sampled_run: dict) -> None:
+    summary = json.loads(sampled_run["files"]["summary"].read_text())
+    c = summary["counters"]
+    # The program's calls after the attach, exactly: its kept blocks, 20000 churned per SCALE, one array (stdin's
+    # and stdout's buffers were allocated before, at its first fgets and printf).
+    kept = sum(len(blocks) for blocks in site_sizes(SCALE).values())
+    assert c["n_allocs"] == kept + 20000 * SCALE + 1, c
+    assert c["n_frees"] == 20000 * SCALE, c
+    assert summary["sampling"]["rate"] == sampled_run["rate"] and summary["sampling"]["samples"] > 0
+    # Massif's extra bytes, from the estimated blocks: each site's blocks * (slop + 8), within 10% overall.
+    sizes = site_sizes(SCALE)
+    extra = sum(((s + 15) // 16 * 16 - s + 8) for blocks in sizes.values() for s in blocks)
+    last = parse_massif(sampled_run["files"]["massif"].read_text()).snapshots[-1]
+    assert abs(last.heap_extra_B / extra - 1) <= 0.10, (last.heap_extra_B, extra)
+
+
+def test_every_output_says_the_mode(sampled_run: dict) -> None:
+    rate, files, tmp = sampled_run["rate"], sampled_run["files"], sampled_run["tmp"]
+    text = files["massif"].read_text()
+    desc = text.splitlines()[0]
+    assert "--mode=sampled" in desc and f"--sample-rate={rate}" in desc and "estimates" in desc, desc
+    printed = subprocess.run(["ms_print", str(files["massif"])], capture_output=True, text=True, check=True).stdout
+    args = next(line for line in printed.splitlines() if line.startswith("Massif arguments:"))
+    assert f"--mode=sampled --sample-rate={rate}" in args and "estimates" in args, args
+    malt = json.loads(files["malt"].read_text())
+    assert malt["config"]["heapscope"] == {"mode": "sampled", "sample-rate": rate, "estimates": True}
+    assert malt["config"]["sampling"]["volume"] == rate
+    pprof = subprocess.run(["go", "tool", "pprof", "-raw", str(files["pprof"])], capture_output=True, text=True,
+                           check=True, cwd=tmp, env={**os.environ, "HOME": str(tmp)}).stdout
+    assert re.search(rf"^Period: {rate}$", pprof, re.M), pprof[:400]
+    assert "estimates" in gzip.decompress(files["pprof"].read_bytes()).decode(errors="replace")
+    annotated = subprocess.run(["callgrind_annotate", str(files["xtree"])], capture_output=True, text=True,
+                               check=True).stdout
+    assert f"sampled, one sample per {rate} bytes" in annotated, annotated[:600]
+    assert "ESTIMATES" in sampled_run["stderr"]  # the summary line a person reads
+
+
+def test_run_sampled_preloads_the_sampler_and_puts_the_environment_back(
+    program: Path, run_heapscope: Callable[..., Completed]
+) -> None:
+    """`run --mode=sampled`: the sampler comes in by LD_PRELOAD and holds the program before main() until it is
+    armed, so its estimates hold from main() on; the program and its children see the environment heapscope
+    was given."""
+    rate = sampling_rate(SCALE)
+    got = run_heapscope(program, (str(SCALE),), ("--mode=sampled", f"--sample-rate={rate}"))
+    assert got.returncode == 0, got.stderr
+    truth = {name: int(v) for _, name, v in (line.split() for line in got.stdout.splitlines())}
+    last = parse_massif(got.massif_text).snapshots[-1]
+    assert last.tree is not None
+    sites = tree_sites(paths(last.tree))
+    for site in SITES:
+        assert abs(sites.get(site, 0) / truth[site] - 1) <= 0.10, (site, sites.get(site), truth[site])
+    assert got.counters["n_allocs"] >= sum(len(b) for b in site_sizes(SCALE).values()) + 20000 * SCALE
+    env = run_heapscope(Path("/bin/sh"), ("-c", 'echo "[$LD_PRELOAD|$HEAPSCOPE_SAMPLER_HOLD]"'), ("--mode=sampled",),
+                        env={"LD_PRELOAD": "libm.so.6"})
+    assert env.returncode == 0 and env.stdout.strip() == "[libm.so.6|]", (env.stdout, env.stderr)
+
+
+# ---- exact mode ------------------------------------------------------------------------------------------
+
+
+def test_run_is_exact_by_default_and_equals_massif(
+    program: Path, run_massif: Callable[..., Completed], run_heapscope: Callable[..., Completed]
+) -> None:
+    ref = run_massif(program, ("1",), NO_CULL)
+    got = run_heapscope(program, ("1",), NO_CULL)
+    assert ref.returncode == 0 and got.returncode == 0, got.stderr
+    assert got.massif_text.splitlines()[0].endswith("--mode=exact"), got.massif_text.splitlines()[0]
+    r, g = final(read_snapshots(ref.massif_text)), final(read_snapshots(got.massif_text))
+    assert g.tree == r.tree, "final trees differ (bytes per path):\n" + _diff(r.tree, g.tree)
+    assert (g.heap_B, g.extra_B) == (r.heap_B, r.extra_B)
+
+
+# ---- safety ------------------------------------------------------------------------------------------------
+
+
+def test_sigkill_while_armed_leaves_the_target_at_full_speed(
+    program: Path, heapscope_cmd: list[str], tmp_path: Path
+) -> None:
+    """heapscope SIGKILLed while its sampler is armed: within a second the sampler has put every GOT slot back
+    (the target's malloc is libc's again, no hook in the way) by itself, and the program runs on unharmed."""
+    target = Program(program)
+    try:
+        attach = Attach([*heapscope_cmd, "attach", str(target.pid), "--sample-rate=4096"], tmp_path)
+        attach.wait_for("sampler armed")
+        library = build_sampler()
+        watcher = SamplerControl(target.pid, library)
+        assert watcher.read().state == "armed" and watcher.read()["slots_patched"] > 0
+        slot = got_slot(target.pid, program, "malloc")
+        assert read_word(target.pid, slot) != libc_function(target.pid, "malloc")  # hooked
+        attach.end(signal.SIGKILL)
+        killed = time.monotonic()
+        while watcher.read().state == "armed":
+            assert time.monotonic() - killed < 1.0, "the sampler stayed armed after heapscope died"
+            time.sleep(0.005)
+        st = watcher.read()
+        assert st.disarm_reason == "controller gone" and st["slots_patched"] == 0
+        assert read_word(target.pid, slot) == libc_function(target.pid, "malloc")
+        watcher.close()
+        target.go()
+        target.expect("allocated")
+        truth = target.finish()
+        assert truth["site_calloc"] == 1920000  # it computed what it always computes
+    finally:
+        target.kill()
+
+
+def _refusal(heapscope_cmd: list[str], argv: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> str:
+    target = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout is not None and target.stdout.readline().strip() == "ready"
+        done = subprocess.run([*heapscope_cmd, "attach", str(target.pid)], capture_output=True, text=True,
+                              timeout=TIMEOUT, cwd=tmp_path, env={**os.environ, **(env or {})}, check=False)
+        assert "Traceback" not in done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 3 and len(lines) == 1, done.stderr
+        assert "--mode=exact" in lines[0], lines[0]
+        target.communicate("x\n", timeout=TIMEOUT)
+        assert target.returncode == 0  # untouched
+        return lines[0]
+    finally:
+        if target.poll() is None:
+            target.kill()
+            target.wait()
+
+
+def test_refuses_seccomp_an_executable_allocator_and_a_hidden_library(
+    build: Callable[..., Path], heapscope_cmd: list[str], tmp_path: Path
+) -> None:
+    assert "seccomp" in _refusal(heapscope_cmd, [str(build("sampler_seccomp.c"))], tmp_path)
+    assert "linked into its executable" in _refusal(heapscope_cmd, [str(build("sampler_own_malloc.c"))], tmp_path)
+    # A target in its own mount namespace whose view of the sampler's folder is an empty tmpfs (a container).
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o755)
+    hide = f"mount -t tmpfs none {cache} && exec {build('sampler_wait.c')}"
+    line = _refusal(heapscope_cmd, ["unshare", "-m", "--propagation", "private", "sh", "-c", hide], tmp_path,
+                    env={"HEAPSCOPE_CACHE_DIR": str(cache)})
+    assert "cannot see the sampler library" in line
+
+
+def test_refuses_a_target_already_traced(
+    build: Callable[..., Path], heapscope_cmd: list[str], tmp_path: Path
+) -> None:
+    """ptrace forbidden: another tracer holds the target (yama's ptrace_scope=3 refuses the same way, and
+    this kernel has no yama to set)."""
+    target = subprocess.Popen([str(build("sampler_wait.c"))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    tracer = None
+    try:
+        assert target.stdout is not None and target.stdout.readline().strip() == "ready"
+        tracer = subprocess.Popen(["strace", "-q", "-o", os.devnull, "-p", str(target.pid)])
+        deadline = time.monotonic() + 10
+        while "TracerPid:\t0" in Path(f"/proc/{target.pid}/status").read_text():
+            assert time.monotonic() < deadline, "strace did not attach"
+            time.sleep(0.02)
+        done = subprocess.run([*heapscope_cmd, "attach", str(target.pid)], capture_output=True, text=True,
+                              timeout=TIMEOUT, cwd=tmp_path, check=False)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 3 and len(lines) == 1 and "already traced" in lines[0], done.stderr
+    finally:
+        if tracer is not None:
+            tracer.terminate()
+            tracer.wait()
+        target.kill()
+        target.wait()
+
+
+# ---- the daemon -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sampled_daemon(heapscope_cmd: list[str], tmp_path: Path) -> Iterator[Daemon]:
+    d = start_daemon(heapscope_cmd, tmp_path, "--mode=sampled", "--time-unit=B", "--sample-interval=0.02")
+    yield d
+    stop_daemon(d)
+
+
+def _metric_info(text: str, pid: int) -> dict[str, str]:
+    for line in text.splitlines():
+        if line.startswith("heapscope_profile_info{") and f'pid="{pid}"' in line:
+            return dict(re.findall(r'(\w+)="([^"]*)"', line))
+    raise AssertionError(f"no heapscope_profile_info for {pid}:\n{text}")
+
+
+def test_daemon_switches_a_live_target_between_modes_and_keeps_serving(
+    sampled_daemon: Daemon, program: Path, build: Callable[..., Path], tmp_path: Path
+) -> None:
+    target = Program(program)
+    try:
+        with sampled_daemon.client() as c:
+            r = c.post("/targets", json={"pid": target.pid, "sample_rate": 8192})
+            assert r.status_code == 201, r.text
+            t = r.json()
+            assert (t["mode"], t["sample_rate"], t["estimate"]) == ("sampled", 8192, True)
+            target.go()
+            target.expect("allocated")
+            time.sleep(0.3)
+            assert _metric_info(c.get("/metrics").text, target.pid) == {
+                "pid": str(target.pid), "command": "modes_sites", "mode": "sampled", "sample_rate": "8192"}
+            timeline = c.get(f"/targets/{target.pid}/timeline").json()
+            assert timeline["estimate"] is True
+            before = parse_massif(c.get("/all_snapshots", params={"pid": target.pid}).text)
+            assert "--mode=sampled" in before.desc and before.snapshots[-1].heap_B > 0
+
+            r = c.post(f"/targets/{target.pid}/mode", json={"mode": "exact"})
+            assert r.status_code == 200, r.text
+            assert (r.json()["mode"], r.json()["sample_rate"], r.json()["estimate"]) == ("exact", 1, False)
+            listed = {x["pid"]: x for x in c.get("/targets").json()}
+            assert listed[target.pid]["mode"] == "exact" and listed[target.pid]["state"] == "profiling"
+            assert _metric_info(c.get("/metrics").text, target.pid)["mode"] == "exact"
+            time.sleep(0.2)
+            after = c.get("/all_snapshots", params={"pid": target.pid}).text
+            parsed = parse_massif(after)
+            assert "--mode=exact" in parsed.desc
+            # The history goes on: the sampled phase's snapshots come first, in time order.
+            times = [s.time for s in parsed.snapshots]
+            assert len(parsed.snapshots) > len(before.snapshots) and times == sorted(times)
+            assert max(s.heap_B for s in parsed.snapshots) >= before.snapshots[-1].heap_B
+            printed = run_ms_print(after, tmp_path)
+            assert "--mode=exact" in printed
+
+            # A refusal leaves the daemon serving and the target profiled in its mode.
+            seccomp = subprocess.Popen([str(build("sampler_seccomp.c"))], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True)
+            try:
+                assert seccomp.stdout is not None and seccomp.stdout.readline().strip() == "ready"
+                r = c.post("/targets", json={"pid": seccomp.pid})
+                assert 400 <= r.status_code < 500 and "seccomp" in r.json()["detail"], r.text
+            finally:
+                seccomp.kill()
+                seccomp.wait()
+
+            r = c.post(f"/targets/{target.pid}/mode", json={"mode": "sampled", "sample_rate": 65536})
+            assert r.status_code == 200 and r.json()["sample_rate"] == 65536, r.text
+            assert httpx.get(f"{sampled_daemon.url}/healthz").status_code == 200
+            assert c.get("/snapshot", params={"pid": target.pid}).status_code == 200
+            r = c.delete(f"/targets/{target.pid}")
+            assert r.status_code == 200 and r.json()["mode"] == "sampled", r.text
+        target.finish()
+    finally:
+        target.kill()
+
+
+def run_ms_print(text: str, tmp: Path) -> str:
+    f = tmp / "served.out"
+    f.write_text(text)
+    return subprocess.run(["ms_print", str(f)], capture_output=True, text=True, check=True).stdout
