@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import re
 import signal
 import struct
 import sys
@@ -61,6 +62,20 @@ LOG2_BINS = HEAP_H.value("HS_LOG2_BINS")
 SMALL_SIZES = HEAP_H.value("HS_SMALL_SIZES")
 THREAD_SLOTS = HEAP_H.value("HS_THREAD_SLOTS")
 PAGE_COUNTER_COUNT = HEAP_H.enum("hs_page_counter")["HS_PGC_COUNT"]
+# The snapshot schedule (enum hs_control's HS_CTL_SCHED_*, HS_EV_SCHEDULE, struct hs_sched_point).
+CTL_SCHED_DUE = _CONTROL["HS_CTL_SCHED_DUE"]
+CTL_SCHED_PEAK_LEVEL = _CONTROL["HS_CTL_SCHED_PEAK_LEVEL"]
+CTL_SCHED_DUE_JIFFIES = _CONTROL["HS_CTL_SCHED_DUE_JIFFIES"]
+CTL_SCHED_INTERVAL = _CONTROL["HS_CTL_SCHED_INTERVAL"]
+CTL_SCHED_CULL_AT = _CONTROL["HS_CTL_SCHED_CULL_AT"]
+CTL_SCHED_ORIGIN = _CONTROL["HS_CTL_SCHED_ORIGIN"]
+CTL_SCHED_MAX = _CONTROL["HS_CTL_SCHED_MAX"]
+CTL_SCHED_PEAK_PPM = _CONTROL["HS_CTL_SCHED_PEAK_PPM"]
+CTL_SCHED_JIFFY_NS = _CONTROL["HS_CTL_SCHED_JIFFY_NS"]
+EV_SCHEDULE = _EVENTS["HS_EV_SCHEDULE"]
+SCHED_PEAK = HEAP_H.enum("hs_sched_kind")["HS_SCHED_PEAK"]  # a point of Massif's peak snapshots
+_SCHED_POINT = struct.Struct("<4Q")  # struct hs_sched_point: time, heap, extra, kind
+SCHED_RING_BYTES = 64 << 10  # the points' ring buffer (HS_SCHED_RING_PAGES): 2,000 points between two drains
 
 
 # struct hs_page_event (probes/heap.h): time_ns, site, addr, length, new_addr, new_length, flags, prot, ret,
@@ -170,6 +185,7 @@ class ProbeSettings:
     pages: bool = False  # trace mmap/munmap/mremap/brk: one PageEvent per call (page_events())
     stacks: bool = False  # keep each thread's stack extent (--stacks=yes: stack_bytes())
     sampled: bool = False  # also compile probes/sampled.bpf.c (points of kind sample_alloc / sample_free)
+    schedule_ns: bool = False  # the snapshot schedule's points are timed in ns (--time-unit=ms), else in B
     sample_rate: int = 524288  # sampled: the sampler's mean bytes between samples (its weights' rate)
 
 
@@ -232,6 +248,33 @@ def _link_uprobe(prog_fd: int, path: bytes, offset: int, is_return: bool, pid: i
     libc = ctypes.CDLL(None, use_errno=True)
     fd = int(libc.syscall(_SYS_BPF, _BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr)))
     return fd if fd >= 0 else -ctypes.get_errno()
+
+
+# Kernel tick rates (CONFIG_HZ) Linux offers; a measured rate is rounded to the nearest.
+_HZ_CHOICES = (100, 250, 300, 1000)
+
+
+def jiffy_ns(proc: str = "/proc", seconds: float = 0.05) -> int:
+    """Nanoseconds a jiffy (the kernel's tick count), from two readings of /proc/timer_list `seconds` apart;
+    0 when it cannot be read (the schedule then reads the clock at every event)."""
+
+    def reading() -> tuple[int, int] | None:
+        try:
+            with open(f"{proc}/timer_list") as f:
+                text = f.read(4096)
+        except OSError:
+            return None
+        ns = re.search(r"now at (\d+) nsecs", text)
+        jiffies = re.search(r"^jiffies: (\d+)", text, re.M)
+        return (int(ns.group(1)), int(jiffies.group(1))) if ns and jiffies else None
+
+    first = reading()
+    time.sleep(seconds)
+    second = reading()
+    if first is None or second is None or second[0] <= first[0]:
+        return 0
+    hz = (second[1] - first[1]) * 1e9 / (second[0] - first[0])
+    return 1_000_000_000 // min(_HZ_CHOICES, key=lambda choice: abs(choice - hz))
 
 
 def block_slots(max_blocks: int) -> int:
@@ -570,6 +613,7 @@ class HeapProbes(SiteReader):
         self._page_ring: _RingReader | None = None
         self._shared_rows: SharedRows | None = None
         self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count) in the shared rows
+        self._sched_ring: _RingReader | None = None
         self._umap_half = 0
         self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
@@ -603,6 +647,8 @@ class HeapProbes(SiteReader):
             f"-DHS_PAGES={int(s.pages)}",
             f"-DHS_PAGE_RING_PAGES={PAGE_RING_BYTES // mmap.PAGESIZE}",
             f"-DHS_STACKS={int(s.stacks)}",
+            f"-DHS_SCHED_NS={int(s.schedule_ns)}",
+            f"-DHS_SCHED_RING_PAGES={SCHED_RING_BYTES // mmap.PAGESIZE}",
             f"-DHS_SAMPLE_RATE={s.sample_rate}ULL",
         ]
         with BCC_LOCK, _captured_stderr() as messages:
@@ -632,6 +678,7 @@ class HeapProbes(SiteReader):
             bpf["events"].open_perf_buffer(self._on_event, page_cnt=8)
             if s.pages:
                 self._page_ring = _RingReader(bpf["page_events"].map_fd, PAGE_RING_BYTES, _PAGE_EVENT)
+            self._sched_ring = _RingReader(bpf["sched_points"].map_fd, SCHED_RING_BYTES, _SCHED_POINT)
             self._release_compiler()
         except BaseException:
             self.close()
@@ -684,9 +731,10 @@ class HeapProbes(SiteReader):
             self.resume()  # never leave the target held at an event, whatever went wrong
         self.detach()
         self._unmap()
-        if self._page_ring is not None:
-            self._page_ring.close()
-            self._page_ring = None
+        for ring in (self._page_ring, self._sched_ring):
+            if ring is not None:
+                ring.close()
+        self._page_ring = self._sched_ring = None
         if self._bpf is not None:
             _unload(self._bpf)
             self._bpf = None
@@ -726,9 +774,12 @@ class HeapProbes(SiteReader):
         loaded like its caller)."""
         bcc = _load_bcc()
         assert self._bpf is not None
-        if self._use_links:
-            return self._bpf.load_func(name, bcc.BPF.KPROBE, attach_type=_BPF_TRACE_UPROBE_MULTI)
-        return self._bpf.load_func(name, bcc.BPF.KPROBE)
+        try:
+            if self._use_links:
+                return self._bpf.load_func(name, bcc.BPF.KPROBE, attach_type=_BPF_TRACE_UPROBE_MULTI)
+            return self._bpf.load_func(name, bcc.BPF.KPROBE)
+        except Exception as exc:  # bcc raises bare Exception when the verifier refuses a program
+            raise EnvironmentProblem(f"the kernel refused the BPF program {name.decode()}: {exc}") from exc
 
     def _attach(self, point: ProbePoint) -> None:
         kind = point.kind
@@ -779,6 +830,37 @@ class HeapProbes(SiteReader):
                 addr = 0
             out.append(PageEvent(kind, time_ns, tid, site, addr, length, new_addr, new_length, flags, prot, failed))
         return out
+
+    def schedule_points(self) -> list[tuple[int, int, int, int]]:
+        """The snapshot schedule's points (time, heap, extra, kind) sent since the last call, in time order; time
+        is in B, or bpf_ktime_get_ns with settings.schedule_ns; kind is SCHED_PEAK for a peak point, else 0."""
+        if self._sched_ring is None:
+            return []
+        return cast(list[tuple[int, int, int, int]], self._sched_ring.drain())
+
+    def set_schedule(self, interval: int, cull_at: int, due: int | None) -> None:
+        """The series' minimum interval between snapshots (B or ms), the point count at which it culls next, and
+        (unless None) the time from which the next event is a point (B, or ns with settings.schedule_ns)."""
+        if self._bpf is None:  # unloaded (or a frozen copy): no schedule to steer
+            return
+        self._set_control(CTL_SCHED_CULL_AT, cull_at)
+        self._set_control(CTL_SCHED_INTERVAL, interval)
+        if due is not None:
+            self._set_control(CTL_SCHED_DUE_JIFFIES, 0)  # read the clock until the kernel's next point
+            self._set_control(CTL_SCHED_DUE, due)
+
+    def start_schedule(self, origin_ns: int, max_snapshots: int, peak_inaccuracy: float) -> None:
+        """Time 0 of the snapshots (settings.schedule_ns), --max-snapshots and --peak-inaccuracy (percent); until
+        the first set_schedule, the interval is guessed from the first culling on (the first snapshot, taken at
+        a tick, makes one)."""
+        if self._bpf is None:
+            return
+        self._set_control(CTL_SCHED_ORIGIN, origin_ns)
+        self._set_control(CTL_SCHED_MAX, max_snapshots)
+        self._set_control(CTL_SCHED_PEAK_PPM, round(peak_inaccuracy * 10_000))
+        self._set_control(CTL_SCHED_CULL_AT, max_snapshots - 1)
+        if self.settings.schedule_ns:
+            self._set_control(CTL_SCHED_JIFFY_NS, jiffy_ns())
 
     def page_counters(self) -> PageCounters:
         """The kernel side's counts of page events sent and not sent (settings.pages)."""
