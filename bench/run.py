@@ -185,14 +185,16 @@ def run_native(binary: Path, args: list[str], env: dict[str, str], scratch: Path
     return Measurement(wall, read_loop_time(scratch / "loop_time"))
 
 
-def _heapscope(unwind: str, malt: bool = False, pages: bool = False, mode: str = "exact") -> ToolFn:
+def _heapscope(
+    unwind: str, malt: bool = False, pages: bool = False, mode: str = "exact", time_unit: str = "B"
+) -> ToolFn:
     def run(binary: Path, args: list[str], env: dict[str, str], scratch: Path) -> Measurement:
         out = scratch / "massif.out.heapscope"
         extra = [f"--malt-out-file={scratch / 'malt.json'}"] if malt else []
         extra += ["--pages-as-heap=yes"] if pages else []
         extra += [f"--mode={mode}"]
         cmd = [
-            str(HEAPSCOPE), "run", "-q", "--time-unit=B", f"--unwind={unwind}", f"--massif-out-file={out}",
+            str(HEAPSCOPE), "run", "-q", f"--time-unit={time_unit}", f"--unwind={unwind}", f"--massif-out-file={out}",
             *extra, "--", str(binary), *args,
         ]  # fmt: skip
         wall = timed_command(cmd, env, scratch)
@@ -317,6 +319,7 @@ TOOLS: list[Tool] = [
     Tool("native", run_native, "no profiler"),
     Tool("heapscope", _heapscope("cfi"), "heapscope run --time-unit=B: .eh_frame walk (wall: + compile, attach)"),
     Tool("heapscope-fp", _heapscope("fp"), "heapscope run --unwind=fp: frame-pointer walk"),
+    Tool("heapscope-ms", _heapscope("cfi", time_unit="ms"), "heapscope run --time-unit=ms"),
     Tool("heapscope-malt", _heapscope("cfi", malt=True), "heapscope run --malt-out-file: + MALT's statistics"),
     Tool("heapscope-pages", _heapscope("cfi", pages=True), "heapscope run --pages-as-heap=yes"),
     Tool("heapscope-sampled", _heapscope("cfi", mode="sampled"),

@@ -2,7 +2,8 @@
  *
  * Uprobes at the allocation functions of the target's allocator record each call's arguments and stack;
  * the return probe turns the call into Massif-model accounting in BPF maps. Nothing is sent to user space
- * per call: agent/kernel/probes.py reads the maps.
+ * per call: agent/kernel/probes.py reads the maps. Only the calls at which Massif would take a snapshot send a point
+ * (time and totals) to a ring buffer (the snapshot schedule: schedule_check).
  *
  * Entry probes may sit a few instructions into a function (agent/symbols/placement.py picks the first instruction
  * the kernel emulates); they are always placed before the function touches %rsp, %rbp or the argument
@@ -16,17 +17,20 @@
  * update and delete cost more than the rest of the accounting). Mmapable only for its page alignment,
  * which keeps each bucket in one cache line. */
 BPF_F_TABLE("array", int, struct hs_block_slot, block_slots, HS_BLOCK_SLOTS, BPF_F_MMAPABLE);
-/* blocks: block address -> struct hs_block, for the blocks whose bucket was full */
-BPF_HASH(blocks, u64, struct hs_block, HS_MAX_BLOCKS);
+/* blocks: block address -> struct hs_block, for the blocks whose bucket was full. Like every hash map here it
+ * is not preallocated (BPF_F_NO_PREALLOC): its memory follows the target's use, not the worst case, so a
+ * daemon watching many quiet targets does not hold their tables' full size each. */
+BPF_F_TABLE("hash", u64, struct hs_block, blocks, HS_MAX_BLOCKS, BPF_F_NO_PREALLOC);
 /* sites: site id -> struct hs_site (the counters of one allocation stack). An array, so the return and free
  * paths reach a block's site without hashing; mmapable, so user space reads every site's counters in place,
  * with no syscall and no copy, at each snapshot. */
 BPF_F_TABLE("array", int, struct hs_site, sites, HS_MAX_STACKS, BPF_F_MMAPABLE);
 /* site_stacks: site id -> struct hs_stack (its return addresses), written at the site's creation; apart from
- * the counters, so that a snapshot does not read them again (user space reads a site's stack once) */
-BPF_F_TABLE("array", int, struct hs_stack, site_stacks, HS_MAX_STACKS, BPF_F_MMAPABLE);
+ * the counters, so that a snapshot does not read them again (user space reads a site's stack once). A hash
+ * map, not an array: it holds the stacks there are, not 512 bytes for every possible site. */
+BPF_F_TABLE("hash", u32, struct hs_stack, site_stacks, HS_MAX_STACKS, BPF_F_NO_PREALLOC);
 /* stack_ids: stack hash -> site id (u64), consulted only when a CPU meets a stack it did not store last */
-BPF_HASH(stack_ids, u64, u64, HS_MAX_STACKS);
+BPF_F_TABLE("hash", u64, u64, stack_ids, HS_MAX_STACKS, BPF_F_NO_PREALLOC);
 /* stack_cache: stack hash bits -> struct hs_last_stack, per CPU (stacks met recently skip stack_ids; with
  * free stacks, malloc and free alternate, so one entry would miss every time) */
 BPF_PERCPU_ARRAY(stack_cache, struct hs_last_stack, HS_STACK_CACHE);
@@ -38,18 +42,18 @@ BPF_PERCPU_ARRAY(rule_cache, struct hs_rule_entry, HS_RULE_CACHE);
  * An array: its lookups are inlined and take no lock, unlike a hash map's. */
 BPF_ARRAY(slots, struct hs_pending, HS_PENDING_SLOTS);
 /* pending: thread id -> struct hs_pending, for a thread whose slot another thread holds */
-BPF_HASH(pending, u32, struct hs_pending, HS_MAX_THREADS);
+BPF_F_TABLE("hash", u32, struct hs_pending, pending, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
 /* globals: 0 -> struct hs_global */
 BPF_ARRAY(globals, struct hs_global, 1);
 /* control: enum hs_control -> u64, written by user space (kept apart so its writes never race counters) */
 BPF_ARRAY(control, u64, HS_CTL_COUNT);
 /* MALT (HS_MALT): size_map: request size -> count; realloc_jump: struct hs_jump -> count;
  * thread_stats: tid << 8 | enum hs_fn -> struct hs_thread_stat */
-BPF_HASH(size_map, u64, u64, HS_MAX_SIZES);
+BPF_F_TABLE("hash", u64, u64, size_map, HS_MAX_SIZES, BPF_F_NO_PREALLOC);
 /* small_sizes: request size -> count, for sizes below HS_SMALL_SIZES (no hashing on the common sizes) */
 BPF_ARRAY(small_sizes, u64, HS_SMALL_SIZES);
-BPF_HASH(realloc_jump, struct hs_jump, u64, HS_MAX_SIZES);
-BPF_HASH(thread_stats, u64, struct hs_thread_stat, HS_MAX_THREADS);
+BPF_F_TABLE("hash", struct hs_jump, u64, realloc_jump, HS_MAX_SIZES, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", u64, struct hs_thread_stat, thread_stats, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
 /* thread_slots: (tid mod HS_THREAD_SLOTS) * HS_FN_COUNT + fn -> the owning thread's statistics */
 BPF_ARRAY(thread_slots, struct hs_thread_slot, HS_THREAD_SLOTS * HS_FN_COUNT);
 /* size_hist: log2(size) -> allocations so far; life_hist: log2(size) * 64 + log2(lifetime ns) -> frees so
@@ -68,11 +72,15 @@ BPF_PERCPU_ARRAY(walk_arg, struct hs_page_call, 1);
 
 /* events: enum hs_event, to wake user space at once */
 BPF_PERF_OUTPUT(events);
+/* sched_points: struct hs_sched_point, the snapshot schedule's points in time order; drained by user space */
+BPF_RINGBUF_OUTPUT(sched_points, HS_SCHED_RING_PAGES);
 /* scratch: 0 -> the stack being walked (too big for the BPF stack) */
 BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
 
-/* unwind_rows: row index -> struct hs_row (the unwind tables of all objects, each a sorted run) */
-BPF_ARRAY(unwind_rows, struct hs_row, HS_MAX_ROWS);
+/* unwind_rows: row index -> struct hs_row (the unwind tables of all objects, each a sorted run). One table for
+ * every target of the daemon, declared by a holder program (agent/kernel/probes.py SharedRows): an object's
+ * rows are loaded once, whichever targets map it. */
+BPF_TABLE("extern", int, struct hs_row, unwind_rows, HS_MAX_ROWS);
 /* unwind_maps: index -> struct hs_umap, two halves of HS_MAX_UMAPS sorted by start; control[HS_CTL_UMAPS]
  * says which half and how many are published, so user space rewrites the other half and flips. */
 BPF_ARRAY(unwind_maps, struct hs_umap, 2 * HS_MAX_UMAPS);
@@ -470,7 +478,10 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
             if (i >= n)
                 st->ip[i] = 0;
         u32 slot = id;
-        site_stacks.update(&slot, st);
+        if (site_stacks.update(&slot, st)) { /* no memory for it: the call goes to the overflow site */
+            __sync_fetch_and_add(&g->dropped_stacks, 1);
+            return HS_STACK_OVERFLOW;
+        }
         if (copy->walks != walk_no) { /* overtaken while storing it: the id stays an empty site */
             __sync_fetch_and_add(&g->walks_interrupted, 1);
             return HS_STACK_OVERFLOW;
@@ -500,9 +511,34 @@ static __always_inline u64 capture_stack(struct pt_regs *ctx, struct hs_global *
     return capture_stack_at(1, 0, PT_REGS_SP(ctx), PT_REGS_FP(ctx), g, fn);
 }
 
+/* capture_stack for the free probe, which charges the site in the same run: the id passes through memory, so the
+ * verifier sees one unknown value whatever path of the walk found it. It keeps a constant map key precise (the
+ * overflow site's 0, from the walk's early exits) and would otherwise verify the accounting after the walk once more
+ * per kind of exit: with MALT's statistics and the snapshot schedule that took free_enter past its limit of 1M
+ * instructions (0.73-0.77M with this). The sampled probes verify in fewer without it, so they keep capture_stack.
+ * A walk that preempted this one between the store and the load (a preemptible kernel) moved copy->walks: then the
+ * id in hand is kept, chosen without a branch for the same reason. */
+static __always_inline u64 capture_site(struct pt_regs *ctx, struct hs_global *g, u32 fn)
+{
+    u64 id = capture_stack(ctx, g, fn);
+    u32 zero = 0;
+    struct hs_stack_copy *copy = stack_copy.lookup(&zero);
+    if (!copy)
+        return id;
+    u64 walks = HS_ONCE(copy->walks);
+    hs_barrier();
+    HS_ONCE(copy->site) = id;
+    hs_barrier();
+    u64 loaded = HS_ONCE(copy->site);
+    hs_barrier();
+    u64 moved = HS_ONCE(copy->walks) ^ walks;
+    moved = (moved | -moved) >> 63; /* 1 when another walk ran meanwhile */
+    return loaded ^ ((loaded ^ id) & -moved);
+}
+
 #if HS_STACKS
 /* thread_stacks: thread id -> struct hs_thread_stack (--stacks=yes) */
-BPF_HASH(thread_stacks, u32, struct hs_thread_stack, HS_MAX_THREADS);
+BPF_F_TABLE("hash", u32, struct hs_thread_stack, thread_stacks, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
 
 /* A probe hit on a thread: its stack pointer extends the thread's stack extent. `top` marks a thread's
  * initial stack pointer (exec, clone): the stack is measured from there (Massif: the main stack starts at 0). */
@@ -579,10 +615,153 @@ static __always_inline u64 valgrind_alignment(u64 align)
     return align + 1;
 }
 
-/* Massif's --time-unit=B clock moves by the change in heap + extra, whichever way. */
-static __always_inline void advance_time(struct hs_global *g, s64 delta)
+/* Massif's --time-unit=B clock moves by the change in heap + extra, whichever way. Returns the time after this
+ * event's change (the atomic add hands back the time before it at no extra cost). */
+static __always_inline u64 advance_time(struct hs_global *g, s64 delta)
 {
-    __sync_fetch_and_add(&g->time_b, delta < 0 ? -delta : delta);
+    u64 step = delta < 0 ? -delta : delta;
+    return __sync_fetch_and_add(&g->time_b, step) + step;
+}
+
+static __always_inline u64 control_word(u32 idx)
+{
+    u64 *w = control.lookup(&idx);
+    return w ? *w : 0;
+}
+
+/* The time of a point in the snapshots' unit (B, or whole ms since HS_CTL_SCHED_ORIGIN), and the due time
+ * `interval` of that unit after it (ms: the start of that millisecond, as Massif compares whole milliseconds). */
+static __always_inline u64 schedule_next(u64 t, u64 interval, u64 *unit_time)
+{
+    if (!HS_SCHED_NS) {
+        *unit_time = t;
+        return t + interval;
+    }
+    u64 origin = control_word(HS_CTL_SCHED_ORIGIN);
+    *unit_time = (t > origin ? t - origin : 0) / 1000000;
+    return origin + (*unit_time + interval) * 1000000;
+}
+
+static __always_inline void send_point(struct hs_global *g, u64 t, u64 heap, u64 extra, u64 kind)
+{
+    struct hs_sched_point *p = sched_points.ringbuf_reserve(sizeof(struct hs_sched_point));
+    if (!p) {
+        __sync_fetch_and_add(&g->sched_lost, 1);
+        return;
+    }
+    p->time = t;
+    p->heap = heap;
+    p->extra = extra;
+    p->kind = kind;
+    sched_points.ringbuf_submit(p, BPF_RB_NO_WAKEUP);
+    __sync_fetch_and_add(&g->sched_points, 1);
+}
+
+/* (Inlined, as every function here: bcc loads each program alone, without BPF-to-BPF calls.)
+ * The interval for the due time after a point. User space owns it (it culls the series) and sets the due time
+ * from the series when it has read the points. When the series culls (the point count reached
+ * HS_CTL_SCHED_CULL_AT) user space is woken once; with HS_STOP_EVENTS and time in B (time stands still while
+ * the target does) the target is also stopped until user space has set the new interval and due time, so the
+ * points are exactly Massif's. Until it answers, the interval is guessed as the time so far divided by
+ * --max-snapshots (about half the spacing a culling leaves), which keeps the points bounded however long user
+ * space takes. */
+static __always_inline u64 schedule_interval(void *ctx, struct hs_global *g, u64 unit_time)
+{
+    u64 interval = control_word(HS_CTL_SCHED_INTERVAL);
+    u64 cull_at = control_word(HS_CTL_SCHED_CULL_AT);
+    if (!cull_at || HS_ONCE(g->sched_points) + 1 < cull_at)
+        return interval;
+    u64 max = control_word(HS_CTL_SCHED_MAX);
+    u64 guess = max ? unit_time / max : 0;
+    /* ms: at least one; an interval of 0 (snapshots in the same millisecond, which Massif's culling keeps while
+     * Valgrind runs slowly enough to make few of them) would send every event of a native run meanwhile */
+    if (HS_SCHED_NS && guess == 0)
+        guess = 1;
+    if (HS_ONCE(g->sched_signalled) != cull_at) {
+        g->sched_signalled = cull_at;
+        u64 event = HS_EV_SCHEDULE;
+        if (HS_STOP_EVENTS && !HS_SCHED_NS) {
+            u32 stop_idx = HS_CTL_STOPPED;
+            control.update(&stop_idx, &event);
+            bpf_send_signal(19 /* SIGSTOP */);
+        }
+        events.perf_submit(ctx, &event, sizeof(event));
+    }
+    return guess > interval ? guess : interval;
+}
+
+/* HS_SCHED_NS: the clock costs ~50 ns a read here, jiffies (the tick count) a load. After setting the due
+ * time `next` at `t`, say until which jiffy no event can reach it: jiffies move on once a jiffy, so while fewer
+ * than the whole jiffies to `next`, less one, have passed, `next` is still ahead. */
+static __always_inline void schedule_jiffies(u64 t, u64 next)
+{
+    u64 jiffy_ns = control_word(HS_CTL_SCHED_JIFFY_NS);
+    u32 idx = HS_CTL_SCHED_DUE_JIFFIES;
+    u64 *word = control.lookup(&idx);
+    if (!HS_SCHED_NS || !word)
+        return;
+    u64 ahead = jiffy_ns && next > t ? (next - t) / jiffy_ns : 0;
+    HS_ONCE(*word) = ahead > 1 ? bpf_jiffies64() + ahead - 1 : 0;
+}
+
+/* The event at time t reached the due time: a point with the totals after it, and the next due time as
+ * Massif's maybe_take_snapshot sets it (this one's time plus the minimum interval). */
+static __always_inline void schedule_point(void *ctx, struct hs_global *g, u64 t, u64 *due_word, u64 due)
+{
+    u64 unit_time;
+    schedule_next(t, 0, &unit_time);
+    u64 next = schedule_next(t, schedule_interval(ctx, g, unit_time), &unit_time);
+    if (__sync_val_compare_and_swap(due_word, due, next) != due)
+        return; /* another CPU's event took this point, or user space has just set the due time */
+    schedule_jiffies(t, next);
+    send_point(g, t, HS_ONCE(g->heap), HS_ONCE(g->extra), HS_SCHED_NORMAL);
+}
+
+/* After an event's accounting: one compare, unless the event reached the schedule's due time. `time_b` is the
+ * event's B time; `now` its bpf_ktime_get_ns when the caller has read it, else 0. The due time sits in the
+ * control map's first cache line, which is_armed() has just read; in ms, so does the jiffy before which the
+ * clock need not be read. */
+static __always_inline void schedule_check(void *ctx, struct hs_global *g, u64 time_b, u64 now)
+{
+    if (HS_SCHED_NS && !now) {
+        u32 jidx = HS_CTL_SCHED_DUE_JIFFIES;
+        u64 *due_jiffies = control.lookup(&jidx);
+        if (due_jiffies && bpf_jiffies64() < HS_ONCE(*due_jiffies))
+            return;
+    }
+    u64 t = HS_SCHED_NS ? (now ? now : bpf_ktime_get_ns()) : time_b;
+    u32 idx = HS_CTL_SCHED_DUE;
+    u64 *due_word = control.lookup(&idx);
+    if (!due_word)
+        return;
+    u64 due = HS_ONCE(*due_word);
+    if (t >= due)
+        schedule_point(ctx, g, t, due_word, due);
+}
+
+/* Before a free, or a realloc that shrinks a block: Massif takes a peak snapshot when the total is above its
+ * last peak snapshot's by more than --peak-inaccuracy, whatever the interval, and the next snapshot is due an
+ * interval after it. One compare unless so. `now`: as in schedule_check. */
+static __always_inline void schedule_peak_check(void *ctx, struct hs_global *g, u64 now)
+{
+    u32 idx = HS_CTL_SCHED_PEAK_LEVEL;
+    u64 *level = control.lookup(&idx);
+    u64 heap = HS_ONCE(g->heap), extra = HS_ONCE(g->extra);
+    u64 total = heap + extra;
+    if (!level || total <= HS_ONCE(*level))
+        return;
+    u64 ppm = control_word(HS_CTL_SCHED_PEAK_PPM);
+    HS_ONCE(*level) = total + total * ppm / 1000000;
+    u64 t = HS_SCHED_NS ? (now ? now : bpf_ktime_get_ns()) : HS_ONCE(g->time_b);
+    u64 unit_time;
+    schedule_next(t, 0, &unit_time);
+    u64 next = schedule_next(t, schedule_interval(ctx, g, unit_time), &unit_time);
+    u32 due_idx = HS_CTL_SCHED_DUE;
+    u64 *due_word = control.lookup(&due_idx);
+    if (due_word)
+        HS_ONCE(*due_word) = next;
+    schedule_jiffies(t, next);
+    send_point(g, t, heap, extra, HS_SCHED_PEAK);
 }
 
 /* After the totals grew: a new global peak marks the touched sites with their state at the peak. */
@@ -615,14 +794,26 @@ static __always_inline void check_peak(struct hs_global *g, struct hs_site *a, s
 
 static __always_inline u64 log2_bin(u64 v)
 {
-    u64 r = 0;
-    if (v >= (1ULL << 32)) { v >>= 32; r += 32; }
-    if (v >= (1ULL << 16)) { v >>= 16; r += 16; }
-    if (v >= (1ULL << 8)) { v >>= 8; r += 8; }
-    if (v >= (1ULL << 4)) { v >>= 4; r += 4; }
-    if (v >= (1ULL << 2)) { v >>= 2; r += 2; }
-    if (v >= (1ULL << 1)) { r += 1; }
-    return r;
+    /* floor(log2(v)) (0 for 0 and 1) in arithmetic, without a branch: (x + 0xffffffff) >> 32 is 1 when
+     * 0 < x < 2^32, else 0. With branches every bin would be a constant of its own path, and the verifier,
+     * which keeps a map key's constant precise, would walk the rest of the program once per bin. */
+    u64 r = 0, s;
+    s = (((v >> 32) + 0xffffffffULL) >> 32) << 5;
+    v >>= s;
+    r += s;
+    s = (((v >> 16) + 0xffffffffULL) >> 32) << 4;
+    v >>= s;
+    r += s;
+    s = (((v >> 8) + 0xffffffffULL) >> 32) << 3;
+    v >>= s;
+    r += s;
+    s = (((v >> 4) + 0xffffffffULL) >> 32) << 2;
+    v >>= s;
+    r += s;
+    s = (((v >> 2) + 0xffffffffULL) >> 32) << 1;
+    v >>= s;
+    r += s;
+    return r + (((v >> 1) + 0xffffffffULL) >> 32);
 }
 
 static __always_inline void count_in(u64 *slot, u64 n)
@@ -813,7 +1004,8 @@ static __always_inline int block_take(struct hs_global *g, u64 addr, struct hs_b
 /* ---- Massif's accounting ----------------------------------------------------------------------------- */
 
 /* `now` (HS_MALT): bpf_ktime_get_ns() of the probe, read once per event and shared. */
-static __always_inline void record_alloc(struct hs_global *g, u64 addr, u64 size, u64 align, u64 stack, u64 now)
+static __always_inline void record_alloc(void *ctx, struct hs_global *g, u64 addr, u64 size, u64 align, u64 stack,
+                                         u64 now)
 {
     struct hs_block blk = {.size = size, .slop = massif_slop(size, align), .stack = stack, .alloc_ns = now};
     if (block_put(g, addr, &blk))
@@ -833,10 +1025,11 @@ static __always_inline void record_alloc(struct hs_global *g, u64 addr, u64 size
     __sync_fetch_and_add(&g->blocks, 1);
     __sync_fetch_and_add(&g->n_allocs, 1);
     __sync_fetch_and_add(&g->alloc_bytes, size);
-    advance_time(g, size + extra);
+    u64 time_b = advance_time(g, size + extra);
     check_peak(g, s, 0);
     if (HS_MALT)
         malt_alloc(g, s, stack, size, 1);
+    schedule_check(ctx, g, time_b, now);
 }
 
 /* Charge freed bytes to a site: the allocating one, or with HS_FREE_STACKS the freeing call's. */
@@ -852,8 +1045,9 @@ static __always_inline void charge_freed(struct hs_global *g, struct hs_site *al
 }
 
 /* The accounting of the free of a block no longer tracked. */
-static __always_inline void account_free(struct hs_global *g, struct hs_block *b, u64 free_stack, u64 now)
+static __always_inline void account_free(void *ctx, struct hs_global *g, struct hs_block *b, u64 free_stack, u64 now)
 {
+    schedule_peak_check(ctx, g, now);
     struct hs_block blk = *b;
     u64 extra = blk.slop + HS_HEAP_ADMIN;
     struct hs_site *s = get_site(blk.stack, g);
@@ -871,36 +1065,37 @@ static __always_inline void account_free(struct hs_global *g, struct hs_block *b
     __sync_fetch_and_add(&g->blocks, -1);
     __sync_fetch_and_add(&g->n_frees, 1);
     __sync_fetch_and_add(&g->freed_bytes, blk.size);
-    advance_time(g, blk.size + extra);
+    schedule_check(ctx, g, advance_time(g, blk.size + extra), now);
 }
 
 /* Forget a block; returns its size (0 when it was not tracked). */
-static __always_inline u64 record_free(struct hs_global *g, u64 addr, u64 free_stack, u64 now)
+static __always_inline u64 record_free(void *ctx, struct hs_global *g, u64 addr, u64 free_stack, u64 now)
 {
     struct hs_block blk;
     if (!block_take(g, addr, &blk)) {
         __sync_fetch_and_add(&g->untracked_frees, 1);
         return 0;
     }
-    account_free(g, &blk, free_stack, now);
+    account_free(ctx, g, &blk, free_stack, now);
     return blk.size;
 }
 
 /* realloc of a tracked block, as Massif 3.19 counts it: the block stays in place (and its slop grows) when
  * the new size fits in the old size plus slop; otherwise it is a new block. Either way the bytes move from
  * the old stack to realloc's stack. */
-static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 addr, u64 size, u64 stack, u64 now)
+static __always_inline void record_realloc(void *ctx, struct hs_global *g, u64 old, u64 addr, u64 size, u64 stack,
+                                           u64 now)
 {
     struct hs_block ob;
     if (!block_take(g, old, &ob)) {
         __sync_fetch_and_add(&g->untracked_frees, 1);
-        record_alloc(g, addr, size, HS_ALIGNMENT, stack, now);
+        record_alloc(ctx, g, addr, size, HS_ALIGNMENT, stack, now);
         return;
     }
     struct hs_block nb = {.size = size, .stack = stack, .alloc_ns = now};
     nb.slop = size <= ob.size + ob.slop ? ob.slop + ob.size - size : massif_slop(size, HS_ALIGNMENT);
     if (block_put(g, addr, &nb)) { /* the new block cannot be tracked (counted): the old one is gone */
-        account_free(g, &ob, stack, now);
+        account_free(ctx, g, &ob, stack, now);
         return;
     }
 
@@ -923,12 +1118,14 @@ static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 add
     }
     s64 dheap = (s64)size - (s64)ob.size;
     s64 dextra = (s64)nb.slop - (s64)ob.slop;
+    if (dheap < 0) /* Massif looks for a peak before a realloc that shrinks the block */
+        schedule_peak_check(ctx, g, now);
     __sync_fetch_and_add(&g->heap, dheap);
     __sync_fetch_and_add(&g->extra, dextra);
     __sync_fetch_and_add(&g->n_reallocs, 1);
     __sync_fetch_and_add(&g->alloc_bytes, size);
     __sync_fetch_and_add(&g->freed_bytes, ob.size);
-    advance_time(g, dheap + dextra);
+    u64 time_b = advance_time(g, dheap + dextra);
     if (dheap + dextra > 0)
         check_peak(g, ns, os);
     if (HS_MALT) {
@@ -951,6 +1148,7 @@ static __always_inline void record_realloc(struct hs_global *g, u64 old, u64 add
                 __sync_fetch_and_add(&g->dropped_sizes, 1);
         }
     }
+    schedule_check(ctx, g, time_b, now);
 }
 
 /* ---- the pending call of each thread ------------------------------------------------------------- */
@@ -1127,8 +1325,8 @@ int free_enter(struct pt_regs *ctx)
         __sync_fetch_and_add(&g->nested_calls, 1);
         return 0;
     }
-    u64 free_site = (HS_FREE_STACKS || HS_MALT) ? capture_stack(ctx, g, HS_FREE) : 0;
-    u64 size = record_free(g, addr, free_site, HS_MALT ? bpf_ktime_get_ns() : 0);
+    u64 free_site = (HS_FREE_STACKS || HS_MALT) ? capture_site(ctx, g, HS_FREE) : 0;
+    u64 size = record_free(ctx, g, addr, free_site, HS_MALT ? bpf_ktime_get_ns() : 0);
     if (HS_MALT)
         thread_stat(tid, HS_FREE, 1, size, 0);
     return 0;
@@ -1212,7 +1410,7 @@ int alloc_return(struct pt_regs *ctx)
     case HS_REALLOCARRAY: {
         u64 old = call.arg0;
         if (old && size == 0) { /* glibc: realloc(p, 0) frees p */
-            record_free(g, old, call.stack, now);
+            record_free(ctx, g, old, call.stack, now);
             return 0;
         }
         if (!ret) {
@@ -1220,9 +1418,9 @@ int alloc_return(struct pt_regs *ctx)
             return 0;
         }
         if (old)
-            record_realloc(g, old, ret, size, call.stack, now);
+            record_realloc(ctx, g, old, ret, size, call.stack, now);
         else
-            record_alloc(g, ret, size, HS_ALIGNMENT, call.stack, now);
+            record_alloc(ctx, g, ret, size, HS_ALIGNMENT, call.stack, now);
         return 0;
     }
     default:
@@ -1232,7 +1430,7 @@ int alloc_return(struct pt_regs *ctx)
         __sync_fetch_and_add(&g->failed_allocs, 1);
         return 0;
     }
-    record_alloc(g, ret, size, request_alignment(&call), call.stack, now);
+    record_alloc(ctx, g, ret, size, request_alignment(&call), call.stack, now);
     return 0;
 }
 
@@ -1341,7 +1539,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 
 #if HS_PAGES
 /* page_calls: thread id -> the page syscall it is in (arguments and site), from entry to exit */
-BPF_HASH(page_calls, u32, struct hs_page_call, HS_MAX_THREADS);
+BPF_F_TABLE("hash", u32, struct hs_page_call, page_calls, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
 /* page_events: struct hs_page_event, one per completed page syscall, in the order they completed */
 BPF_RINGBUF_OUTPUT(page_events, HS_PAGE_RING_PAGES);
 /* page_counters: enum hs_page_counter -> count */

@@ -21,7 +21,7 @@
 #ifndef HS_MAX_THREADS
 #define HS_MAX_THREADS 16384     /* overflow table: threads in an allocation call whose slot is taken */
 #endif
-#define HS_PENDING_SLOTS 65536   /* per-thread call slots, indexed by tid mod this (a power of two) */
+#define HS_PENDING_SLOTS 8192    /* per-thread call slots, indexed by tid mod this (a power of two) */
 #ifndef HS_HEAP_ADMIN
 #define HS_HEAP_ADMIN 8          /* Massif --heap-admin */
 #endif
@@ -73,6 +73,14 @@
 #define HS_MAX_UMAPS 512         /* executable mappings with unwind tables (twice: double-buffered) */
 #define HS_UMAPS_GEN_SHIFT 42    /* control[HS_CTL_UMAPS]: the generation's place (see enum hs_control) */
 #define HS_STACK_OVERFLOW 0      /* site id of allocations whose stack was not stored (table full, walk overtaken) */
+
+/* ---- the snapshot schedule: where Massif would take a snapshot, recorded at the event that reaches it ---- */
+#ifndef HS_SCHED_NS
+#define HS_SCHED_NS 0            /* 1: the schedule's time is bpf_ktime_get_ns (--time-unit=ms); 0: time_b (B) */
+#endif
+#ifndef HS_SCHED_RING_PAGES
+#define HS_SCHED_RING_PAGES 16   /* sched_points ring buffer: pages of 4 KiB (a power of two) */
+#endif
 
 /* The kind of allocation call a pending call is: decides how its arguments are read (request_size in
  * heap.bpf.c). Each kind has an entry program <kind>_enter; agent/model/functions.py maps symbols to kinds. */
@@ -222,6 +230,7 @@ struct hs_stack_copy {
     __u64 fp;
     __u64 no_rule;
     __u64 walks;  /* walks started on this CPU: one that sees it move was overtaken (see walks_interrupted) */
+    __u64 site;   /* a walk's site id, passed through memory (heap.bpf.c capture_site) */
 };
 
 /* Arguments of an allocation call between its entry and its return, per thread. */
@@ -249,7 +258,22 @@ enum hs_control {
     HS_CTL_STACK_EPOCH = 3, /* HS_STACKS: bumped by user space at each sample; starts a new low-water mark */
     HS_CTL_STACK_END = 4, /* where the main thread's stack reads must stop: above argc, where exec left %rsp
                            * (frames lie below; above may be pages never touched) (0: unknown) */
-    HS_CTL_COUNT = 5,
+    /* The snapshot schedule (see struct hs_sched_point). Written by both sides: */
+    HS_CTL_SCHED_DUE = 5,      /* the time (unit of struct hs_sched_point) from which the next event is a point:
+                                * the kernel moves it on at each point, user space sets it from the series */
+    HS_CTL_SCHED_PEAK_LEVEL = 6, /* heap + extra above which a free makes a peak point (Massif's peak snapshot
+                                  * total plus --peak-inaccuracy): the kernel raises it at each peak point */
+    HS_CTL_SCHED_DUE_JIFFIES = 7, /* HS_SCHED_NS: jiffies before which no event can reach the due time, so it
+                                   * need not read the clock (0: read it); user space zeroes it with the due */
+    /* and by user space, in the unit of the snapshots' times (B or ms): */
+    HS_CTL_SCHED_INTERVAL = 8, /* Massif's minimum time interval between snapshots, as the series has it */
+    HS_CTL_SCHED_CULL_AT = 9,  /* the point count at which the series culls next: from there the kernel
+                                * guesses the interval until user space says it (0: never guess) */
+    HS_CTL_SCHED_ORIGIN = 10,  /* HS_SCHED_NS: bpf_ktime_get_ns of time 0 */
+    HS_CTL_SCHED_MAX = 11,     /* --max-snapshots: the guess is the time so far divided by it */
+    HS_CTL_SCHED_PEAK_PPM = 12, /* --peak-inaccuracy, in millionths */
+    HS_CTL_SCHED_JIFFY_NS = 13, /* HS_SCHED_NS: nanoseconds a jiffy (0: unknown, the clock is read always) */
+    HS_CTL_COUNT = 14,
 };
 
 /* Events sent to user space (perf buffer `events`), and the reasons the target is stopped. */
@@ -257,6 +281,22 @@ enum hs_event {
     HS_EV_EXEC = 1,       /* the target exec'ed: the new image's executable and loader are mapped */
     HS_EV_LOADER = 2,     /* the dynamic loader changed the list of loaded objects (_dl_debug_state) */
     HS_EV_EXIT = 3,       /* the target called exit(): its mappings are about to go */
+    HS_EV_SCHEDULE = 4,   /* the point count reached HS_CTL_SCHED_CULL_AT: user space should drain the points
+                           * and say the interval after its culling (stops the target only with time in B) */
+};
+
+/* One point of the snapshot schedule (ring buffer sched_points): the first allocator event at or after the
+ * due time, with the totals right after it; or, as Massif's peak snapshots, a free (or a shrinking realloc)
+ * that comes down from above HS_CTL_SCHED_PEAK_LEVEL, with the totals right before it. */
+enum hs_sched_kind {
+    HS_SCHED_NORMAL = 0,
+    HS_SCHED_PEAK = 1,
+};
+struct hs_sched_point {
+    __u64 time;   /* time_b, or bpf_ktime_get_ns (HS_SCHED_NS) */
+    __u64 heap;
+    __u64 extra;
+    __u64 kind;   /* enum hs_sched_kind */
 };
 
 /* One row of an unwind table: agent/symbols/unwind.py's ROW ("<IBBhhH"). It covers [pc, next row's pc). */
@@ -381,6 +421,10 @@ struct hs_global {
     __u64 unwind_short_reads; /* a run of stack reached past an unknown stack's end: read again to its page end */
     __u64 walks_interrupted;  /* a walk another program run overtook on its CPU (a preemptible kernel): its
                                * per-CPU buffers may hold the other's stack, so its call goes to site 0 */
+    /* the snapshot schedule */
+    __u64 sched_points;       /* points sent to sched_points */
+    __u64 sched_lost;         /* points the ring buffer could not take (user space did not drain it in time) */
+    __u64 sched_signalled;    /* the HS_CTL_SCHED_CULL_AT for which HS_EV_SCHEDULE was sent */
 };
 
 #endif

@@ -17,10 +17,14 @@
  * Sampled blocks live in their own table (sampled_blocks), with what they were recorded at: a free takes
  * back exactly that. The stack starts inside the sampler (hs_account_slow, then an hs_hook_* function); user
  * space trims those frames (SiteReader.lead_trim) as it trims allocation functions.
+ * The snapshot schedule (heap.bpf.c schedule_check) runs at the sampled calls, as at every call in exact mode:
+ * without it the session would take no snapshot after its first. Its points carry the estimated totals, and in
+ * ms no point can come between two samples.
  */
 
-/* sampled_blocks: block address -> struct hs_sampled_block (the live sampled blocks) */
-BPF_HASH(sampled_blocks, u64, struct hs_sampled_block, HS_MAX_BLOCKS);
+/* sampled_blocks: block address -> struct hs_sampled_block (the live sampled blocks). Not preallocated: a
+ * sampled target holds few blocks here, so its memory follows them, not --max-blocks. */
+BPF_F_TABLE("hash", u64, struct hs_sampled_block, sampled_blocks, HS_MAX_BLOCKS, BPF_F_NO_PREALLOC);
 
 /* N: 1/p from the weight (weight / size in 16.16 fixed point), its fraction rounded at random. */
 static __always_inline u64 sample_blocks(u64 size, u64 weight)
@@ -75,12 +79,13 @@ int sample_alloc_enter(struct pt_regs *ctx)
     __sync_fetch_and_add(&g->blocks, b.blocks);
     __sync_fetch_and_add(&g->n_allocs, b.blocks); /* user space shows the sampler's exact count instead */
     __sync_fetch_and_add(&g->alloc_bytes, b.bytes);
-    advance_time(g, b.bytes + b.extra);
+    u64 time_b = advance_time(g, b.bytes + b.extra);
     check_peak(g, s, 0);
     if (HS_MALT) {
         malt_alloc(g, s, stack, size, b.blocks);
         thread_stat((u32)bpf_get_current_pid_tgid(), HS_MALLOC, b.blocks, b.bytes, 0);
     }
+    schedule_check(ctx, g, time_b, now);
     return 0;
 }
 
@@ -101,6 +106,8 @@ int sample_free_enter(struct pt_regs *ctx)
     if (sampled_blocks.delete(&addr)) /* another CPU took it first (a double free racing) */
         return 0;
     u64 free_site = (HS_FREE_STACKS || HS_MALT) ? capture_stack(ctx, g, HS_FREE) : 0;
+    u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
+    schedule_peak_check(ctx, g, now);
     struct hs_site *s = get_site(b.stack, g);
     if (s) {
         site_touch(s, g);
@@ -114,7 +121,7 @@ int sample_free_enter(struct pt_regs *ctx)
         __sync_fetch_and_add(&charged->freed_blocks, b.blocks);
     }
     if (HS_MALT) {
-        malt_free(s, free_site ? get_site(free_site, g) : 0, b.size, b.alloc_ns, bpf_ktime_get_ns(), b.blocks);
+        malt_free(s, free_site ? get_site(free_site, g) : 0, b.size, b.alloc_ns, now, b.blocks);
         thread_stat((u32)bpf_get_current_pid_tgid(), HS_FREE, b.blocks, b.bytes, 0);
     }
     __sync_fetch_and_add(&g->heap, -b.bytes);
@@ -122,6 +129,6 @@ int sample_free_enter(struct pt_regs *ctx)
     __sync_fetch_and_add(&g->blocks, -b.blocks);
     __sync_fetch_and_add(&g->n_frees, b.blocks);
     __sync_fetch_and_add(&g->freed_bytes, b.bytes);
-    advance_time(g, b.bytes + b.extra);
+    schedule_check(ctx, g, advance_time(g, b.bytes + b.extra), now);
     return 0;
 }

@@ -14,12 +14,14 @@ import contextlib
 import ctypes
 import mmap
 import os
+import re
 import signal
 import struct
 import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
@@ -29,6 +31,7 @@ from typing import Any, cast
 
 from agent.contract import HEAP_H
 from agent.errors import EnvironmentProblem, HeapscopeError
+from agent.kernel.rowspace import RowSpace
 from agent.model.counters import Counters, PageCounters
 from agent.model.pages import PageEvent
 from agent.model.profile import SiteCounts
@@ -59,6 +62,20 @@ LOG2_BINS = HEAP_H.value("HS_LOG2_BINS")
 SMALL_SIZES = HEAP_H.value("HS_SMALL_SIZES")
 THREAD_SLOTS = HEAP_H.value("HS_THREAD_SLOTS")
 PAGE_COUNTER_COUNT = HEAP_H.enum("hs_page_counter")["HS_PGC_COUNT"]
+# The snapshot schedule (enum hs_control's HS_CTL_SCHED_*, HS_EV_SCHEDULE, struct hs_sched_point).
+CTL_SCHED_DUE = _CONTROL["HS_CTL_SCHED_DUE"]
+CTL_SCHED_PEAK_LEVEL = _CONTROL["HS_CTL_SCHED_PEAK_LEVEL"]
+CTL_SCHED_DUE_JIFFIES = _CONTROL["HS_CTL_SCHED_DUE_JIFFIES"]
+CTL_SCHED_INTERVAL = _CONTROL["HS_CTL_SCHED_INTERVAL"]
+CTL_SCHED_CULL_AT = _CONTROL["HS_CTL_SCHED_CULL_AT"]
+CTL_SCHED_ORIGIN = _CONTROL["HS_CTL_SCHED_ORIGIN"]
+CTL_SCHED_MAX = _CONTROL["HS_CTL_SCHED_MAX"]
+CTL_SCHED_PEAK_PPM = _CONTROL["HS_CTL_SCHED_PEAK_PPM"]
+CTL_SCHED_JIFFY_NS = _CONTROL["HS_CTL_SCHED_JIFFY_NS"]
+EV_SCHEDULE = _EVENTS["HS_EV_SCHEDULE"]
+SCHED_PEAK = HEAP_H.enum("hs_sched_kind")["HS_SCHED_PEAK"]  # a point of Massif's peak snapshots
+_SCHED_POINT = struct.Struct("<4Q")  # struct hs_sched_point: time, heap, extra, kind
+SCHED_RING_BYTES = 64 << 10  # the points' ring buffer (HS_SCHED_RING_PAGES): 2,000 points between two drains
 
 
 # struct hs_page_event (probes/heap.h): time_ns, site, addr, length, new_addr, new_length, flags, prot, ret,
@@ -101,6 +118,10 @@ class _RingReader:
             cons += ((length & ~(self._BUSY | self._DISCARD)) + 8 + 7) & ~7
         u64.pack_into(self._consumer, 0, cons)
         return out
+
+    def produced(self) -> int:
+        """The producer position: it moves with every record the kernel reserves."""
+        return int(self._U64.unpack_from(self._producer, 0)[0])
 
     def close(self) -> None:
         self._data.release()
@@ -164,6 +185,7 @@ class ProbeSettings:
     pages: bool = False  # trace mmap/munmap/mremap/brk: one PageEvent per call (page_events())
     stacks: bool = False  # keep each thread's stack extent (--stacks=yes: stack_bytes())
     sampled: bool = False  # also compile probes/sampled.bpf.c (points of kind sample_alloc / sample_free)
+    schedule_ns: bool = False  # the snapshot schedule's points are timed in ns (--time-unit=ms), else in B
     sample_rate: int = 524288  # sampled: the sampler's mean bytes between samples (its weights' rate)
 
 
@@ -228,6 +250,33 @@ def _link_uprobe(prog_fd: int, path: bytes, offset: int, is_return: bool, pid: i
     return fd if fd >= 0 else -ctypes.get_errno()
 
 
+# Kernel tick rates (CONFIG_HZ) Linux offers; a measured rate is rounded to the nearest.
+_HZ_CHOICES = (100, 250, 300, 1000)
+
+
+def jiffy_ns(proc: str = "/proc", seconds: float = 0.05) -> int:
+    """Nanoseconds a jiffy (the kernel's tick count), from two readings of /proc/timer_list `seconds` apart;
+    0 when it cannot be read (the schedule then reads the clock at every event)."""
+
+    def reading() -> tuple[int, int] | None:
+        try:
+            with open(f"{proc}/timer_list") as f:
+                text = f.read(4096)
+        except OSError:
+            return None
+        ns = re.search(r"now at (\d+) nsecs", text)
+        jiffies = re.search(r"^jiffies: (\d+)", text, re.M)
+        return (int(ns.group(1)), int(jiffies.group(1))) if ns and jiffies else None
+
+    first = reading()
+    time.sleep(seconds)
+    second = reading()
+    if first is None or second is None or second[0] <= first[0]:
+        return 0
+    hz = (second[1] - first[1]) * 1e9 / (second[0] - first[0])
+    return 1_000_000_000 // min(_HZ_CHOICES, key=lambda choice: abs(choice - hz))
+
+
 def block_slots(max_blocks: int) -> int:
     """Slots of the kernel's block table for --max-blocks: a power of two, at least 2 (one bucket). Blocks
     whose bucket is full go to an overflow hash of half as many entries."""
@@ -246,6 +295,15 @@ def _captured_stderr() -> Iterator[Callable[[], list[str]]]:
         finally:
             os.dup2(saved, 2)
             os.close(saved)
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free memory back to the system. Compiling with clang allocates and frees some 40 MB,
+    in the malloc arena of the thread that compiles (a daemon compiles in each target's own thread); glibc
+    keeps such freed memory in the arena, so without this every target would add its compile's peak to the
+    daemon's RSS for good."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _int(value: object) -> int:
@@ -358,7 +416,9 @@ def _cache_tables(bpf: Any) -> None:
     for i in range(lib.bpf_num_tables(bpf.module)):
         name = lib.bpf_table_name(bpf.module, i)
         if name:
-            bpf[name.decode()]  # the code reads tables by str names: cache them under those
+            with warnings.catch_warnings():  # bcc warns of str names, but the code reads tables by them: cache those
+                warnings.simplefilter("ignore", DeprecationWarning)
+                bpf[name.decode()]
 
 
 def _unload(bpf: Any) -> None:
@@ -376,6 +436,66 @@ def _load_bcc():  # type: ignore[no-untyped-def]
     except ImportError as exc:
         raise EnvironmentProblem("the bcc Python module is not available (python3-bpfcc; run `make setup`)") from exc
     return bcc
+
+
+class SharedRows:
+    """The unwind rows of every target of this process, in one BPF array (probes/heap.bpf.c unwind_rows). A
+    small holder program declares it as a shared table and is kept for the process's life; each target's
+    program refers to it as an extern table. An object's rows are written once whichever targets map it (libc's
+    28,000 rows once, not once a target), and the space of an object no target uses any more is reused. Its
+    size is fixed by the first target (max_rows). It is never unloaded: libbcc's shared table entry shares the
+    holder's descriptor, which must stay valid."""
+
+    _instance: SharedRows | None = None
+    _create_lock = threading.Lock()
+
+    def __init__(self, max_rows: int, probes_dir: str) -> None:
+        bcc = _load_bcc()
+        source = '#include "heap.h"\nBPF_TABLE_SHARED("array", int, struct hs_row, unwind_rows, HS_MAX_ROWS);\n'
+        with BCC_LOCK, _captured_stderr() as messages:
+            try:
+                self._holder = bcc.BPF(text=source.encode(), cflags=[f"-I{probes_dir}", f"-DHS_MAX_ROWS={max_rows}"])
+            except Exception as exc:
+                first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
+                raise EnvironmentProblem(f"cannot create the unwind rows table: {first.strip()}") from exc
+            self.table = self._holder["unwind_rows"]
+        self.max_rows = max_rows
+        self.space = RowSpace(max_rows)
+        self.lock = threading.Lock()
+
+    @classmethod
+    def prepare(cls) -> None:
+        """Create the table now (a daemon at its start), so that it is there before the first target and not
+        counted as something that target left behind; best effort: the first target reports any problem."""
+        with contextlib.suppress(HeapscopeError):
+            cls.get(ProbeSettings.max_rows, str(resources.files("probes")))
+
+    @classmethod
+    def get(cls, max_rows: int, probes_dir: str) -> SharedRows:
+        with cls._create_lock:
+            if cls._instance is None:
+                cls._instance = SharedRows(max_rows, probes_dir)
+            return cls._instance
+
+    def acquire(self, key: str, rows: bytes, n_rows: int) -> tuple[int, int] | None:
+        """(first row, rows) of the object, its rows written if it is new here; None when they do not fit."""
+        with self.lock:
+            got = self.space.acquire(key, n_rows)
+            if got is None:
+                return None
+            placed, new = got
+            if new and n_rows:
+                table = self.table
+                keys = (table.Key * n_rows)(*range(placed.first, placed.first + n_rows))
+                values = (table.Leaf * n_rows).from_buffer_copy(rows)
+                table.items_update_batch(keys, values)
+            return placed.first, placed.count
+
+    def release(self, keys: Iterable[str]) -> None:
+        """A target's probes are gone: it uses these objects no more."""
+        with self.lock:
+            for key in keys:
+                self.space.release(key)
 
 
 def _drop_leading(ips: tuple[int, ...], ranges: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
@@ -489,14 +609,18 @@ class HeapProbes(SiteReader):
         self._links: list[int] = []  # uprobe_multi links (closed with os.close)
         self._use_links = uprobe_links_supported()
         self._sites: MappedArray | None = None  # struct hs_site by site id
-        self._site_stacks: MappedArray | None = None  # struct hs_stack by site id
         self._events: list[int] = []
         self._page_ring: _RingReader | None = None
-        self._rows_used = 0
-        self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count)
+        self._shared_rows: SharedRows | None = None
+        self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count) in the shared rows
+        self._sched_ring: _RingReader | None = None
         self._umap_half = 0
         self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
+        self._zero_key = ctypes.c_int(0)
+        self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed (_release_compiler)
+        self._globals_fd = -1
+        self._globals_buf: Any = None  # activity(): the raw globals, read into one reused buffer
 
     # ---- life cycle -------------------------------------------------------------------------------
 
@@ -504,6 +628,7 @@ class HeapProbes(SiteReader):
         bcc = _load_bcc()
         s = self.settings
         probes_dir = str(resources.files("probes"))
+        self._shared_rows = SharedRows.get(s.max_rows, probes_dir)
         cflags = [
             f"-I{probes_dir}",
             f"-DHS_TARGET_TGID={s.target_tgid}",
@@ -516,12 +641,14 @@ class HeapProbes(SiteReader):
             f"-DHS_MAX_STACKS={s.max_stacks}",
             f"-DHS_STOP_EVENTS={int(s.stop_events)}",
             f"-DHS_UNWIND={int(s.unwind)}",
-            f"-DHS_MAX_ROWS={s.max_rows}",
+            f"-DHS_MAX_ROWS={self._shared_rows.max_rows}",
             f"-DHS_FREE_STACKS={int(s.free_stacks)}",
             f"-DHS_MALT={int(s.malt)}",
             f"-DHS_PAGES={int(s.pages)}",
             f"-DHS_PAGE_RING_PAGES={PAGE_RING_BYTES // mmap.PAGESIZE}",
             f"-DHS_STACKS={int(s.stacks)}",
+            f"-DHS_SCHED_NS={int(s.schedule_ns)}",
+            f"-DHS_SCHED_RING_PAGES={SCHED_RING_BYTES // mmap.PAGESIZE}",
             f"-DHS_SAMPLE_RATE={s.sample_rate}ULL",
         ]
         with BCC_LOCK, _captured_stderr() as messages:
@@ -540,7 +667,6 @@ class HeapProbes(SiteReader):
         try:
             try:
                 self._sites = MappedArray(bpf["sites"], s.max_stacks)
-                self._site_stacks = MappedArray(bpf["site_stacks"], s.max_stacks)
             except (OSError, ValueError) as exc:
                 raise EnvironmentProblem(f"cannot map the sites array (BPF_F_MMAPABLE, Linux 5.5+): {exc}") from exc
             self._install_walkers()
@@ -552,10 +678,28 @@ class HeapProbes(SiteReader):
             bpf["events"].open_perf_buffer(self._on_event, page_cnt=8)
             if s.pages:
                 self._page_ring = _RingReader(bpf["page_events"].map_fd, PAGE_RING_BYTES, _PAGE_EVENT)
+            self._sched_ring = _RingReader(bpf["sched_points"].map_fd, SCHED_RING_BYTES, _SCHED_POINT)
+            self._release_compiler()
         except BaseException:
             self.close()
             raise
+        _trim_heap()
         return self
+
+    def _release_compiler(self) -> None:
+        """Free what bcc keeps of the compilation once everything is loaded: its module holds clang's LLVM
+        context, the optimized IR, the JIT's objects and the rewritten source of every function, ~8 MB a
+        target for as long as the BPF object lives. The maps' descriptors are owned by that module, so each
+        table (all were looked up at the load: _cache_tables) gets a descriptor of its own first."""
+        lib = _load_bcc().libbcc.lib
+        assert self._bpf is not None
+        bpf = self._bpf
+        with BCC_LOCK:  # the module's tables leave libbcc's process-wide table map
+            for table in bpf.tables.values():
+                table.map_fd = os.dup(table.map_fd)
+                self._map_fds.append(table.map_fd)
+            lib.bpf_module_destroy(bpf.module)
+            bpf.module = None
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -587,18 +731,24 @@ class HeapProbes(SiteReader):
             self.resume()  # never leave the target held at an event, whatever went wrong
         self.detach()
         self._unmap()
-        if self._page_ring is not None:
-            self._page_ring.close()
-            self._page_ring = None
+        for ring in (self._page_ring, self._sched_ring):
+            if ring is not None:
+                ring.close()
+        self._page_ring = self._sched_ring = None
         if self._bpf is not None:
             _unload(self._bpf)
             self._bpf = None
+        for fd in self._map_fds:
+            os.close(fd)
+        self._map_fds.clear()
+        if self._shared_rows is not None:  # the program is gone: its objects' rows may be reused
+            self._shared_rows.release(key for key, (_, count) in self._objects.items() if count)
+            self._objects.clear()
 
     def _unmap(self) -> None:
-        for mapped in (self._sites, self._site_stacks):
-            if mapped is not None:
-                mapped.close()
-        self._sites = self._site_stacks = None
+        if self._sites is not None:
+            self._sites.close()
+        self._sites = None
 
     def _install_walkers(self) -> None:
         """The programs that hold the shared copies of the stack walk, in the program arrays the probes
@@ -624,9 +774,12 @@ class HeapProbes(SiteReader):
         loaded like its caller)."""
         bcc = _load_bcc()
         assert self._bpf is not None
-        if self._use_links:
-            return self._bpf.load_func(name, bcc.BPF.KPROBE, attach_type=_BPF_TRACE_UPROBE_MULTI)
-        return self._bpf.load_func(name, bcc.BPF.KPROBE)
+        try:
+            if self._use_links:
+                return self._bpf.load_func(name, bcc.BPF.KPROBE, attach_type=_BPF_TRACE_UPROBE_MULTI)
+            return self._bpf.load_func(name, bcc.BPF.KPROBE)
+        except Exception as exc:  # bcc raises bare Exception when the verifier refuses a program
+            raise EnvironmentProblem(f"the kernel refused the BPF program {name.decode()}: {exc}") from exc
 
     def _attach(self, point: ProbePoint) -> None:
         kind = point.kind
@@ -678,6 +831,37 @@ class HeapProbes(SiteReader):
             out.append(PageEvent(kind, time_ns, tid, site, addr, length, new_addr, new_length, flags, prot, failed))
         return out
 
+    def schedule_points(self) -> list[tuple[int, int, int, int]]:
+        """The snapshot schedule's points (time, heap, extra, kind) sent since the last call, in time order; time
+        is in B, or bpf_ktime_get_ns with settings.schedule_ns; kind is SCHED_PEAK for a peak point, else 0."""
+        if self._sched_ring is None:
+            return []
+        return cast(list[tuple[int, int, int, int]], self._sched_ring.drain())
+
+    def set_schedule(self, interval: int, cull_at: int, due: int | None) -> None:
+        """The series' minimum interval between snapshots (B or ms), the point count at which it culls next, and
+        (unless None) the time from which the next event is a point (B, or ns with settings.schedule_ns)."""
+        if self._bpf is None:  # unloaded (or a frozen copy): no schedule to steer
+            return
+        self._set_control(CTL_SCHED_CULL_AT, cull_at)
+        self._set_control(CTL_SCHED_INTERVAL, interval)
+        if due is not None:
+            self._set_control(CTL_SCHED_DUE_JIFFIES, 0)  # read the clock until the kernel's next point
+            self._set_control(CTL_SCHED_DUE, due)
+
+    def start_schedule(self, origin_ns: int, max_snapshots: int, peak_inaccuracy: float) -> None:
+        """Time 0 of the snapshots (settings.schedule_ns), --max-snapshots and --peak-inaccuracy (percent); until
+        the first set_schedule, the interval is guessed from the first culling on (the first snapshot, taken at
+        a tick, makes one)."""
+        if self._bpf is None:
+            return
+        self._set_control(CTL_SCHED_ORIGIN, origin_ns)
+        self._set_control(CTL_SCHED_MAX, max_snapshots)
+        self._set_control(CTL_SCHED_PEAK_PPM, round(peak_inaccuracy * 10_000))
+        self._set_control(CTL_SCHED_CULL_AT, max_snapshots - 1)
+        if self.settings.schedule_ns:
+            self._set_control(CTL_SCHED_JIFFY_NS, jiffy_ns())
+
     def page_counters(self) -> PageCounters:
         """The kernel side's counts of page events sent and not sent (settings.pages)."""
         if self._bpf is None or not self.settings.pages:
@@ -697,6 +881,20 @@ class HeapProbes(SiteReader):
             total += max(0, int(t.top) - low)
         self._set_control(CTL_STACK_EPOCH, epoch + 1)
         return total
+
+    def activity(self) -> bytes:
+        """A token that changes whenever the target does something the profile records: the global counters
+        (every allocation call moves them) and the page events' producer position. Read with one map lookup
+        and no Python objects per field, so that a sleeping target's sampling loop costs next to nothing."""
+        assert self._bpf is not None
+        if self._globals_buf is None:
+            table = self._bpf["globals"]
+            self._globals_fd = table.map_fd
+            self._globals_buf = ctypes.create_string_buffer(ctypes.sizeof(table.Leaf))
+        lib = _load_bcc().libbcc.lib
+        lib.bpf_lookup_elem(self._globals_fd, ctypes.byref(self._zero_key), self._globals_buf)
+        ring = self._page_ring.produced() if self._page_ring is not None else 0
+        return self._globals_buf.raw + ring.to_bytes(8, "little")
 
     def wait_events(self, timeout: float) -> list[int]:
         """Events (EV_*) that came within `timeout` seconds; returns at the first one."""
@@ -724,24 +922,21 @@ class HeapProbes(SiteReader):
     def publish_unwind(self, mappings: Sequence[UnwindMapping]) -> None:
         """Make these mappings (all of the target's, not just new ones) the ones the stack walk uses.
 
-        Each object's rows are written once, into free space of unwind_rows; the mapping index is written
-        into the half the kernel is not reading, then one control word flips to it."""
-        assert self._bpf is not None
-        rows = self._bpf["unwind_rows"]
+        Each object's rows are written once, into free space of the process's shared unwind_rows (SharedRows);
+        the mapping index is written into the half the kernel is not reading, then one control word flips to it."""
+        assert self._bpf is not None and self._shared_rows is not None
         entries = []
         for m in sorted(mappings, key=lambda m: m.start):
             placed = self._objects.get(m.key)
             if placed is None:
-                if self._rows_used + m.n_rows > self.settings.max_rows:
-                    self.rows_dropped += m.n_rows
-                    continue
-                placed = (self._rows_used, m.n_rows)
                 if m.n_rows:
-                    keys = (rows.Key * m.n_rows)(*range(self._rows_used, self._rows_used + m.n_rows))
-                    values = (rows.Leaf * m.n_rows).from_buffer_copy(m.rows)
-                    rows.items_update_batch(keys, values)
-                self._rows_used += m.n_rows
-                self.rows_used = self._rows_used
+                    placed = self._shared_rows.acquire(m.key, m.rows, m.n_rows)
+                    if placed is None:
+                        self.rows_dropped += m.n_rows
+                        continue
+                else:
+                    placed = (0, 0)
+                self.rows_used += m.n_rows
                 self._objects[m.key] = placed
             if placed[1]:
                 entries.append((m, placed))
@@ -846,9 +1041,14 @@ class HeapProbes(SiteReader):
         return result
 
     def _read_stack(self, key: int) -> tuple[int, ...]:
-        if self._site_stacks is None or not 0 <= key < self.settings.max_stacks:
+        if self._bpf is None or not 0 <= key < self.settings.max_stacks:
             return ()
-        ips = self._site_stacks.view(key + 1).entry(key)
+        table = self._bpf["site_stacks"]
+        value = table.Leaf()
+        lib = _load_bcc().libbcc.lib
+        if lib.bpf_lookup_elem(table.map_fd, ctypes.byref(ctypes.c_uint32(key)), ctypes.byref(value)) != 0:
+            return ()  # a site without a stored stack (overtaken, or no memory for it): counted by the kernel
+        ips = array.array("Q", bytes(value)).tolist()
         return tuple(ips[: ips.index(0)] if 0 in ips else ips)
 
     def _array_prefix_raw(self, name: str, count: int) -> tuple[type, bytes, int]:

@@ -47,6 +47,9 @@ class Counters:
     hashed_blocks: int = 0
     unwind_short_reads: int = 0
     walks_interrupted: int = 0
+    sched_points: int = 0  # the snapshot schedule's points sent
+    sched_lost: int = 0  # points its ring buffer could not take
+    sched_signalled: int = 0  # the point count at which the last cull was signalled
 
     @property
     def dropped(self) -> int:

@@ -13,6 +13,7 @@ import array
 import bisect
 import enum
 import functools
+import heapq
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -478,6 +479,13 @@ class Snapshot:
     stacks_B: int
     tree: Tree | None
     kind: SnapshotKind
+    # The time the schedule counts this snapshot at, when not `time`: a tick's state that took a point's place
+    # (SnapshotSeries.give_tree) keeps the point's time for the culling and the next due time.
+    schedule_time: int | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def scheduled_at(self) -> int:
+        return self.time if self.schedule_time is None else self.schedule_time
 
     @property
     def total_B(self) -> int:
@@ -502,6 +510,13 @@ class SnapshotSeries:
 
     The peak is given out of band (`set_peak`): heapscope knows the exact peak, so it is inserted in time
     order and replaces the previous peak when higher. It does not count in the detailed frequency.
+
+    Samples with exact totals but no tree (the kernel's points, taken at the instants Massif would take them)
+    go through `add_point`. When the detailed frequency falls on one of them, it is recorded as normal and its
+    tree is owed: `give_tree` pays it with a later state, which takes the place of the latest snapshot.
+    `add_peak_point` records Massif's own peak snapshots (a free coming down from a new high, taken whatever
+    the interval): they hold places and move the schedule as in Massif; `set_peak` replaces the latest with
+    the exact peak at the end.
     """
 
     def __init__(self, *, detailed_freq: int = 10, max_snapshots: int = 100) -> None:
@@ -518,8 +533,12 @@ class SnapshotSeries:
         self._since_detailed = 0
         self._last_time: int | None = None
         self._finished = False
+        self._payable: Snapshot | None = None  # the latest point recorded while a tree is owed
+        self._tree_owed = False
         self.n_cullings = 0
         self.n_skipped = 0
+        self.n_taken = 0  # snapshots recorded by add, add_point and add_peak_point (Massif's "real snapshots")
+        self.n_peaks_taken = 0  # of which by add_peak_point
 
     # -- queries
 
@@ -545,6 +564,17 @@ class SnapshotSeries:
     @property
     def finished(self) -> bool:
         return self._finished
+
+    @property
+    def last_time(self) -> int | None:
+        """The time of the latest snapshot offered to add/add_point/give_tree/finish (None before any): later
+        samples may not be earlier."""
+        return self._last_time
+
+    @property
+    def tree_owed(self) -> bool:
+        """The detailed frequency fell on a point (add_point), which had no tree: give_tree can pay it."""
+        return self._tree_owed
 
     def next_kind(self, time: int) -> SnapshotKind | None:
         """What a sample at `time` would be recorded as, or None if it would be skipped. No side effect."""
@@ -572,25 +602,104 @@ class SnapshotSeries:
             if tree is None:
                 raise ValueError("this sample must be detailed (next_kind said so) but no tree was given")
             self._since_detailed = 0
+            self._tree_owed = False
+            self._payable = None
         else:
             tree = None
             self._since_detailed += 1
         snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, kind)
         self._snapshots.append(snap)
         self._last_time = time
+        self.n_taken += 1
         self._cull_if_full()
         self._earliest_next = time + self._min_interval
         return snap
 
+    def add_point(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int) -> Snapshot | None:
+        """Offer a sample that has no tree. Returns the recorded (normal) snapshot, or None when it is skipped.
+        When the detailed frequency wants this one detailed, the tree is owed (tree_owed) until give_tree: the
+        frequency's count does not move on meanwhile, so a point that cannot be paid for never shifts it."""
+        if self._finished:
+            raise ValueError("the series is finished")
+        self._check_time(time)
+        kind = self.next_kind(time)
+        if kind is None:
+            self.n_skipped += 1
+            return None
+        if kind is SnapshotKind.DETAILED:
+            self._tree_owed = True
+        else:
+            self._since_detailed += 1
+        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, None, SnapshotKind.NORMAL)
+        self._snapshots.append(snap)
+        self._last_time = time
+        self.n_taken += 1
+        if self._tree_owed:
+            self._payable = snap
+        self._cull_if_full()
+        self._earliest_next = time + self._min_interval
+        return snap
+
+    def add_peak_point(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int) -> Snapshot:
+        """Record one of Massif's peak snapshots (no tree): taken whatever the interval, it becomes the peak
+        (the previous one turns normal, as in Massif), counts as detailed for the frequency, and the next
+        snapshot is due an interval after it."""
+        if self._finished:
+            raise ValueError("the series is finished")
+        self._check_time(time)
+        for old in self._snapshots:
+            if old.kind is SnapshotKind.PEAK:
+                old.kind = SnapshotKind.DETAILED if old.tree is not None else SnapshotKind.NORMAL
+        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, None, SnapshotKind.PEAK)
+        self._snapshots.append(snap)
+        self._last_time = time
+        self.n_taken += 1
+        self.n_peaks_taken += 1
+        self._since_detailed = 0
+        self._tree_owed = False
+        self._payable = None
+        self._cull_if_full()
+        self._earliest_next = time + self._min_interval
+        return snap
+
+    def give_tree(
+        self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: Tree
+    ) -> Snapshot | None:
+        """Pay an owed tree with the state at `time`: that state, with its tree, replaces the latest snapshot when
+        it is a point recorded while the tree was owed (not the first snapshot, nor the peak). The caller makes
+        sure that no later point is pending (none may fall before `time`). The schedule goes on from the
+        point's time, as if the point had been kept, so the snapshots after it are Massif's. Returns the new
+        detailed snapshot, or None when nothing is owed or payable."""
+        if self._finished or not self._tree_owed:
+            return None
+        snaps = self._snapshots
+        last = self._last_time
+        if len(snaps) < 2 or snaps[-1] is not self._payable or last is None or time < last:
+            return None
+        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, SnapshotKind.DETAILED, schedule_time=last)
+        snaps[-1] = snap
+        self._since_detailed = 0
+        self._tree_owed = False
+        self._payable = None
+        return snap
+
     def set_peak(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: Tree) -> Snapshot | None:
-        """Record the state at the peak, if higher (useful + extra + stacks) than the current peak.
-        The old peak snapshot is removed; the new one goes in time order (after snapshots at the same time).
-        Returns the new peak snapshot, or None when it is not higher."""
+        """Record the state at the peak, if higher (useful + extra + stacks) than the current peak, or if the
+        current one is a peak point (no tree). The old peak snapshot is removed; the new one goes in time order
+        (after snapshots at the same time). Returns the new peak snapshot, or None when it is not higher."""
         current = self.peak
         total = heap_B + heap_extra_B + stacks_B
-        if current is not None and total <= current.total_B:
+        if current is not None and current.tree is None:
+            # A peak point (add_peak_point) has no tree: the exact peak takes its place, or, at another
+            # instant, leaves it as the normal snapshot it is in Massif's file. Its totals may be higher:
+            # the kernel's count --ignore-fn allocations.
+            if current.time == time:
+                self._snapshots.remove(current)
+            else:
+                current.kind = SnapshotKind.NORMAL
+        elif current is not None and total <= current.total_B:
             return None
-        if current is not None:
+        elif current is not None:
             self._snapshots.remove(current)
         snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, SnapshotKind.PEAK)
         at = bisect.bisect_right([s.time for s in self._snapshots], time)
@@ -634,25 +743,37 @@ class SnapshotSeries:
         return True
 
     def _cull(self) -> int:
-        """Massif's cull_snapshots: remove max_snapshots/2, return the new minimum time interval."""
+        """Massif's cull_snapshots: remove max_snapshots/2, return the new minimum time interval.
+
+        Massif removes, one at a time, the snapshot whose neighbours are closest in time (the first such one
+        on a tie), never the first, the last or the peak. The same choice, with the spans in a heap keyed by
+        (span, position) instead of a scan per removal: the kernel's schedule culls while the target waits."""
         self.n_cullings += 1
         snaps = self._snapshots
-        for _ in range(self.max_snapshots // 2):
-            best_j = -1
-            best_span = 0
-            # The span a snapshot covers is from its previous to its next one; first and last never go.
-            for j in range(1, len(snaps) - 1):
-                if snaps[j].kind is SnapshotKind.PEAK:
-                    continue
-                span = snaps[j + 1].time - snaps[j - 1].time
-                if best_j < 0 or span < best_span:
-                    best_j, best_span = j, span
-            if best_j < 0:
-                break
-            del snaps[best_j]
+        n = len(snaps)
+        times = [x.scheduled_at for x in snaps]
+        prev = list(range(-1, n - 1))
+        nxt = list(range(1, n + 1))
+        alive = [True] * n
+        cullable = [0 < j < n - 1 and snaps[j].kind is not SnapshotKind.PEAK for j in range(n)]
+        heap = [(times[j + 1] - times[j - 1], j) for j in range(n) if cullable[j]]
+        heapq.heapify(heap)
+        removed = 0
+        while heap and removed < self.max_snapshots // 2:
+            span, j = heapq.heappop(heap)
+            if not alive[j] or span != times[nxt[j]] - times[prev[j]]:
+                continue  # gone, or its span grew since (a newer entry holds it)
+            alive[j] = False
+            removed += 1
+            p, q = prev[j], nxt[j]
+            nxt[p], prev[q] = q, p
+            for k in (p, q):
+                if cullable[k]:
+                    heapq.heappush(heap, (times[nxt[k]] - times[prev[k]], k))
+        snaps[:] = [x for x, keep in zip(snaps, alive, strict=True) if keep]
         # Gaps between two uncullable snapshots never grow, so they would pin the interval: skip them.
         gaps = [
-            snaps[i].time - snaps[i - 1].time
+            snaps[i].scheduled_at - snaps[i - 1].scheduled_at
             for i in range(1, len(snaps))
             if not (self._uncullable(i) and self._uncullable(i - 1))
         ]

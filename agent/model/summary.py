@@ -32,6 +32,16 @@ class UnwindSummary:
 
 
 @dataclass(frozen=True)
+class ScheduleSummary:
+    """Snapshots taken on Massif's schedule (the kernel's points)."""
+
+    taken: int
+    at_peaks: int
+    cullings: int
+    kept: int
+
+
+@dataclass(frozen=True)
 class SamplingSummary:
     """Sampled mode: what the in-process sampler reported."""
 
@@ -46,6 +56,7 @@ class ProfileSummary:
     counters: Counters
     pages: PageSummary | None = None
     unwind: UnwindSummary | None = None
+    schedule: ScheduleSummary | None = None
     sampling: SamplingSummary | None = None  # None: exact mode
 
     def to_json(self) -> dict[str, Any]:
@@ -81,6 +92,17 @@ class ProfileSummary:
             )
         if c.lost_returns:
             lines.append(f"{c.lost_returns} allocation calls whose return was not seen")
+        if self.schedule is not None:
+            sc = self.schedule
+            lines.append(
+                f"snapshots: {sc.taken} taken on Massif's schedule ({sc.at_peaks} at peaks), "
+                f"{sc.cullings} cullings, {sc.kept} kept"
+            )
+        if c.sched_lost:
+            lines.append(
+                f"NOT COUNTED: {c.sched_lost} of the snapshot schedule's points (their ring buffer was full): "
+                "the graph has fewer snapshots than Massif's"
+            )
         if c.walks_interrupted:
             lines.append(
                 f"{c.walks_interrupted} stack walks overtaken by another thread's on the same CPU (a preemptible "

@@ -15,6 +15,7 @@ import psutil
 from agent.errors import TargetError
 from agent.process.discovery import Allocator, allocator_of_process, allocator_of_program, read_process
 from agent.process.launch import HeldChild
+from agent.process.watchdog import ReleaseWatchdog
 
 
 @dataclass
@@ -25,6 +26,7 @@ class TargetProcess:
     allocator: Allocator
     alive: Callable[[], bool]
     child: HeldChild | None = None  # launched (`run`): held until release()
+    watchdog: ReleaseWatchdog | None = None  # launched: continues the target if heapscope dies holding it
     _released: bool = False
 
     @property
@@ -38,10 +40,14 @@ class TargetProcess:
             self.child.release()
 
     def abandon(self) -> None:
-        """Setting up failed: a held program that never ran is ended."""
+        """The profile is over (its probes closed) or setting up failed: a held program that never ran is ended,
+        one released runs on, and its watchdog is no longer needed."""
         if self.child is not None and not self._released:
             self._released = True
             self.child.abandon()
+        if self.watchdog is not None:
+            self.watchdog.dismiss()
+            self.watchdog = None
 
 
 def attach_to(pid: int, proc: str = "/proc") -> TargetProcess:
@@ -69,6 +75,7 @@ def launch(argv: Sequence[str], env: dict[str, str] | None = None) -> TargetProc
     child = HeldChild(argv, env)
     try:
         allocator = allocator_of_program(child.path, child.env)
+        watchdog = ReleaseWatchdog(child.pid)
     except BaseException:
         child.abandon()
         raise
@@ -79,4 +86,5 @@ def launch(argv: Sequence[str], env: dict[str, str] | None = None) -> TargetProc
         allocator,
         lambda: child.poll() is None,
         child=child,
+        watchdog=watchdog,
     )

@@ -82,6 +82,7 @@ class ProfileSettings:
             max_stacks=self.max_stacks,
             pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
             stacks=o.stacks,
+            schedule_ns=o.time_unit == "ms",  # the snapshot schedule's clock
         )
 
     def outputs(self) -> list[tuple[OutputFormat, str]]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from agent.kernel.probes import EV_EXEC, EV_EXIT, HeapProbes, SiteReader
+from agent.kernel.probes import EV_EXEC, EV_EXIT, EV_SCHEDULE, SCHED_PEAK, HeapProbes, SiteReader
 from agent.model.counters import Counters
 from agent.model.options import MassifOptions
 from agent.model.pages import (
@@ -42,7 +42,8 @@ from agent.model.profile import (
     SnapshotSeries,
     Stack,
 )
-from agent.model.summary import PageSummary, ProfileSummary
+from agent.model.schedule import PointFeed
+from agent.model.summary import PageSummary, ProfileSummary, ScheduleSummary
 from agent.process.maps import MapsRecorder
 from agent.session.sites import Ignored, SiteTrees
 from agent.session.storerec import StoreColumns
@@ -76,6 +77,28 @@ class SessionInfo:
     cmd: str  # the target's command line, for the files' cmd: lines
     desc: Sequence[str]  # the Massif options as the user gave them, for desc:
     allocator: str  # one line: which allocator was found
+
+
+class IdlePace:
+    """How long a sampling loop waits while its target does nothing: the sampling interval for the first few
+    quiet ticks, then twice as long after each further one, up to IDLE_MAX seconds. Any activity brings the
+    loop back to its interval."""
+
+    IDLE_MAX = 1.0
+    QUIET_TICKS = 4  # quiet ticks at the full rate before the waits grow
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.idle_ticks = 0
+
+    def idle(self) -> float:
+        """Another quiet tick: the wait until the next look."""
+        self.idle_ticks += 1
+        doublings = max(0, self.idle_ticks - self.QUIET_TICKS)
+        return min(max(self.IDLE_MAX, self.interval), self.interval * (1 << min(doublings, 20)))
+
+    def active(self) -> None:
+        self.idle_ticks = 0
 
 
 class Session:
@@ -119,6 +142,13 @@ class Session:
         self._pages_lock = threading.Lock()
         self.stack_bytes = 0  # --stacks=yes: all threads' stacks at the last sample
         self._lock = threading.Lock()  # readers (HTTP) and the sampler share the model
+        # Snapshots on Massif's schedule: the kernel sends a point at each event that reaches the next due time
+        # (agent.model.schedule). With --pages-as-heap=yes the heap is the page map's, and the ticks sample it.
+        self.points: PointFeed | None = None
+        self._steered_cullings = 0  # the series' cullings when the kernel was last given a due time
+        if not opts.pages_as_heap:
+            self.points = PointFeed(self.series, self._point_time, peak_kind=SCHED_PEAK)
+            probes.start_schedule(self.start_ns, opts.max_snapshots, opts.peak_inaccuracy)
 
     # ---- time -------------------------------------------------------------------------------------
 
@@ -128,6 +158,12 @@ class Session:
             return c.time_b + self.time_offset_b
         now_ns = self._ended_ns if self._ended_ns is not None else time.monotonic_ns()
         return (now_ns - self.start_ns) // 1_000_000
+
+    def _point_time(self, raw: int) -> int:
+        """A schedule point's time in the session's unit (the kernel gives ns for ms)."""
+        if self.opts.time_unit == "B":
+            return raw
+        return max(0, (raw - self.start_ns) // 1_000_000)
 
     def peak_time(self, c: Counters) -> int:
         if self.opts.time_unit == "B":
@@ -236,9 +272,40 @@ class Session:
 
     # ---- sampling ---------------------------------------------------------------------------------
 
-    def sample(self) -> None:
-        """One tick: record a snapshot if Massif's schedule wants one."""
+    def take_points(self) -> None:
+        """Record the kernel's schedule points sent so far, and steer its schedule (between ticks: when the
+        kernel says the series is due to cull)."""
         with self._lock:
+            self._take_points()
+            self._steer()
+
+    def _take_points(self) -> None:
+        if self.points is not None and self.live is not None and not self.series.finished:
+            self.points.feed(self.live.schedule_points(), self.stack_bytes)
+
+    def _steer(self, c: Counters | None = None) -> None:
+        """Tell the kernel the series' interval and its next culling; after a culling, also when the next point
+        is due (the kernel set it with the interval it guessed), if the kernel has sent no point since the last
+        feed (else the series is behind it). Between cullings the kernel's due time is already the series'; a
+        write then could only race with the kernel moving it on."""
+        if self.points is None or self.live is None or self.series.finished:
+            return
+        k = self.points.kernel_schedule()
+        c = c or self.probes.counters()
+        due = None
+        if self.series.n_cullings != self._steered_cullings and c.sched_points == self.points.n_points:
+            due = k.due
+            self._steered_cullings = self.series.n_cullings
+        if due is not None and self.opts.time_unit != "B":
+            due = self.start_ns + due * 1_000_000
+        self.live.set_schedule(k.interval, k.cull_at, due)
+
+    def sample(self) -> None:
+        """One tick: record the kernel's schedule points, then what the tick itself adds: the first snapshot, an
+        owed tree (see SnapshotSeries.give_tree); with --pages-as-heap=yes, a snapshot if the schedule wants
+        one."""
+        with self._lock:
+            self._take_points()  # before the counters: the tick's state is then no earlier than any point
             c = self.counters()
             if self.opts.stacks and self.live is not None:
                 self.stack_bytes = self.live.stack_bytes()
@@ -247,23 +314,13 @@ class Session:
             t = self.now(c)
             if self.series.finished or (self.series.snapshots and t < self.series.snapshots[-1].time):
                 return
-            kind = self.series.next_kind(t)
-            if kind is None:
-                self.series.add(t, c.heap, c.extra, self.stack_bytes)  # counted as skipped
-                return
-            if kind is not SnapshotKind.DETAILED:
-                self.series.add(t, c.heap, c.extra, self.stack_bytes)
-                # Stacks are symbolized as they appear, while the target's mappings are readable; the
-                # sites are looked at only when the kernel has handed out new site ids since the last look.
-                if c.n_sites != self._sites_seen:
-                    self._sites_seen = c.n_sites
-                    self.symbolize_new(self._used_site_keys())
-                return
-            # A kept tree shares the index's nodes: its own part is one array of prefix sums.
-            tree, ignored = self.live_tree()
-            self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, self.stack_bytes, tree)
-            new_sites = c.n_sites != self._sites_frozen
-            self._sites_frozen = c.n_sites
+            # With the kernel's schedule a tick only takes the first snapshot and pays owed trees.
+            kernel_scheduled = self.points is not None and len(self.series) > 0
+            built = self._pay_tree(c, t) if kernel_scheduled else self._tick_snapshot(c, t)
+            self._steer(c)
+            new_sites = built and c.n_sites != self._sites_frozen
+            if new_sites:
+                self._sites_frozen = c.n_sites
         if new_sites:
             # The index's nodes and the symbolized frames are long-lived objects: out of the cyclic collector's
             # sight, its full passes stay short (they stalled HTTP requests for half a second). What is garbage
@@ -272,6 +329,41 @@ class Session:
             # since the last freeze.
             gc.collect()
             gc.freeze()
+
+    def _tick_snapshot(self, c: Counters, t: int) -> bool:
+        """A snapshot of the tick's state if Massif's schedule wants one; True when a tree was built."""
+        kind = self.series.next_kind(t)
+        if kind is None:
+            self.series.add(t, c.heap, c.extra, self.stack_bytes)  # counted as skipped
+            return False
+        if kind is not SnapshotKind.DETAILED:
+            self.series.add(t, c.heap, c.extra, self.stack_bytes)
+            self._symbolize_sites(c)
+            return False
+        # A kept tree shares the index's nodes: its own part is one array of prefix sums.
+        tree, ignored = self.live_tree()
+        self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, self.stack_bytes, tree)
+        return True
+
+    def _pay_tree(self, c: Counters, t: int) -> bool:
+        """Kernel schedule, at a tick: when the detailed frequency fell on a point, the state now with its tree
+        takes the place of the latest point; else new stacks are only symbolized. True when a tree was built.
+        Only when the kernel has sent no point since they were read: the state now is then less than an interval
+        after the latest point (else the kernel would have sent one), and no point is left behind it."""
+        assert self.points is not None
+        if not self.series.tree_owed or c.sched_points != self.points.n_points:
+            self._symbolize_sites(c)
+            return False
+        tree, ignored = self.live_tree()
+        self.series.give_tree(t, c.heap - ignored.heap, c.extra - ignored.extra, self.stack_bytes, tree)
+        return True
+
+    def _symbolize_sites(self, c: Counters) -> None:
+        # Stacks are symbolized as they appear, while the target's mappings are readable; the sites are looked
+        # at only when the kernel has handed out new site ids since the last look.
+        if c.n_sites != self._sites_seen:
+            self._sites_seen = c.n_sites
+            self.symbolize_new(self._used_site_keys())
 
     def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float) -> None:
         """Sample every `interval` seconds until the target exits or `stop` is set; between samples, catch up
@@ -282,13 +374,28 @@ class Session:
             self.seed_pages()  # attach: the mappings of now; run seeds at the target's exec (_catch_up)
         self.sync_mappings()
         self.sample()
+        pace = IdlePace(interval)
+        token = live.activity()
         next_sample = time.monotonic() + interval
         while alive() and not stop.is_set() and not self.exec_ended():
             events = live.wait_events(max(0.001, next_sample - time.monotonic()))
-            if events or live.stopped():
-                self._catch_up(live)
-            if time.monotonic() >= next_sample:
-                next_sample += interval
+            stopped = live.stopped()
+            if EV_SCHEDULE in events or stopped == EV_SCHEDULE:
+                self.take_points()  # the series culls: the kernel waits for its new interval
+            if any(e != EV_SCHEDULE for e in events) or stopped not in (0, EV_SCHEDULE):
+                self._catch_up(live, events)
+            elif stopped == EV_SCHEDULE:
+                live.resume()
+            now = time.monotonic()
+            if now >= next_sample:
+                # A target that did nothing since the last tick is not sampled (Massif takes no snapshot
+                # without an allocation either), and it is looked at less and less often, down to IDLE_MAX.
+                last, token = token, live.activity()
+                if token == last and not events:
+                    next_sample = now + pace.idle()
+                    continue
+                next_sample = now + interval if pace.idle_ticks else next_sample + interval
+                pace.active()
                 if alive():
                     self.sync_mappings()
                 self.sample()
@@ -298,14 +405,15 @@ class Session:
         """The target exec'ed another program: the kernel disarmed the probes and this profile is over."""
         return self.counters().execs > self.exec_limit
 
-    def _catch_up(self, live: HeapProbes) -> None:
+    def _catch_up(self, live: HeapProbes, events: Sequence[int] = ()) -> None:
         """New objects mapped, or the target is about to exit: record mappings, load unwind tables,
-        symbolize while the mappings are still there; then let a stopped target go on."""
+        symbolize while the mappings are still there; then let a stopped target go on. (A thread's stop for the
+        schedule may have taken the place of another's at exit in the stop word: `events` still says it.)"""
         self.sync_mappings()
         stopped = live.stopped()
         if stopped == EV_EXEC:
             self.seed_pages()  # stopped at exec: the kernel's mappings of the new image, before any syscall
-        if stopped == EV_EXIT:
+        if stopped == EV_EXIT or EV_EXIT in events:
             with self._lock:
                 self.symbolize_new(self._used_site_keys())
             if self.before_exit is not None:
@@ -326,6 +434,7 @@ class Session:
         with self._lock:
             if self.series.finished:
                 return
+            self._take_points()
             c = self.counters()
             self.end_counters = c
             if self.recorder is not None:  # the timelines end with the final state
@@ -356,7 +465,11 @@ class Session:
         unwind = None
         if self.tables is not None:
             unwind = self.tables.summary(self.probes.rows_used, self.probes.rows_dropped)
-        return ProfileSummary(c, pages, unwind)
+        schedule = None
+        if self.points is not None:
+            st = self.series
+            schedule = ScheduleSummary(st.n_taken, st.n_peaks_taken, st.n_cullings, len(st))
+        return ProfileSummary(c, pages, unwind, schedule)
 
     def page_totals(self) -> PageTotals | None:
         """Mapped memory and its peak, as the page syscalls left them (None before the map is seeded)."""

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import ORACLE_OPTIONS, RUN_TIMEOUT, unavailable
+from tests.integration.harness import ORACLE_OPTIONS, RUN_TIMEOUT, Completed, unavailable
 from tests.integration.test_oracle import (
     NO_CULL,
     Paths,
@@ -44,6 +44,8 @@ from tests.integration.test_oracle import (
     read_snapshots,
     reference_peak,
 )
+from tests.integration.test_schedule_massif import counts_line, heapscope_schedule, massif_schedule, near
+from tests.support.massif_reader import parse_massif
 
 pytestmark = pytest.mark.integration
 
@@ -111,11 +113,14 @@ def runs(heapscope_cmd: list[str], valgrind_tools: None, tmp_path_factory: pytes
     return {}
 
 
-@pytest.fixture(params=PROGRAMS, ids=[p.name for p in PROGRAMS])
-def outcome(request: pytest.FixtureRequest, runs: dict[str, Runs], heapscope_cmd: list[str], tmp_path_factory) -> Runs:  # type: ignore[no-untyped-def]
-    prog: RealProgram = request.param
-    if prog.name in runs:
-        return runs[prog.name]
+def run_both(
+    prog: RealProgram,
+    heapscope_cmd: list[str],
+    tmp_path_factory: pytest.TempPathFactory,
+    options: tuple[str, ...],
+    massif_only: tuple[str, ...] = (),
+) -> tuple[Completed, Completed]:
+    """The program under Massif (with `massif_only` too) and under `heapscope run`, with the same options."""
     argv = prog.argv(tmp_path_factory.mktemp(prog.name))
     if not os.path.exists(argv[0]):
         unavailable(f"{argv[0]} is missing: install Debian's {prog.package} (scripts/apt-packages.txt)")
@@ -126,14 +131,23 @@ def outcome(request: pytest.FixtureRequest, runs: dict[str, Runs], heapscope_cmd
     env |= {"LC_ALL": "C", "PWD": str(work), **prog.env}
     native_env = {**env, **VALGRIND_ENV, "LD_PRELOAD": ""}
     ref_out, got_out = work / "massif.ref", work / "massif.got"
-    options = (*ORACLE_OPTIONS, *NO_CULL)
-    massif = ["valgrind", "-q", "--tool=massif", *options, *FREERES, f"--massif-out-file={ref_out}"]
+    massif = ["valgrind", "-q", "--tool=massif", *options, *massif_only, *FREERES, f"--massif-out-file={ref_out}"]
     ref = _run([*massif, *argv], work, env)
     assert ref.returncode == 0, ref.stderr
     got = _run([*heapscope_cmd, "run", *options, f"--massif-out-file={got_out}", "--", *argv], work, native_env)
     assert got.returncode == 0, got.stderr
     assert got.stdout == ref.stdout, "the program did not do the same work in both runs"
-    runs[prog.name] = Runs(read_snapshots(ref_out.read_text()), read_snapshots(got_out.read_text()), got.stderr)
+    return (Completed(ref.returncode, ref.stdout, ref.stderr, ref_out, None),
+            Completed(got.returncode, got.stdout, got.stderr, got_out, None))
+
+
+@pytest.fixture(params=PROGRAMS, ids=[p.name for p in PROGRAMS])
+def outcome(request: pytest.FixtureRequest, runs: dict[str, Runs], heapscope_cmd: list[str], tmp_path_factory) -> Runs:  # type: ignore[no-untyped-def]
+    prog: RealProgram = request.param
+    if prog.name in runs:
+        return runs[prog.name]
+    ref, got = run_both(prog, heapscope_cmd, tmp_path_factory, (*ORACLE_OPTIONS, *NO_CULL))
+    runs[prog.name] = Runs(read_snapshots(ref.massif_text), read_snapshots(got.massif_text), got.stderr)
     return runs[prog.name]
 
 
@@ -177,3 +191,26 @@ def test_final_tree(outcome: Runs) -> None:
     ref, got = without_walk_past_entry(ref_end.tree), without_walk_past_entry(got_end.tree)
     assert got == ref, "final trees differ (bytes per path):\n" + _diff(ref, got)
     assert got_end.heap_B == ref_end.heap_B
+
+
+@pytest.mark.parametrize("prog", PROGRAMS, ids=[p.name for p in PROGRAMS])
+def test_snapshot_count(
+    prog: RealProgram,
+    heapscope_cmd: list[str],
+    valgrind_tools: None,
+    tmp_path_factory: pytest.TempPathFactory,
+    record_property: Callable[[str, object], None],
+) -> None:
+    """Snapshots on Massif's schedule: under `--time-unit=B --detailed-freq=1` and Massif's defaults otherwise
+    (--max-snapshots=100, --peak-inaccuracy=1.0), heapscope writes as many snapshots as Massif, within 25%, and
+    its schedule took as many (peaks included; Massif's --stats=yes against heapscope's summary line)."""
+    options = (*ORACLE_OPTIONS, "--peak-inaccuracy=1.0")
+    ref, got = run_both(prog, heapscope_cmd, tmp_path_factory, options, massif_only=("--stats=yes",))
+    ref_file, got_file = parse_massif(ref.massif_text), parse_massif(got.massif_text)
+    rs, gs = massif_schedule(ref), heapscope_schedule(got)
+    line = counts_line(prog.name, ref_file, got_file, rs, gs)
+    record_property("counts", line)
+    print(line)
+    assert rs.taken > len(ref_file.snapshots), f"Massif's culling must be part of the case: {line}"
+    assert near(len(got_file.snapshots), len(ref_file.snapshots)), line
+    assert near(gs.taken, rs.taken) and near(gs.peaks, rs.peaks), line
