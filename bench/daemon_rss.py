@@ -3,13 +3,14 @@
 
     sudo .venv/bin/python bench/daemon_rss.py                       # 10,000 sites, 10 minutes, with the store
     sudo .venv/bin/python bench/daemon_rss.py --minutes 30 --no-store
+    sudo .venv/bin/python bench/daemon_rss.py --mode sampled      # the daemon's default mode
 
 `heapscope serve` (its default store under --output-dir, 1 Hz; or --no-store) profiles bench/sites.c (N distinct
 allocation stacks, allocating as fast as it can) for the given time. Every --every seconds the daemon's RSS is
 read from /proc, with the store's size and the samples written; every 30 s a client reads the history as a user
 would (/diff over the last minute, /snapshot?at=-30s, /all_snapshots of the last two minutes) and the live
 /detailed_snapshot, so that what reading costs is counted too. Prints the RSS over time and the slope of a line
-fitted through the second half (MiB per hour); results go to bench/results/daemon_rss[-no-store].json.
+fitted through the second half (MiB per hour); results go to bench/results/daemon_rss-MODE[-no-store].json.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--every", type=float, default=10.0, help="seconds between RSS readings (default 10)")
     ap.add_argument("--no-store", action="store_true", help="the daemon without its store, for comparison")
+    ap.add_argument("--mode", choices=("exact", "sampled"), default="exact",
+                    help="the daemon's profiling mode (default exact: every allocation counted)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench/daemon_rss.py needs root (BPF)", file=sys.stderr)
@@ -85,7 +88,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="daemon-rss-"))
     out_dir = work / "out"
     seconds = args.minutes * 60
-    cmd = [*heapscope_cmd(), "serve", "--http", f"127.0.0.1:{port}", "--output-dir", str(out_dir), "-q"]
+    cmd = [*heapscope_cmd(), "serve", "--http", f"127.0.0.1:{port}", "--output-dir", str(out_dir), "-q",
+           f"--mode={args.mode}"]
     if args.no_store:
         cmd.append("--no-store")
     env = {k: v for k, v in os.environ.items() if k != "HEAPSCOPE_TOKEN"}
@@ -159,7 +163,8 @@ def main() -> int:
         daemon.wait(300)
     second_half = [(r["t_s"], r["rss_mib"]) for r in readings[len(readings) // 2 :]]
     result = {
-        "sites": args.sites, "minutes": args.minutes, "store": not args.no_store, "rss_idle_mib": rss_idle,
+        "sites": args.sites, "minutes": args.minutes, "store": not args.no_store, "mode": args.mode,
+        "rss_idle_mib": rss_idle,
         "readings": readings, "reads_ms": reads,
         "rss_first_mib": readings[0]["rss_mib"], "rss_last_mib": readings[-1]["rss_mib"],
         "rss_max_mib": max(r["rss_mib"] for r in readings),
@@ -174,7 +179,7 @@ def main() -> int:
         print("history reads (ms, median over the run): " + ", ".join(
             f"{k} {sorted(r[k] for r in reads)[len(reads) // 2]:.0f}" for k in keys))
     (BENCH / "results").mkdir(exist_ok=True)
-    name = "daemon_rss-no-store.json" if args.no_store else "daemon_rss.json"
+    name = f"daemon_rss-{args.mode}{'-no-store' if args.no_store else ''}.json"
     (BENCH / "results" / name).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
