@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -161,6 +162,7 @@ def main() -> int:
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(300)
+        shutil.rmtree(work, ignore_errors=True)  # the store and the daemon's files
     second_half = [(r["t_s"], r["rss_mib"]) for r in readings[len(readings) // 2 :]]
     result = {
         "sites": args.sites, "minutes": args.minutes, "store": not args.no_store, "mode": args.mode,
