@@ -660,12 +660,10 @@ static __always_inline void send_point(struct hs_global *g, u64 t, u64 heap, u64
 /* (Inlined, as every function here: bcc loads each program alone, without BPF-to-BPF calls.)
  * The interval for the due time after a point. User space owns it (it culls the series) and sets the due time
  * from the series when it has read the points. When the series culls (the point count reached
- * HS_CTL_SCHED_CULL_AT) user space is woken once; with HS_STOP_EVENTS and time in B (time stands still while
- * the target does) the target is also stopped until user space has set the new interval and due time, so the
- * points are exactly Massif's. Until it answers, the interval is guessed as the time so far divided by
- * --max-snapshots (about half the spacing a culling leaves), which keeps the points bounded however long user
- * space takes. */
-static __always_inline u64 schedule_interval(void *ctx, struct hs_global *g, u64 unit_time)
+ * HS_CTL_SCHED_CULL_AT) user space is woken once (schedule_signal). Until it answers, the interval is guessed
+ * as the time so far divided by --max-snapshots (about half the spacing a culling leaves), which keeps the
+ * points bounded however long user space takes. */
+static __always_inline u64 schedule_interval(struct hs_global *g, u64 unit_time)
 {
     u64 interval = control_word(HS_CTL_SCHED_INTERVAL);
     u64 cull_at = control_word(HS_CTL_SCHED_CULL_AT);
@@ -677,17 +675,26 @@ static __always_inline u64 schedule_interval(void *ctx, struct hs_global *g, u64
      * Valgrind runs slowly enough to make few of them) would send every event of a native run meanwhile */
     if (HS_SCHED_NS && guess == 0)
         guess = 1;
-    if (HS_ONCE(g->sched_signalled) != cull_at) {
-        g->sched_signalled = cull_at;
-        u64 event = HS_EV_SCHEDULE;
-        if (HS_STOP_EVENTS && !HS_SCHED_NS) {
-            u32 stop_idx = HS_CTL_STOPPED;
-            control.update(&stop_idx, &event);
-            bpf_send_signal(19 /* SIGSTOP */);
-        }
-        events.perf_submit(ctx, &event, sizeof(event));
-    }
     return guess > interval ? guess : interval;
+}
+
+/* After a point was sent (never before: user space, woken on the other CPU, must find the point that made the
+ * series cull in the ring when it drains it): when the point count reached HS_CTL_SCHED_CULL_AT, wake user
+ * space once; with HS_STOP_EVENTS and time in B (time stands still while the target does) also stop the target
+ * until user space has set the new interval and due time, so the points are exactly Massif's. */
+static __always_inline void schedule_signal(void *ctx, struct hs_global *g)
+{
+    u64 cull_at = control_word(HS_CTL_SCHED_CULL_AT);
+    if (!cull_at || HS_ONCE(g->sched_points) < cull_at || HS_ONCE(g->sched_signalled) == cull_at)
+        return;
+    g->sched_signalled = cull_at;
+    u64 event = HS_EV_SCHEDULE;
+    if (HS_STOP_EVENTS && !HS_SCHED_NS) {
+        u32 stop_idx = HS_CTL_STOPPED;
+        control.update(&stop_idx, &event);
+        bpf_send_signal(19 /* SIGSTOP */);
+    }
+    events.perf_submit(ctx, &event, sizeof(event));
 }
 
 /* HS_SCHED_NS: the clock costs ~50 ns a read here, jiffies (the tick count) a load. After setting the due
@@ -710,11 +717,12 @@ static __always_inline void schedule_point(void *ctx, struct hs_global *g, u64 t
 {
     u64 unit_time;
     schedule_next(t, 0, &unit_time);
-    u64 next = schedule_next(t, schedule_interval(ctx, g, unit_time), &unit_time);
+    u64 next = schedule_next(t, schedule_interval(g, unit_time), &unit_time);
     if (__sync_val_compare_and_swap(due_word, due, next) != due)
         return; /* another CPU's event took this point, or user space has just set the due time */
     schedule_jiffies(t, next);
     send_point(g, t, HS_ONCE(g->heap), HS_ONCE(g->extra), HS_SCHED_NORMAL);
+    schedule_signal(ctx, g);
 }
 
 /* After an event's accounting: one compare, unless the event reached the schedule's due time. `time_b` is the
@@ -755,13 +763,14 @@ static __always_inline void schedule_peak_check(void *ctx, struct hs_global *g, 
     u64 t = HS_SCHED_NS ? (now ? now : bpf_ktime_get_ns()) : HS_ONCE(g->time_b);
     u64 unit_time;
     schedule_next(t, 0, &unit_time);
-    u64 next = schedule_next(t, schedule_interval(ctx, g, unit_time), &unit_time);
+    u64 next = schedule_next(t, schedule_interval(g, unit_time), &unit_time);
     u32 due_idx = HS_CTL_SCHED_DUE;
     u64 *due_word = control.lookup(&due_idx);
     if (due_word)
         HS_ONCE(*due_word) = next;
     schedule_jiffies(t, next);
     send_point(g, t, heap, extra, HS_SCHED_PEAK);
+    schedule_signal(ctx, g);
 }
 
 /* After the totals grew: a new global peak marks the touched sites with their state at the peak. */
