@@ -681,7 +681,9 @@ static __always_inline u64 schedule_interval(struct hs_global *g, u64 unit_time)
 /* After a point was sent (never before: user space, woken on the other CPU, must find the point that made the
  * series cull in the ring when it drains it): when the point count reached HS_CTL_SCHED_CULL_AT, wake user
  * space once; with HS_STOP_EVENTS and time in B (time stands still while the target does) also stop the target
- * until user space has set the new interval and due time, so the points are exactly Massif's. */
+ * until user space has set the new interval and due time, so the points are exactly Massif's. Never in sampled
+ * mode: its points are estimates anyway, and production mode does not stop a target (the guessed interval
+ * bridges the wait). */
 static __always_inline void schedule_signal(void *ctx, struct hs_global *g)
 {
     u64 cull_at = control_word(HS_CTL_SCHED_CULL_AT);
@@ -689,7 +691,7 @@ static __always_inline void schedule_signal(void *ctx, struct hs_global *g)
         return;
     g->sched_signalled = cull_at;
     u64 event = HS_EV_SCHEDULE;
-    if (HS_STOP_EVENTS && !HS_SCHED_NS) {
+    if (HS_STOP_EVENTS && !HS_SCHED_NS && !HS_SAMPLED) {
         u32 stop_idx = HS_CTL_STOPPED;
         control.update(&stop_idx, &event);
         bpf_send_signal(19 /* SIGSTOP */);

@@ -112,6 +112,9 @@ struct hs_block {
 #ifndef HS_SAMPLE_RATE
 #define HS_SAMPLE_RATE 524288    /* sampled mode: the sampler's mean bytes between samples */
 #endif
+#ifndef HS_SAMPLED
+#define HS_SAMPLED 0             /* 1: sampled.bpf.c is appended (sampled mode) */
+#endif
 struct hs_sampled_block {
     __u64 bytes;  /* estimated bytes: blocks * size */
     __u64 blocks; /* estimated blocks: 1 / (1 - e^(-size/rate)), rounded at random to a whole number */

@@ -650,6 +650,7 @@ class HeapProbes(SiteReader):
             f"-DHS_SCHED_NS={int(s.schedule_ns)}",
             f"-DHS_SCHED_RING_PAGES={SCHED_RING_BYTES // mmap.PAGESIZE}",
             f"-DHS_SAMPLE_RATE={s.sample_rate}ULL",
+            f"-DHS_SAMPLED={int(s.sampled)}",
         ]
         with BCC_LOCK, _captured_stderr() as messages:
             try:
