@@ -1,8 +1,9 @@
 /* Sampled mode: compiled after heap.bpf.c, in the same translation unit, when ProbeSettings.sampled is set
  * (agent/kernel/probes.py; bcc takes programs only from its main source, so it is appended, not included).
  *
- * The in-process sampler (probes/sampler/hs_sampler.c) calls hs_sample_alloc(ptr, size, weight) for each
- * sampled allocation and hs_sample_free(ptr) when a sampled block is freed; unsampled calls never reach the
+ * The in-process sampler (probes/sampler/hs_sampler.c) calls hs_sample_alloc(ptr, size, weight, fn) for each
+ * sampled allocation (fn: the allocation function's enum hs_fn, as exact mode would record the call) and
+ * hs_sample_free(ptr) when a sampled block is freed; unsampled calls never reach the
  * kernel. Both functions start with a 5-byte nop, so Linux 6.18 runs these probes through its uprobe
  * trampoline instead of a trap. No return probe is needed: the block's address is an argument.
  *
@@ -46,12 +47,15 @@ int sample_alloc_enter(struct pt_regs *ctx)
     u64 addr = PT_REGS_PARM1(ctx);
     u64 size = PT_REGS_PARM2(ctx);
     u64 weight = PT_REGS_PARM3(ctx);
+    u64 arg_fn = PT_REGS_PARM4(ctx);
     if (!addr || !size || !weight)
         return 0;
+    /* An allocation function only (HS_FREE and beyond are not): malloc for anything else. */
+    u32 fn = arg_fn < HS_FREE ? (u32)arg_fn : HS_MALLOC;
 #if HS_STACKS
     note_stack((u32)bpf_get_current_pid_tgid(), PT_REGS_SP(ctx), 0);
 #endif
-    u64 stack = capture_stack(ctx, g, HS_MALLOC);
+    u64 stack = capture_stack(ctx, g, fn);
     u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
     struct hs_sampled_block b = {
         .blocks = sample_blocks(size, weight),
@@ -83,7 +87,7 @@ int sample_alloc_enter(struct pt_regs *ctx)
     check_peak(g, s, 0);
     if (HS_MALT) {
         malt_alloc(g, s, stack, size, b.blocks);
-        thread_stat((u32)bpf_get_current_pid_tgid(), HS_MALLOC, b.blocks, b.bytes, 0);
+        thread_stat((u32)bpf_get_current_pid_tgid(), fn, b.blocks, b.bytes, 0);
     }
     schedule_check(ctx, g, time_b, now);
     return 0;

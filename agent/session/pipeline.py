@@ -197,7 +197,9 @@ class Profile:
                 if s.malt:
                     from agent.session.maltrec import MaltRecorder
 
-                    session.recorder = MaltRecorder(probes, p.pid, mode=s.mode)
+                    session.recorder = MaltRecorder(
+                        probes, p.pid, mode=s.mode, exact_calls=link.thread_calls if link is not None else None
+                    )
                 if not p.launched:
                     session.prepare_attach()
                 try:
