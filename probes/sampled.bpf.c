@@ -47,15 +47,17 @@ int sample_alloc_enter(struct pt_regs *ctx)
     u64 addr = PT_REGS_PARM1(ctx);
     u64 size = PT_REGS_PARM2(ctx);
     u64 weight = PT_REGS_PARM3(ctx);
-    u64 arg_fn = PT_REGS_PARM4(ctx);
     if (!addr || !size || !weight)
         return 0;
-    /* An allocation function only (HS_FREE and beyond are not): malloc for anything else. */
-    u32 fn = arg_fn < HS_FREE ? (u32)arg_fn : HS_MALLOC;
 #if HS_STACKS
     note_stack((u32)bpf_get_current_pid_tgid(), PT_REGS_SP(ctx), 0);
 #endif
-    u64 stack = capture_stack(ctx, g, fn);
+    u64 stack = capture_stack(ctx, g, HS_MALLOC);
+    /* The allocation function, read after the walk: a value the verifier tracks through the walk would split
+     * its states (the program no longer verifies). An allocation function only: HS_FREE and beyond are malloc.
+     * The site is filed under it below (a stack starts with its hook: one stack, one function). */
+    u64 arg_fn = PT_REGS_PARM4(ctx);
+    u32 fn = arg_fn < HS_FREE ? (u32)arg_fn : HS_MALLOC;
     u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
     struct hs_sampled_block b = {
         .blocks = sample_blocks(size, weight),
@@ -71,6 +73,8 @@ int sample_alloc_enter(struct pt_regs *ctx)
     }
     struct hs_site *s = get_site(stack, g);
     if (s) {
+        if (s->fn != fn && stack != HS_STACK_OVERFLOW)
+            s->fn = fn;
         site_touch(s, g);
         __sync_fetch_and_add(&s->cur_bytes, b.bytes);
         __sync_fetch_and_add(&s->cur_extra, b.extra);

@@ -285,6 +285,11 @@ class SamplerControl:
         deadline = time.monotonic() + self.timeout
         while True:
             st = self.read()
+            if (st["magic"] != MAGIC or st["version"] != VERSION) and time.monotonic() <= deadline:
+                # `run`: the loader maps the library's first segment, then its data over a reserved span: a
+                # control block read in between is not there yet.
+                time.sleep(0.001)
+                continue
             if st["magic"] != MAGIC or st["version"] != VERSION:
                 raise TargetError(f"process {self.pid}: the sampler's control block is not version {VERSION}")
             if st.state == "broken":
