@@ -147,12 +147,14 @@ class SamplerLink:
             return self._last_calls
 
     def counts(self) -> dict[str, int] | None:
-        """Exact counts since arming (allocs, frees, alloc_bytes), all threads together; None before arming."""
+        """Exact counts since arming (allocs and frees, reallocs included; alloc_bytes; reallocs and the old
+        blocks they gave up, realloc_frees), all threads together; None before arming."""
         calls = self.thread_calls()
         if calls is None:
             return None
         t = total(calls)
-        return {"allocs": t.allocs, "frees": t.frees, "alloc_bytes": t.alloc_bytes}
+        return {"allocs": t.allocs, "frees": t.frees, "alloc_bytes": t.alloc_bytes, "reallocs": t.realloc,
+                "realloc_frees": t.realloc_frees}  # fmt: skip
 
     _STATS = ("samples", "sampled_frees", "set_full", "slots_patched", "lazy_skipped")
 

@@ -103,8 +103,8 @@ def program(build: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def profiles(
     program: Path, run_heapscope: Callable[..., Completed], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, tuple[dict[str, int], Profile, int]]:
-    """mode name -> (the program's truth, its MALT profile, the rate (0: exact))."""
+) -> dict[str, tuple[dict[str, int], Profile, int, dict[str, int]]]:
+    """mode name -> (the program's truth, its MALT profile, the rate (0: exact), the summary's counters)."""
     out = {}
     rates = {"exact": 0, "sampled-1": 1, "sampled": realistic_rate(CALLS), "sampled-default": DEFAULT_SAMPLE_RATE}
     for name, rate in rates.items():
@@ -114,7 +114,7 @@ def profiles(
         assert got.returncode == 0, got.stderr
         assert "inconsistent" not in got.stderr, got.stderr
         truth = {fn: int(n) for _, fn, n in (line.split() for line in got.stdout.splitlines())}
-        out[name] = (truth, Profile(json.loads(malt.read_text())), rate)
+        out[name] = (truth, Profile(json.loads(malt.read_text())), rate, got.counters)
     return out
 
 
@@ -129,12 +129,12 @@ def expected_sites(truth: dict[str, int]) -> Counter[tuple[str, str]]:
 def test_every_call_counted_under_its_function(profiles: dict, mode: str) -> None:
     """Exact mode, and sampled mode with every block sampled at weight 1: each site's calls, exactly, under the
     function it called (operator new under malloc, as libstdc++'s operator new calls it)."""
-    truth, profile, _ = profiles[mode]
+    truth, profile, _, _ = profiles[mode]
     assert per_site_counts(profile) == expected_sites(truth)
 
 
 def test_sampled_counts_per_function_within_their_standard_error(profiles: dict) -> None:
-    truth, profile, rate = profiles["sampled"]
+    truth, profile, rate, _ = profiles["sampled"]
     got = per_site_counts(profile)
     want = expected_sites(truth)
     assert set(got) <= set(want), got  # nothing filed under a function its site did not call
@@ -150,7 +150,7 @@ def test_sampled_counts_per_function_within_their_standard_error(profiles: dict)
 def test_thread_call_counts_are_exact(profiles: dict, mode: str) -> None:
     """The worker thread's calls per function, exactly, in every mode (sampled mode: the sampler's own counts),
     and the profile says which figures are exact in sampled mode."""
-    truth, profile, _ = profiles[mode]
+    truth, profile, _, counters = profiles[mode]
     stats = worker_stats(profile.doc)
     want = {"malloc": truth["malloc"], "calloc": truth["calloc"], "realloc": truth["realloc"],
             "posix_memalign": truth["posix_memalign"], "free": truth["free"]}  # fmt: skip
@@ -165,3 +165,10 @@ def test_thread_call_counts_are_exact(profiles: dict, mode: str) -> None:
         assert "exact" not in heapscope and heapscope["estimates"] is False
     else:
         assert heapscope["estimates"] is True and heapscope["exact"] == list(EXACT_IN_SAMPLED)
+        # The summary's call counts are the same exact counts, split as exact mode splits them: a realloc is
+        # neither an allocation nor a free.
+        threads = [t["stats"] for t in profile.doc["threads"]]
+        assert counters["n_reallocs"] == truth["realloc"]
+        assert counters["n_allocs"] == sum(s[fn]["count"] for s in threads for fn in ("malloc", "calloc",
+                                           "posix_memalign", "memalign", "valloc", "pvalloc"))  # fmt: skip
+        assert counters["n_frees"] == sum(s["free"]["count"] for s in threads)
