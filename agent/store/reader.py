@@ -141,7 +141,7 @@ class StoredSnapshot:
         return out
 
 
-_State = tuple[int, np.ndarray, np.ndarray, np.ndarray]  # (seq, counters, size hints, extra hints)
+_State = tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (seq, counters, size, extra, unit hints)
 
 
 class _Run:
@@ -170,11 +170,11 @@ class _Run:
         elif self.peak_since is not None:
             self.peak_since[:, sel] += res[7:9]
 
-    def apply(self, prev: np.ndarray, size: np.ndarray, xpb: np.ndarray) -> np.ndarray:
-        new = fmt.advance(prev, self.acc, size, xpb)
+    def apply(self, prev: np.ndarray, size: np.ndarray, xpb: np.ndarray, unit: np.ndarray) -> np.ndarray:
+        new = fmt.advance(prev, self.acc, size, xpb, unit)
         if self.moved is not None:
             assert self.at_move is not None and self.peak_since is not None
-            at = fmt.advance(prev, self.at_move, size, xpb)
+            at = fmt.advance(prev, self.at_move, size, xpb, unit)
             m = self.moved
             new[7, m] = at[5, m] + self.peak_since[0, m]
             new[8, m] = at[6, m] + self.peak_since[1, m]
@@ -512,9 +512,9 @@ class SegmentReader:
         that set no hint are summed and applied once: every prediction is linear in them, the peak's too once
         the counters at its last move are known (docs/store-format.md, "Reading fast")."""
         nf = len(fmt.COUNTER_FIELDS)
-        prev = size = xpb = None
+        prev = size = xpb = unit = None
         if state is not None:
-            _, prev, size, xpb = state
+            _, prev, size, xpb, unit = state
         run: _Run | None = None  # residuals summed since prev
         seq = -1
         for ref in refs:
@@ -527,33 +527,35 @@ class SegmentReader:
                 prev = np.zeros((nf, n), dtype=np.int64)
                 size = np.zeros(n, dtype=np.int64)
                 xpb = np.zeros(n, dtype=np.int64)
+                unit = np.zeros(n, dtype=np.int64)
                 run = None
-            elif prev is None or size is None or xpb is None:
+            elif prev is None or size is None or xpb is None or unit is None:
                 raise FormatError(f"snapshot {seq}: a delta without its previous snapshot")
             elif prev.shape[1] != n:
                 if prev.shape[1] > n:
                     raise FormatError(f"snapshot {seq}: {n} sites, fewer than before")
                 if run is not None:
-                    prev, run = run.apply(prev, size, xpb), None
+                    prev, run = run.apply(prev, size, xpb, unit), None
                 grow = n - prev.shape[1]
                 prev = np.concatenate([prev, np.zeros((nf, grow), dtype=np.int64)], axis=1)
                 size = np.concatenate([size, np.zeros(grow, dtype=np.int64)])
                 xpb = np.concatenate([xpb, np.zeros(grow, dtype=np.int64)])
+                unit = np.concatenate([unit, np.zeros(grow, dtype=np.int64)])
             idx, res = self._residuals(ref, blocks, info, n)
             if hinted:  # hints change the predictions: what was summed so far goes in first
                 if run is not None:
-                    prev, run = run.apply(prev, size, xpb), None
+                    prev, run = run.apply(prev, size, xpb, unit), None
                 rows = self._sites_of(blocks.get(fmt.K_HINT_GAP), hinted, n, ref)
-                for kind, target in ((fmt.K_HINT_SIZE, size), (fmt.K_HINT_XPB, xpb)):
+                for kind, target in ((fmt.K_HINT_SIZE, size), (fmt.K_HINT_XPB, xpb), (fmt.K_HINT_UNIT, unit)):
                     b = blocks.get(kind)
                     target[rows] = fmt.decode_column(b, hinted) if b is not None else 0
             if run is None:
                 run = _Run(n)
             run.add(idx, res, checkpoint or bool(info.get("peak_moved")))
-        assert prev is not None and size is not None and xpb is not None
+        assert prev is not None and size is not None and xpb is not None and unit is not None
         if run is not None:
-            prev = run.apply(prev, size, xpb)
-        return seq, prev, size, xpb
+            prev = run.apply(prev, size, xpb, unit)
+        return seq, prev, size, xpb, unit
 
     def load(self, ref: SnapshotRef, stacks: bool = True) -> StoredSnapshot:
         """Decode one snapshot: from the last decoded one when it is on the way, else from its checkpoint.
