@@ -22,7 +22,7 @@ import mmap
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import zstandard
@@ -111,8 +111,7 @@ def block(kind: bytes, payload: bytes, entry_size: int = 0) -> bytes:
     return head + payload + BLOCK_TRAILER.pack(crc)
 
 
-@dataclass(frozen=True)
-class Block:
+class Block(NamedTuple):  # a tuple: made for every block read, ten times faster than a frozen dataclass
     kind: bytes
     entry_size: int
     payload: bytes
@@ -183,8 +182,9 @@ def column_block(kind: bytes, values: np.ndarray) -> bytes:
     return block(kind, _compressor.compress(raw), w)
 
 
-def decode_column(b: Block, rows: int | None = None) -> np.ndarray:
-    """A column block's values as int64. `rows`: how many the caller expects (FormatError otherwise)."""
+def decode_column(b: Block, rows: int | None = None, widen: bool = True) -> np.ndarray:
+    """A column block's values as int64 (widen=False: as stored, for callers that only add them to int64
+    arrays). `rows`: how many the caller expects (FormatError otherwise)."""
     if b.entry_size not in _DTYPES:
         raise FormatError(f"{b.kind.decode()} block at {b.start}: entry size {b.entry_size}")
     try:
@@ -193,7 +193,9 @@ def decode_column(b: Block, rows: int | None = None) -> np.ndarray:
         raise FormatError(f"{b.kind.decode()} block at {b.start}: {exc}") from None
     if len(raw) % b.entry_size:
         raise FormatError(f"{b.kind.decode()} block at {b.start}: {len(raw)} bytes is no whole number of entries")
-    values: np.ndarray = np.frombuffer(raw, dtype=_DTYPES[b.entry_size]).astype(np.int64)
+    values: np.ndarray = np.frombuffer(raw, dtype=_DTYPES[b.entry_size])
+    if widen:
+        values = values.astype(np.int64)
     if rows is not None and len(values) != rows:
         raise FormatError(f"{b.kind.decode()} block at {b.start}: {len(values)} rows, expected {rows}")
     return values
@@ -238,8 +240,7 @@ def decode_strings(b: Block) -> list[str]:
 # ---- tables of contents ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TocEntry:
+class TocEntry(NamedTuple):  # a tuple, as Block
     kind: bytes
     start: int
     end: int
@@ -257,11 +258,8 @@ def decode_toc(b: Block) -> list[TocEntry]:
     (n,) = U64.unpack_from(b.payload, 0)
     if len(b.payload) != 8 + n * TOC_ENTRY.size:
         raise FormatError(f"{b.kind.decode()} block at {b.start}: {n} entries do not fit its size")
-    out = []
-    for i in range(n):
-        kind, start, end, key = TOC_ENTRY.unpack_from(b.payload, 8 + i * TOC_ENTRY.size)
-        out.append(TocEntry(kind_name(kind), start, end, key))
-    return out
+    return [TocEntry(kind.rstrip(b"\0"), start, end, key) for kind, start, end, key in TOC_ENTRY.iter_unpack(
+        memoryview(b.payload)[8:])]
 
 
 def lowbit(k: int) -> int:
