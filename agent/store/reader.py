@@ -10,12 +10,12 @@ damaged. Whatever cannot be read is skipped and reported (`StoreReader.skipped`)
 from __future__ import annotations
 
 import bisect
-import itertools
 import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -44,9 +44,9 @@ class Skipped:
         return f"{self.path}: skipped {self.what}: {self.reason}"
 
 
-@dataclass(frozen=True)
-class SnapshotRef:
-    """Where one snapshot is: its segment, its number there, its wall clock and its table of contents."""
+class SnapshotRef(NamedTuple):
+    """Where one snapshot is: its segment, its number there, its wall clock and its table of contents. (A named
+    tuple: an index makes one per snapshot, a frozen dataclass costs three times as much to make.)"""
 
     segment: SegmentReader
     seq: int
@@ -126,14 +126,15 @@ class StoredSnapshot:
 
     def sites(self) -> dict[Stack, SiteCounts]:
         """Counters per stack; sites with equal stacks add up."""
-        rows = self.counters[_TO_SITECOUNTS].T.tolist()
-        stacks = self.site_stacks[: len(rows)]
+        cols = self.counters[_TO_SITECOUNTS].tolist()  # SiteCounts' fields in its order, a list each
+        n = self.counters.shape[1]
+        stacks = self.site_stacks[:n]
         # Mostly one site per stack: one hash per stack; the merging loop only when some stacks repeat.
-        out = dict(zip(stacks, itertools.starmap(SiteCounts, rows), strict=True))
-        if len(out) == len(rows):
+        out = dict(zip(stacks, map(SiteCounts, *cols), strict=True))
+        if len(out) == n:
             return out
         out = {}
-        for stack, row in zip(stacks, rows, strict=True):
+        for stack, row in zip(stacks, zip(*cols, strict=True), strict=True):
             have = out.get(stack)
             if have is None:
                 out[stack] = SiteCounts(*row)

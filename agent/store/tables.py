@@ -127,8 +127,7 @@ def make_stacks(
     n = len(lens_a)
     if not n:
         return []
-    objs = np.empty(len(frames), dtype=object)
-    objs[:] = frames
+    objs = np.fromiter(frames, dtype=object, count=len(frames))
     starts = np.cumsum(lens_a) - lens_a
     lengths = np.unique(lens_a).tolist()
     rows: list[list[Frame]]
