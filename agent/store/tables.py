@@ -47,8 +47,8 @@ def _direct_frame(a: int, fn: str | None, fl: str | None, ln: int | None, ob: st
                   inl: bool) -> Frame:
     # _hash: what Frame.__hash__ computes and keeps on first use (checked below), computed here in the same call
     f = _new(Frame)
-    f.__dict__.update(address=a, function=fn, file=fl, line=ln, obj=ob, path=pa, inlined=inl,
-                      _hash=hash((a, fn, fl, ln, ob)))
+    object.__setattr__(f, "__dict__", {"address": a, "function": fn, "file": fl, "line": ln, "obj": ob, "path": pa,
+                                       "inlined": inl, "_hash": hash((a, fn, fl, ln, ob))})
     return f
 
 
@@ -70,11 +70,24 @@ def make_frames(addr: list[int], func: list[int], file: list[int], line: list[in
                 path: list[int], inlined: list[int], strings: Sequence[str]) -> list[Frame]:
     """Frames from the frame table's columns (string references are index + 1, 0 for none)."""
     strs: list[str | None] = [None, *strings]
-    make = _make_frame
-    return [
-        make(a & _MASK, strs[fn], strs[fl], ln or None, strs[ob], strs[pa], bool(i))
-        for a, fn, fl, ln, ob, pa, i in zip(addr, func, file, line, obj, path, inlined, strict=True)
-    ]
+    rows = zip(addr, func, file, line, obj, path, inlined, strict=True)
+    if _make_frame is _plain_frame:
+        return [_plain_frame(a & _MASK, strs[fn], strs[fl], ln or None, strs[ob], strs[pa], bool(i))
+                for a, fn, fl, ln, ob, pa, i in rows]
+    # _direct_frame, inlined: the loop is most of reading a segment's tables
+    out: list[Frame] = []
+    append = out.append
+    new = _new
+    setattr_ = object.__setattr__
+    for a, fn, fl, ln, ob, pa, i in rows:
+        a &= _MASK
+        fn, fl, ob = strs[fn], strs[fl], strs[ob]
+        ln = ln or None
+        f = new(Frame)
+        setattr_(f, "__dict__", {"address": a, "function": fn, "file": fl, "line": ln, "obj": ob,
+                                 "path": strs[pa], "inlined": bool(i), "_hash": hash((a, fn, fl, ln, ob))})
+        append(f)
+    return out
 
 
 # CPython's tuple hash (Objects/tupleobject.c, xxHash's round): the same arithmetic on uint64 arrays.
