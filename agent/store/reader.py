@@ -23,7 +23,7 @@ from agent.model.profile import Frame, SiteCounts, Stack
 from agent.store import format as fmt
 from agent.store.format import FormatError, SnapshotUnavailable
 from agent.store.sample import PeakState, StoreMeta
-from agent.store.tables import make_frames, make_stacks
+from agent.store.tables import make_frames, make_stacks, no_gc
 from agent.store.writer import segment_paths
 
 # SiteCounts' own field order, and where each field is among the stored counters
@@ -130,7 +130,8 @@ class StoredSnapshot:
         n = self.counters.shape[1]
         stacks = self.site_stacks[:n]
         # Mostly one site per stack: one hash per stack; the merging loop only when some stacks repeat.
-        out = dict(zip(stacks, map(SiteCounts, *cols), strict=True))
+        with no_gc():
+            out = dict(zip(stacks, map(SiteCounts, *cols), strict=True))
         if len(out) == n:
             return out
         out = {}
@@ -271,9 +272,10 @@ class SegmentReader:
         if self._indexed or not self.filemeta:
             return
         self._indexed = True
-        refs = self._index_from_tail()
-        if refs is None:
-            refs = self._index_by_scan()
+        with no_gc():  # a TOC entry and a reference per snapshot, thousands of tuples
+            refs = self._index_from_tail()
+            if refs is None:
+                refs = self._index_by_scan()
         self._refs = refs
         self._by_seq = {r.seq: r for r in refs}
 
@@ -486,6 +488,10 @@ class SegmentReader:
         self._tables_upto = max(self._tables_upto, upto)
 
     def _apply_tables(self, kinds: dict[bytes, fmt.TocEntry]) -> None:
+        with no_gc():
+            self._apply_table_blocks(kinds)
+
+    def _apply_table_blocks(self, kinds: dict[bytes, fmt.TocEntry]) -> None:
         data = self._data
         if fmt.K_STRINGS in kinds:
             self.strings += fmt.decode_strings(self._checked(kinds[fmt.K_STRINGS]))

@@ -11,15 +11,32 @@ this module is loaded and on samples of every table built; on any mismatch the p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from agent.model.profile import Frame, Stack
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while tens of thousands of objects without cycles (frames,
+    stacks, counters) are made: else it runs every 700 of them, each time over the young objects and now and
+    then over the whole heap (a fifth of a 10,000-site read in a process holding 300,000 objects). Resumed
+    after, unless it was already paused."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 _FRAME_FIELDS = ("address", "function", "file", "line", "obj", "path", "inlined")
 _new = object.__new__
 
