@@ -159,14 +159,11 @@ class SegmentFile:
         seq = self.n_snapshots
         checkpoint = seq % self.checkpoint_every == 0
         prev = np.zeros((N_FIELDS, n), dtype=np.int64)
-        quantum = np.zeros(n, dtype=np.int64)
-        quantum[: self.n_sites] = self.quantum
-        quantum = np.gcd(np.gcd(quantum, state[1]), state[3])
-        new_size, new_xpb, new_unit = fmt.hints_of(state, quantum)
+        quantum = _quantum(self.quantum, state)
         if checkpoint:
             listed = np.arange(n, dtype=np.int64)
             # hints start afresh at a checkpoint: each site's block size, extra per block and byte unit now
-            size, xpb, unit = new_size, new_xpb, new_unit
+            size, xpb, unit = fmt.hints_of(state, quantum)
             hint = (size != 0) | (xpb != 0) | (unit > 1)
         else:
             prev[:, : self.n_sites] = self.prev
@@ -177,14 +174,18 @@ class SegmentFile:
             size[: self.n_sites] = self.size_hint
             xpb[: self.n_sites] = self.xpb_hint
             unit[: self.n_sites] = self.unit_hint
+            hint = np.zeros(n, dtype=bool)
             # a site without a hint gets one as soon as it has blocks; hints do not change until the checkpoint
             # (but for a unit that no longer divides the byte residuals, below)
-            fresh_size = (size == 0) & (new_size != 0)
-            fresh_xpb = (xpb == 0) & (new_xpb != 0)
-            hint = fresh_size | fresh_xpb
-            size[fresh_size] = new_size[fresh_size]
-            unit[fresh_size] = new_unit[fresh_size]
-            xpb[fresh_xpb] = new_xpb[fresh_xpb]
+            maybe = np.flatnonzero(((size == 0) & (state[0] != 0)) | ((xpb == 0) & (state[4] != 0)))
+            if len(maybe):
+                new_size, new_xpb, new_unit = fmt.hints_of(state[:, maybe], quantum[maybe])
+                sized = (size[maybe] == 0) & (new_size != 0)
+                extra = (xpb[maybe] == 0) & (new_xpb != 0)
+                size[maybe[sized]] = new_size[sized]
+                unit[maybe[sized]] = new_unit[sized]
+                xpb[maybe[extra]] = new_xpb[extra]
+                hint[maybe[sized | extra]] = True
         # A byte residual that is not a multiple of its site's unit: the unit becomes their common divisor.
         r1, r3 = fmt.byte_residuals(prev, state, size)
         u = np.maximum(unit, 1)
@@ -349,6 +350,21 @@ class SegmentFile:
         finally:
             os.close(self.fd)
             self.fd = -1
+
+
+def _quantum(before: np.ndarray, state: np.ndarray) -> np.ndarray:
+    """Each site's greatest common divisor of every allocated and freed byte total it has had: `before` (0 for
+    none yet, and for sites new in `state`) taken with `state`'s. A gcd only where a total is no multiple of the
+    divisor so far: most sites have found theirs after a few samples."""
+    n = state.shape[1]
+    q = np.zeros(n, dtype=np.int64)
+    q[: len(before)] = before
+    tot_b, frd_b = state[1], state[3]
+    qm = np.maximum(q, 1)
+    redo = np.flatnonzero((q == 0) | (tot_b % qm != 0) | (frd_b % qm != 0))
+    if len(redo):
+        q[redo] = np.gcd(np.gcd(q[redo], tot_b[redo]), frd_b[redo])
+    return q
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
