@@ -1612,7 +1612,7 @@ int page_enter_walk(void *ctx)
 }
 
 /* At its exit: one event with the arguments and the result, for agent/model/pages.py to apply in order. */
-static __always_inline int page_exit(u32 kind, long ret)
+static __always_inline int page_exit(void *ctx, u32 kind, long ret)
 {
     u64 id = bpf_get_current_pid_tgid();
     if ((id >> 32) != HS_TARGET_TGID)
@@ -1671,6 +1671,19 @@ static __always_inline int page_exit(u32 kind, long ret)
     /* No wakeup: user space drains the buffer when it samples, and a wakeup per call costs an IPI. */
     page_events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     page_count(HS_PGC_EVENTS);
+    /* But the event that fills the ring to half (and to three quarters, should that wake-up be missed) wakes
+     * user space once: a daemon looking at a quiet target once a second drains a burst before the ring
+     * overflows, so the ring can stay small. Its fill is the events sent less those user space took. */
+    u32 sent_idx = HS_PGC_EVENTS;
+    u64 *sent = page_counters.lookup(&sent_idx);
+    if (sent) {
+        u64 held = HS_ONCE(*sent) - control_word(HS_CTL_PAGES_DRAINED);
+        u64 room = (u64)HS_PAGE_RING_PAGES * 4096 / ((sizeof(struct hs_page_event) + 8 + 7) & ~7ULL);
+        if (held == room / 2 || held == room / 2 + room / 4) {
+            u64 event = HS_EV_PAGES;
+            events.perf_submit(ctx, &event, sizeof(event));
+        }
+    }
     return 0;
 }
 
@@ -1678,14 +1691,14 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
 {
     return page_enter(args, HS_PG_MMAP, args->addr, args->len, args->prot, args->flags, args->fd);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_mmap) { return page_exit(HS_PG_MMAP, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_mmap) { return page_exit(args, HS_PG_MMAP, args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_munmap) { return page_enter(args, HS_PG_MUNMAP, args->addr, args->len, 0, 0, 0); }
-TRACEPOINT_PROBE(syscalls, sys_exit_munmap) { return page_exit(HS_PG_MUNMAP, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_munmap) { return page_exit(args, HS_PG_MUNMAP, args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_mremap)
 {
     return page_enter(args, HS_PG_MREMAP, args->addr, args->old_len, args->new_len, args->flags, args->new_addr);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_mremap) { return page_exit(HS_PG_MREMAP, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_mremap) { return page_exit(args, HS_PG_MREMAP, args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_brk) { return page_enter(args, HS_PG_BRK, args->brk, 0, 0, 0, 0); }
-TRACEPOINT_PROBE(syscalls, sys_exit_brk) { return page_exit(HS_PG_BRK, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_brk) { return page_exit(args, HS_PG_BRK, args->ret); }
 #endif

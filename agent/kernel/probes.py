@@ -44,11 +44,13 @@ CTL_STOPPED = _CONTROL["HS_CTL_STOPPED"]
 CTL_UMAPS = _CONTROL["HS_CTL_UMAPS"]
 CTL_STACK_EPOCH = _CONTROL["HS_CTL_STACK_EPOCH"]
 CTL_STACK_END = _CONTROL["HS_CTL_STACK_END"]
+CTL_PAGES_DRAINED = _CONTROL["HS_CTL_PAGES_DRAINED"]
 # Events, and why a `run` target is stopped (enum hs_event).
 _EVENTS = HEAP_H.enum("hs_event")
 EV_EXEC = _EVENTS["HS_EV_EXEC"]
 EV_LOADER = _EVENTS["HS_EV_LOADER"]
 EV_EXIT = _EVENTS["HS_EV_EXIT"]
+EV_PAGES = _EVENTS["HS_EV_PAGES"]  # the page events' ring is half full
 MAX_UMAPS = HEAP_H.value("HS_MAX_UMAPS")
 # control[CTL_UMAPS] = generation << UMAPS_GEN_SHIFT | first index << 32 | count
 UMAPS_GEN_SHIFT = HEAP_H.value("HS_UMAPS_GEN_SHIFT")
@@ -82,6 +84,9 @@ SCHED_RING_BYTES = 64 << 10  # the points' ring buffer (HS_SCHED_RING_PAGES): 2,
 # tid, kind.
 _PAGE_EVENT = struct.Struct("<8Qq2I")
 PAGE_RING_BYTES = 4 << 20  # the page events' ring buffer (passed to probes/heap.h as HS_PAGE_RING_PAGES)
+SAMPLED_PAGE_RING_BYTES = 512 << 10  # the same in sampled mode: ~6,000 events, woken at half full
+PENDING_SLOTS = HEAP_H.value("HS_PENDING_SLOTS")  # per-thread call slots of exact mode's entry and return probes
+MAX_SIZES = HEAP_H.value("HS_MAX_SIZES")  # MALT's request sizes and realloc jumps
 
 
 class _RingReader:
@@ -99,8 +104,12 @@ class _RingReader:
         self.size = size
         self.record = record
         self._consumer = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
-        self._producer = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
+        # The data once, not twice as libbpf maps it: the kernel maps every page of a ring mapping at once, so
+        # the second copy would be `size` more bytes of the daemon's RSS for every target. A record that wraps
+        # is read in two pieces.
+        self._producer = mmap.mmap(map_fd, page + size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
         self._data = memoryview(self._producer)[page:]
+        self.taken = 0  # records consumed so far
 
     def drain(self) -> list[tuple[Any, ...]]:
         """Every submitted record, unpacked, in order; frees their space for the kernel."""
@@ -114,8 +123,13 @@ class _RingReader:
             if length & self._BUSY:
                 break
             if not length & self._DISCARD:
-                out.append(record.unpack_from(data, (cons & mask) + 8))
+                at = (cons & mask) + 8  # headers are 8-byte aligned: only a record's body can wrap
+                if at + record.size <= self.size:
+                    out.append(record.unpack_from(data, at))
+                else:
+                    out.append(record.unpack(bytes(data[at:]) + bytes(data[: at + record.size - self.size])))
             cons += ((length & ~(self._BUSY | self._DISCARD)) + 8 + 7) & ~7
+            self.taken += 1
         u64.pack_into(self._consumer, 0, cons)
         return out
 
@@ -187,6 +201,23 @@ class ProbeSettings:
     sampled: bool = False  # also compile probes/sampled.bpf.c (points of kind sample_alloc / sample_free)
     schedule_ns: bool = False  # the snapshot schedule's points are timed in ns (--time-unit=ms), else in B
     sample_rate: int = 524288  # sampled: the sampler's mean bytes between samples (its weights' rate)
+    page_ring_bytes: int = PAGE_RING_BYTES  # the page events' ring buffer (pages): a power of two of pages
+
+
+def table_sizes(s: ProbeSettings) -> dict[str, int]:
+    """The sizes of the kernel's tables (probes/heap.h HS_* defines) for these settings. Each target holds its
+    tables in the kernel for as long as it is profiled, busy or not: what the mode does not use is compiled at
+    its smallest (sampled mode attaches no allocation function, so exact mode's block table and call slots go
+    unused; without MALT its size tables do)."""
+    return {
+        "HS_BLOCK_SLOTS": 2 if s.sampled else block_slots(s.max_blocks),
+        "HS_MAX_BLOCKS": 16 if s.sampled else max(s.max_blocks // 2, 16),
+        "HS_MAX_SAMPLED_BLOCKS": s.max_blocks,  # sampled_blocks (probes/sampled.bpf.c, sampled mode only)
+        "HS_PENDING_SLOTS": 1 if s.sampled else PENDING_SLOTS,
+        "HS_MAX_STACKS": s.max_stacks,
+        "HS_MAX_SIZES": MAX_SIZES if s.malt else 1,
+        "HS_PAGE_RING_PAGES": s.page_ring_bytes // mmap.PAGESIZE,
+    }
 
 
 # bpf(2) uprobe_multi links: include/uapi/linux/bpf.h.
@@ -636,16 +667,13 @@ class HeapProbes(SiteReader):
             f"-DHS_HEAP_ADMIN={s.heap_admin}",
             f"-DHS_ALIGNMENT={s.alignment}",
             f"-DHS_MAX_DEPTH={s.max_depth}",
-            f"-DHS_BLOCK_SLOTS={block_slots(s.max_blocks)}",
-            f"-DHS_MAX_BLOCKS={max(s.max_blocks // 2, 16)}",
-            f"-DHS_MAX_STACKS={s.max_stacks}",
+            *(f"-D{name}={value}" for name, value in table_sizes(s).items()),
             f"-DHS_STOP_EVENTS={int(s.stop_events)}",
             f"-DHS_UNWIND={int(s.unwind)}",
             f"-DHS_MAX_ROWS={self._shared_rows.max_rows}",
             f"-DHS_FREE_STACKS={int(s.free_stacks)}",
             f"-DHS_MALT={int(s.malt)}",
             f"-DHS_PAGES={int(s.pages)}",
-            f"-DHS_PAGE_RING_PAGES={PAGE_RING_BYTES // mmap.PAGESIZE}",
             f"-DHS_STACKS={int(s.stacks)}",
             f"-DHS_SCHED_NS={int(s.schedule_ns)}",
             f"-DHS_SCHED_RING_PAGES={SCHED_RING_BYTES // mmap.PAGESIZE}",
@@ -678,7 +706,7 @@ class HeapProbes(SiteReader):
                 self._set_armed(True)
             bpf["events"].open_perf_buffer(self._on_event, page_cnt=8)
             if s.pages:
-                self._page_ring = _RingReader(bpf["page_events"].map_fd, PAGE_RING_BYTES, _PAGE_EVENT)
+                self._page_ring = _RingReader(bpf["page_events"].map_fd, s.page_ring_bytes, _PAGE_EVENT)
             self._sched_ring = _RingReader(bpf["sched_points"].map_fd, SCHED_RING_BYTES, _SCHED_POINT)
             self._release_compiler()
         except BaseException:
@@ -830,6 +858,8 @@ class HeapProbes(SiteReader):
             if kind == "mmap" and failed:
                 addr = 0
             out.append(PageEvent(kind, time_ns, tid, site, addr, length, new_addr, new_length, flags, prot, failed))
+        if out:  # the kernel wakes us when the ring holds half its room again (probes/heap.bpf.c page_exit)
+            self._set_control(CTL_PAGES_DRAINED, self._page_ring.taken)
         return out
 
     def schedule_points(self) -> list[tuple[int, int, int, int]]:
