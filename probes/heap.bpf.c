@@ -42,7 +42,7 @@ BPF_PERCPU_ARRAY(rule_cache, struct hs_rule_entry, HS_RULE_CACHE);
  * An array: its lookups are inlined and take no lock, unlike a hash map's. */
 BPF_ARRAY(slots, struct hs_pending, HS_PENDING_SLOTS);
 /* pending: thread id -> struct hs_pending, for a thread whose slot another thread holds */
-BPF_F_TABLE("hash", u32, struct hs_pending, pending, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", u32, struct hs_pending, pending, HS_MAX_PENDING, BPF_F_NO_PREALLOC);
 /* globals: 0 -> struct hs_global */
 BPF_ARRAY(globals, struct hs_global, 1);
 /* control: enum hs_control -> u64, written by user space (kept apart so its writes never race counters) */
@@ -52,7 +52,7 @@ BPF_ARRAY(control, u64, HS_CTL_COUNT);
 BPF_F_TABLE("hash", u64, u64, size_map, HS_MAX_SIZES, BPF_F_NO_PREALLOC);
 /* small_sizes: request size -> count, for sizes below HS_SMALL_SIZES (no hashing on the common sizes) */
 BPF_ARRAY(small_sizes, u64, HS_SMALL_SIZES);
-BPF_F_TABLE("hash", struct hs_jump, u64, realloc_jump, HS_MAX_SIZES, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct hs_jump, u64, realloc_jump, HS_MAX_JUMPS, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", u64, struct hs_thread_stat, thread_stats, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
 /* thread_slots: (tid mod HS_THREAD_SLOTS) * HS_FN_COUNT + fn -> the owning thread's statistics */
 BPF_ARRAY(thread_slots, struct hs_thread_slot, HS_THREAD_SLOTS * HS_FN_COUNT);

@@ -47,6 +47,12 @@
 #ifndef HS_MAX_SIZES
 #define HS_MAX_SIZES 65536       /* distinct request sizes in MALT's sizeMap */
 #endif
+#ifndef HS_MAX_JUMPS
+#define HS_MAX_JUMPS HS_MAX_SIZES /* distinct (old size, new size) pairs of MALT's realloc jumps */
+#endif
+#ifndef HS_MAX_PENDING
+#define HS_MAX_PENDING HS_MAX_THREADS /* pending: calls whose thread's slot another thread holds */
+#endif
 #define HS_LOG2_BINS 64          /* log2 bins of the scatter histograms */
 #define HS_SMALL_SIZES 4096      /* MALT sizeMap: sizes below this are counted in an array */
 #define HS_THREAD_SLOTS 1024     /* MALT per-thread statistics: array slots, by tid mod this */

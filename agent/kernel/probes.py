@@ -87,6 +87,8 @@ PAGE_RING_BYTES = 4 << 20  # the page events' ring buffer (passed to probes/heap
 SAMPLED_PAGE_RING_BYTES = 512 << 10  # the same in sampled mode: ~6,000 events, woken at half full
 PENDING_SLOTS = HEAP_H.value("HS_PENDING_SLOTS")  # per-thread call slots of exact mode's entry and return probes
 MAX_SIZES = HEAP_H.value("HS_MAX_SIZES")  # MALT's request sizes and realloc jumps
+SAMPLED_MAX_SIZES = 16384  # sampled mode: MALT's request sizes of 4 KiB and more (smaller ones have an array)
+MAX_THREADS = HEAP_H.value("HS_MAX_THREADS")
 
 
 class _RingReader:
@@ -208,14 +210,16 @@ def table_sizes(s: ProbeSettings) -> dict[str, int]:
     """The sizes of the kernel's tables (probes/heap.h HS_* defines) for these settings. Each target holds its
     tables in the kernel for as long as it is profiled, busy or not: what the mode does not use is compiled at
     its smallest (sampled mode attaches no allocation function, so exact mode's block table and call slots go
-    unused; without MALT its size tables do)."""
+    unused, and sampled calls never reach MALT's realloc jumps; without MALT its size tables go unused)."""
     return {
         "HS_BLOCK_SLOTS": 2 if s.sampled else block_slots(s.max_blocks),
         "HS_MAX_BLOCKS": 16 if s.sampled else max(s.max_blocks // 2, 16),
         "HS_MAX_SAMPLED_BLOCKS": s.max_blocks,  # sampled_blocks (probes/sampled.bpf.c, sampled mode only)
         "HS_PENDING_SLOTS": 1 if s.sampled else PENDING_SLOTS,
+        "HS_MAX_PENDING": 16 if s.sampled else MAX_THREADS,
         "HS_MAX_STACKS": s.max_stacks,
-        "HS_MAX_SIZES": MAX_SIZES if s.malt else 1,
+        "HS_MAX_SIZES": (SAMPLED_MAX_SIZES if s.sampled else MAX_SIZES) if s.malt else 1,
+        "HS_MAX_JUMPS": MAX_SIZES if s.malt and not s.sampled else 1,
         "HS_PAGE_RING_PAGES": s.page_ring_bytes // mmap.PAGESIZE,
     }
 
@@ -335,6 +339,20 @@ def _trim_heap() -> None:
     daemon's RSS for good."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
+
+
+MALLOC_ARENAS = 2  # a daemon's C heap: arenas its threads share (mallopt M_ARENA_MAX)
+_M_ARENA_MAX = -8  # glibc's malloc.h
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
+    """Let a daemon's threads share a few malloc arenas instead of one each (glibc's default is up to 8 a CPU).
+    Each target's thread compiles its program, and clang's tens of MB, freed, leave a fragmented arena that
+    malloc_trim cannot give back whole: with an arena per target thread that stayed with each target (~4 MiB of
+    RSS a target on this VM), with shared arenas the next compile reuses it. Call before the threads start;
+    the threads hold the GIL for most of their work, so sharing costs them little."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas)
 
 
 def _int(value: object) -> int:

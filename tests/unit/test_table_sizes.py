@@ -30,7 +30,8 @@ def test_exact_mode_keeps_its_tables() -> None:
     assert sizes["HS_MAX_BLOCKS"] == s.max_blocks // 2
     assert sizes["HS_PENDING_SLOTS"] == bpf.PENDING_SLOTS
     assert sizes["HS_MAX_STACKS"] == s.max_stacks
-    assert sizes["HS_MAX_SIZES"] == bpf.MAX_SIZES
+    assert sizes["HS_MAX_SIZES"] == sizes["HS_MAX_JUMPS"] == bpf.MAX_SIZES
+    assert sizes["HS_MAX_PENDING"] == bpf.MAX_THREADS
     assert sizes["HS_PAGE_RING_PAGES"] * PAGE == bpf.PAGE_RING_BYTES == s.page_ring_bytes
 
 
@@ -39,7 +40,9 @@ def test_sampled_mode_drops_the_exact_tables_and_sizes_its_own() -> None:
     sizes = bpf.table_sizes(s)
     assert (s.max_blocks, s.max_stacks) == DEFAULT_CAPACITY["sampled"]
     assert sizes["HS_BLOCK_SLOTS"] == 2 and sizes["HS_MAX_BLOCKS"] == 16  # no program of the mode uses them
-    assert sizes["HS_PENDING_SLOTS"] == 1
+    assert sizes["HS_PENDING_SLOTS"] == 1 and sizes["HS_MAX_PENDING"] == 16
+    assert sizes["HS_MAX_SIZES"] == bpf.SAMPLED_MAX_SIZES < bpf.MAX_SIZES
+    assert sizes["HS_MAX_JUMPS"] == 1  # sampled calls never reach them
     assert sizes["HS_MAX_SAMPLED_BLOCKS"] == s.max_blocks
     assert sizes["HS_MAX_STACKS"] == s.max_stacks
     assert sizes["HS_PAGE_RING_PAGES"] * PAGE == bpf.SAMPLED_PAGE_RING_BYTES < bpf.PAGE_RING_BYTES
@@ -50,8 +53,9 @@ def test_sampled_mode_drops_the_exact_tables_and_sizes_its_own() -> None:
 
 
 def test_malt_tables_only_with_malt() -> None:
-    assert bpf.table_sizes(_settings("exact", malt=False))["HS_MAX_SIZES"] == 1
-    assert bpf.table_sizes(_settings("sampled", malt=False))["HS_MAX_SIZES"] == 1
+    for mode in ("exact", "sampled"):
+        sizes = bpf.table_sizes(_settings(mode, malt=False))
+        assert sizes["HS_MAX_SIZES"] == sizes["HS_MAX_JUMPS"] == 1
 
 
 def _ring(size: int) -> tuple[int, mmap.mmap]:
