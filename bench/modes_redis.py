@@ -3,13 +3,15 @@
 
     sudo .venv/bin/python bench/modes_redis.py [--requests 200000] [--repeats 3] [--modes sampled,exact]
 
-1. Throughput: redis-benchmark SET, GET and LPUSH (-n --requests -r 1000000 -d 200), each with and without
-   -P 16, on a fresh redis-server each time: untraced, and under `heapscope attach --mode=M` for each mode asked
-   for (the benchmark starts once heapscope says its probes are live and, sampled, its sampler armed).
-   Requests per second and p99 latency (redis-benchmark's own), the ratio to untraced; runs interleaved,
-   median of --repeats. Each run starts with a warm-up of a tenth of the requests (every configuration), and
-   under heapscope waits until heapscope is idle: its one-time work at the attach (symbolizing the first
-   stacks) is not what a service left attached pays.
+1. Throughput: redis-benchmark SET, GET and LPUSH (-n --requests, 8 times as many with -P 16, -r 1000000
+   -d 200), each with and without -P 16: one redis-server untraced and one under `heapscope attach --mode=M`
+   (its defaults otherwise) for each mode asked for, all up at once. heapscope is attached once and left
+   attached, as on a service left for Prometheus to scrape; every server gets the same warm-up, and the timed
+   runs start once heapscope is idle (its one-time work at the attach, symbolizing the first stacks, is not
+   what a service left attached pays). Requests per second and p99 latency (redis-benchmark's own), the ratio
+   to untraced; runs alternate between the servers, median of --repeats; and heapscope's own CPU during its
+   server's runs (on a 2-core machine redis-server and redis-benchmark take both cores, so the daemon's CPU
+   comes out of their throughput).
 2. The live heap after `DEBUG POPULATE` (redis started with --enable-debug-command local): on a fresh redis,
    heapscope attached, `DEBUG POPULATE N key 200`, then heapscope's live heap at the end (its summary) in
    sampled mode against exact mode, and redis's own used_memory beside them.
@@ -39,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 HEAPSCOPE = REPO / ".venv" / "bin" / "heapscope"
 PORT = 16410
 READY_TIMEOUT = 60.0
+PIPELINED_REQUESTS = 8  # -P 16 runs take this many times --requests: each lasts about as long as a -P 1 run
 
 
 def start_redis(port: int) -> subprocess.Popen[bytes]:
@@ -75,7 +78,7 @@ class Heapscope:
 
     def __init__(self, pid: int, mode: str, scratch: Path, *options: str) -> None:
         self.summary = scratch / f"summary-{mode}.json"
-        cmd = [str(HEAPSCOPE), "attach", f"--mode={mode}", "--time-unit=B", f"--summary-file={self.summary}",
+        cmd = [str(HEAPSCOPE), "attach", f"--mode={mode}", f"--summary-file={self.summary}",
                f"--massif-out-file={scratch / f'massif-{mode}.out'}", *options, str(pid)]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=scratch)
         self.lines: list[str] = []
@@ -126,32 +129,85 @@ def wait_idle(pid: int, limit: float = 30.0) -> None:
             return
 
 
-def benchmark(config: str, test: str, pipeline: int, requests: int, scratch: Path) -> Result:
-    redis = start_redis(PORT)
-    profiler = None
+def run_benchmark(port: int, test: str, pipeline: int, requests: int) -> Result:
+    out = subprocess.run(
+        ["redis-benchmark", "-p", str(port), "-n", str(requests), "-r", "1000000", "-d", "200", "-t", test,
+         "-P", str(pipeline), "--csv"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    row = next(ln for ln in out.splitlines() if ln.startswith('"' + test.upper()))
+    cells = [c.strip('"') for c in row.split(",")]
+    return Result(float(cells[1]), float(cells[6]))
+
+
+@dataclass
+class Server:
+    """One redis-server of the comparison, untraced or with heapscope attached for the whole run."""
+
+    config: str
+    port: int
+    redis: subprocess.Popen[bytes]
+    profiler: Heapscope | None = None
+    cpu_s: float = 0.0  # heapscope's CPU time during this server's timed runs
+    wall_s: float = 0.0  # the timed runs' wall time
+
+    def run(self, test: str, pipeline: int, requests: int) -> Result:
+        cpu = cpu_seconds(self.profiler.proc.pid) if self.profiler else 0.0
+        start = time.monotonic()
+        res = run_benchmark(self.port, test, pipeline, requests)
+        self.wall_s += time.monotonic() - start
+        if self.profiler:
+            self.cpu_s += cpu_seconds(self.profiler.proc.pid) - cpu
+        return res
+
+
+def throughput(configs: list[str], tests: list[str], requests: int, repeats: int, scratch: Path) -> None:
+    """Every configuration's server up at once, each heapscope attached once and left attached, as on a service
+    left for Prometheus to scrape (the attach's one-time work is not the steady cost measured here). Every server
+    gets the same warm-up (its keys, heapscope's first stacks); then each test's runs alternate between the
+    servers, the order turned round every repeat, so drift on the machine falls on all of them alike."""
+    servers: list[Server] = []
     try:
-        if config != "untraced":
-            profiler = Heapscope(redis.pid, config, scratch)
-        # Warm-up, the same for every configuration: redis's first keys, heapscope's first stacks.
-        subprocess.run(
-            ["redis-benchmark", "-p", str(PORT), "-n", str(max(requests // 10, 1000)), "-r", "1000000", "-d", "200",
-             "-t", test, "-P", str(pipeline), "-q"],
-            capture_output=True, check=True,
-        )  # fmt: skip
-        if profiler is not None:
-            wait_idle(profiler.proc.pid)
-        out = subprocess.run(
-            ["redis-benchmark", "-p", str(PORT), "-n", str(requests), "-r", "1000000", "-d", "200", "-t", test,
-             "-P", str(pipeline), "--csv"],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-        if profiler is not None:
-            profiler.end()
-        row = next(ln for ln in out.splitlines() if ln.startswith('"' + test.upper()))
-        cells = [c.strip('"') for c in row.split(",")]
-        return Result(float(cells[1]), float(cells[6]))
+        for i, config in enumerate(configs):
+            port = PORT + 10 + i
+            server = Server(config, port, start_redis(port))
+            servers.append(server)
+            if config != "untraced":
+                server.profiler = Heapscope(server.redis.pid, config, scratch)
+        for server in servers:
+            for test in tests:
+                run_benchmark(server.port, test, 16, requests * 4)
+        for server in servers:
+            if server.profiler is not None:
+                wait_idle(server.profiler.proc.pid)
+        for test in tests:
+            for pipeline in (1, 16):
+                n = requests if pipeline == 1 else requests * PIPELINED_REQUESTS
+                got: dict[str, list[Result]] = {c: [] for c in configs}
+                for rep in range(repeats):
+                    for server in servers if rep % 2 == 0 else reversed(servers):
+                        got[server.config].append(server.run(test, pipeline, n))
+                base = statistics.median(r.rps for r in got["untraced"])
+                base_p99 = statistics.median(r.p99_ms for r in got["untraced"])
+                cells = [f"untraced {base:,.0f} req/s p99 {base_p99:.3f} ms"]
+                for c in configs[1:]:
+                    rps = statistics.median(r.rps for r in got[c])
+                    p99 = statistics.median(r.p99_ms for r in got[c])
+                    cells.append(f"{c} {rps / base:.3f}x p99 {p99:.3f} ms")
+                runs = " ".join(f"{c}=[{', '.join(f'{r.rps:,.0f}' for r in got[c])}]" for c in configs)
+                print(f"{test.upper():5s} -P {pipeline:2d}: " + "   ".join(cells) + f"   ({runs})", flush=True)
+        for server in servers:
+            if server.profiler is not None and server.wall_s:
+                print(f"heapscope ({server.config}) CPU during its server's timed runs: "
+                      f"{100 * server.cpu_s / server.wall_s:.1f}% of a core", flush=True)
+            if server.profiler is not None:
+                server.profiler.end()
+                server.profiler = None
     finally:
-        stop_redis(redis)
+        for server in servers:
+            if server.profiler is not None:
+                server.profiler.proc.kill()
+            stop_redis(server.redis)
 
 
 def populate(mode: str, keys: int, scratch: Path) -> tuple[int, int]:
@@ -202,21 +258,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="heapscope-modes-redis-") as tmp:
         scratch = Path(tmp)
         if not args.skip_throughput:
-            for test in args.tests.split(","):
-                for pipeline in (1, 16):
-                    got: dict[str, list[Result]] = {c: [] for c in configs}
-                    for _ in range(args.repeats):
-                        for config in configs:
-                            got[config].append(benchmark(config, test, pipeline, args.requests, scratch))
-                    base = statistics.median(r.rps for r in got["untraced"])
-                    base_p99 = statistics.median(r.p99_ms for r in got["untraced"])
-                    cells = [f"untraced {base:,.0f} req/s p99 {base_p99:.3f} ms"]
-                    for c in modes:
-                        rps = statistics.median(r.rps for r in got[c])
-                        p99 = statistics.median(r.p99_ms for r in got[c])
-                        cells.append(f"{c} {rps / base:.3f}x p99 {p99:.3f} ms")
-                    runs = " ".join(f"{c}=[{', '.join(f'{r.rps:,.0f}' for r in got[c])}]" for c in configs)
-                    print(f"{test.upper():5s} -P {pipeline:2d}: " + "   ".join(cells) + f"   ({runs})", flush=True)
+            throughput(configs, args.tests.split(","), args.requests, args.repeats, scratch)
         heaps: dict[str, tuple[int, int]] = {}
         for mode in ("exact", "sampled"):
             heaps[mode] = populate(mode, args.keys, scratch)

@@ -11,9 +11,13 @@ settings (sync at most 1 s after a write, 64 MiB segments, a checkpoint every 10
 - `heapscope report` (massif, xtree, json) and `heapscope diff` over the whole store (goal for a day <= 30 s).
 
 Workloads (--workload): `poisson` (default, the harder one): every site allocates 1 + Poisson(4) blocks a
-second and frees 1 + Poisson(4) (as many as it has), 90% of the sites with one block size, 10% with three;
-its heap grows slowly, so the peak moves at almost every snapshot. `sites-c`: bench/sites.c's traffic
-(round-robin over the sites, one size per site, a ring of 4,096 live blocks), 300,000 allocations a second.
+second and frees 1 + Poisson(4) (as many as it has), 90% of the sites with one block size s, 10% with three
+(s, 2s, 3s: each block draws its own, and a free frees live blocks drawn at random, so the freed bytes are
+those of real blocks); its heap grows slowly, so the peak moves at almost every snapshot. `poisson-mean`: the
+same counts, but a three-size site's blocks of one second all take one size, and its frees free the mean
+live size each (bytes no block has: the workload of the figures before subversion 3). `sites-c`:
+bench/sites.c's traffic (round-robin over the sites, one size per site, a ring of 4,096 live blocks),
+300,000 allocations a second.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ S = 1_000_000_000
 
 
 class SteadyWorkload:
-    """Counters of n sites, all changing every step, generated as columns."""
+    """Counters of n sites, all changing every step, generated as columns. The three-size sites' blocks of a
+    step take one size, and their frees free the mean live size (`poisson-mean`)."""
 
     def __init__(self, n: int, seed: int = 3) -> None:
         self.n = n
@@ -85,6 +90,57 @@ class SteadyWorkload:
         sample = StoreSample(wall_ns=wall_ns, time=t * 1000, heap_B=heap, extra_B=extra, stacks_B=0, sites={},
                              mapped_B=heap + extra + (64 << 20), rss_B=heap + (32 << 20), peak=self.peak)
         return sample, counters
+
+
+class BlockSizesWorkload(SteadyWorkload):
+    """As SteadyWorkload (the same counts of allocations and frees), but each block of a three-size site draws
+    its size (s, 2s or 3s) on its own, and frees take live blocks at random: the freed bytes are sums of the
+    sizes of blocks that were allocated (`poisson`)."""
+
+    def __init__(self, n: int, seed: int = 3) -> None:
+        super().__init__(n, seed)
+        self.vidx = np.flatnonzero(self.varied)
+        self.live3 = np.zeros((len(self.vidx), 3), np.int64)  # live blocks of each size, per three-size site
+
+    def step(self, t: int, wall_ns: int) -> tuple[StoreSample, np.ndarray]:
+        rng, n, v = self.rng, self.n, self.vidx
+        allocs = 1 + rng.poisson(4.0, n)
+        live = self.tot_bk - self.frd_bk
+        frees = np.minimum(live, 1 + rng.poisson(4.0, n))
+        alloc_b = allocs * self.size
+        free_b = frees * self.size
+        # three-size sites: the sizes of the blocks freed (drawn among the live ones), then of those allocated
+        l1, l2, l3 = self.live3.T
+        f = frees[v]
+        k1 = rng.hypergeometric(l1, l2 + l3, f)
+        k2 = rng.hypergeometric(l2, l3, f - k1)
+        freed3 = np.stack([k1, k2, f - k1 - k2], axis=1)
+        alloc3 = rng.multinomial(allocs[v], [1 / 3, 1 / 3, 1 / 3])
+        self.live3 += alloc3 - freed3
+        mult = np.array([1, 2, 3])
+        free_b[v] = (freed3 @ mult) * self.size[v]
+        alloc_b[v] = (alloc3 @ mult) * self.size[v]
+        self.tot_b += alloc_b
+        self.frd_b += free_b
+        self.tot_bk += allocs
+        self.frd_bk += frees
+        cur_bk = self.tot_bk - self.frd_bk
+        cur_b = self.tot_b - self.frd_b
+        cur_x = cur_bk * 8
+        heap, extra = int(cur_b.sum()), int(cur_x.sum())
+        if heap + extra > self.peak_total:
+            self.peak_total = heap + extra
+            self.peak_b, self.peak_x = cur_b.copy(), cur_x.copy()
+            self.peak = PeakState(t * 1000, heap, extra, 0, wall_ns)
+            self.peak_moves += 1
+        counters = np.stack([self.tot_bk, self.tot_b, self.frd_bk, self.frd_b, cur_bk, cur_b, cur_x,
+                             self.peak_b, self.peak_x])
+        sample = StoreSample(wall_ns=wall_ns, time=t * 1000, heap_B=heap, extra_B=extra, stacks_B=0, sites={},
+                             mapped_B=heap + extra + (64 << 20), rss_B=heap + (32 << 20), peak=self.peak)
+        return sample, counters
+
+
+WORKLOADS = {"poisson": BlockSizesWorkload, "poisson-mean": SteadyWorkload}
 
 
 class SitesCWorkload(SteadyWorkload):
@@ -158,16 +214,17 @@ def main() -> int:
     ap.add_argument("--day", action="store_true", help="86,400 snapshots: one real day at 1 Hz")
     ap.add_argument("--dir", default=None, help="where to write the store (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the store afterwards")
-    ap.add_argument("--workload", choices=("poisson", "sites-c"), default="poisson",
+    ap.add_argument("--workload", choices=("poisson", "poisson-mean", "sites-c"), default="poisson",
                     help="poisson (default): every site allocates 1+Poisson(4) blocks a second and frees as many, "
-                         "10%% of sites with three sizes; sites-c: bench/sites.c's round-robin traffic, modelled")
+                         "10%% of sites with three sizes; poisson-mean: the same, a three-size site's frees freeing "
+                         "its mean live size; sites-c: bench/sites.c's round-robin traffic, modelled")
     args = ap.parse_args()
     n_snap = 86_400 if args.day else args.snapshots
     root = Path(args.dir or tempfile.mkdtemp(prefix="store-bench-"))
     target = root / "4242"
     shutil.rmtree(target, ignore_errors=True)
     n = args.sites
-    wl = SteadyWorkload(n) if args.workload == "poisson" else SitesCWorkload(n)
+    wl = WORKLOADS[args.workload](n) if args.workload in WORKLOADS else SitesCWorkload(n)
     start_ns = time.time_ns() - n_snap * S
     stacks = {i: site_stack(i, depth=12) for i in range(n)}
     meta = StoreMeta(pid=4242, cmd="bench/sites", options={"depth": 30, "threshold": 1.0, "max_snapshots": 100})
@@ -196,7 +253,7 @@ def main() -> int:
 
     obj_dir = root / "objects"
     shutil.rmtree(obj_dir, ignore_errors=True)
-    wl2 = SteadyWorkload(n, seed=9)
+    wl2 = WORKLOADS.get(args.workload, SteadyWorkload)(n, seed=9)
     obj_s = []
     with StoreWriter(obj_dir, meta) as w2:
         for t in range(60):
@@ -245,20 +302,24 @@ def main() -> int:
     rnd = random.Random(4)
     picks = rnd.sample(range(n_snap), 15)
     cold_cols, cold_sites, warm_next = [], [], []
+    cpu_cols, cpu_sites = [], []  # the same reads in this process's CPU time: what other work on the machine
+    # adds to the wall clock is not in it
     for k in picks:
         at_ns = start_ns + k * S  # by time, as `diff` and /snapshot?at= ask
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         r = StoreReader(target)
         snap = r.at(at_ns, stacks=False)
         cold_cols.append(time.perf_counter() - t0)
+        cpu_cols.append(time.process_time() - c0)
         assert snap is not None and snap.wall_ns == at_ns
         r.close()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         r = StoreReader(target)
         snap = r.at(at_ns)
         assert snap is not None
         snap.sites()
         cold_sites.append(time.perf_counter() - t0)
+        cpu_sites.append(time.process_time() - c0)
         t3 = time.perf_counter()
         r.at(at_ns + S)
         warm_next.append(time.perf_counter() - t3)
@@ -267,6 +328,8 @@ def main() -> int:
     print(f"read the snapshot at a time, cold (open the store, find its segment, roll from its checkpoint): counters "
           f"{ms(cold_cols)}; as dict[Stack, SiteCounts] (stack tables and 10,000 SiteCounts too) {ms(cold_sites)} "
           "(goal <= 50 ms)")
+    print(f"  the same in CPU time: counters {ms(cpu_cols)}; as a dict {ms(cpu_sites)}; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"read the next snapshot (warm): {ms(warm_next)}")
 
     def run_cli(argv: list[str]) -> float:

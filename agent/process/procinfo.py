@@ -30,6 +30,15 @@ def start_time(pid: int, proc: str = "/proc") -> int | None:
     return int(fields[19])
 
 
+def running(pid: int, started: int | None, proc: str = "/proc") -> bool:
+    """The process that started at `started` (start_time) still runs: not gone, not a zombie, and its PID not
+    reused. One small read, where psutil's is_running builds a whole Process (a sampling loop asks at every turn)."""
+    fields = _stat_fields(pid, proc)
+    if fields is None or len(fields) < 20:
+        return False
+    return fields[0] not in ("Z", "X", "x") and (started is None or int(fields[19]) == started)
+
+
 def read_facts(pid: int, proc: str = "/proc", cmdline: bool = True, cgroup: bool = True) -> ProcessFacts | None:
     """What selectors need of `pid` (the command line and the cgroup only when asked); None if it is gone."""
     fields = _stat_fields(pid, proc)

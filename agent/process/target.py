@@ -15,6 +15,7 @@ import psutil
 from agent.errors import TargetError
 from agent.process.discovery import Allocator, allocator_of_process, allocator_of_program, read_process
 from agent.process.launch import HeldChild
+from agent.process.procinfo import running, start_time
 from agent.process.watchdog import ReleaseWatchdog
 
 
@@ -55,16 +56,13 @@ def attach_to(pid: int, proc: str = "/proc") -> TargetProcess:
     info = read_process(pid, proc)
     allocator = allocator_of_process(pid, proc)
     try:
-        ps = psutil.Process(pid)
-        name = ps.name()
+        name = psutil.Process(pid).name()
     except psutil.Error as exc:
         raise TargetError(f"process {pid} went away: {exc}") from exc
+    started = start_time(pid, proc)
 
     def alive() -> bool:
-        try:
-            return ps.is_running() and ps.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+        return running(pid, started, proc)
 
     return TargetProcess(pid, name, " ".join(info.cmdline), allocator, alive)
 

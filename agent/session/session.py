@@ -372,6 +372,7 @@ class Session:
         assert live is not None, "the session has ended"
         if not self.exec_limit:
             self.seed_pages()  # attach: the mappings of now; run seeds at the target's exec (_catch_up)
+        mapped_at = live.mapping_calls()  # before the maps are read: a mapping made meanwhile moves it again
         self.sync_mappings()
         self.sample()
         pace = IdlePace(interval)
@@ -398,7 +399,9 @@ class Session:
                     continue
                 next_sample = now + interval if pace.idle_ticks else next_sample + interval
                 pace.active()
-                if alive():
+                calls = live.mapping_calls()
+                if (calls is None or calls != mapped_at) and alive():
+                    mapped_at = calls
                     self.sync_mappings()
                 self.sample()
         self._ended_ns = time.monotonic_ns()  # the final snapshot's time: not after the detach's seconds

@@ -22,14 +22,14 @@ import mmap
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import zstandard
 
 MAGIC = b"HeapscopeStore01"  # 16 bytes
 assert len(MAGIC) == 16
-FORMAT_SUBVERSION = 2
+FORMAT_SUBVERSION = 3
 
 BLOCK_HEADER = struct.Struct("<8sHQ")  # kind, entry size, payload size
 BLOCK_TRAILER = struct.Struct("<I")  # CRC-32 of header and payload
@@ -58,6 +58,8 @@ K_SITE_GAP = b"site_gap"
 K_HINT_GAP = b"h_gap"
 K_HINT_SIZE = b"h_size"
 K_HINT_XPB = b"h_xpb"
+# subversion 3 on: the byte unit of a site's byte residuals (older segments lack it: unit 1)
+K_HINT_UNIT = b"h_unit"
 COUNTER_FIELDS = (
     "tot_blocks",
     "tot_bytes",
@@ -74,7 +76,8 @@ COUNTER_COLUMNS = (b"c_totbk", b"c_totb", b"c_frdbk", b"c_frdb", b"c_curbk", b"c
 # reading every snapshot's TOC.
 TABLE_KINDS = (K_STRINGS, *FRAME_COLUMNS, K_STK_LEN, K_STK_FRM)
 COLUMN_KINDS = frozenset(
-    (*FRAME_COLUMNS, K_STK_LEN, K_STK_FRM, K_SITE_GAP, K_HINT_GAP, K_HINT_SIZE, K_HINT_XPB, *COUNTER_COLUMNS)
+    (*FRAME_COLUMNS, K_STK_LEN, K_STK_FRM, K_SITE_GAP, K_HINT_GAP, K_HINT_SIZE, K_HINT_XPB, K_HINT_UNIT,
+     *COUNTER_COLUMNS)
 )
 KNOWN_KINDS = frozenset((K_FILEMETA, K_SNAPINFO, K_STRINGS, K_SNAPTOC, K_OUTERTOC, *COLUMN_KINDS))
 
@@ -108,8 +111,7 @@ def block(kind: bytes, payload: bytes, entry_size: int = 0) -> bytes:
     return head + payload + BLOCK_TRAILER.pack(crc)
 
 
-@dataclass(frozen=True)
-class Block:
+class Block(NamedTuple):  # a tuple: made for every block read, ten times faster than a frozen dataclass
     kind: bytes
     entry_size: int
     payload: bytes
@@ -180,8 +182,9 @@ def column_block(kind: bytes, values: np.ndarray) -> bytes:
     return block(kind, _compressor.compress(raw), w)
 
 
-def decode_column(b: Block, rows: int | None = None) -> np.ndarray:
-    """A column block's values as int64. `rows`: how many the caller expects (FormatError otherwise)."""
+def decode_column(b: Block, rows: int | None = None, widen: bool = True) -> np.ndarray:
+    """A column block's values as int64 (widen=False: as stored, for callers that only add them to int64
+    arrays). `rows`: how many the caller expects (FormatError otherwise)."""
     if b.entry_size not in _DTYPES:
         raise FormatError(f"{b.kind.decode()} block at {b.start}: entry size {b.entry_size}")
     try:
@@ -190,7 +193,9 @@ def decode_column(b: Block, rows: int | None = None) -> np.ndarray:
         raise FormatError(f"{b.kind.decode()} block at {b.start}: {exc}") from None
     if len(raw) % b.entry_size:
         raise FormatError(f"{b.kind.decode()} block at {b.start}: {len(raw)} bytes is no whole number of entries")
-    values: np.ndarray = np.frombuffer(raw, dtype=_DTYPES[b.entry_size]).astype(np.int64)
+    values: np.ndarray = np.frombuffer(raw, dtype=_DTYPES[b.entry_size])
+    if widen:
+        values = values.astype(np.int64)
     if rows is not None and len(values) != rows:
         raise FormatError(f"{b.kind.decode()} block at {b.start}: {len(values)} rows, expected {rows}")
     return values
@@ -235,8 +240,7 @@ def decode_strings(b: Block) -> list[str]:
 # ---- tables of contents ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TocEntry:
+class TocEntry(NamedTuple):  # a tuple, as Block
     kind: bytes
     start: int
     end: int
@@ -254,11 +258,8 @@ def decode_toc(b: Block) -> list[TocEntry]:
     (n,) = U64.unpack_from(b.payload, 0)
     if len(b.payload) != 8 + n * TOC_ENTRY.size:
         raise FormatError(f"{b.kind.decode()} block at {b.start}: {n} entries do not fit its size")
-    out = []
-    for i in range(n):
-        kind, start, end, key = TOC_ENTRY.unpack_from(b.payload, 8 + i * TOC_ENTRY.size)
-        out.append(TocEntry(kind_name(kind), start, end, key))
-    return out
+    return [TocEntry(kind.rstrip(b"\0"), start, end, key) for kind, start, end, key in TOC_ENTRY.iter_unpack(
+        memoryview(b.payload)[8:])]
 
 
 def lowbit(k: int) -> int:
@@ -275,26 +276,60 @@ def _fdiv(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
-def hints_of(state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The hints a writer derives from counters: mean block size and extra bytes per live block."""
-    return _fdiv(state[1], state[0]), _fdiv(state[6], state[4])
+def hints_of(state: np.ndarray, quantum: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The hints a writer derives from counters: block size, extra bytes per live block, and the byte unit.
+    `quantum` is a common divisor of every byte count the site has had (0 for none known). A site whose blocks
+    all have one size gets that size; a site with several gets its mean block size rounded to a multiple of the
+    quantum, so that its byte residuals count whole quanta (a site allocating 48, 96 and 144 bytes has a
+    residual of 48 * k). The unit is the greatest common divisor of the quantum and the size (0: no unit)."""
+    mean = _fdiv(state[1], state[0])
+    q = np.zeros_like(mean) if quantum is None else quantum
+    one_size = mean * state[0] == state[1]
+    rounded = (mean + q // 2) // np.maximum(q, 1) * q
+    size = np.where(one_size | (q <= 0), mean, rounded)
+    unit = np.gcd(q, size)
+    return size, _fdiv(state[6], state[4]), unit
+
+
+def byte_residuals(prev: np.ndarray, new: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What the block size does not predict of the allocated and the freed bytes (before division by the
+    unit)."""
+    d0 = new[0] - prev[0]
+    d2 = new[2] - prev[2]
+    return new[1] - prev[1] - d0 * size, new[3] - prev[3] - d2 * size
+
+
+def unit_of(unit: np.ndarray | None, like: np.ndarray) -> np.ndarray:
+    """The effective byte unit: a unit hint of 0 (none, or a segment before subversion 3) counts as 1."""
+    if unit is None:
+        return np.ones(like.shape[-1], dtype=np.int64)
+    return np.maximum(unit, 1)
 
 
 def encode_counters(
-    prev: np.ndarray, new: np.ndarray, size: np.ndarray, xpb: np.ndarray, peak_moved: bool = False
+    prev: np.ndarray,
+    new: np.ndarray,
+    size: np.ndarray,
+    xpb: np.ndarray,
+    peak_moved: bool = False,
+    unit: np.ndarray | None = None,
 ) -> np.ndarray:
     """Residuals of the listed sites' counters: `prev` and `new` are (9, n) arrays in COUNTER_FIELDS order
-    (prev is all zeros in a checkpoint), `size` and `xpb` the sites' hints (block size, extra bytes per
-    block). Each field is predicted linearly from the previous state and the fields before it; the residual
-    is what the prediction missed (docs/store-format.md, "Counters"). When the peak moved since the previous
-    snapshot, the peak counters are predicted by the live ones (a growing heap peaks near the sample that
-    sees it)."""
+    (prev is all zeros in a checkpoint), `size`, `xpb` and `unit` the sites' hints (block size, extra bytes per
+    block, byte unit: the byte residuals must be multiples of it). Each field is predicted linearly from the
+    previous state and the fields before it; the residual is what the prediction missed
+    (docs/store-format.md, "Counters"). When the peak moved since the previous snapshot, the peak counters are
+    predicted by the live ones (a growing heap peaks near the sample that sees it)."""
+    u = unit_of(unit, new)
     d = new - prev
     res = np.empty_like(new)
     res[0] = d[0]
-    res[1] = d[1] - d[0] * size
+    r1, r3 = byte_residuals(prev, new, size)
+    if (r1 % u).any() or (r3 % u).any():
+        raise ValueError("a byte residual is not a multiple of its site's unit")
+    res[1] = r1 // u
     res[2] = d[2]
-    res[3] = d[3] - d[2] * size
+    res[3] = r3 // u
     res[4] = d[4] - (d[0] - d[2])
     res[5] = d[5] - d[1] + d[3]
     res[6] = d[6] - d[4] * xpb
@@ -303,19 +338,24 @@ def encode_counters(
     return res
 
 
-def advance(prev: np.ndarray, res: np.ndarray, size: np.ndarray, xpb: np.ndarray) -> np.ndarray:
+def advance(
+    prev: np.ndarray, res: np.ndarray, size: np.ndarray, xpb: np.ndarray, unit: np.ndarray | None = None
+) -> np.ndarray:
     """Counters from `prev` and residuals (of one snapshot, or the sum of several whose peak did not move and
     whose hints did not change: every prediction is linear in the residuals), peak fields as not moved."""
+    u = unit_of(unit, prev)
     r0, r1, r2, r3, r4, r5, r6, r7, r8 = res
     new = np.empty_like(prev)
     live = r0 - r2
+    b1 = r1 * u
+    b3 = r3 * u
     np.add(prev[0], r0, out=new[0])
-    new[1] = prev[1] + r0 * size + r1
+    new[1] = prev[1] + r0 * size + b1
     np.add(prev[2], r2, out=new[2])
-    new[3] = prev[3] + r2 * size + r3
+    new[3] = prev[3] + r2 * size + b3
+    new[5] = prev[5] + live * size + b1 - b3 + r5
     live += r4
     np.add(prev[4], live, out=new[4])
-    new[5] = prev[5] + (r0 - r2) * size + r1 - r3 + r5
     new[6] = prev[6] + live * xpb + r6
     np.add(prev[7], r7, out=new[7])
     np.add(prev[8], r8, out=new[8])
@@ -323,10 +363,15 @@ def advance(prev: np.ndarray, res: np.ndarray, size: np.ndarray, xpb: np.ndarray
 
 
 def decode_counters(
-    prev: np.ndarray, res: np.ndarray, size: np.ndarray, xpb: np.ndarray, peak_moved: bool = False
+    prev: np.ndarray,
+    res: np.ndarray,
+    size: np.ndarray,
+    xpb: np.ndarray,
+    peak_moved: bool = False,
+    unit: np.ndarray | None = None,
 ) -> np.ndarray:
     """The inverse of encode_counters."""
-    new = advance(prev, res, size, xpb)
+    new = advance(prev, res, size, xpb, unit)
     if peak_moved:
         new[7] = new[5] + res[7]
         new[8] = new[6] + res[8]

@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from agent.model.profile import Frame, SiteCounts, Stack
 from agent.store import format as fmt
 from agent.store.format import FormatError, SnapshotUnavailable
 from agent.store.sample import PeakState, StoreMeta
+from agent.store.tables import make_frames, make_stacks, no_gc
 from agent.store.writer import segment_paths
 
 # SiteCounts' own field order, and where each field is among the stored counters
@@ -42,9 +44,9 @@ class Skipped:
         return f"{self.path}: skipped {self.what}: {self.reason}"
 
 
-@dataclass(frozen=True)
-class SnapshotRef:
-    """Where one snapshot is: its segment, its number there, its wall clock and its table of contents."""
+class SnapshotRef(NamedTuple):
+    """Where one snapshot is: its segment, its number there, its wall clock and its table of contents. (A named
+    tuple: an index makes one per snapshot, a frozen dataclass costs three times as much to make.)"""
 
     segment: SegmentReader
     seq: int
@@ -124,14 +126,16 @@ class StoredSnapshot:
 
     def sites(self) -> dict[Stack, SiteCounts]:
         """Counters per stack; sites with equal stacks add up."""
-        rows = self.counters[_TO_SITECOUNTS].T.tolist()
-        stacks = self.site_stacks[: len(rows)]
+        cols = self.counters[_TO_SITECOUNTS].tolist()  # SiteCounts' fields in its order, a list each
+        n = self.counters.shape[1]
+        stacks = self.site_stacks[:n]
         # Mostly one site per stack: one hash per stack; the merging loop only when some stacks repeat.
-        out = dict(zip(stacks, (SiteCounts(*row) for row in rows), strict=True))
-        if len(out) == len(rows):
+        with no_gc():
+            out = dict(zip(stacks, map(SiteCounts, *cols), strict=True))
+        if len(out) == n:
             return out
         out = {}
-        for stack, row in zip(stacks, rows, strict=True):
+        for stack, row in zip(stacks, zip(*cols, strict=True), strict=True):
             have = out.get(stack)
             if have is None:
                 out[stack] = SiteCounts(*row)
@@ -141,7 +145,7 @@ class StoredSnapshot:
         return out
 
 
-_State = tuple[int, np.ndarray, np.ndarray, np.ndarray]  # (seq, counters, size hints, extra hints)
+_State = tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (seq, counters, size, extra, unit hints)
 
 
 class _Run:
@@ -153,28 +157,53 @@ class _Run:
         self.moved: np.ndarray | None = None  # sites whose peak moved in the run
         self.at_move: np.ndarray | None = None  # acc at each site's last move
         self.peak_since: np.ndarray | None = None  # peak residuals from that move on
+        # rows of acc changed since at_move was last copied for every site (a move of all sites, the usual
+        # case, then copies only those)
+        self.dirty: set[int] = set()
 
-    def add(self, idx: np.ndarray | None, res: np.ndarray, peak_moved: bool) -> None:
-        sel = slice(None) if idx is None else idx
-        self.acc[:, sel] += res
+    def add(self, idx: np.ndarray | None, res: dict[int, np.ndarray], peak_moved: bool) -> None:
+        """Add one snapshot's residuals: `res` maps a counter's number to its column (absent: zeros)."""
+        acc = self.acc
+        for i, col in res.items():
+            if idx is None:
+                acc[i] += col
+            else:
+                acc[i, idx] += col
+        self.dirty.update(res)
         if peak_moved:
             if self.moved is None:
-                n = self.acc.shape[1]
+                n = acc.shape[1]
                 self.moved = np.zeros(n, dtype=bool)
-                self.at_move = np.zeros_like(self.acc)
+                self.at_move = np.zeros_like(acc)
                 self.peak_since = np.zeros((2, n), dtype=np.int64)
+                self.dirty = set(range(len(acc)))
             assert self.at_move is not None and self.peak_since is not None
-            self.moved[sel] = True
-            self.at_move[:, sel] = self.acc[:, sel]
-            self.peak_since[:, sel] = res[7:9]
+            if idx is None:
+                self.moved[:] = True
+                for i in self.dirty:
+                    self.at_move[i] = acc[i]
+                self.dirty = set()
+                for j, peak_res in enumerate((res.get(7), res.get(8))):
+                    self.peak_since[j] = 0 if peak_res is None else peak_res
+            else:
+                self.moved[idx] = True
+                self.at_move[:, idx] = acc[:, idx]
+                for j, peak_res in enumerate((res.get(7), res.get(8))):
+                    self.peak_since[j, idx] = 0 if peak_res is None else peak_res
         elif self.peak_since is not None:
-            self.peak_since[:, sel] += res[7:9]
+            for j, peak_res in enumerate((res.get(7), res.get(8))):
+                if peak_res is None:
+                    continue
+                if idx is None:
+                    self.peak_since[j] += peak_res
+                else:
+                    self.peak_since[j, idx] += peak_res
 
-    def apply(self, prev: np.ndarray, size: np.ndarray, xpb: np.ndarray) -> np.ndarray:
-        new = fmt.advance(prev, self.acc, size, xpb)
+    def apply(self, prev: np.ndarray, size: np.ndarray, xpb: np.ndarray, unit: np.ndarray) -> np.ndarray:
+        new = fmt.advance(prev, self.acc, size, xpb, unit)
         if self.moved is not None:
             assert self.at_move is not None and self.peak_since is not None
-            at = fmt.advance(prev, self.at_move, size, xpb)
+            at = fmt.advance(prev, self.at_move, size, xpb, unit)
             m = self.moved
             new[7, m] = at[5, m] + self.peak_since[0, m]
             new[8, m] = at[6, m] + self.peak_since[1, m]
@@ -200,6 +229,7 @@ class SegmentReader:
         self.strings: list[str] = []
         self.frames: list[Frame] = []
         self.site_stacks: list[Stack] = []
+        self._frame_hashes = np.zeros(0, dtype=np.int64)  # hash of each frame, for the stacks' hashes
         self._tables_upto = -1
         self._tables_broken: int | None = None  # first snapshot whose tables could not be read
         self._state: _State | None = None  # the last decoded snapshot
@@ -242,9 +272,10 @@ class SegmentReader:
         if self._indexed or not self.filemeta:
             return
         self._indexed = True
-        refs = self._index_from_tail()
-        if refs is None:
-            refs = self._index_by_scan()
+        with no_gc():  # a TOC entry and a reference per snapshot, thousands of tuples
+            refs = self._index_from_tail()
+            if refs is None:
+                refs = self._index_by_scan()
         self._refs = refs
         self._by_seq = {r.seq: r for r in refs}
 
@@ -398,9 +429,10 @@ class SegmentReader:
             raise FormatError(f"no snaptoc at {ref.toc.start}")
         return fmt.decode_toc(b)
 
-    def _read_info(self, ref: SnapshotRef) -> dict:  # type: ignore[type-arg]
+    def _read_info(self, ref: SnapshotRef, toc: list[fmt.TocEntry] | None = None) -> dict:  # type: ignore[type-arg]
         try:
-            toc = self._toc(ref)
+            if toc is None:
+                toc = self._toc(ref)
             info = fmt.parse_json(fmt.read_block(self._data, toc[0].start))
             for key in ("wall_ns", "time", "heap", "extra", "stacks", "sites", "listed"):
                 int(info[key])
@@ -411,11 +443,14 @@ class SegmentReader:
     # ---- decoding -------------------------------------------------------------------------------------
 
     def _blocks(self, ref: SnapshotRef) -> tuple[dict, dict[bytes, fmt.Block]]:  # type: ignore[type-arg]
-        info = self.info(ref)
+        toc = self._toc(ref)  # read once: for the snapinfo too when it is not known yet
+        info = self._infos.get(ref.seq)
+        if info is None:
+            info = self._infos[ref.seq] = self._read_info(ref, toc)
         if "error" in info:
             raise FormatError(info["error"])
         blocks = {}
-        for e in self._toc(ref)[1:]:
+        for e in toc[1:]:
             b = fmt.read_block(self._data, e.start)
             if b.kind != e.kind:
                 raise FormatError(f"snapshot {ref.seq}: {e.kind.decode()} expected at {e.start}")
@@ -453,6 +488,10 @@ class SegmentReader:
         self._tables_upto = max(self._tables_upto, upto)
 
     def _apply_tables(self, kinds: dict[bytes, fmt.TocEntry]) -> None:
+        with no_gc():
+            self._apply_table_blocks(kinds)
+
+    def _apply_table_blocks(self, kinds: dict[bytes, fmt.TocEntry]) -> None:
         data = self._data
         if fmt.K_STRINGS in kinds:
             self.strings += fmt.decode_strings(self._checked(kinds[fmt.K_STRINGS]))
@@ -463,22 +502,20 @@ class SegmentReader:
             # Segments before subversion 2 do not say which frames are inlined calls: none is taken for one.
             inl = kinds.get(fmt.K_FRM_INLINED)
             inlined = fmt.decode_column(self._checked(inl)).tolist() if inl is not None else [0] * len(addr)
-            strs: list[str | None] = [None, *self.strings]  # string index + 1, 0 for none
-            mask = 0xFFFF_FFFF_FFFF_FFFF
-            self.frames += [
-                Frame(a & mask, strs[fn], strs[fl], ln or None, strs[ob], strs[pa], inlined=bool(i))
-                for a, fn, fl, ln, ob, pa, i in zip(addr, func, file, line, obj, path, inlined, strict=True)
-            ]
+            try:
+                new = make_frames(addr, func, file, line, obj, path, inlined, self.strings)
+            except IndexError:
+                raise FormatError("a frame refers to a string beyond the string table") from None
+            self.frames += new
+            self._frame_hashes = np.concatenate(
+                [self._frame_hashes, np.fromiter(map(hash, new), dtype=np.int64, count=len(new))]
+            )
         if fmt.K_STK_LEN in kinds:
-            lens = fmt.decode_column(self._checked(kinds[fmt.K_STK_LEN])).tolist()
-            frm = fmt.decode_column(fmt.read_block(data, kinds[fmt.K_STK_FRM].start), sum(lens)).tolist()
-            frames = self.frames
-            at = 0
-            get = frames.__getitem__
-            stacks = self.site_stacks
-            for n in lens:
-                stacks.append(tuple(map(get, frm[at : at + n])))
-                at += n
+            lens = fmt.decode_column(self._checked(kinds[fmt.K_STK_LEN]))
+            frm = fmt.decode_column(fmt.read_block(data, kinds[fmt.K_STK_FRM].start), int(lens.sum()))
+            if (len(lens) and int(lens.min()) < 0) or (len(frm) and not 0 <= frm.min() <= frm.max() < len(self.frames)):
+                raise FormatError("a stack refers to a frame beyond the frame table")
+            self.site_stacks += make_stacks(self.frames, self._frame_hashes, lens, frm)
 
     def _checked(self, e: fmt.TocEntry) -> fmt.Block:
         b = fmt.read_block(self._data, e.start)
@@ -487,13 +524,14 @@ class SegmentReader:
         return b
 
     def _residuals(self, ref: SnapshotRef, blocks: dict[bytes, fmt.Block], info: dict, n: int):  # type: ignore[no-untyped-def,type-arg]
-        """(site numbers or None for all, residual rows) of a snapshot's counter columns."""
+        """(site numbers or None for all, {counter number: its residuals}) of a snapshot's counter columns: a
+        column left out (all zeros) is not in the dict."""
         listed = int(info["listed"])
-        res = np.zeros((len(fmt.COUNTER_FIELDS), listed), dtype=np.int64)
+        res = {}
         for i, kind in enumerate(fmt.COUNTER_COLUMNS):
             b = blocks.get(kind)
             if b is not None:
-                res[i] = fmt.decode_column(b, listed)
+                res[i] = fmt.decode_column(b, listed, widen=False)
         gap = blocks.get(fmt.K_SITE_GAP)
         if gap is None and listed == n:  # every site, in order
             return None, res
@@ -512,9 +550,9 @@ class SegmentReader:
         that set no hint are summed and applied once: every prediction is linear in them, the peak's too once
         the counters at its last move are known (docs/store-format.md, "Reading fast")."""
         nf = len(fmt.COUNTER_FIELDS)
-        prev = size = xpb = None
+        prev = size = xpb = unit = None
         if state is not None:
-            _, prev, size, xpb = state
+            _, prev, size, xpb, unit = state
         run: _Run | None = None  # residuals summed since prev
         seq = -1
         for ref in refs:
@@ -527,33 +565,35 @@ class SegmentReader:
                 prev = np.zeros((nf, n), dtype=np.int64)
                 size = np.zeros(n, dtype=np.int64)
                 xpb = np.zeros(n, dtype=np.int64)
+                unit = np.zeros(n, dtype=np.int64)
                 run = None
-            elif prev is None or size is None or xpb is None:
+            elif prev is None or size is None or xpb is None or unit is None:
                 raise FormatError(f"snapshot {seq}: a delta without its previous snapshot")
             elif prev.shape[1] != n:
                 if prev.shape[1] > n:
                     raise FormatError(f"snapshot {seq}: {n} sites, fewer than before")
                 if run is not None:
-                    prev, run = run.apply(prev, size, xpb), None
+                    prev, run = run.apply(prev, size, xpb, unit), None
                 grow = n - prev.shape[1]
                 prev = np.concatenate([prev, np.zeros((nf, grow), dtype=np.int64)], axis=1)
                 size = np.concatenate([size, np.zeros(grow, dtype=np.int64)])
                 xpb = np.concatenate([xpb, np.zeros(grow, dtype=np.int64)])
+                unit = np.concatenate([unit, np.zeros(grow, dtype=np.int64)])
             idx, res = self._residuals(ref, blocks, info, n)
             if hinted:  # hints change the predictions: what was summed so far goes in first
                 if run is not None:
-                    prev, run = run.apply(prev, size, xpb), None
+                    prev, run = run.apply(prev, size, xpb, unit), None
                 rows = self._sites_of(blocks.get(fmt.K_HINT_GAP), hinted, n, ref)
-                for kind, target in ((fmt.K_HINT_SIZE, size), (fmt.K_HINT_XPB, xpb)):
+                for kind, target in ((fmt.K_HINT_SIZE, size), (fmt.K_HINT_XPB, xpb), (fmt.K_HINT_UNIT, unit)):
                     b = blocks.get(kind)
                     target[rows] = fmt.decode_column(b, hinted) if b is not None else 0
             if run is None:
                 run = _Run(n)
             run.add(idx, res, checkpoint or bool(info.get("peak_moved")))
-        assert prev is not None and size is not None and xpb is not None
+        assert prev is not None and size is not None and xpb is not None and unit is not None
         if run is not None:
-            prev = run.apply(prev, size, xpb)
-        return seq, prev, size, xpb
+            prev = run.apply(prev, size, xpb, unit)
+        return seq, prev, size, xpb, unit
 
     def load(self, ref: SnapshotRef, stacks: bool = True) -> StoredSnapshot:
         """Decode one snapshot: from the last decoded one when it is on the way, else from its checkpoint.

@@ -100,6 +100,8 @@ class _Pending:
     state: np.ndarray
     size: np.ndarray
     xpb: np.ndarray
+    unit: np.ndarray
+    quantum: np.ndarray
     snaptoc: fmt.TocEntry
     tables: list[fmt.TocEntry]
     peak: object
@@ -120,6 +122,9 @@ class SegmentFile:
         self.prev = np.zeros((N_FIELDS, 0), dtype=np.int64)
         self.size_hint = np.zeros(0, dtype=np.int64)  # the sites' hints (docs/store-format.md, "Counters")
         self.xpb_hint = np.zeros(0, dtype=np.int64)
+        self.unit_hint = np.zeros(0, dtype=np.int64)
+        # per site, a common divisor of every byte count it had in this segment (0: none yet): the unit hints
+        self.quantum = np.zeros(0, dtype=np.int64)
         self.n_snapshots = 0
         self.outer: list[tuple[int, int]] = []  # (start, end) of outer TOC k, at k-1
         self.snaptocs: list[fmt.TocEntry] = []  # inner TOC of snapshot k, at k-1 (key: wall clock ns)
@@ -154,24 +159,41 @@ class SegmentFile:
         seq = self.n_snapshots
         checkpoint = seq % self.checkpoint_every == 0
         prev = np.zeros((N_FIELDS, n), dtype=np.int64)
-        new_size, new_xpb = fmt.hints_of(state)
+        quantum = _quantum(self.quantum, state)
         if checkpoint:
             listed = np.arange(n, dtype=np.int64)
-            # hints start afresh at a checkpoint: each site's mean block size and extra per block now
-            size, xpb = new_size, new_xpb
-            hinted = np.flatnonzero((size != 0) | (xpb != 0))
+            # hints start afresh at a checkpoint: each site's block size, extra per block and byte unit now
+            size, xpb, unit = fmt.hints_of(state, quantum)
+            hint = (size != 0) | (xpb != 0) | (unit > 1)
         else:
             prev[:, : self.n_sites] = self.prev
             listed = np.flatnonzero(np.any(state != prev, axis=0))
             size = np.zeros(n, dtype=np.int64)
             xpb = np.zeros(n, dtype=np.int64)
+            unit = np.zeros(n, dtype=np.int64)
             size[: self.n_sites] = self.size_hint
             xpb[: self.n_sites] = self.xpb_hint
+            unit[: self.n_sites] = self.unit_hint
+            hint = np.zeros(n, dtype=bool)
             # a site without a hint gets one as soon as it has blocks; hints do not change until the checkpoint
-            fresh = ((size == 0) & (new_size != 0)) | ((xpb == 0) & (new_xpb != 0))
-            hinted = np.flatnonzero(fresh)
-            size[hinted] = np.where(size[hinted] == 0, new_size[hinted], size[hinted])
-            xpb[hinted] = np.where(xpb[hinted] == 0, new_xpb[hinted], xpb[hinted])
+            # (but for a unit that no longer divides the byte residuals, below)
+            maybe = np.flatnonzero(((size == 0) & (state[0] != 0)) | ((xpb == 0) & (state[4] != 0)))
+            if len(maybe):
+                new_size, new_xpb, new_unit = fmt.hints_of(state[:, maybe], quantum[maybe])
+                sized = (size[maybe] == 0) & (new_size != 0)
+                extra = (xpb[maybe] == 0) & (new_xpb != 0)
+                size[maybe[sized]] = new_size[sized]
+                unit[maybe[sized]] = new_unit[sized]
+                xpb[maybe[extra]] = new_xpb[extra]
+                hint[maybe[sized | extra]] = True
+        # A byte residual that is not a multiple of its site's unit: the unit becomes their common divisor.
+        r1, r3 = fmt.byte_residuals(prev, state, size)
+        u = np.maximum(unit, 1)
+        off = ((r1 % u) != 0) | ((r3 % u) != 0)
+        if off.any():
+            unit[off] = np.gcd(np.gcd(u[off], r1[off]), r3[off])
+            hint |= off
+        hinted = np.flatnonzero(hint)
         # New strings, frames and sites: only what this segment has not written yet.
         new_strings: dict[str, int] = {}
         new_frames: dict[Frame, int] = {}
@@ -236,6 +258,8 @@ class SegmentFile:
                 parts.append((fmt.K_HINT_GAP, fmt.column_block(fmt.K_HINT_GAP, gaps)))
             parts.append((fmt.K_HINT_SIZE, fmt.column_block(fmt.K_HINT_SIZE, size[hinted])))
             parts.append((fmt.K_HINT_XPB, fmt.column_block(fmt.K_HINT_XPB, xpb[hinted])))
+            if (unit[hinted] > 1).any():
+                parts.append((fmt.K_HINT_UNIT, fmt.column_block(fmt.K_HINT_UNIT, unit[hinted])))
         if len(listed):
             gaps = np.diff(listed, prepend=-1) - 1
             if gaps.any():
@@ -243,9 +267,11 @@ class SegmentFile:
             # a checkpoint has no previous peak to go by: its peak counters are predicted by the live ones
             from_live = peak_moved or checkpoint
             if len(listed) == n:  # every site: no gather needed
-                res = fmt.encode_counters(prev, state, size, xpb, from_live)
+                res = fmt.encode_counters(prev, state, size, xpb, from_live, unit)
             else:
-                res = fmt.encode_counters(prev[:, listed], state[:, listed], size[listed], xpb[listed], from_live)
+                res = fmt.encode_counters(
+                    prev[:, listed], state[:, listed], size[listed], xpb[listed], from_live, unit[listed]
+                )
             for kind, col in zip(fmt.COUNTER_COLUMNS, res, strict=True):
                 if col.any():  # an all-zero column is left out
                     parts.append((kind, fmt.column_block(kind, col)))
@@ -272,8 +298,8 @@ class SegmentFile:
         out += fmt.toc_block(fmt.K_OUTERTOC, outer_entries)
         outer_end = at + len(out)
         out += fmt.U64.pack(outer_start)
-        pending = _Pending(new_strings, new_frames, n, state, size, xpb, snaptoc, tables, info.get("peak"),
-                           (outer_start, outer_end))
+        pending = _Pending(new_strings, new_frames, n, state, size, xpb, unit, quantum, snaptoc, tables,
+                           info.get("peak"), (outer_start, outer_end))
         return bytes(out), pending
 
     def commit(self, written: int, pending: _Pending) -> None:
@@ -285,6 +311,8 @@ class SegmentFile:
         self.prev = pending.state
         self.size_hint = pending.size
         self.xpb_hint = pending.xpb
+        self.unit_hint = pending.unit
+        self.quantum = pending.quantum
         self.snaptocs.append(pending.snaptoc)
         self.tables.append(pending.tables)
         self.last_peak = pending.peak
@@ -322,6 +350,21 @@ class SegmentFile:
         finally:
             os.close(self.fd)
             self.fd = -1
+
+
+def _quantum(before: np.ndarray, state: np.ndarray) -> np.ndarray:
+    """Each site's greatest common divisor of every allocated and freed byte total it has had: `before` (0 for
+    none yet, and for sites new in `state`) taken with `state`'s. A gcd only where a total is no multiple of the
+    divisor so far: most sites have found theirs after a few samples."""
+    n = state.shape[1]
+    q = np.zeros(n, dtype=np.int64)
+    q[: len(before)] = before
+    tot_b, frd_b = state[1], state[3]
+    qm = np.maximum(q, 1)
+    redo = np.flatnonzero((q == 0) | (tot_b % qm != 0) | (frd_b % qm != 0))
+    if len(redo):
+        q[redo] = np.gcd(np.gcd(q[redo], tot_b[redo]), frd_b[redo])
+    return q
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

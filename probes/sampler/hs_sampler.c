@@ -130,8 +130,11 @@ static struct hook hooks[H_COUNT];
 
 /* ---- the set of sampled addresses -------------------------------------------------------------------------
  * Buckets of 8 addresses (one cache line), two candidate buckets per address, claimed and released with one
- * compare-and-swap: lock-free and never allocating. A counting filter of one byte per 2^16 hashes answers
- * most frees without touching the buckets; a count of 255 sticks. live_samples == 0 skips both. */
+ * compare-and-swap: lock-free and never allocating. A counting filter answers most frees without touching
+ * the buckets: one byte per 4 KiB page of address, the page number modulo 2^16 (not a hash), so the frees
+ * of a program's heap read a run of the filter as compact as the heap's pages, which stays in the cache;
+ * a hashed index made every free a random read of 64 KiB, a cache miss under a program's own data. The
+ * bytes count the live samples on their pages; a count of 255 sticks. live_samples == 0 skips both. */
 #define SET_BUCKET_BITS 16
 #define SET_WAYS 8
 #define FILTER_BITS 16
@@ -143,9 +146,9 @@ static inline uint64_t hash_ptr(uintptr_t p)
 {
     return (uint64_t)(p >> 4) * 0x9E3779B97F4A7C15ULL;
 }
-static inline uint8_t *filter_of(uint64_t h)
+static inline uint8_t *filter_of(uintptr_t p)
 {
-    return &set_filter[(h >> 8) & ((1u << FILTER_BITS) - 1)];
+    return &set_filter[(p >> 12) & ((1u << FILTER_BITS) - 1)];
 }
 static inline uintptr_t *bucket(uint64_t h, int which)
 {
@@ -176,7 +179,7 @@ static int set_insert(uintptr_t p)
             uintptr_t expected = 0;
             if (LOAD(b[i]) == 0 &&
                 __atomic_compare_exchange_n(&b[i], &expected, p, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-                filter_inc(filter_of(h));
+                filter_inc(filter_of(p));
                 ADD(live_samples, 1);
                 return 1;
             }
@@ -186,19 +189,23 @@ static int set_insert(uintptr_t p)
     return 0;
 }
 
-/* 1 if p was a sampled address (now removed). */
+/* The free path's test, inlined: a live sample may sit on p's page (then set_remove looks in the buckets). */
+static inline int may_be_sampled(const void *p)
+{
+    return UNLIKELY(LOAD(live_samples) != 0) && p && UNLIKELY(LOAD(*filter_of((uintptr_t)p)) != 0);
+}
+
+/* 1 if p was a sampled address (now removed). Called through may_be_sampled, which reads the filter inline. */
 static int set_remove(uintptr_t p)
 {
     uint64_t h = hash_ptr(p);
-    if (LOAD(*filter_of(h)) == 0)
-        return 0;
     for (int which = 0; which < 2; which++) {
         uintptr_t *b = bucket(h, which);
         for (int i = 0; i < SET_WAYS; i++) {
             uintptr_t expected = p;
             if (LOAD(b[i]) == p &&
                 __atomic_compare_exchange_n(&b[i], &expected, 0, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-                filter_dec(filter_of(h));
+                filter_dec(filter_of(p));
                 __atomic_fetch_sub(&live_samples, 1, __ATOMIC_RELAXED);
                 return 1;
             }
@@ -358,7 +365,7 @@ static inline void forget(void *p)
     if (!p || t->busy) /* busy: the outer hook (a delete calling free) counted it */
         return;
     count_free(t);
-    if (UNLIKELY(LOAD(live_samples) != 0) && set_remove((uintptr_t)p)) {
+    if (may_be_sampled(p) && set_remove((uintptr_t)p)) {
         ADD(hs_control.sampled_frees, 1);
         hs_sample_free(p);
     }
@@ -407,7 +414,7 @@ static void *hs_hook_realloc(void *p, size_t n)
     if (p && !tls.busy)
         count_free(&tls);
     int was_sampled = 0;
-    if (UNLIKELY(LOAD(live_samples) != 0) && p && set_remove((uintptr_t)p)) {
+    if (may_be_sampled(p) && set_remove((uintptr_t)p)) {
         was_sampled = 1;
         ADD(hs_control.sampled_frees, 1);
         hs_sample_free(p);
@@ -431,7 +438,7 @@ static void *hs_hook_reallocarray(void *p, size_t nmemb, size_t size)
     if (p && !tls.busy)
         count_free(&tls);
     int was_sampled = 0;
-    if (UNLIKELY(LOAD(live_samples) != 0) && p && set_remove((uintptr_t)p)) {
+    if (may_be_sampled(p) && set_remove((uintptr_t)p)) {
         was_sampled = 1;
         ADD(hs_control.sampled_frees, 1);
         hs_sample_free(p);
@@ -644,7 +651,7 @@ static void *hs_hook_rallocx(void *p, size_t n, int flags)
     if (p && !tls.busy)
         count_free(&tls);
     int was_sampled = 0;
-    if (UNLIKELY(LOAD(live_samples) != 0) && p && set_remove((uintptr_t)p)) {
+    if (may_be_sampled(p) && set_remove((uintptr_t)p)) {
         was_sampled = 1;
         ADD(hs_control.sampled_frees, 1);
         hs_sample_free(p);

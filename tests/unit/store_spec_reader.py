@@ -134,7 +134,7 @@ def read_segment(path: str) -> SpecSegment:
     frames: list[tuple] = []
     stacks: list[tuple] = []
     state: list[list[int]] = []  # per site, the nine counters of the previous snapshot
-    hints: list[list[int]] = []  # per site, [size, xpb]
+    hints: list[list[int]] = []  # per site, [size, xpb, unit]
     prev_seq: int | None = None
     tables_ok = True
     for toc_at in tocs:
@@ -183,32 +183,35 @@ def read_segment(path: str) -> SpecSegment:
         res = [_column(*blocks[k]) if k in blocks else [0] * listed for k in COUNTERS]
         if checkpoint:
             state = [[0] * 9 for _ in range(info["sites"])]
-            hints = [[0, 0] for _ in range(info["sites"])]
+            hints = [[0, 0, 0] for _ in range(info["sites"])]
         else:
             state += [[0] * 9 for _ in range(info["sites"] - len(state))]
-            hints += [[0, 0] for _ in range(info["sites"] - len(hints))]
+            hints += [[0, 0, 0] for _ in range(info["sites"] - len(hints))]
         hinted = info.get("hinted", 0)
         if hinted:
             hgaps = _column(*blocks["h_gap"]) if "h_gap" in blocks else [0] * hinted
             hsize = _column(*blocks["h_size"]) if "h_size" in blocks else [0] * hinted
             hxpb = _column(*blocks["h_xpb"]) if "h_xpb" in blocks else [0] * hinted
+            # h_unit from subversion 3 on; without it every unit is 0, which counts as 1.
+            hunit = _column(*blocks["h_unit"]) if "h_unit" in blocks else [0] * hinted
             site = -1
-            for gap, size, xpb in zip(hgaps, hsize, hxpb, strict=True):
+            for gap, size, xpb, unit in zip(hgaps, hsize, hxpb, hunit, strict=True):
                 site += gap + 1
-                hints[site] = [size, xpb]
+                hints[site] = [size, xpb, unit]
         site = -1
         for row, gap in enumerate(gaps):
             site += gap + 1
             P = [0] * 9 if checkpoint else state[site]
             R = [r[row] for r in res]
-            size, xpb = hints[site]
+            size, xpb, unit = hints[site]
+            u = unit or 1
             N = [0] * 9
             N[0] = _wrap(P[0] + R[0])
-            N[1] = _wrap(P[1] + R[0] * size + R[1])
+            N[1] = _wrap(P[1] + R[0] * size + R[1] * u)
             N[2] = _wrap(P[2] + R[2])
-            N[3] = _wrap(P[3] + R[2] * size + R[3])
+            N[3] = _wrap(P[3] + R[2] * size + R[3] * u)
             N[4] = _wrap(P[4] + R[0] - R[2] + R[4])
-            N[5] = _wrap(P[5] + (R[0] - R[2]) * size + R[1] - R[3] + R[5])
+            N[5] = _wrap(P[5] + (R[0] - R[2]) * size + (R[1] - R[3]) * u + R[5])
             N[6] = _wrap(P[6] + (R[0] - R[2] + R[4]) * xpb + R[6])
             if info.get("peak_moved") or checkpoint:
                 N[7] = _wrap(N[5] + R[7])

@@ -25,7 +25,7 @@ from agent.store import (
 from agent.store import format as fmt
 from agent.store import writer as writer_mod
 from agent.store.reader import SegmentReader
-from tests.support.store_workload import Workload
+from tests.support.store_workload import Workload, site_stack
 
 META = StoreMeta(pid=4242, cmd="./app --serve", desc=("--depth=30",), options={"depth": 30})
 
@@ -287,7 +287,7 @@ def test_interval_sync_happens_without_further_appends(tmp_path: Path, monkeypat
 def test_residuals_are_zero_for_a_steady_single_size_site() -> None:
     prev = np.array([[10], [160], [4], [64], [6], [96], [48], [0], [0]], dtype=np.int64)
     new = np.array([[13], [208], [9], [144], [4], [64], [32], [0], [0]], dtype=np.int64)
-    size, xpb = fmt.hints_of(prev)  # 16 bytes a block, 8 extra bytes a block
+    size, xpb, _ = fmt.hints_of(prev)  # 16 bytes a block, 8 extra bytes a block
     res = fmt.encode_counters(prev, new, size, xpb)
     assert res[:, 0].tolist() == [3, 0, 5, 0, 0, 0, 0, 0, 0]
     assert (fmt.decode_counters(prev, res, size, xpb) == new).all()
@@ -295,6 +295,55 @@ def test_residuals_are_zero_for_a_steady_single_size_site() -> None:
     newer = np.array([[20], [320], [11], [176], [9], [144], [72], [0], [0]], dtype=np.int64)
     res2 = fmt.encode_counters(new, newer, size, xpb)
     assert (fmt.advance(prev, res + res2, size, xpb) == newer).all()
+
+
+def test_byte_residuals_of_a_site_with_three_sizes_count_whole_units() -> None:
+    # blocks of 48, 96 and 144 bytes: 10 blocks, 960 bytes (mean 96), then 3 more of 48+144+144
+    prev = np.array([[10], [960], [0], [0], [10], [960], [0], [0], [0]], dtype=np.int64)
+    new = np.array([[13], [1296], [2], [240], [11], [1056], [0], [0], [0]], dtype=np.int64)
+    quantum = np.gcd(np.gcd(np.array([0]), prev[1]), prev[3])  # as the writer keeps it: 960
+    quantum = np.gcd(np.gcd(quantum, new[1]), new[3])  # 48
+    size, xpb, unit = fmt.hints_of(new, quantum)
+    # mean 1296 // 13 = 99, rounded to a multiple of 48: 96
+    assert (size.tolist(), unit.tolist()) == ([96], [48])
+    res = fmt.encode_counters(prev, new, size, xpb, unit=unit)
+    # allocated 336 = 3 * 96 + 1 * 48; freed 240 = 2 * 96 + 1 * 48
+    assert res[:, 0].tolist() == [3, 1, 2, 1, 0, 0, 0, 0, 0]
+    assert (fmt.decode_counters(prev, res, size, xpb, unit=unit) == new).all()
+    # a residual that is not a whole number of units cannot be encoded with that unit
+    odd = new.copy()
+    odd[1] += 8
+    odd[5] += 8
+    with pytest.raises(ValueError):
+        fmt.encode_counters(prev, odd, size, xpb, unit=unit)
+
+
+def test_a_unit_that_stops_dividing_the_bytes_is_reduced(tmp_path: Path) -> None:
+    # one site allocates multiples of 48 bytes for a while, then a block of 40: the writer's unit for it
+    # must fall to 16 (a hint row), and every snapshot must read back exact
+    meta = StoreMeta(pid=1, cmd="t")
+    stack = site_stack(0)
+    states = []
+    tot_bk = tot_b = 0
+    for t, (blocks, size) in enumerate([(2, 48), (3, 96), (1, 144), (2, 40), (1, 48), (4, 96)]):
+        tot_bk += blocks
+        tot_b += blocks * size
+        states.append((t, tot_bk, tot_b))
+    with StoreWriter(tmp_path, meta) as w:
+        for t, bk, b in states:
+            counts = SiteCounts(tot_blocks=bk, tot_bytes=b, cur_blocks=bk, cur_bytes=b)
+            w.append(StoreSample(wall_ns=(t + 1) * 10**9, time=t, heap_B=b, extra_B=0, stacks_B=0, sites={7: counts},
+                                 new_stacks={7: stack} if t == 0 else {}))
+    with StoreReader(tmp_path) as r:
+        refs = r.snapshots()
+        assert len(refs) == len(states)
+        units = []
+        for ref, (_, bk, b) in zip(refs, states, strict=True):
+            got = r.load(ref).sites()[stack]
+            assert (got.tot_blocks, got.tot_bytes, got.cur_bytes) == (bk, b, b)
+            units.append(r.load(ref).info["hinted"])
+        # the snapshot with the 40-byte block sets the site's unit again; those before it had nothing to set
+        assert units[1:4] == [0, 0, 1]
 
 
 def test_writer_does_not_import_above_its_layer() -> None:
