@@ -1,8 +1,9 @@
 /* Sampled mode: compiled after heap.bpf.c, in the same translation unit, when ProbeSettings.sampled is set
  * (agent/kernel/probes.py; bcc takes programs only from its main source, so it is appended, not included).
  *
- * The in-process sampler (probes/sampler/hs_sampler.c) calls hs_sample_alloc(ptr, size, weight) for each
- * sampled allocation and hs_sample_free(ptr) when a sampled block is freed; unsampled calls never reach the
+ * The in-process sampler (probes/sampler/hs_sampler.c) calls hs_sample_alloc(ptr, size, weight, fn) for each
+ * sampled allocation (fn: the allocation function's enum hs_fn, as exact mode would record the call) and
+ * hs_sample_free(ptr) when a sampled block is freed; unsampled calls never reach the
  * kernel. Both functions start with a 5-byte nop, so Linux 6.18 runs these probes through its uprobe
  * trampoline instead of a trap. No return probe is needed: the block's address is an argument.
  *
@@ -54,6 +55,11 @@ int sample_alloc_enter(struct pt_regs *ctx)
     note_stack((u32)bpf_get_current_pid_tgid(), PT_REGS_SP(ctx), 0);
 #endif
     u64 stack = capture_stack(ctx, g, HS_MALLOC);
+    /* The allocation function, read after the walk: a value the verifier tracks through the walk would split
+     * its states (the program no longer verifies). An allocation function only: HS_FREE and beyond are malloc.
+     * The site is filed under it below (a stack starts with its hook: one stack, one function). */
+    u64 arg_fn = PT_REGS_PARM4(ctx);
+    u32 fn = arg_fn < HS_FREE ? (u32)arg_fn : HS_MALLOC;
     u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
     struct hs_sampled_block b = {
         .blocks = sample_blocks(size, weight),
@@ -69,6 +75,8 @@ int sample_alloc_enter(struct pt_regs *ctx)
     }
     struct hs_site *s = get_site(stack, g);
     if (s) {
+        if (s->fn != fn && stack != HS_STACK_OVERFLOW)
+            s->fn = fn;
         site_touch(s, g);
         __sync_fetch_and_add(&s->cur_bytes, b.bytes);
         __sync_fetch_and_add(&s->cur_extra, b.extra);
@@ -85,7 +93,7 @@ int sample_alloc_enter(struct pt_regs *ctx)
     check_peak(g, s, 0);
     if (HS_MALT) {
         malt_alloc(g, s, stack, size, b.blocks);
-        thread_stat((u32)bpf_get_current_pid_tgid(), HS_MALLOC, b.blocks, b.bytes, 0);
+        thread_stat((u32)bpf_get_current_pid_tgid(), fn, b.blocks, b.bytes, 0);
     }
     schedule_check(ctx, g, time_b, now);
     return 0;

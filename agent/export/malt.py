@@ -457,6 +457,7 @@ class MaltConfig:
     mmap: bool = False  # the profile has the stacks of mmap and munmap calls
     mode: str = "exact"  # heapscope's mode: exact (every call) or sampled (estimates from Poisson samples)
     sample_rate: int = 0  # sampled: the mean bytes between samples
+    exact: tuple[str, ...] = ()  # sampled: the figures that are exact counts all the same (JSON paths)
 
 
 @dataclass
@@ -655,7 +656,10 @@ def build_sites(
 def _heapscope_json(cfg: MaltConfig) -> dict[str, Any]:
     """heapscope's own config section: which mode the figures come from."""
     sampled = cfg.mode == "sampled"
-    return {"mode": cfg.mode, "sample-rate": cfg.sample_rate if sampled else 0, "estimates": sampled}
+    out: dict[str, Any] = {"mode": cfg.mode, "sample-rate": cfg.sample_rate if sampled else 0, "estimates": sampled}
+    if sampled and cfg.exact:
+        out["exact"] = list(cfg.exact)  # everything else is an estimate
+    return out
 
 
 def _config_json(cfg: MaltConfig, version: FormatVersion) -> dict[str, Any]:

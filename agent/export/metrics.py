@@ -67,7 +67,9 @@ _GAUGES = (
 _COUNTERS = (
     ("heapscope_allocated_bytes", "Bytes requested by allocation calls since the probes were attached.", "alloc_bytes"),
     ("heapscope_freed_bytes", "Bytes of tracked blocks freed since the probes were attached.", "freed_bytes"),
-    ("heapscope_allocation_calls", "Allocation calls (malloc, calloc, realloc, new, ...) seen.", "n_allocs"),
+    ("heapscope_allocation_calls", "Allocation calls (malloc, calloc, new, the aligned ones, ...) seen; reallocs "
+     "are in heapscope_realloc_calls_total.", "n_allocs"),
+    ("heapscope_realloc_calls", "realloc calls seen.", "n_reallocs"),
     ("heapscope_free_calls", "Free calls seen.", "n_frees"),
     ("heapscope_untracked_frees", "Frees of blocks allocated before the probes were attached (not counted).",
      "untracked_frees"),

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.errors import EnvironmentProblem, TargetError, UsageError
+from agent.model.callcounts import ThreadCalls, total
 from agent.process.discovery import ProbePoint
 from agent.symbols.elf import open_elf
 from agent.symbols.placement import choose_offset
@@ -62,8 +63,11 @@ OFFSETS = {name: i * 8 for i, (name, _) in enumerate(CONTROL_FIELDS)}
 MAGIC = 0x4853534D504C5231
 MAX_RATE = 1 << 40  # hs_sampler.c refuses more
 COUNT_SLOTS = 16384  # hs_sampler.h: HS_COUNT_SLOTS
-COUNTS = struct.Struct("<3Q40x")  # struct hs_counts: allocs, frees, alloc_bytes, padding to 64 bytes
-VERSION = 3
+# struct hs_counts, padded to two cache lines (field names as agent.model.callcounts.ThreadCalls has them).
+COUNT_FIELDS = ("allocs", "frees", "alloc_bytes", "calloc", "realloc", "memalign", "posix_memalign", "valloc",
+                "pvalloc", "realloc_frees", "tid")  # fmt: skip
+COUNTS = struct.Struct(f"<{len(COUNT_FIELDS)}Q40x")
+VERSION = 4
 REQ_ARM, REQ_DISARM = 1, 2
 STATE_NAMES = {0: "loading", 1: "idle", 2: "armed", 3: "broken"}
 DISARM_REASONS = {0: "none", 1: "requested", 2: "controller gone", 3: "lease descriptor lost"}
@@ -197,11 +201,11 @@ def library_range(pid: int, library: Path) -> tuple[int, int] | None:
 
 
 def probe_points(library: Path) -> list[ProbePoint]:
-    """The uprobes of sampled mode: hs_sample_alloc(ptr, size, weight) and hs_sample_free(ptr), each on the
+    """The uprobes of sampled mode: hs_sample_alloc(ptr, size, weight, fn) and hs_sample_free(ptr), each on the
     5-byte nop it starts with (no trap on Linux 6.18: its uprobe runs through a trampoline)."""
     obj = open_elf(str(library))
     points = []
-    for name, kind, regs in (("hs_sample_alloc", "sample_alloc", ("rdi", "rsi", "rdx")),
+    for name, kind, regs in (("hs_sample_alloc", "sample_alloc", ("rdi", "rsi", "rdx", "rcx")),
                              ("hs_sample_free", "sample_free", ("rdi",))):  # fmt: skip
         found = obj.find_symbol(name)
         if found is None:
@@ -281,6 +285,11 @@ class SamplerControl:
         deadline = time.monotonic() + self.timeout
         while True:
             st = self.read()
+            if (st["magic"] != MAGIC or st["version"] != VERSION) and time.monotonic() <= deadline:
+                # `run`: the loader maps the library's first segment, then its data over a reserved span: a
+                # control block read in between is not there yet.
+                time.sleep(0.001)
+                continue
             if st["magic"] != MAGIC or st["version"] != VERSION:
                 raise TargetError(f"process {self.pid}: the sampler's control block is not version {VERSION}")
             if st.state == "broken":
@@ -333,17 +342,21 @@ class SamplerControl:
             raise TargetError(f"process {self.pid}: the sampler refused to arm: {os.strerror(-st['result'])}")
         return st
 
-    def counts(self) -> dict[str, int]:
-        """Exact counts since arming, all threads together: allocs, frees, alloc_bytes."""
+    def thread_calls(self) -> list[ThreadCalls]:
+        """Exact counts since arming, one entry per thread slot (agent.model.callcounts)."""
         st = self.read()
         used = min(st["counts_used"], COUNT_SLOTS)
         raw = os.pread(self._mem, used * COUNTS.size, st["counts_address"]) if used else b""
-        totals = {"allocs": 0, "frees": 0, "alloc_bytes": 0}
-        for allocs, frees, alloc_bytes in COUNTS.iter_unpack(raw[: len(raw) // COUNTS.size * COUNTS.size]):
-            totals["allocs"] += allocs
-            totals["frees"] += frees
-            totals["alloc_bytes"] += alloc_bytes
-        return totals
+        out = []
+        for values in COUNTS.iter_unpack(raw[: len(raw) // COUNTS.size * COUNTS.size]):
+            row = dict(zip(COUNT_FIELDS, values, strict=True))
+            out.append(ThreadCalls(**row))
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """Exact counts since arming, all threads together: allocs, frees, alloc_bytes."""
+        t = total(self.thread_calls())
+        return {"allocs": t.allocs, "frees": t.frees, "alloc_bytes": t.alloc_bytes}
 
     def disarm(self) -> ControlState:
         st = self._request(REQ_DISARM)

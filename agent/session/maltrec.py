@@ -4,6 +4,10 @@ kernel's statistics (agent.kernel.probes, HS_MALT) when it is asked for.
 The kernel keeps everything exact that is per call (per-stack counts, sizes, lifetimes, sizeMap,
 reallocJump, per-thread counts and time, log2 histograms); only the timelines are sampled, at the session's
 sampling interval, and binned the way MALT bins them (agent.export.malt.TimelineBinner).
+
+Sampled mode: the kernel's figures are the samples' weighted estimates, by the allocation function the
+sampler named; the per-thread call counts are the sampler's own exact counts instead (`exact_calls`), and the
+profile's config says which figures are exact (EXACT_IN_SAMPLED).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import psutil
@@ -36,6 +40,7 @@ from agent.export.malt import (
     TimelineBinner,
 )
 from agent.kernel.probes import FN_KINDS, LOG2_BINS, HeapProbes
+from agent.model.callcounts import ThreadCalls, merge_by_thread
 from agent.model.counters import Counters
 from agent.model.functions import BY_SYMBOL, malt_name_of_kind
 from agent.model.sampling import ProfileMode
@@ -46,14 +51,18 @@ if TYPE_CHECKING:
     from agent.session.session import Session
 
 TICKS_PER_SECOND = 1_000_000_000  # the kernel's clock: nanoseconds
+# Sampled mode: the figures of the MALT profile that are the sampler's exact counts (the per-thread call counts).
+EXACT_IN_SAMPLED = ("threads.stats.*.count", "threads.cntMemOps")
 
 
 class MaltRecorder:
-    def __init__(self, probes: HeapProbes, pid: int, points: int = 512, mode: ProfileMode | None = None) -> None:
+    def __init__(self, probes: HeapProbes, pid: int, points: int = 512, mode: ProfileMode | None = None,
+                 exact_calls: Callable[[], list[ThreadCalls] | None] | None = None) -> None:
         self.probes = probes
         self.pid = pid
         self.points = points
         self.mode = mode or ProfileMode()  # sampled: the kernel's counts are the samples' weights
+        self.exact_calls = exact_calls  # sampled: the sampler's exact counts per thread (None: not armed yet)
         self.start_ns = time.monotonic_ns()
         self.memory = TimelineBinner(MEMORY_FIELDS, points=points, start=0)
         self.system = TimelineBinner(SYSTEM_FIELDS, points=points, start=0)
@@ -170,6 +179,9 @@ class MaltRecorder:
             acc.count += count
             acc.sum += 0 if name == "free" else nbytes
             acc.time += ns
+        calls = self.exact_calls() if self.exact_calls is not None else None
+        if calls is not None:
+            _exact_thread_counts(threads, calls)
 
         _, life = probes.log2_histograms()
         lifetime_over_size = ScatterChart.lifetime_over_size()
@@ -209,7 +221,7 @@ class MaltRecorder:
                 mmap_bytes=sum(m.sum for m in mmap_calls),
             ),
             config=MaltConfig(points=self.points, mmap=session.pages is not None, mode=self.mode.mode,
-                              sample_rate=self.mode.period),
+                              sample_rate=self.mode.period, exact=EXACT_IN_SAMPLED if calls is not None else ()),
             stacks=stacks,
             function_addresses={**_function_addresses(probe_points, mappings), **page_functions},
             mappings=mappings,
@@ -224,6 +236,20 @@ class MaltRecorder:
             lifetime_over_size=lifetime_over_size,
             leaks=leaks,
         )
+
+
+def _exact_thread_counts(threads: dict[int, MaltThread], calls: Sequence[ThreadCalls]) -> None:
+    """Put the sampler's exact call counts in place of the samples' estimated ones, thread by thread (the bytes
+    stay the estimates: the sampler counts bytes per thread, not per function). A thread that made calls but
+    no sample gets its entry here."""
+    for tid, c in merge_by_thread(calls).items():
+        thread = threads.setdefault(tid, MaltThread(tid))
+        exact: dict[str, int] = {}
+        for kind, n in c.by_kind().items():
+            name = malt_name_of_kind(kind)
+            exact[name] = exact.get(name, 0) + n
+        for name in set(exact) | set(thread.stats):
+            thread.stats.setdefault(name, ThreadFunctionStats()).count = exact.get(name, 0)
 
 
 def _exe_of(session: Session) -> str:

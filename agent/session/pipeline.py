@@ -200,7 +200,9 @@ class Profile:
                 if s.malt:
                     from agent.session.maltrec import MaltRecorder
 
-                    session.recorder = MaltRecorder(probes, p.pid, mode=s.mode)
+                    session.recorder = MaltRecorder(
+                        probes, p.pid, mode=s.mode, exact_calls=link.thread_calls if link is not None else None
+                    )
                 if not p.launched:
                     session.prepare_attach()
                 try:
@@ -364,12 +366,14 @@ class Profile:
         return self._exact_counts(c)
 
     def _exact_counts(self, c: Counters) -> Counters:
-        """Sampled mode: the call counts and bytes asked for are the sampler's own, exact; the rest stays the
-        samples' estimate (the kernel's weighted sums, which MALT's statistics keep to add up)."""
+        """Sampled mode: the call counts and bytes asked for are the sampler's own, exact, split as exact mode
+        splits them (a realloc is neither an allocation nor a free); the rest stays the samples' estimate (the
+        kernel's weighted sums, which MALT's statistics keep to add up)."""
         counts = self._sampler.counts() if self._sampler is not None else None
         if counts is None:
             return c
-        return replace(c, n_allocs=counts["allocs"], n_frees=counts["frees"], alloc_bytes=counts["alloc_bytes"])
+        return replace(c, n_allocs=counts["allocs"] - counts["reallocs"], n_reallocs=counts["reallocs"],
+                       n_frees=counts["frees"] - counts["realloc_frees"], alloc_bytes=counts["alloc_bytes"])
 
     def page_totals(self) -> PageTotals | None:
         s = self._session()

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 from agent.errors import HeapscopeError, SamplingRefused, TargetError
 from agent.kernel.probes import SiteReader
+from agent.model.callcounts import ThreadCalls, total
 from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint
 from agent.process.inject import inject
@@ -72,7 +73,7 @@ class SamplerLink:
         self.say = say
         self.library = build_sampler()
         self.control: SamplerControl | None = None
-        self._last_counts: dict[str, int] | None = None
+        self._last_calls: list[ThreadCalls] | None = None
         self._last_stats: dict[str, int] = {}
         self._lock = threading.Lock()
         self.arm_error: BaseException | None = None
@@ -135,15 +136,25 @@ class SamplerLink:
         self.counts()
         self.statistics()
 
-    def counts(self) -> dict[str, int] | None:
-        """Exact counts since arming (allocs, frees, alloc_bytes), all threads together; the last ones read
-        once the sampler is disarmed or the target gone; None before arming."""
+    def thread_calls(self) -> list[ThreadCalls] | None:
+        """Exact counts since arming, per thread slot (calls per function: ThreadCalls.by_kind); the last ones
+        read once the sampler is disarmed or the target gone; None before arming."""
         with self._lock:
             if self.control is None:
-                return self._last_counts
+                return self._last_calls
             with contextlib.suppress(OSError, HeapscopeError):  # the target exited: its last counts stand
-                self._last_counts = self.control.counts()
-            return self._last_counts
+                self._last_calls = self.control.thread_calls()
+            return self._last_calls
+
+    def counts(self) -> dict[str, int] | None:
+        """Exact counts since arming (allocs and frees, reallocs included; alloc_bytes; reallocs and the old
+        blocks they gave up, realloc_frees), all threads together; None before arming."""
+        calls = self.thread_calls()
+        if calls is None:
+            return None
+        t = total(calls)
+        return {"allocs": t.allocs, "frees": t.frees, "alloc_bytes": t.alloc_bytes, "reallocs": t.realloc,
+                "realloc_frees": t.realloc_frees}  # fmt: skip
 
     _STATS = ("samples", "sampled_frees", "set_full", "slots_patched", "lazy_skipped")
 

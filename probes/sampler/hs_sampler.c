@@ -67,9 +67,10 @@ EXPORT struct hs_sampler_control hs_control = {
  * instead of a trap. noipa keeps every call (the compiler may not reason about the body); these two have no
  * frame and the build uses -fcf-protection=none, so nothing comes before the nop (checked by a test). The
  * rest of the library keeps frame pointers, so that a frame-pointer walk from a probe reaches the program. */
-EXPORT __attribute__((noipa, used, optimize("omit-frame-pointer"))) void hs_sample_alloc(void *ptr, size_t size, size_t weight)
+EXPORT __attribute__((noipa, used, optimize("omit-frame-pointer"))) void hs_sample_alloc(void *ptr, size_t size, size_t weight,
+                                                                                     uint64_t fn)
 {
-    __asm__ volatile(".byte 0x0f, 0x1f, 0x44, 0x00, 0x00" : : "r"(ptr), "r"(size), "r"(weight) : "memory");
+    __asm__ volatile(".byte 0x0f, 0x1f, 0x44, 0x00, 0x00" : : "r"(ptr), "r"(size), "r"(weight), "r"(fn) : "memory");
 }
 
 EXPORT __attribute__((noipa, used, optimize("omit-frame-pointer"))) void hs_sample_free(void *ptr)
@@ -231,6 +232,15 @@ static void set_clear(void)
 static struct hs_counts *count_slots;
 static uint64_t count_slots_used;
 
+/* gettid as one instruction: syscall() would make claim_counts clobber the argument registers, and the hooks,
+ * which know what their callees clobber, would then keep the TLS base in a saved register on the fast path. */
+static inline uint64_t raw_gettid(void)
+{
+    long tid;
+    __asm__ volatile("syscall" : "=a"(tid) : "0"((long)SYS_gettid) : "rcx", "r11", "memory");
+    return (uint64_t)tid;
+}
+
 static __attribute__((noinline)) struct hs_counts *claim_counts(struct thread_state *t)
 {
     uint64_t i = ADD(count_slots_used, 1);
@@ -238,6 +248,8 @@ static __attribute__((noinline)) struct hs_counts *claim_counts(struct thread_st
         i = HS_COUNT_SLOTS - 1;
         t->counts_shared = 1;
         STORE(count_slots_used, (uint64_t)HS_COUNT_SLOTS);
+    } else {
+        STORE(count_slots[i].tid, raw_gettid()); /* once per thread: heapscope's per-thread view */
     }
     STORE(hs_control.counts_used, LOAD(count_slots_used) < HS_COUNT_SLOTS ? LOAD(count_slots_used) : HS_COUNT_SLOTS);
     t->counts = &count_slots[i];
@@ -252,13 +264,32 @@ static inline void count(uint64_t *field, uint64_t n, struct thread_state *t)
         ADD(*field, n);
 }
 
-static inline void count_alloc(struct thread_state *t, size_t n)
+/* The count of allocation function `fn` besides allocs; none for malloc (allocs minus the others). */
+static inline __attribute__((always_inline)) uint64_t *fn_count(struct hs_counts *c, unsigned fn)
+{
+    switch (fn) {
+    case HS_SAMPLE_CALLOC: return &c->callocs;
+    case HS_SAMPLE_REALLOC:
+    case HS_SAMPLE_REALLOCARRAY: return &c->reallocs;
+    case HS_SAMPLE_MEMALIGN: return &c->memaligns;
+    case HS_SAMPLE_POSIX_MEMALIGN: return &c->posix_memaligns;
+    case HS_SAMPLE_VALLOC: return &c->vallocs;
+    case HS_SAMPLE_PVALLOC: return &c->pvallocs;
+    default: return NULL;
+    }
+}
+
+/* `fn` is a constant in each hook (account is inlined): malloc's hook compiles to the two adds it always had. */
+static inline __attribute__((always_inline)) void count_alloc(struct thread_state *t, size_t n, unsigned fn)
 {
     struct hs_counts *c = t->counts;
     if (UNLIKELY(!c))
         c = claim_counts(t);
     count(&c->allocs, 1, t);
     count(&c->alloc_bytes, n, t);
+    uint64_t *per_fn = fn_count(c, fn);
+    if (per_fn)
+        count(per_fn, 1, t);
 }
 
 static inline void count_free(struct thread_state *t)
@@ -267,6 +298,31 @@ static inline void count_free(struct thread_state *t)
     if (UNLIKELY(!c))
         c = claim_counts(t);
     count(&c->frees, 1, t);
+}
+
+/* The old block of a realloc: a free, but not a call of free. */
+static inline void count_realloc_free(struct thread_state *t)
+{
+    struct hs_counts *c = t->counts;
+    if (UNLIKELY(!c))
+        c = claim_counts(t);
+    count(&c->frees, 1, t);
+    count(&c->realloc_frees, 1, t);
+}
+
+/* Zero the counts at arming, keeping each slot's tid (the threads keep their slots from one arming to the
+ * next). No hook counts allocations meanwhile: armed is 0. */
+static void reset_counts(void)
+{
+    uint64_t used = LOAD(count_slots_used);
+    if (used > HS_COUNT_SLOTS)
+        used = HS_COUNT_SLOTS;
+    for (uint64_t i = 0; i < used; i++) {
+        struct hs_counts *c = &count_slots[i];
+        uint64_t tid = LOAD(c->tid);
+        memset(c, 0, sizeof *c);
+        STORE(c->tid, i == HS_COUNT_SLOTS - 1 ? 0 : tid);
+    }
 }
 
 /* ---- sampling ---------------------------------------------------------------------------------------------- */
@@ -315,7 +371,7 @@ EXPORT uint64_t hs_weight(uint64_t size, uint64_t rate)
     return (uint64_t)floor((double)size / p + 0.5);
 }
 
-static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, void *p, size_t n)
+static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, void *p, size_t n, unsigned fn)
 {
     uint64_t rate = LOAD(sample_rate);
     if (UNLIKELY(!t->seeded)) {
@@ -326,7 +382,7 @@ static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, vo
         if (p) {
             set_insert((uintptr_t)p);
             ADD(hs_control.samples, 1);
-            hs_sample_alloc(p, n, n);
+            hs_sample_alloc(p, n, n, fn);
         }
         return;
     }
@@ -337,24 +393,26 @@ static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, vo
     if (p && n) {
         set_insert((uintptr_t)p);
         ADD(hs_control.samples, 1);
-        hs_sample_alloc(p, n, hs_weight(n, rate));
+        hs_sample_alloc(p, n, hs_weight(n, rate), fn);
     }
 }
 
-/* The fast path: one TLS subtraction and a compare for an allocation that is not sampled. */
-static inline void account(void *p, size_t n)
+/* The fast path: one TLS subtraction and a compare for an allocation that is not sampled. `fn` (enum
+ * hs_sample_fn) is a constant of the hook: it picks the count at compile time and reaches the probe only on
+ * the slow path. */
+static inline __attribute__((always_inline)) void account(void *p, size_t n, unsigned fn)
 {
     struct thread_state *t = &tls;
     if (UNLIKELY(!LOAD(armed) || t->busy))
         return;
     if (p)
-        count_alloc(t, n);
+        count_alloc(t, n, fn);
     int64_t r = t->remaining - (int64_t)n;
     if (LIKELY(r > 0 && n < LOAD(sample_rate))) {
         t->remaining = r;
         return;
     }
-    hs_account_slow(t, p, n);
+    hs_account_slow(t, p, n, fn);
 }
 
 /* Report a free before the block goes back to the allocator: after it, another thread may get the same
@@ -389,7 +447,7 @@ static inline void unbusy(struct busy_guard *g) { g->t->busy = g->was; }
 static void *hs_hook_malloc(size_t n)
 {
     void *p = REAL(H_MALLOC, alloc_fn)(n);
-    account(p, n);
+    account(p, n, HS_SAMPLE_MALLOC);
     return p;
 }
 static void hs_hook_free(void *p)
@@ -406,13 +464,13 @@ static void *hs_hook_calloc(size_t nmemb, size_t size)
     }
     size_t n;
     if (!__builtin_mul_overflow(nmemb, size, &n))
-        account(p, n);
+        account(p, n, HS_SAMPLE_CALLOC);
     return p;
 }
 static void *hs_hook_realloc(void *p, size_t n)
 {
     if (p && !tls.busy)
-        count_free(&tls);
+        count_realloc_free(&tls);
     int was_sampled = 0;
     if (may_be_sampled(p) && set_remove((uintptr_t)p)) {
         was_sampled = 1;
@@ -427,7 +485,7 @@ static void *hs_hook_realloc(void *p, size_t n)
     if (UNLIKELY(was_sampled && q == NULL && n != 0))
         ADD(hs_control.realloc_failed_sampled, 1); /* p lives on, no longer sampled */
     if (q)
-        account(q, n);
+        account(q, n, HS_SAMPLE_REALLOC);
     return q;
 }
 static void *hs_hook_reallocarray(void *p, size_t nmemb, size_t size)
@@ -436,7 +494,7 @@ static void *hs_hook_reallocarray(void *p, size_t nmemb, size_t size)
     if (__builtin_mul_overflow(nmemb, size, &n))
         return REAL(H_REALLOCARRAY, reallocarray_fn)(p, nmemb, size); /* fails with ENOMEM, p untouched */
     if (p && !tls.busy)
-        count_free(&tls);
+        count_realloc_free(&tls);
     int was_sampled = 0;
     if (may_be_sampled(p) && set_remove((uintptr_t)p)) {
         was_sampled = 1;
@@ -451,7 +509,7 @@ static void *hs_hook_reallocarray(void *p, size_t nmemb, size_t size)
     if (UNLIKELY(was_sampled && q == NULL && n != 0))
         ADD(hs_control.realloc_failed_sampled, 1);
     if (q)
-        account(q, n);
+        account(q, n, HS_SAMPLE_REALLOCARRAY);
     return q;
 }
 static int hs_hook_posix_memalign(void **out, size_t align, size_t n)
@@ -462,7 +520,7 @@ static int hs_hook_posix_memalign(void **out, size_t align, size_t n)
         r = REAL(H_POSIX_MEMALIGN, posix_memalign_fn)(out, align, n);
     }
     if (r == 0)
-        account(*out, n);
+        account(*out, n, HS_SAMPLE_POSIX_MEMALIGN);
     return r;
 }
 static void *hs_hook_aligned_alloc(size_t align, size_t n)
@@ -472,7 +530,7 @@ static void *hs_hook_aligned_alloc(size_t align, size_t n)
         BUSY_SCOPE;
         p = REAL(H_ALIGNED_ALLOC, alloc2_fn)(align, n);
     }
-    account(p, n);
+    account(p, n, HS_SAMPLE_MEMALIGN);
     return p;
 }
 static void *hs_hook_memalign(size_t align, size_t n)
@@ -482,7 +540,7 @@ static void *hs_hook_memalign(size_t align, size_t n)
         BUSY_SCOPE;
         p = REAL(H_MEMALIGN, alloc2_fn)(align, n);
     }
-    account(p, n);
+    account(p, n, HS_SAMPLE_MEMALIGN);
     return p;
 }
 static void *hs_hook_valloc(size_t n)
@@ -492,7 +550,7 @@ static void *hs_hook_valloc(size_t n)
         BUSY_SCOPE;
         p = REAL(H_VALLOC, alloc_fn)(n);
     }
-    account(p, n);
+    account(p, n, HS_SAMPLE_VALLOC);
     return p;
 }
 static void *hs_hook_pvalloc(size_t n)
@@ -502,13 +560,13 @@ static void *hs_hook_pvalloc(size_t n)
         BUSY_SCOPE;
         p = REAL(H_PVALLOC, alloc_fn)(n);
     }
-    account(p, n);
+    account(p, n, HS_SAMPLE_PVALLOC);
     return p;
 }
 
 /* C++ operators: busy while the real operator runs, so the malloc it calls (through its own, patched, GOT)
  * is not counted twice. */
-#define NEW_HOOK(fn, id)                                                                                         \
+#define NEW_HOOK(fn, id, kind)                                                                                       \
     static void *fn(size_t n)                                                                                    \
     {                                                                                                            \
         void *p;                                                                                                 \
@@ -516,10 +574,10 @@ static void *hs_hook_pvalloc(size_t n)
             BUSY_SCOPE;                                                                                          \
             p = REAL(id, alloc_fn)(n);                                                                           \
         }                                                                                                        \
-        account(p, n);                                                                                           \
+        account(p, n, kind);                                                                                     \
         return p;                                                                                                \
     }
-#define NEW_NT_HOOK(fn, id)                                                                                      \
+#define NEW_NT_HOOK(fn, id, kind)                                                                                    \
     static void *fn(size_t n, const void *nt)                                                                    \
     {                                                                                                            \
         void *p;                                                                                                 \
@@ -527,10 +585,10 @@ static void *hs_hook_pvalloc(size_t n)
             BUSY_SCOPE;                                                                                          \
             p = REAL(id, alloc_nt_fn)(n, nt);                                                                    \
         }                                                                                                        \
-        account(p, n);                                                                                           \
+        account(p, n, kind);                                                                                     \
         return p;                                                                                                \
     }
-#define NEW_AL_HOOK(fn, id)                                                                                      \
+#define NEW_AL_HOOK(fn, id, kind)                                                                                    \
     static void *fn(size_t n, size_t al)                                                                         \
     {                                                                                                            \
         void *p;                                                                                                 \
@@ -538,10 +596,10 @@ static void *hs_hook_pvalloc(size_t n)
             BUSY_SCOPE;                                                                                          \
             p = REAL(id, alloc2_fn)(n, al);                                                                      \
         }                                                                                                        \
-        account(p, n);                                                                                           \
+        account(p, n, kind);                                                                                     \
         return p;                                                                                                \
     }
-#define NEW_AL_NT_HOOK(fn, id)                                                                                   \
+#define NEW_AL_NT_HOOK(fn, id, kind)                                                                                 \
     static void *fn(size_t n, size_t al, const void *nt)                                                         \
     {                                                                                                            \
         void *p;                                                                                                 \
@@ -549,17 +607,18 @@ static void *hs_hook_pvalloc(size_t n)
             BUSY_SCOPE;                                                                                          \
             p = REAL(id, alloc_al_nt_fn)(n, al, nt);                                                             \
         }                                                                                                        \
-        account(p, n);                                                                                           \
+        account(p, n, kind);                                                                                     \
         return p;                                                                                                \
     }
-NEW_HOOK(hs_hook_new, H_NEW)
-NEW_HOOK(hs_hook_new_arr, H_NEW_ARR)
-NEW_NT_HOOK(hs_hook_new_nt, H_NEW_NT)
-NEW_NT_HOOK(hs_hook_new_arr_nt, H_NEW_ARR_NT)
-NEW_AL_HOOK(hs_hook_new_al, H_NEW_AL)
-NEW_AL_HOOK(hs_hook_new_arr_al, H_NEW_ARR_AL)
-NEW_AL_NT_HOOK(hs_hook_new_al_nt, H_NEW_AL_NT)
-NEW_AL_NT_HOOK(hs_hook_new_arr_al_nt, H_NEW_ARR_AL_NT)
+/* As exact mode sees them: libstdc++'s operator new calls malloc, its aligned operator new aligned_alloc. */
+NEW_HOOK(hs_hook_new, H_NEW, HS_SAMPLE_MALLOC)
+NEW_HOOK(hs_hook_new_arr, H_NEW_ARR, HS_SAMPLE_MALLOC)
+NEW_NT_HOOK(hs_hook_new_nt, H_NEW_NT, HS_SAMPLE_MALLOC)
+NEW_NT_HOOK(hs_hook_new_arr_nt, H_NEW_ARR_NT, HS_SAMPLE_MALLOC)
+NEW_AL_HOOK(hs_hook_new_al, H_NEW_AL, HS_SAMPLE_MEMALIGN)
+NEW_AL_HOOK(hs_hook_new_arr_al, H_NEW_ARR_AL, HS_SAMPLE_MEMALIGN)
+NEW_AL_NT_HOOK(hs_hook_new_al_nt, H_NEW_AL_NT, HS_SAMPLE_MEMALIGN)
+NEW_AL_NT_HOOK(hs_hook_new_arr_al_nt, H_NEW_ARR_AL_NT, HS_SAMPLE_MEMALIGN)
 
 static void hs_hook_del(void *p)
 {
@@ -643,13 +702,13 @@ static void *hs_hook_mallocx(size_t n, int flags)
         BUSY_SCOPE;
         p = REAL(H_MALLOCX, mallocx_fn)(n, flags);
     }
-    account(p, n);
+    account(p, n, HS_SAMPLE_MALLOC);
     return p;
 }
 static void *hs_hook_rallocx(void *p, size_t n, int flags)
 {
     if (p && !tls.busy)
-        count_free(&tls);
+        count_realloc_free(&tls);
     int was_sampled = 0;
     if (may_be_sampled(p) && set_remove((uintptr_t)p)) {
         was_sampled = 1;
@@ -663,7 +722,7 @@ static void *hs_hook_rallocx(void *p, size_t n, int flags)
     }
     if (UNLIKELY(was_sampled && q == NULL))
         ADD(hs_control.realloc_failed_sampled, 1);
-    account(q, n);
+    account(q, n, HS_SAMPLE_REALLOC);
     return q;
 }
 static void hs_hook_dallocx(void *p, int flags) { forget(p); REAL(H_DALLOCX, dallocx_fn)(p, flags); }
@@ -1037,7 +1096,7 @@ static int64_t arm(uint64_t rate)
     lease_write_fd = -1;
     STORE(hs_control.lease_fd, (int64_t)-1);
     set_clear();
-    madvise(count_slots, sizeof(struct hs_counts) * HS_COUNT_SLOTS, MADV_DONTNEED); /* counts start at arming */
+    reset_counts(); /* counts start at arming */
     STORE(sample_rate, rate);
     pthread_mutex_lock(&patch_lock);
     STORE(armed, 1);

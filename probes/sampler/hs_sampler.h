@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 #define HS_CONTROL_MAGIC 0x4853534d504c5231ULL /* "HSSMPLR1" */
-#define HS_CONTROL_VERSION 3
+#define HS_CONTROL_VERSION 4
 
 /* request: what heapscope asks for; it writes the request fields, then request_seq (last). */
 enum hs_request { HS_REQ_NONE = 0, HS_REQ_ARM = 1, HS_REQ_DISARM = 2 };
@@ -60,13 +60,40 @@ struct hs_sampler_control {
     uint64_t counts_used;
 };
 
-/* Exact counts of one thread (one cache line, written only by its thread; the last slot is shared by the
- * threads beyond HS_COUNT_SLOTS - 1, with atomic adds). */
+/* The allocation function a sample came from: the fourth argument of hs_sample_alloc, with the values of
+ * `enum hs_fn` in probes/heap.h (exact mode's kinds; a test checks they agree). Each hook passes the kind
+ * exact mode records for the same call: the C++ operators and mallocx are malloc (libstdc++'s operator new
+ * calls malloc), the aligned operators memalign (they call aligned_alloc), rallocx realloc. */
+enum hs_sample_fn {
+    HS_SAMPLE_MALLOC = 0,
+    HS_SAMPLE_CALLOC = 1,
+    HS_SAMPLE_REALLOC = 2,
+    HS_SAMPLE_MEMALIGN = 3, /* memalign, aligned_alloc, aligned operator new */
+    HS_SAMPLE_POSIX_MEMALIGN = 4,
+    HS_SAMPLE_VALLOC = 5,
+    HS_SAMPLE_PVALLOC = 6,
+    HS_SAMPLE_REALLOCARRAY = 7,
+};
+
+/* Exact counts of one thread (two cache lines, written only by its thread; the last slot is shared by the
+ * threads beyond HS_COUNT_SLOTS - 1, with atomic adds). malloc's and free's hooks touch only allocs,
+ * alloc_bytes and frees; every other hook also adds one to its function's count, in the same line. So the
+ * calls of malloc (operator new and mallocx included) are allocs minus the other functions' counts, and
+ * those of free (delete, dallocx and sdallocx included) frees minus realloc_frees. */
 #define HS_COUNT_SLOTS 16384
 struct hs_counts {
-    uint64_t allocs;      /* allocation calls that returned a block */
-    uint64_t frees;       /* free calls (and deletes) with a non-null pointer */
-    uint64_t alloc_bytes; /* bytes those allocations asked for */
+    uint64_t allocs;         /* allocation calls that returned a block (reallocs included) */
+    uint64_t frees;          /* free calls (and deletes) with a non-null pointer, and reallocs of one */
+    uint64_t alloc_bytes;    /* bytes those allocations asked for */
+    uint64_t callocs;        /* of allocs: calloc */
+    uint64_t reallocs;       /* of allocs: realloc, reallocarray, rallocx */
+    uint64_t memaligns;      /* of allocs: memalign, aligned_alloc, aligned operator new */
+    uint64_t posix_memaligns;/* of allocs: posix_memalign */
+    uint64_t vallocs;        /* of allocs: valloc */
+    /* second line: rarely written */
+    uint64_t pvallocs;       /* of allocs: pvalloc */
+    uint64_t realloc_frees;  /* of frees: the old blocks of reallocs */
+    uint64_t tid;            /* the thread that claimed the slot (0: the shared last slot) */
     uint64_t pad[5];
 };
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from agent.symbols.elf import open_elf
 
 TRACEFS = Path("/sys/kernel/tracing")
-_LINE = re.compile(r"\s(alloc|free): \(0x[0-9a-f]+\) ptr=0x([0-9a-f]+)(?: size=(\d+) weight=(\d+))?")
+_LINE = re.compile(r"\s(alloc|free): \(0x[0-9a-f]+\) ptr=0x([0-9a-f]+)(?: size=(\d+) weight=(\d+) fn=(\d+))?")
 
 
 def _append(path: Path, line: str) -> None:
@@ -32,12 +32,13 @@ def _append(path: Path, line: str) -> None:
 class Samples:
     allocs: list[tuple[int, int, int]]  # (ptr, size, weight)
     frees: list[int]
+    alloc_fns: list[int]  # enum hs_fn of each of allocs
     lost: int  # events the trace buffer dropped
 
 
 @contextmanager
 def sample_trace(library: Path) -> Iterator[callable]:  # type: ignore[valid-type]
-    """Trace hs_sample_alloc(ptr, size, weight) and hs_sample_free(ptr) in `library`; yields a function that
+    """Trace hs_sample_alloc(ptr, size, weight, fn) and hs_sample_free(ptr) in `library`; yields a function that
     returns the Samples recorded so far."""
     elf = open_elf(str(library))
     tag = f"hst{os.getpid()}_{secrets.token_hex(3)}"
@@ -47,7 +48,7 @@ def sample_trace(library: Path) -> Iterator[callable]:  # type: ignore[valid-typ
         assert found is not None, f"{library} lacks {name}"
         offsets[name] = elf.vaddr_to_file_offset(found[0])
     events = [
-        f"p:{tag}/alloc {library}:0x{offsets['hs_sample_alloc']:x} ptr=%di:x64 size=%si:u64 weight=%dx:u64",
+        f"p:{tag}/alloc {library}:0x{offsets['hs_sample_alloc']:x} ptr=%di:x64 size=%si:u64 weight=%dx:u64 fn=%cx:u64",
         f"p:{tag}/free {library}:0x{offsets['hs_sample_free']:x} ptr=%di:x64",
     ]
     instance = TRACEFS / "instances" / tag
@@ -60,13 +61,14 @@ def sample_trace(library: Path) -> Iterator[callable]:  # type: ignore[valid-typ
             (instance / "events" / tag / ev / "enable").write_text("1\n")
 
         def read() -> Samples:
-            allocs, frees = [], []
+            allocs, frees, fns = [], [], []
             for line in (instance / "trace").read_text().splitlines():
                 m = _LINE.search(line)
                 if not m:
                     continue
                 if m.group(1) == "alloc":
                     allocs.append((int(m.group(2), 16), int(m.group(3)), int(m.group(4))))
+                    fns.append(int(m.group(5)))
                 else:
                     frees.append(int(m.group(2), 16))
             lost = 0
@@ -74,7 +76,7 @@ def sample_trace(library: Path) -> Iterator[callable]:  # type: ignore[valid-typ
                 for stat in line.read_text().splitlines():
                     if stat.startswith("overrun:") or stat.startswith("dropped events:"):
                         lost += int(stat.split(":")[1])
-            return Samples(allocs, frees, lost)
+            return Samples(allocs, frees, fns, lost)
 
         yield read
     finally:

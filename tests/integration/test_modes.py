@@ -24,6 +24,7 @@ import pytest
 
 from agent.model.sampling import sample_probability
 from agent.process.sampler import SamplerControl, build_sampler
+from agent.session.maltrec import EXACT_IN_SAMPLED
 from tests.integration.harness import Completed
 from tests.integration.test_daemon import Daemon, start_daemon, stop_daemon
 from tests.integration.test_oracle import NO_CULL, _diff, final, read_snapshots
@@ -237,7 +238,8 @@ def test_every_output_says_the_mode(sampled_run: dict) -> None:
     args = next(line for line in printed.splitlines() if line.startswith("Massif arguments:"))
     assert f"--mode=sampled --sample-rate={rate}" in args and "estimates" in args, args
     malt = json.loads(files["malt"].read_text())
-    assert malt["config"]["heapscope"] == {"mode": "sampled", "sample-rate": rate, "estimates": True}
+    assert malt["config"]["heapscope"] == {"mode": "sampled", "sample-rate": rate, "estimates": True,
+                                           "exact": list(EXACT_IN_SAMPLED)}  # the per-thread call counts
     assert malt["config"]["sampling"]["volume"] == rate
     pprof = subprocess.run(["go", "tool", "pprof", "-raw", str(files["pprof"])], capture_output=True, text=True,
                            check=True, cwd=tmp, env={**os.environ, "HOME": str(tmp)}).stdout

@@ -18,10 +18,13 @@ import pytest
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
+from agent.contract import HEAP_H
+from agent.model.callcounts import total
 from agent.model.sampling import sample_probability, weight_hint
 from agent.process.sampler import (
     CONTROL_FIELDS,
     CONTROL_SIZE,
+    COUNT_FIELDS,
     COUNT_SLOTS,
     COUNTS,
     OFFSETS,
@@ -65,18 +68,32 @@ def test_control_layout_and_weights_match_python(sampler_lib: Path, build: Calla
     ).stdout
     fields = {}
     weights = {}
+    counts: dict[str, int] = {}
+    fns: dict[str, int] = {}
     for line in out.splitlines():
         kind, *rest = line.split()
         if kind == "field":
             fields[rest[0]] = int(rest[1])
         elif kind == "size":
             assert int(rest[0]) == CONTROL_SIZE
+        elif kind == "count":
+            counts[rest[0]] = int(rest[1])
         elif kind == "counts":
-            assert [int(x) for x in rest] == [0, 8, 16, COUNTS.size, COUNT_SLOTS]
+            assert [int(x) for x in rest] == [COUNTS.size, COUNT_SLOTS]
+        elif kind == "fn":
+            fns[f"HS_{rest[0]}"] = int(rest[1])
         elif kind == "weight":
             weights[int(rest[0])] = int(rest[1])
     assert fields == OFFSETS
     assert list(fields) == [name for name, _ in CONTROL_FIELDS]
+    # struct hs_counts as COUNT_FIELDS reads it (C's plural names), and the allocation functions the sampler
+    # names to its probe are exact mode's enum hs_fn.
+    assert list(counts.values()) == [8 * i for i in range(len(COUNT_FIELDS))]
+    plural = {"calloc": "callocs", "realloc": "reallocs", "memalign": "memaligns",
+              "posix_memalign": "posix_memaligns", "valloc": "vallocs", "pvalloc": "pvallocs"}  # fmt: skip
+    assert list(counts) == [plural.get(f, f) for f in COUNT_FIELDS]
+    hs_fn = HEAP_H.enum("hs_fn")
+    assert fns and all(hs_fn[name] == value for name, value in fns.items()), (fns, hs_fn)
     for size in sizes:
         assert abs(weights[size] - weight_hint(size, rate)) <= 1, size  # C's exp/log vs Python's: one byte
 
@@ -330,6 +347,11 @@ def test_cxx_operators_and_libraries_loaded_after_arming(
     freed = Counter(samples.frees)
     for name in ("new[]", "new", "aligned_new", "nothrow_new", "after_throw"):
         assert freed[addresses[name]] == 1, name
+    # As exact mode sees them through libstdc++: operator new calls malloc, the aligned one aligned_alloc.
+    hs_fn = HEAP_H.enum("hs_fn")
+    fn_of = dict(zip((p for p, _, _ in samples.allocs), samples.alloc_fns, strict=True))
+    for name, ptr in addresses.items():
+        assert fn_of[ptr] == hs_fn["HS_MEMALIGN" if name == "aligned_new" else "HS_MALLOC"], name
 
 
 def test_program_closing_the_lease_and_forking_is_left_alone(sampler_lib: Path, build: Callable[..., Path]) -> None:
@@ -407,6 +429,7 @@ def test_every_c_allocation_function_is_sampled_and_freed_once(sampler_lib: Path
                 addresses[name] = int(value, 16)
             samples = read()
             counts = ctl.counts()
+            calls = total(ctl.thread_calls())
             conv.say("exit")
             assert conv.finish() == 0
         ctl.close()
@@ -430,3 +453,23 @@ def test_every_c_allocation_function_is_sampled_and_freed_once(sampler_lib: Path
     assert allocs == made
     assert frees == freed
     assert counts["allocs"] >= len(addresses) - 1 and counts["frees"] >= len(addresses) - 1
+    # Each sample names its function as exact mode records the call (probes/heap.h enum hs_fn).
+    hs_fn = HEAP_H.enum("hs_fn")
+    # gcc compiles realloc(NULL, n) as malloc(n): exact mode sees a malloc too.
+    kind_of = {"malloc": "HS_MALLOC", "calloc": "HS_CALLOC", "realloc_null": "HS_MALLOC", "realloc": "HS_REALLOC",
+               "reallocarray": "HS_REALLOCARRAY", "posix_memalign": "HS_POSIX_MEMALIGN",
+               "aligned_alloc": "HS_MEMALIGN", "memalign": "HS_MEMALIGN", "valloc": "HS_VALLOC",
+               "pvalloc": "HS_PVALLOC"}  # fmt: skip
+    # In call order (an address can come back): each block's sample is the next one at its address.
+    ordered = [(p, fn) for (p, size, _), fn in zip(samples.allocs, samples.alloc_fns, strict=True) if size >= mib]
+    at = 0
+    for name in (n for n in addresses if n != "realloc_old"):
+        while ordered[at][0] != addresses[name]:
+            at += 1
+        assert ordered[at][1] == hs_fn[kind_of[name]], (name, ordered[at][1])
+        at += 1
+    # The exact counts per function: the program's calls since arming, one each (stdio allocates inside libc,
+    # through no hooked slot); free's are its frees less the old block the growing realloc gave up.
+    assert calls.by_kind() == {"malloc": 2, "calloc": 1, "realloc": 2, "memalign": 2, "posix_memalign": 1,
+                               "valloc": 1, "pvalloc": 1, "free": len(addresses) - 2}, calls  # fmt: skip
+    assert calls.realloc_frees == 1

@@ -56,6 +56,7 @@ def test_values_per_target() -> None:
     assert value(text, "heapscope_freed_bytes_total", pid="10", command="api") == ca.freed_bytes
     assert value(text, "heapscope_allocation_calls_total", pid="10", command="api") == ca.n_allocs
     assert value(text, "heapscope_free_calls_total", pid="10", command="api") == ca.n_frees
+    assert value(text, "heapscope_realloc_calls_total", pid="10", command="api") == ca.n_reallocs
     assert value(text, "heapscope_untracked_frees_total", pid="10", command="api") == 2
     assert value(text, "heapscope_map_full_drops_total", pid="10", command="api", map="blocks") == 1
     assert value(text, "heapscope_map_full_drops_total", pid="10", command="api", map="malt_sizes") == 3

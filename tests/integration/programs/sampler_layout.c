@@ -2,7 +2,8 @@
  *
  *   sampler_layout LIBRARY RATE SIZE...
  *
- * "field OFFSET" per field, "size N", then "weight SIZE W" per size (hs_weight from the library). */
+ * "field NAME OFFSET" per field, "size N", "count NAME OFFSET" per field of struct hs_counts, "counts SIZE SLOTS",
+ * "fn NAME VALUE" per enum hs_sample_fn member, then "weight SIZE W" per size (hs_weight from the library). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stddef.h>
@@ -24,8 +25,12 @@ int main(int argc, char **argv)
     F(control_tid); F(hooks_resolved); F(lazy_skipped);
     F(counts_address); F(counts_used);
     printf("size %zu\n", sizeof(struct hs_sampler_control));
-    printf("counts %zu %zu %zu %zu %d\n", offsetof(struct hs_counts, allocs), offsetof(struct hs_counts, frees),
-           offsetof(struct hs_counts, alloc_bytes), sizeof(struct hs_counts), HS_COUNT_SLOTS);
+#define C(name) printf("count %s %zu\n", #name, offsetof(struct hs_counts, name))
+    C(allocs); C(frees); C(alloc_bytes); C(callocs); C(reallocs); C(memaligns); C(posix_memaligns); C(vallocs);
+    C(pvallocs); C(realloc_frees); C(tid);
+    printf("counts %zu %d\n", sizeof(struct hs_counts), HS_COUNT_SLOTS);
+#define FN(name) printf("fn %s %d\n", #name, HS_SAMPLE_##name)
+    FN(MALLOC); FN(CALLOC); FN(REALLOC); FN(MEMALIGN); FN(POSIX_MEMALIGN); FN(VALLOC); FN(PVALLOC); FN(REALLOCARRAY);
     void *lib = dlopen(argv[1], RTLD_NOW | RTLD_NODELETE);
     if (!lib) {
         fprintf(stderr, "dlopen: %s\n", dlerror());
