@@ -30,7 +30,7 @@ from agent.daemon.fleetopts import add_fleet_options, fleet_config_from
 from agent.errors import EnvironmentProblem, HeapscopeError, UnsafePath, UsageError
 from agent.export.registry import FORMATS
 from agent.model.options import MassifOptions
-from agent.model.sampling import DEFAULT_SAMPLE_RATE, MAX_SAMPLE_RATE, MODES, Mode, ProfileMode
+from agent.model.sampling import DEFAULT_CAPACITY, DEFAULT_SAMPLE_RATE, MAX_SAMPLE_RATE, MODES, Mode, ProfileMode
 from agent.model.summary import ProfileSummary
 from agent.offline import commands as offline_commands
 from agent.offline import view
@@ -214,14 +214,16 @@ def _add_profile_options(p: argparse.ArgumentParser, mode: Mode = "exact") -> No
     h.add_argument(
         "--max-blocks",
         type=int_at_least(1024),
-        default=1 << 20,
-        help="live blocks the kernel can track; more are counted as dropped (default 1048576)",
+        default=None,
+        help="live blocks the kernel can track (sampled mode: live sampled blocks); more are counted as dropped "
+        f"and reported (default {DEFAULT_CAPACITY['exact'][0]} exact, {DEFAULT_CAPACITY['sampled'][0]} sampled)",
     )
     h.add_argument(
         "--max-stacks",
         type=int_at_least(1024),
-        default=1 << 16,
-        help="distinct allocation stacks the kernel can keep (default 65536)",
+        default=None,
+        help="distinct allocation stacks the kernel can keep; more are counted and reported "
+        f"(default {DEFAULT_CAPACITY['exact'][1]} exact, {DEFAULT_CAPACITY['sampled'][1]} sampled)",
     )
     h.add_argument(
         "--unwind",

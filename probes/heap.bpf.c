@@ -42,7 +42,7 @@ BPF_PERCPU_ARRAY(rule_cache, struct hs_rule_entry, HS_RULE_CACHE);
  * An array: its lookups are inlined and take no lock, unlike a hash map's. */
 BPF_ARRAY(slots, struct hs_pending, HS_PENDING_SLOTS);
 /* pending: thread id -> struct hs_pending, for a thread whose slot another thread holds */
-BPF_F_TABLE("hash", u32, struct hs_pending, pending, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", u32, struct hs_pending, pending, HS_MAX_PENDING, BPF_F_NO_PREALLOC);
 /* globals: 0 -> struct hs_global */
 BPF_ARRAY(globals, struct hs_global, 1);
 /* control: enum hs_control -> u64, written by user space (kept apart so its writes never race counters) */
@@ -52,7 +52,7 @@ BPF_ARRAY(control, u64, HS_CTL_COUNT);
 BPF_F_TABLE("hash", u64, u64, size_map, HS_MAX_SIZES, BPF_F_NO_PREALLOC);
 /* small_sizes: request size -> count, for sizes below HS_SMALL_SIZES (no hashing on the common sizes) */
 BPF_ARRAY(small_sizes, u64, HS_SMALL_SIZES);
-BPF_F_TABLE("hash", struct hs_jump, u64, realloc_jump, HS_MAX_SIZES, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct hs_jump, u64, realloc_jump, HS_MAX_JUMPS, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", u64, struct hs_thread_stat, thread_stats, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
 /* thread_slots: (tid mod HS_THREAD_SLOTS) * HS_FN_COUNT + fn -> the owning thread's statistics */
 BPF_ARRAY(thread_slots, struct hs_thread_slot, HS_THREAD_SLOTS * HS_FN_COUNT);
@@ -1612,7 +1612,7 @@ int page_enter_walk(void *ctx)
 }
 
 /* At its exit: one event with the arguments and the result, for agent/model/pages.py to apply in order. */
-static __always_inline int page_exit(u32 kind, long ret)
+static __always_inline int page_exit(void *ctx, u32 kind, long ret)
 {
     u64 id = bpf_get_current_pid_tgid();
     if ((id >> 32) != HS_TARGET_TGID)
@@ -1671,6 +1671,19 @@ static __always_inline int page_exit(u32 kind, long ret)
     /* No wakeup: user space drains the buffer when it samples, and a wakeup per call costs an IPI. */
     page_events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     page_count(HS_PGC_EVENTS);
+    /* But the event that fills the ring to half (and to three quarters, should that wake-up be missed) wakes
+     * user space once: a daemon looking at a quiet target once a second drains a burst before the ring
+     * overflows, so the ring can stay small. Its fill is the events sent less those user space took. */
+    u32 sent_idx = HS_PGC_EVENTS;
+    u64 *sent = page_counters.lookup(&sent_idx);
+    if (sent) {
+        u64 held = HS_ONCE(*sent) - control_word(HS_CTL_PAGES_DRAINED);
+        u64 room = (u64)HS_PAGE_RING_PAGES * 4096 / ((sizeof(struct hs_page_event) + 8 + 7) & ~7ULL);
+        if (held == room / 2 || held == room / 2 + room / 4) {
+            u64 event = HS_EV_PAGES;
+            events.perf_submit(ctx, &event, sizeof(event));
+        }
+    }
     return 0;
 }
 
@@ -1678,14 +1691,14 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
 {
     return page_enter(args, HS_PG_MMAP, args->addr, args->len, args->prot, args->flags, args->fd);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_mmap) { return page_exit(HS_PG_MMAP, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_mmap) { return page_exit(args, HS_PG_MMAP, args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_munmap) { return page_enter(args, HS_PG_MUNMAP, args->addr, args->len, 0, 0, 0); }
-TRACEPOINT_PROBE(syscalls, sys_exit_munmap) { return page_exit(HS_PG_MUNMAP, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_munmap) { return page_exit(args, HS_PG_MUNMAP, args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_mremap)
 {
     return page_enter(args, HS_PG_MREMAP, args->addr, args->old_len, args->new_len, args->flags, args->new_addr);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_mremap) { return page_exit(HS_PG_MREMAP, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_mremap) { return page_exit(args, HS_PG_MREMAP, args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_brk) { return page_enter(args, HS_PG_BRK, args->brk, 0, 0, 0, 0); }
-TRACEPOINT_PROBE(syscalls, sys_exit_brk) { return page_exit(HS_PG_BRK, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_brk) { return page_exit(args, HS_PG_BRK, args->ret); }
 #endif

@@ -21,7 +21,9 @@
 #ifndef HS_MAX_THREADS
 #define HS_MAX_THREADS 16384     /* overflow table: threads in an allocation call whose slot is taken */
 #endif
+#ifndef HS_PENDING_SLOTS
 #define HS_PENDING_SLOTS 8192    /* per-thread call slots, indexed by tid mod this (a power of two) */
+#endif
 #ifndef HS_HEAP_ADMIN
 #define HS_HEAP_ADMIN 8          /* Massif --heap-admin */
 #endif
@@ -44,6 +46,12 @@
 #endif
 #ifndef HS_MAX_SIZES
 #define HS_MAX_SIZES 65536       /* distinct request sizes in MALT's sizeMap */
+#endif
+#ifndef HS_MAX_JUMPS
+#define HS_MAX_JUMPS HS_MAX_SIZES /* distinct (old size, new size) pairs of MALT's realloc jumps */
+#endif
+#ifndef HS_MAX_PENDING
+#define HS_MAX_PENDING HS_MAX_THREADS /* pending: calls whose thread's slot another thread holds */
 #endif
 #define HS_LOG2_BINS 64          /* log2 bins of the scatter histograms */
 #define HS_SMALL_SIZES 4096      /* MALT sizeMap: sizes below this are counted in an array */
@@ -114,6 +122,9 @@ struct hs_block {
 #endif
 #ifndef HS_SAMPLED
 #define HS_SAMPLED 0             /* 1: sampled.bpf.c is appended (sampled mode) */
+#endif
+#ifndef HS_MAX_SAMPLED_BLOCKS
+#define HS_MAX_SAMPLED_BLOCKS 65536 /* sampled mode: live sampled blocks (sampled_blocks; --max-blocks) */
 #endif
 struct hs_sampled_block {
     __u64 bytes;  /* estimated bytes: blocks * size */
@@ -276,7 +287,8 @@ enum hs_control {
     HS_CTL_SCHED_MAX = 11,     /* --max-snapshots: the guess is the time so far divided by it */
     HS_CTL_SCHED_PEAK_PPM = 12, /* --peak-inaccuracy, in millionths */
     HS_CTL_SCHED_JIFFY_NS = 13, /* HS_SCHED_NS: nanoseconds a jiffy (0: unknown, the clock is read always) */
-    HS_CTL_COUNT = 14,
+    HS_CTL_PAGES_DRAINED = 14, /* page events user space has taken from their ring so far (its wake-up) */
+    HS_CTL_COUNT = 15,
 };
 
 /* Events sent to user space (perf buffer `events`), and the reasons the target is stopped. */
@@ -286,6 +298,7 @@ enum hs_event {
     HS_EV_EXIT = 3,       /* the target called exit(): its mappings are about to go */
     HS_EV_SCHEDULE = 4,   /* the point count reached HS_CTL_SCHED_CULL_AT: user space should drain the points
                            * and say the interval after its culling (stops the target only with time in B) */
+    HS_EV_PAGES = 5,      /* the page events' ring is half full: user space should drain it (never stops) */
 };
 
 /* One point of the snapshot schedule (ring buffer sched_points): the first allocator event at or after the

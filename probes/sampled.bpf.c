@@ -24,8 +24,10 @@
  */
 
 /* sampled_blocks: block address -> struct hs_sampled_block (the live sampled blocks). Not preallocated: a
- * sampled target holds few blocks here, so its memory follows them, not --max-blocks. */
-BPF_F_TABLE("hash", u64, struct hs_sampled_block, sampled_blocks, HS_MAX_BLOCKS, BPF_F_NO_PREALLOC);
+ * sampled target holds few blocks here (about its heap / HS_SAMPLE_RATE), so its memory follows them; only the
+ * bucket array (16 bytes an entry) is sized from --max-blocks. In sampled mode the exact mode's block tables
+ * (block_slots, blocks) are compiled at their smallest: no program here uses them. */
+BPF_F_TABLE("hash", u64, struct hs_sampled_block, sampled_blocks, HS_MAX_SAMPLED_BLOCKS, BPF_F_NO_PREALLOC);
 
 /* N: 1/p from the weight (weight / size in 16.16 fixed point), its fraction rounded at random. */
 static __always_inline u64 sample_blocks(u64 size, u64 weight)

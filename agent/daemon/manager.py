@@ -22,7 +22,7 @@ from agent.daemon import history
 from agent.daemon.monitor import run_monitor
 from agent.errors import HeapscopeError, NoSuchTarget, TargetConflict, UsageError
 from agent.export.massif import render_snapshot
-from agent.kernel.probes import SharedRows
+from agent.kernel.probes import SharedRows, limit_malloc_arenas
 from agent.model.fleet import TargetOrigin
 from agent.model.profile import Snapshot
 from agent.model.sampling import ProfileMode
@@ -139,6 +139,7 @@ class TargetManager:
             self.config.output_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise HeapscopeError(f"cannot create the output directory {self.config.output_dir}: {exc}") from exc
+        limit_malloc_arenas()  # before the targets' threads: each would otherwise keep an arena of its own
         SharedRows.prepare()  # the unwind rows every target shares: there from the start, never a target's leftover
 
     def shutdown(self, timeout: float = 60.0) -> None:

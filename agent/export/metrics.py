@@ -96,6 +96,8 @@ _DROPS = (
     ("stacks", "dropped_stacks"),
     ("sites", "dropped_sites"),
     ("threads", "dropped_pending"),
+    ("malt_sizes", "dropped_sizes"),  # MALT's request sizes and realloc jumps
+    ("malt_threads", "dropped_threads"),  # MALT's per-thread statistics
 )
 
 

@@ -44,11 +44,13 @@ CTL_STOPPED = _CONTROL["HS_CTL_STOPPED"]
 CTL_UMAPS = _CONTROL["HS_CTL_UMAPS"]
 CTL_STACK_EPOCH = _CONTROL["HS_CTL_STACK_EPOCH"]
 CTL_STACK_END = _CONTROL["HS_CTL_STACK_END"]
+CTL_PAGES_DRAINED = _CONTROL["HS_CTL_PAGES_DRAINED"]
 # Events, and why a `run` target is stopped (enum hs_event).
 _EVENTS = HEAP_H.enum("hs_event")
 EV_EXEC = _EVENTS["HS_EV_EXEC"]
 EV_LOADER = _EVENTS["HS_EV_LOADER"]
 EV_EXIT = _EVENTS["HS_EV_EXIT"]
+EV_PAGES = _EVENTS["HS_EV_PAGES"]  # the page events' ring is half full
 MAX_UMAPS = HEAP_H.value("HS_MAX_UMAPS")
 # control[CTL_UMAPS] = generation << UMAPS_GEN_SHIFT | first index << 32 | count
 UMAPS_GEN_SHIFT = HEAP_H.value("HS_UMAPS_GEN_SHIFT")
@@ -82,6 +84,11 @@ SCHED_RING_BYTES = 64 << 10  # the points' ring buffer (HS_SCHED_RING_PAGES): 2,
 # tid, kind.
 _PAGE_EVENT = struct.Struct("<8Qq2I")
 PAGE_RING_BYTES = 4 << 20  # the page events' ring buffer (passed to probes/heap.h as HS_PAGE_RING_PAGES)
+SAMPLED_PAGE_RING_BYTES = 512 << 10  # the same in sampled mode: ~6,000 events, woken at half full
+PENDING_SLOTS = HEAP_H.value("HS_PENDING_SLOTS")  # per-thread call slots of exact mode's entry and return probes
+MAX_SIZES = HEAP_H.value("HS_MAX_SIZES")  # MALT's request sizes and realloc jumps
+SAMPLED_MAX_SIZES = 16384  # sampled mode: MALT's request sizes of 4 KiB and more (smaller ones have an array)
+MAX_THREADS = HEAP_H.value("HS_MAX_THREADS")
 
 
 class _CountersCodec:
@@ -118,8 +125,12 @@ class _RingReader:
         self.size = size
         self.record = record
         self._consumer = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
-        self._producer = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
+        # The data once, not twice as libbpf maps it: the kernel maps every page of a ring mapping at once, so
+        # the second copy would be `size` more bytes of the daemon's RSS for every target. A record that wraps
+        # is read in two pieces.
+        self._producer = mmap.mmap(map_fd, page + size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
         self._data = memoryview(self._producer)[page:]
+        self.taken = 0  # records consumed so far
 
     def drain(self) -> list[tuple[Any, ...]]:
         """Every submitted record, unpacked, in order; frees their space for the kernel."""
@@ -133,8 +144,13 @@ class _RingReader:
             if length & self._BUSY:
                 break
             if not length & self._DISCARD:
-                out.append(record.unpack_from(data, (cons & mask) + 8))
+                at = (cons & mask) + 8  # headers are 8-byte aligned: only a record's body can wrap
+                if at + record.size <= self.size:
+                    out.append(record.unpack_from(data, at))
+                else:
+                    out.append(record.unpack(bytes(data[at:]) + bytes(data[: at + record.size - self.size])))
             cons += ((length & ~(self._BUSY | self._DISCARD)) + 8 + 7) & ~7
+            self.taken += 1
         u64.pack_into(self._consumer, 0, cons)
         return out
 
@@ -206,6 +222,25 @@ class ProbeSettings:
     sampled: bool = False  # also compile probes/sampled.bpf.c (points of kind sample_alloc / sample_free)
     schedule_ns: bool = False  # the snapshot schedule's points are timed in ns (--time-unit=ms), else in B
     sample_rate: int = 524288  # sampled: the sampler's mean bytes between samples (its weights' rate)
+    page_ring_bytes: int = PAGE_RING_BYTES  # the page events' ring buffer (pages): a power of two of pages
+
+
+def table_sizes(s: ProbeSettings) -> dict[str, int]:
+    """The sizes of the kernel's tables (probes/heap.h HS_* defines) for these settings. Each target holds its
+    tables in the kernel for as long as it is profiled, busy or not: what the mode does not use is compiled at
+    its smallest (sampled mode attaches no allocation function, so exact mode's block table and call slots go
+    unused, and sampled calls never reach MALT's realloc jumps; without MALT its size tables go unused)."""
+    return {
+        "HS_BLOCK_SLOTS": 2 if s.sampled else block_slots(s.max_blocks),
+        "HS_MAX_BLOCKS": 16 if s.sampled else max(s.max_blocks // 2, 16),
+        "HS_MAX_SAMPLED_BLOCKS": s.max_blocks,  # sampled_blocks (probes/sampled.bpf.c, sampled mode only)
+        "HS_PENDING_SLOTS": 1 if s.sampled else PENDING_SLOTS,
+        "HS_MAX_PENDING": 16 if s.sampled else MAX_THREADS,
+        "HS_MAX_STACKS": s.max_stacks,
+        "HS_MAX_SIZES": (SAMPLED_MAX_SIZES if s.sampled else MAX_SIZES) if s.malt else 1,
+        "HS_MAX_JUMPS": MAX_SIZES if s.malt and not s.sampled else 1,
+        "HS_PAGE_RING_PAGES": s.page_ring_bytes // mmap.PAGESIZE,
+    }
 
 
 # bpf(2) uprobe_multi links: include/uapi/linux/bpf.h.
@@ -323,6 +358,20 @@ def _trim_heap() -> None:
     daemon's RSS for good."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
+
+
+MALLOC_ARENAS = 2  # a daemon's C heap: arenas its threads share (mallopt M_ARENA_MAX)
+_M_ARENA_MAX = -8  # glibc's malloc.h
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
+    """Let a daemon's threads share a few malloc arenas instead of one each (glibc's default is up to 8 a CPU).
+    Each target's thread compiles its program, and clang's tens of MB, freed, leave a fragmented arena that
+    malloc_trim cannot give back whole: with an arena per target thread that stayed with each target (~4 MiB of
+    RSS a target on this VM), with shared arenas the next compile reuses it. Call before the threads start;
+    the threads hold the GIL for most of their work, so sharing costs them little."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas)
 
 
 def _int(value: object) -> int:
@@ -656,16 +705,13 @@ class HeapProbes(SiteReader):
             f"-DHS_HEAP_ADMIN={s.heap_admin}",
             f"-DHS_ALIGNMENT={s.alignment}",
             f"-DHS_MAX_DEPTH={s.max_depth}",
-            f"-DHS_BLOCK_SLOTS={block_slots(s.max_blocks)}",
-            f"-DHS_MAX_BLOCKS={max(s.max_blocks // 2, 16)}",
-            f"-DHS_MAX_STACKS={s.max_stacks}",
+            *(f"-D{name}={value}" for name, value in table_sizes(s).items()),
             f"-DHS_STOP_EVENTS={int(s.stop_events)}",
             f"-DHS_UNWIND={int(s.unwind)}",
             f"-DHS_MAX_ROWS={self._shared_rows.max_rows}",
             f"-DHS_FREE_STACKS={int(s.free_stacks)}",
             f"-DHS_MALT={int(s.malt)}",
             f"-DHS_PAGES={int(s.pages)}",
-            f"-DHS_PAGE_RING_PAGES={PAGE_RING_BYTES // mmap.PAGESIZE}",
             f"-DHS_STACKS={int(s.stacks)}",
             f"-DHS_SCHED_NS={int(s.schedule_ns)}",
             f"-DHS_SCHED_RING_PAGES={SCHED_RING_BYTES // mmap.PAGESIZE}",
@@ -698,7 +744,7 @@ class HeapProbes(SiteReader):
                 self._set_armed(True)
             bpf["events"].open_perf_buffer(self._on_event, page_cnt=8)
             if s.pages:
-                self._page_ring = _RingReader(bpf["page_events"].map_fd, PAGE_RING_BYTES, _PAGE_EVENT)
+                self._page_ring = _RingReader(bpf["page_events"].map_fd, s.page_ring_bytes, _PAGE_EVENT)
             self._sched_ring = _RingReader(bpf["sched_points"].map_fd, SCHED_RING_BYTES, _SCHED_POINT)
             self._release_compiler()
         except BaseException:
@@ -850,6 +896,8 @@ class HeapProbes(SiteReader):
             if kind == "mmap" and failed:
                 addr = 0
             out.append(PageEvent(kind, time_ns, tid, site, addr, length, new_addr, new_length, flags, prot, failed))
+        if out:  # the kernel wakes us when the ring holds half its room again (probes/heap.bpf.c page_exit)
+            self._set_control(CTL_PAGES_DRAINED, self._page_ring.taken)
         return out
 
     def schedule_points(self) -> list[tuple[int, int, int, int]]:

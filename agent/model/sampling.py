@@ -28,6 +28,16 @@ Mode = Literal["exact", "sampled"]
 MODES: tuple[Mode, ...] = ("exact", "sampled")
 ESTIMATE_NOTE = "(sampled: heap sizes are estimates)"
 
+# The kernel's tables for each mode when --max-blocks / --max-stacks are not given. Exact mode tracks every live
+# block. Sampled mode tracks only the sampled ones, about heap / rate (2 per MiB of heap at the default rate:
+# 65,536 cover a 32 GiB heap), and meets far fewer distinct stacks; its tables are what a target holds in the
+# kernel however quiet it is (the site array is allocated whole: 200 bytes a site), so a daemon watching a
+# fleet in the default mode keeps them small. A full table is counted and reported, never silent.
+DEFAULT_CAPACITY: dict[Mode, tuple[int, int]] = {  # mode -> (max blocks, max stacks)
+    "exact": (1 << 20, 1 << 16),
+    "sampled": (1 << 16, 1 << 14),
+}
+
 
 @dataclass(frozen=True)
 class ProfileMode:
@@ -47,6 +57,16 @@ class ProfileMode:
     @property
     def sampled(self) -> bool:
         return self.mode == "sampled"
+
+    @property
+    def max_blocks(self) -> int:
+        """Live blocks the kernel tracks by default: every live block (exact), the sampled ones (sampled)."""
+        return DEFAULT_CAPACITY[self.mode][0]
+
+    @property
+    def max_stacks(self) -> int:
+        """Distinct allocation stacks the kernel keeps by default."""
+        return DEFAULT_CAPACITY[self.mode][1]
 
     @property
     def period(self) -> int:

@@ -90,6 +90,11 @@ class ProfileSummary:
                 f"(stack table full), {c.dropped_sites} sites (site table full), {c.dropped_pending} calls "
                 "(thread table full): raise --max-blocks / --max-stacks"
             )
+        if c.dropped_sizes or c.dropped_threads:
+            lines.append(
+                f"NOT COUNTED in MALT's statistics: {c.dropped_sizes} request sizes or realloc jumps (size table "
+                f"full), {c.dropped_threads} calls of threads (thread table full)"
+            )
         if c.lost_returns:
             lines.append(f"{c.lost_returns} allocation calls whose return was not seen")
         if self.schedule is not None:

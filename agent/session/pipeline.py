@@ -24,7 +24,7 @@ from agent.export.malt import check_consistency, symbolizer_resolver
 from agent.export.pprof import PprofContext
 from agent.export.registry import BY_NAME, FORMATS, MaltDocument, OutputFormat
 from agent.kernel.frozen import FrozenProbes
-from agent.kernel.probes import HeapProbes, ProbeSettings
+from agent.kernel.probes import PAGE_RING_BYTES, SAMPLED_PAGE_RING_BYTES, HeapProbes, ProbeSettings
 from agent.model.counters import Counters
 from agent.model.memline import MemoryLine, MemoryPoint
 from agent.model.options import MAX_WALKED_FRAMES, MassifOptions
@@ -58,8 +58,8 @@ class ProfileSettings:
     variants: Mapping[str, str] = field(default_factory=dict)  # output format name -> its variant (MALT's version)
     sample_interval: float = 0.05  # seconds between samples of the kernel's counters
     unwind: str = "cfi"  # cfi: .eh_frame tables; fp: frame pointers only
-    max_blocks: int = 1 << 20
-    max_stacks: int = 1 << 16
+    max_blocks: int | None = None  # None: the mode's (ProfileMode.max_blocks)
+    max_stacks: int | None = None  # None: the mode's (ProfileMode.max_stacks)
     malt: bool = False  # keep MALT's statistics in the kernel (GET /malt, --malt-out-file)
     mode: ProfileMode = field(default_factory=ProfileMode)  # exact, or sampled (agent.session.sampled)
     store: StoreSettings | None = None  # keep every sample's history on disk (--store), None: not kept
@@ -78,9 +78,12 @@ class ProfileSettings:
             heap_admin=o.heap_admin,
             alignment=o.alignment,
             max_depth=o.walked_frames,
-            max_blocks=self.max_blocks,
-            max_stacks=self.max_stacks,
+            max_blocks=self.mode.max_blocks if self.max_blocks is None else self.max_blocks,
+            max_stacks=self.mode.max_stacks if self.max_stacks is None else self.max_stacks,
             pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
+            # Sampled mode (the daemon's default) keeps a smaller ring of page events: the kernel holds it and the
+            # daemon maps it for every target, however quiet. The kernel wakes the daemon when a ring is half full.
+            page_ring_bytes=SAMPLED_PAGE_RING_BYTES if self.mode.sampled else PAGE_RING_BYTES,
             stacks=o.stacks,
             schedule_ns=o.time_unit == "ms",  # the snapshot schedule's clock
         )

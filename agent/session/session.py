@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from agent.kernel.probes import EV_EXEC, EV_EXIT, EV_SCHEDULE, SCHED_PEAK, HeapProbes, SiteReader
+from agent.kernel.probes import EV_EXEC, EV_EXIT, EV_PAGES, EV_SCHEDULE, SCHED_PEAK, HeapProbes, SiteReader
 from agent.model.counters import Counters
 from agent.model.options import MassifOptions
 from agent.model.pages import (
@@ -383,7 +383,9 @@ class Session:
             stopped = live.stopped()
             if EV_SCHEDULE in events or stopped == EV_SCHEDULE:
                 self.take_points()  # the series culls: the kernel waits for its new interval
-            if any(e != EV_SCHEDULE for e in events) or stopped not in (0, EV_SCHEDULE):
+            if EV_PAGES in events:
+                self.update_pages()  # the page events' ring is half full: drain it before it overflows
+            if any(e not in (EV_SCHEDULE, EV_PAGES) for e in events) or stopped not in (0, EV_SCHEDULE):
                 self._catch_up(live, events)
             elif stopped == EV_SCHEDULE:
                 live.resume()

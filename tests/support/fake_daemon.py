@@ -94,7 +94,7 @@ class FakeTarget:
             n_frees=sum(s.freed_blocks for s in self.sites.values()),
             alloc_bytes=sum(s.tot_bytes for s in self.sites.values()),
             freed_bytes=sum(s.freed_bytes for s in self.sites.values()),
-            n_reallocs=3, untracked_frees=2, dropped_blocks=1,
+            n_reallocs=3, untracked_frees=2, dropped_blocks=1, dropped_sizes=3,
         )
 
     def page_totals(self) -> PageTotals | None:

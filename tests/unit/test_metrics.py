@@ -59,6 +59,7 @@ def test_values_per_target() -> None:
     assert value(text, "heapscope_realloc_calls_total", pid="10", command="api") == ca.n_reallocs == 3
     assert value(text, "heapscope_untracked_frees_total", pid="10", command="api") == 2
     assert value(text, "heapscope_map_full_drops_total", pid="10", command="api", map="blocks") == 1
+    assert value(text, "heapscope_map_full_drops_total", pid="10", command="api", map="malt_sizes") == 3
     pages = a.page_totals()
     assert pages is not None
     assert value(text, "heapscope_mapped_bytes", pid="10", command="api") == pages.mapped

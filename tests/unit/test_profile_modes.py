@@ -115,6 +115,12 @@ def test_summary_labels_estimates_only_in_sampled_mode() -> None:
     assert "10 allocations, 4 frees" in lines[-1] and "peak ~1200 B" in lines[-1]
 
 
+def test_summary_reports_malt_tables_full() -> None:
+    assert not any("MALT" in line for line in ProfileSummary(Counters(n_allocs=1)).lines())
+    lines = ProfileSummary(Counters(n_allocs=1, dropped_sizes=5, dropped_threads=2)).lines()
+    assert any("NOT COUNTED in MALT" in line and "5 request sizes" in line and "2 calls" in line for line in lines)
+
+
 def test_metrics_info_series_per_target() -> None:
     a = FakeTarget(pid=10, command="api", mode="sampled", sample_rate=524288)
     b = FakeTarget(pid=20, command="worker")
