@@ -966,8 +966,11 @@ class HeapProbes(SiteReader):
     def mapping_calls(self) -> int | None:
         """A position that moves with every mmap, munmap, mremap and brk the target makes (the page events'
         producer), or None when they are not traced: while it stands still, the target's mappings have not
-        changed since it was read."""
-        return self._page_ring.produced() if self._page_ring is not None else None
+        changed since it was read. The events lost to a full ring or call table are added: the producer stands
+        still while they are lost."""
+        if self._page_ring is None:
+            return None
+        return self._page_ring.produced() + self.page_counters().dropped
 
     def activity(self) -> bytes:
         """A token that changes whenever the target does something the profile records: the global counters
