@@ -74,6 +74,11 @@ class SteadyWorkload:
         mean_live = np.where(live > 0, (self.tot_b - self.frd_b) // np.maximum(live, 1), self.size)
         self.tot_b += allocs * self.size * factor
         self.frd_b += np.where(self.varied, frees * mean_live, frees * self.size)
+        return self._finish(t, wall_ns, allocs, frees)
+
+
+    def _finish(self, t: int, wall_ns: int, allocs: np.ndarray, frees: np.ndarray) -> tuple[StoreSample, np.ndarray]:
+        """After a step's bytes are counted: its blocks, the live state, the peak, and the sample with its counters."""
         self.tot_bk += allocs
         self.frd_bk += frees
         cur_bk = self.tot_bk - self.frd_bk
@@ -122,22 +127,7 @@ class BlockSizesWorkload(SteadyWorkload):
         alloc_b[v] = (alloc3 @ mult) * self.size[v]
         self.tot_b += alloc_b
         self.frd_b += free_b
-        self.tot_bk += allocs
-        self.frd_bk += frees
-        cur_bk = self.tot_bk - self.frd_bk
-        cur_b = self.tot_b - self.frd_b
-        cur_x = cur_bk * 8
-        heap, extra = int(cur_b.sum()), int(cur_x.sum())
-        if heap + extra > self.peak_total:
-            self.peak_total = heap + extra
-            self.peak_b, self.peak_x = cur_b.copy(), cur_x.copy()
-            self.peak = PeakState(t * 1000, heap, extra, 0, wall_ns)
-            self.peak_moves += 1
-        counters = np.stack([self.tot_bk, self.tot_b, self.frd_bk, self.frd_b, cur_bk, cur_b, cur_x,
-                             self.peak_b, self.peak_x])
-        sample = StoreSample(wall_ns=wall_ns, time=t * 1000, heap_B=heap, extra_B=extra, stacks_B=0, sites={},
-                             mapped_B=heap + extra + (64 << 20), rss_B=heap + (32 << 20), peak=self.peak)
-        return sample, counters
+        return self._finish(t, wall_ns, allocs, frees)
 
 
 WORKLOADS = {"poisson": BlockSizesWorkload, "poisson-mean": SteadyWorkload}
