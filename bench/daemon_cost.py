@@ -27,36 +27,17 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+from benchproc import build, cpu_seconds, free_port
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-TICK = os.sysconf("SC_CLK_TCK")
 MIB = 2**20
-
-
-def build(source: Path, out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if not out.exists() or out.stat().st_mtime < source.stat().st_mtime:
-        subprocess.run(["gcc", "-g", "-O1", "-fno-omit-frame-pointer", "-o", str(out), str(source)], check=True)
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
 def rollup(pid: int) -> dict[str, float]:
@@ -142,7 +123,7 @@ def main() -> int:
         print("bench/daemon_cost.py needs root (BPF)", file=sys.stderr)
         return 1
     counts = [int(c) for c in args.counts.split(",")]
-    program = build(BENCH / "idle_target.c", BENCH / "build" / "idle_target")
+    program = build(BENCH / "idle_target.c", BENCH / "build" / "idle_target", opt="-O1")
     port = free_port()
     out_dir = BENCH / "build" / "daemon-cost-out"
     env = {k: v for k, v in os.environ.items() if k != "HEAPSCOPE_TOKEN"}

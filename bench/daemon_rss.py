@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,32 +28,10 @@ import time
 from pathlib import Path
 
 import httpx
+from benchproc import build, free_port, heapscope_cmd, rss_mib
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def heapscope_cmd() -> list[str]:
-    exe = REPO / ".venv" / "bin" / "heapscope"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "agent.cli"]
-
-
-def build(source: Path, out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if not out.exists() or out.stat().st_mtime < source.stat().st_mtime:
-        subprocess.run(["gcc", "-g", "-O0", "-fno-omit-frame-pointer", "-o", str(out), str(source)], check=True)
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def rss_mib(pid: int) -> float:
-    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE / 2**20
 
 
 def dir_bytes(path: Path) -> int:

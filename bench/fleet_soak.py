@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,22 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from benchproc import free_port, heapscope_cmd
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "tests" / "integration" / "programs" / "fleet_service.c"
 RING_BYTES = 8000
 SETTLE = 1.0  # seconds after an attach by which a target's ring has turned over (every 20 ms, 8 slots)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def heapscope_cmd() -> list[str]:
-    exe = REPO / ".venv" / "bin" / "heapscope"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "agent.cli"]
 
 
 def bpf_fds(pid: int) -> Counter[str]:

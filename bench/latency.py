@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,34 +29,11 @@ import time
 from pathlib import Path
 
 import httpx
+from benchproc import build, cpu_seconds, free_port, rss_mib
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 HEAPSCOPE = REPO / ".venv" / "bin" / "heapscope"
-TICK = os.sysconf("SC_CLK_TCK")
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def build(source: Path, out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if not out.exists() or out.stat().st_mtime < source.stat().st_mtime:
-        subprocess.run(["gcc", "-g", "-O0", "-fno-omit-frame-pointer", "-o", str(out), str(source)], check=True)
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
-
-
-def rss_mib(pid: int) -> float:
-    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE / 2**20
 
 
 def idle(pid: int, seconds: float) -> dict[str, float]:

@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchproc import cpu_seconds
+
 REPO = Path(__file__).resolve().parents[1]
 HEAPSCOPE = REPO / ".venv" / "bin" / "heapscope"
 PORT = 16410
@@ -110,12 +112,6 @@ class Heapscope:
 class Result:
     rps: float
     p99_ms: float
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_idle(pid: int, limit: float = 30.0) -> None:

@@ -1,0 +1,43 @@
+"""What the daemon benchmarks share: building their C programs, a free port, heapscope's command, and a process's
+CPU time and RSS from /proc. Imported by the scripts beside it (a script's own folder is on its import path)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TICK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def build(source: Path, out: Path, opt: str = "-O0") -> Path:
+    """gcc -g with frame pointers, again only when the source is newer than the program."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.exists() or out.stat().st_mtime < source.stat().st_mtime:
+        subprocess.run(["gcc", "-g", opt, "-fno-omit-frame-pointer", "-o", str(out), str(source)], check=True)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def heapscope_cmd() -> list[str]:
+    exe = REPO / ".venv" / "bin" / "heapscope"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "agent.cli"]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of the process, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def rss_mib(pid: int) -> float:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE / 2**20
