@@ -601,19 +601,11 @@ class SnapshotSeries:
         if kind is SnapshotKind.DETAILED:
             if tree is None:
                 raise ValueError("this sample must be detailed (next_kind said so) but no tree was given")
-            self._since_detailed = 0
-            self._tree_owed = False
-            self._payable = None
+            self._tree_given()
         else:
             tree = None
             self._since_detailed += 1
-        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, kind)
-        self._snapshots.append(snap)
-        self._last_time = time
-        self.n_taken += 1
-        self._cull_if_full()
-        self._earliest_next = time + self._min_interval
-        return snap
+        return self._record(Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, kind))
 
     def add_point(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int) -> Snapshot | None:
         """Offer a sample that has no tree. Returns the recorded (normal) snapshot, or None when it is skipped.
@@ -631,14 +623,9 @@ class SnapshotSeries:
         else:
             self._since_detailed += 1
         snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, None, SnapshotKind.NORMAL)
-        self._snapshots.append(snap)
-        self._last_time = time
-        self.n_taken += 1
         if self._tree_owed:
             self._payable = snap
-        self._cull_if_full()
-        self._earliest_next = time + self._min_interval
-        return snap
+        return self._record(snap)
 
     def add_peak_point(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int) -> Snapshot:
         """Record one of Massif's peak snapshots (no tree): taken whatever the interval, it becomes the peak
@@ -650,16 +637,24 @@ class SnapshotSeries:
         for old in self._snapshots:
             if old.kind is SnapshotKind.PEAK:
                 old.kind = SnapshotKind.DETAILED if old.tree is not None else SnapshotKind.NORMAL
-        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, None, SnapshotKind.PEAK)
-        self._snapshots.append(snap)
-        self._last_time = time
-        self.n_taken += 1
         self.n_peaks_taken += 1
+        self._tree_given()
+        return self._record(Snapshot(time, heap_B, heap_extra_B, stacks_B, None, SnapshotKind.PEAK))
+
+    def _tree_given(self) -> None:
+        """A detailed snapshot (or a peak, which counts as one) was taken: the frequency's count starts again and
+        no tree is owed."""
         self._since_detailed = 0
         self._tree_owed = False
         self._payable = None
+
+    def _record(self, snap: Snapshot) -> Snapshot:
+        """Append a taken snapshot, cull if the series is full, and set when the next one is due."""
+        self._snapshots.append(snap)
+        self._last_time = snap.time
+        self.n_taken += 1
         self._cull_if_full()
-        self._earliest_next = time + self._min_interval
+        self._earliest_next = snap.time + self._min_interval
         return snap
 
     def give_tree(
@@ -678,9 +673,7 @@ class SnapshotSeries:
             return None
         snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, SnapshotKind.DETAILED, schedule_time=last)
         snaps[-1] = snap
-        self._since_detailed = 0
-        self._tree_owed = False
-        self._payable = None
+        self._tree_given()
         return snap
 
     def set_peak(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: Tree) -> Snapshot | None:
