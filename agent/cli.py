@@ -321,6 +321,9 @@ def _add_store_options(p: argparse.ArgumentParser, serve: bool) -> None:
                        help="keep every sample of the profile in DIR/<pid>/ (off by default)")
     g.add_argument("--store-interval", type=positive_seconds, default=1.0, metavar="SECONDS",
                    help="seconds between stored samples (default 1)")
+    g.add_argument("--store-quiet-interval", type=positive_seconds, default=60.0, metavar="SECONDS",
+                   help="seconds between stored samples of a target whose heap, mappings and RSS do not move "
+                        "(default 60); the history keeps it as a step")
     g.add_argument("--store-sync", choices=("interval", "always", "never"), default="interval",
                    help="when stored samples are forced to disk: at most --store-interval after they are written "
                         "(interval, the default: a power loss costs at most that much history), after each "
@@ -357,7 +360,8 @@ def store_settings(ns: argparse.Namespace, output_dir: Path | None = None) -> St
     thin = parse_thin_rules(ns.store_thin) if ns.store_thin else ()
     retention = Retention(max_bytes=ns.store_max_size, max_age_s=parse_duration(ns.store_max_age), thin=thin)
     sync = SyncPolicy(ns.store_sync, interval=max(ns.store_interval, 1.0) if ns.store_sync == "interval" else 1.0)
-    return StoreSettings(root, interval=ns.store_interval, sync=sync, retention=retention)
+    return StoreSettings(root, interval=ns.store_interval, sync=sync, retention=retention,
+                         quiet_interval=max(ns.store_quiet_interval, ns.store_interval))
 
 
 def _under_output_dir(output_dir: Path, name: str) -> Path:

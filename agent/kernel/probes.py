@@ -690,6 +690,8 @@ class HeapProbes(SiteReader):
         self._globals_fd = -1
         self._globals_buf: Any = None  # activity(), counters(): the raw globals, read into one reused buffer
         self._counters_codec: _CountersCodec | None = None
+        self._counters_raw = b""  # the raw globals last decoded, and what they decoded to
+        self._counters_last: Counters | None = None
 
     # ---- life cycle -------------------------------------------------------------------------------
 
@@ -1059,8 +1061,12 @@ class HeapProbes(SiteReader):
         if self._bpf is None:
             raise HeapscopeError("probes are not loaded")
         raw = self._globals_raw()
-        assert self._counters_codec is not None
-        return self._counters_codec.decode(raw)
+        if raw != self._counters_raw:  # a quiet target's loop asks again and again: decoded once per change
+            assert self._counters_codec is not None
+            self._counters_last = self._counters_codec.decode(raw)
+            self._counters_raw = raw
+        assert self._counters_last is not None
+        return self._counters_last
 
     def _site_view(self, count: int) -> SiteArray:
         if self._sites is None:

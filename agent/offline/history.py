@@ -60,10 +60,18 @@ class Selection:
 
 def select(reader: StoreReader, start_ns: int | None, end_ns: int | None) -> Selection:
     """The readable snapshots in [start_ns, end_ns] of the latest run they cover (a pid's directory may hold
-    several runs: their profile times each start from 0, so one report covers one run)."""
+    several runs: their profile times each start from 0, so one report covers one run). The range starts with
+    the state at start_ns: the last snapshot before it comes first when none was taken at start_ns itself (a
+    quiet target is stored rarely; its state held until the next snapshot)."""
     refs = []
     bad = 0
-    for ref in reader.snapshots(start_ns, end_ns):
+    in_range = reader.snapshots(start_ns, end_ns)
+    if start_ns is not None and (not in_range or in_range[0].wall_ns > start_ns):
+        prior = reader.before(start_ns)
+        same_run = not in_range or prior is None or _run(prior) == _run(in_range[0])
+        if prior is not None and "error" not in prior.info and same_run:
+            refs.append(prior)
+    for ref in in_range:
         if "error" in ref.info:
             bad += 1
         else:
@@ -71,14 +79,19 @@ def select(reader: StoreReader, start_ns: int | None, end_ns: int | None) -> Sel
     notes = []
     if bad:
         notes.append(f"{bad} snapshots in the range have an unreadable snapinfo and are left out")
-    runs = sorted({int(r.segment.filemeta.get("start_wall_ns", 0)) for r in refs})
+    runs = sorted({_run(r) for r in refs})
     if len(runs) > 1:
         last = runs[-1]
-        dropped = sum(1 for r in refs if int(r.segment.filemeta.get("start_wall_ns", 0)) != last)
-        refs = [r for r in refs if int(r.segment.filemeta.get("start_wall_ns", 0)) == last]
+        dropped = sum(1 for r in refs if _run(r) != last)
+        refs = [r for r in refs if _run(r) == last]
         notes.append(f"the range covers {len(runs)} runs of the process: reporting the last, "
                      f"{dropped} snapshots of earlier runs left out (narrow it with --from/--to)")
     return Selection(refs, notes)
+
+
+def _run(ref: SnapshotRef) -> int:
+    """Which run of the process a snapshot belongs to (its start on the wall clock)."""
+    return int(ref.segment.filemeta.get("start_wall_ns", 0))
 
 
 _UNSEEN = object()  # a cache miss

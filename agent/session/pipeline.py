@@ -262,7 +262,9 @@ class Profile:
                 if self.store is not None and now >= next_store:
                     # Behind after a slow write: the next sample is due an interval from now, none is crowded in.
                     next_store = max(next_store + store_every, now)
-                    self.store.record(session.store_columns, rss)
+                    live = session.live
+                    token = live.activity() if live is not None else None  # unchanged: a quiet target, not stored
+                    self.store.record(session.store_columns, rss, token, lambda: session.now(session.counters()))
                 if self._sampler is not None:
                     self._sampler.poll()  # its last counts stand should the target exit unheld
             return self.process.alive()

@@ -2,10 +2,15 @@
 snapshots Massif's culling keeps in memory.
 
 The pipeline opens one StoreRecorder per target (STORE/<pid>/) and hands it the session's columns
-(Session.store_columns) every `StoreSettings.interval` seconds, and once more at the end. A disk that refuses a
-write (full, a quota, gone) never reaches the profile: the error is counted (StoreStatus.write_errors, the metric
-heapscope_store_write_errors_total), said in one line when it starts and when writing works again, and the
-next sample is tried as usual. The target is never touched by any of this.
+(Session.store_columns) every `StoreSettings.interval` seconds, and once more at the end. A quiet target (its
+kernel counters, page events and RSS all where they were at the last stored sample) is stored only every
+`StoreSettings.quiet_interval` seconds: a sleeping service costs neither a sample nor an fdatasync a second. When
+it moves again, the last state is first stored once more at the last quiet look, so that the history is a step
+where it stood still and every reader (`at`, ranges, the charts) sees what it would have seen in a full record.
+
+A disk that refuses a write (full, a quota, gone) never reaches the profile: the error is counted
+(StoreStatus.write_errors, the metric heapscope_store_write_errors_total), said in one line when it starts and when
+writing works again, and the next sample is tried as usual. The target is never touched by any of this.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Container, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +29,7 @@ from agent.model.options import MassifOptions
 from agent.model.profile import HEAP_ROOT_LABEL, PAGES_ROOT_LABEL, Stack, trim_stack
 from agent.model.stored import StoreStatus
 from agent.store import PeakState, Retention, StoreMeta, StoreSample, StoreWriteError, StoreWriter, SyncPolicy
+from agent.store.format import COUNTER_FIELDS
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class StoreSettings:
     sync: SyncPolicy = field(default_factory=SyncPolicy)
     retention: Retention = field(default_factory=Retention)
     checkpoint_every: int = 100
+    quiet_interval: float = 60.0  # seconds between stored samples of a target that does not move
 
     def directory(self, pid: int) -> Path:
         return self.root / str(pid)
@@ -52,6 +59,10 @@ class StoreColumns:
     ids: np.ndarray  # site ids
     sites: np.ndarray  # (9, len(ids)) in agent.store.format.COUNTER_FIELDS order
     new_stacks: Mapping[int, Stack]  # the stacks of ids not given to the store before, symbolized
+
+
+_NO_IDS = np.zeros(0, dtype=np.int64)  # a sample that changes no site
+_NO_COUNTERS = np.zeros((len(COUNTER_FIELDS), 0), dtype=np.int64)
 
 
 def _quiet(line: str) -> None:
@@ -75,8 +86,10 @@ class StoreRecorder:
     --ignore-fn leaves out, the stack bytes at the peak). Used by the sampling thread only; status() may be read
     from any thread."""
 
-    def __init__(self, writer: StoreWriter, opts: MassifOptions, say: Callable[[str], None] = _quiet) -> None:
+    def __init__(self, writer: StoreWriter, opts: MassifOptions, say: Callable[[str], None] = _quiet,
+                 quiet_interval: float = 60.0) -> None:
         self.writer = writer
+        self.quiet_interval = quiet_interval
         self.opts = opts
         self.say = say
         self.known: set[int] = set()  # site ids whose stack the store has
@@ -89,6 +102,11 @@ class StoreRecorder:
         self.errors = 0  # samples not stored (a refused write, or an error of ours)
         self.last_error: str | None = None
         self.closed = False
+        self.quiet_skipped = 0  # samples not stored because nothing had moved since the last stored one
+        self._token: bytes | None = None  # what the last stored sample saw (activity and RSS)
+        self._last: StoreSample | None = None  # the last stored sample
+        self._last_at = 0.0  # time.monotonic() when it was stored
+        self._quiet_at: tuple[int, int] | None = None  # (wall_ns, profile time) of the last quiet look not stored
 
     @classmethod
     def open(cls, settings: StoreSettings, meta: StoreMeta, opts: MassifOptions,
@@ -99,17 +117,36 @@ class StoreRecorder:
         writer = StoreWriter(directory, meta, sync=settings.sync, retention=settings.retention,
                              checkpoint_every=settings.checkpoint_every)
         _refuse_link(directory)  # made now, or there before: a plain directory either way
-        return cls(writer, opts, say)
+        return cls(writer, opts, say, settings.quiet_interval)
 
-    def record(self, take: Callable[[Container[int]], StoreColumns], rss: int | None) -> bool:
+    def record(self, take: Callable[[Container[int]], StoreColumns], rss: int | None,
+               token: bytes | None = None, now: Callable[[], int] | None = None) -> bool:
         """Store one sample taken by `take` (Session.store_columns: the stacks of sites not in its argument come
-        with it). False when it could not be stored: counted and said, never raised."""
+        with it). `token` (HeapProbes.activity) and `rss` equal to the last stored sample's mean nothing moved:
+        the sample is skipped (`now` gives the profile time of this look) unless `quiet_interval` has passed.
+        False when it could not be stored: counted and said, never raised."""
         if self.closed:
             return False
+        if token is not None:
+            token += repr(rss).encode()
+            mono = time.monotonic()
+            if token == self._token and self._last is not None and mono - self._last_at < self.quiet_interval:
+                self.quiet_skipped += 1
+                self._quiet_at = (time.time_ns(), now() if now is not None else self._last.time)
+                return True
+            if token == self._token:
+                self._quiet_at = None  # still quiet, stored once a quiet_interval: no step to mark
         try:
+            if self._quiet_at is not None and self._last is not None:
+                # It moves again: the state it held until the last quiet look, at that look's time.
+                wall, t = self._quiet_at
+                self._quiet_at = None
+                held = replace(self._last, wall_ns=wall, time=t, new_stacks={})
+                self.writer.append_columns(held, _NO_IDS, _NO_COUNTERS)
             cols = take(self.known)
             sample = self._sample(cols, rss, time.time_ns())
             self.writer.append_columns(sample, cols.ids, cols.sites)
+            self._token, self._last, self._last_at = token, sample, time.monotonic()
         except StoreWriteError as exc:
             return self._failed(str(exc))
         except Exception as exc:  # a bug of ours, or a read of the probes that failed: the profile goes on

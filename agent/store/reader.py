@@ -695,6 +695,15 @@ class StoreReader:
                     out.append(ref)
         return out
 
+    def before(self, wall_ns: int) -> SnapshotRef | None:
+        """The last snapshot taken at or before `wall_ns`: the state the target was in then (a quiet target is
+        stored rarely, and its state holds until the next snapshot)."""
+        for seg in reversed(self._overlapping(None, wall_ns)):
+            refs = [r for r in seg.snapshots() if r.wall_ns <= wall_ns]
+            if refs:
+                return refs[-1]
+        return None
+
     def __iter__(self) -> Iterator[SnapshotRef]:
         return iter(self.snapshots())
 

@@ -31,6 +31,7 @@ from tests.unit.store_spec_reader import read_segment
 pytestmark = pytest.mark.integration
 
 INTERVAL = 0.2  # --store-interval of these tests: several stored samples a second
+EVERY = ("--store-quiet-interval", str(INTERVAL))  # every look stored, quiet or not (the quiet test below: not)
 
 
 def source_line(source: str, text: str) -> int:
@@ -127,7 +128,7 @@ def test_attach_store_report_is_read_by_ms_print_and_callgrind_annotate(
     store = tmp_path / "store"
     target = Target(build("daemon_target.c"))
     prof = subprocess.Popen(
-        [*heapscope_cmd, "attach", "--mode=exact", "--store", str(store), "--store-interval", str(INTERVAL),
+        [*heapscope_cmd, "attach", "--mode=exact", "--store", str(store), "--store-interval", str(INTERVAL), *EVERY,
          "--massif-out-file=live.out", "--xtree-memory=full", str(target.pid)],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
@@ -226,6 +227,53 @@ def test_run_store_matches_the_runs_own_massif_out(heapscope_cmd: list[str], bui
     assert paths(stored_peak.tree) == paths(live_peak.tree)
 
 
+# ---- a quiet target ------------------------------------------------------------------------------------------
+
+
+def test_a_quiet_target_is_stored_as_a_step_and_once_a_quiet_interval(
+    heapscope_cmd: list[str], build: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A sleeping target is not stored at every look: nothing moved. When it moves, the state it held is stored
+    once more at the last quiet look before the new one, and a target that stays quiet is still stored once a
+    --store-quiet-interval."""
+    store = tmp_path / "store"
+    target = Target(build("daemon_target.c"))
+    quiet_s = 3.0
+    prof = subprocess.Popen(
+        [*heapscope_cmd, "attach", "--mode=exact", "--store", str(store), "--store-interval", str(INTERVAL),
+         "--store-quiet-interval", str(quiet_s), str(target.pid)],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    directory = store / str(target.pid)
+    try:
+        wait_for(lambda: bool(segments(directory)), 60, "the first stored sample")
+        time.sleep(1.5)  # about 7 looks at a sleeping target
+        before = stored_heaps(directory)
+        assert len(before) <= 2, before  # its first samples (attach, then the first look), not one a look
+        target.step("allocated")
+        wait_for(lambda: 17000 in stored_heaps(directory), 60, "a sample of the allocated state")
+        time.sleep(INTERVAL * 3)
+        after_step = stored_heaps(directory)
+        time.sleep(quiet_s + 1.0)  # quiet again, longer than the quiet interval
+        later = stored_heaps(directory)
+        prof.send_signal(signal.SIGINT)
+        _, err = prof.communicate(timeout=60)
+        assert prof.returncode == 0, err
+    finally:
+        target.kill()
+        if prof.poll() is None:
+            prof.kill()
+    first = after_step.index(17000)
+    # The state before the step, held until the last quiet look just before it: stored once more.
+    assert first >= 2 and after_step[first - 1] == after_step[first - 2] == before[-1]
+    assert after_step[first:].count(17000) <= 2  # the step, and maybe one look while symbolizing it
+    assert 1 <= later.count(17000) - after_step.count(17000) <= 2  # stored again once the quiet interval passed
+    with StoreReader(directory) as reader:
+        refs = reader.snapshots()
+        held, new = refs[first - 1], refs[first]
+        assert held.time > refs[first - 2].time and new.wall_ns - held.wall_ns < 2e9  # a step, not a ramp
+
+
 # ---- SIGKILL of heapscope mid-profile ------------------------------------------------------------------------
 
 
@@ -235,7 +283,7 @@ def test_sigkill_mid_profile_target_runs_on_and_report_recovers_every_flushed_sn
     store = tmp_path / "store"
     busy = Busy(busy_program, 200)
     prof = subprocess.Popen(
-        [*heapscope_cmd, "attach", "--mode=exact", "--store", str(store), "--store-interval", str(INTERVAL),
+        [*heapscope_cmd, "attach", "--mode=exact", "--store", str(store), "--store-interval", str(INTERVAL), *EVERY,
          str(busy.pid)],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -294,7 +342,7 @@ def test_sigkill_mid_profile_target_runs_on_and_report_recovers_every_flushed_sn
 
 @pytest.fixture
 def store_daemon(heapscope_cmd: list[str], tmp_path: Path) -> Iterator[Daemon]:
-    d = start_daemon(heapscope_cmd, tmp_path, "--store-interval", str(INTERVAL))
+    d = start_daemon(heapscope_cmd, tmp_path, "--store-interval", str(INTERVAL), *EVERY)
     yield d
     stop_daemon(d)
 
@@ -439,7 +487,7 @@ def test_full_disk_is_one_clear_error_and_a_metric_and_the_target_runs_on(
     filler = small_disk / "filler"
     # Leave room for the segment's start (the stack tables) and a few samples, then the disk is full.
     filler.write_bytes(b"\0" * (512 * 1024 - 96 * 1024))
-    d = start_daemon(heapscope_cmd, tmp_path, "--store-interval", str(INTERVAL))
+    d = start_daemon(heapscope_cmd, tmp_path, "--store-interval", str(INTERVAL), *EVERY)
     busy = Busy(busy_program, 1000)
     try:
         with d.client() as client:

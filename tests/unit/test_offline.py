@@ -193,3 +193,27 @@ def test_a_damaged_store_is_reported_and_the_rest_reported_on(tmp_path: Path) ->
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["snapshots"]) == 19
     assert "skipped" in proc.stderr and "bytes at the end" in proc.stderr
+
+
+def test_a_range_starts_with_the_state_at_its_start(tmp_path: Path) -> None:
+    """A quiet target is stored rarely: a range that begins between two snapshots begins with the earlier one
+    (the state held until the next), and a range inside a gap is that one state."""
+    from agent.offline.history import select
+    from agent.store import StoreReader
+
+    start = 1_800_000_000 * S
+    with StoreWriter(tmp_path / "7", StoreMeta(pid=7, cmd="prog", start_wall_ns=start), sync=SyncPolicy("never"),
+                     checkpoint_every=16) as w:
+        for t, live in ((0, 1), (1, 1), (60, 2), (61, 2)):  # quiet from 1 s to 60 s
+            counts = SiteCounts(cur_bytes=512 * live, cur_blocks=live, tot_bytes=512 * live, tot_blocks=live)
+            w.append(StoreSample(start + t * S, t * 1000, 512 * live, 0, 0, {1: counts},
+                                 {1: MALLOC + KEEP} if t == 0 else {}))
+    with StoreReader(tmp_path / "7") as reader:
+        def times(a: int | None, b: int | None) -> list[int]:
+            return [r.time for r in select(reader, a, b).refs]
+
+        assert times(start + 30 * S, start + 61 * S) == [1000, 60000, 61000]
+        assert times(start + 30 * S, start + 40 * S) == [1000]
+        assert times(start + 1 * S, start + 60 * S) == [1000, 60000]  # a snapshot at the start itself
+        assert times(start - 5 * S, start + 1 * S) == [0, 1000]  # nothing before the first
+        assert times(None, None) == [0, 1000, 60000, 61000]

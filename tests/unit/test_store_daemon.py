@@ -219,6 +219,48 @@ def test_recorder_counts_a_full_disk_says_it_once_and_writes_again_after(tmp_pat
         assert not reader.skipped
 
 
+def test_a_quiet_target_is_stored_as_a_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples whose activity token and RSS did not move are skipped until quiet_interval has passed; when the
+    target moves again, its last state is stored once more at the last quiet look, then the new one."""
+    opts = MassifOptions()
+    rec = StoreRecorder.open(StoreSettings(tmp_path, sync=SyncPolicy("never"), quiet_interval=30.0),
+                             store_meta(9, "p", opts, (), 0), opts)
+    stacks = {i: site_stack(i) for i in range(3)}
+    clock = [100.0]
+    monkeypatch.setattr("agent.session.storerec.time.monotonic", lambda: clock[0])
+    taken: list[int] = []
+
+    def take(step: int):  # type: ignore[no-untyped-def]
+        def columns(known: Container[int]) -> StoreColumns:
+            taken.append(step)
+            return _columns(3, step, {i: s for i, s in stacks.items() if i not in known})
+
+        return columns
+
+    assert rec.record(take(0), rss=4096, token=b"a", now=lambda: 0)
+    for t in range(1, 6):  # quiet: the same token and RSS
+        clock[0] += 1
+        assert rec.record(take(t), rss=4096, token=b"a", now=lambda t=t: 1000 * t)  # type: ignore[misc]
+    assert taken == [0] and rec.quiet_skipped == 5
+    clock[0] += 1
+    assert rec.record(take(6), rss=8192, token=b"a", now=lambda: 6000)  # the RSS moved: stored
+    clock[0] += 1
+    assert rec.record(take(7), rss=8192, token=b"b", now=lambda: 7000)  # the counters moved: stored
+    for t in range(8, 8 + 31):  # quiet for longer than quiet_interval: stored again once it has passed
+        clock[0] += 1
+        rec.record(take(t), rss=8192, token=b"b", now=lambda t=t: 1000 * t)  # type: ignore[misc]
+    assert taken == [0, 6, 7, 37]
+    rec.close()
+    with StoreReader(tmp_path / "9") as reader:
+        snaps = reader.snapshots()
+        # 5000: the state of 0 held until the last quiet look before the RSS moved
+        assert [r.time for r in snaps] == [0, 5000, 6000, 7000, 37000]  # 37000: quiet_interval passed
+        held = reader.load(snaps[1])
+        assert held.column("cur_blocks").tolist() == [1] * 3 and held.rss_B == 4096
+        assert reader.load(snaps[2]).column("cur_blocks").tolist() == [7] * 3
+        assert reader.at(snaps[0].wall_ns + 1) is not None
+
+
 def test_recorder_survives_an_error_of_its_own(tmp_path: Path) -> None:
     said: list[str] = []
     opts = MassifOptions()
@@ -268,6 +310,9 @@ def test_store_options_of_run_and_attach(tmp_path: Path) -> None:
     assert s.retention.max_bytes == 1 << 30 and s.retention.max_age_s == 2 * 86400
     assert [(r.older_than_s, r.keep_every_s) for r in s.retention.thin] == [(3600, 10)]
     assert s.directory(7) == tmp_path / "st" / "7"
+    assert s.quiet_interval == 60.0
+    quiet = store_settings(_ns("attach", "--store", str(tmp_path / "st"), "--store-quiet-interval", "5", "7"))
+    assert quiet is not None and quiet.quiet_interval == 5.0
     assert store_settings(_ns("attach", "7")) is None  # off unless asked for
     with pytest.raises(UsageError):
         store_settings(_ns("attach", "--store", str(tmp_path), "--store-thin", "1h", "7"))

@@ -90,6 +90,19 @@ def test_timeline_without_a_peak_snapshot_marks_the_highest_point() -> None:
     assert build_timeline(snaps, time_unit="B").peak_index == 1
 
 
+def test_memory_line_keeps_a_run_of_equal_figures_as_a_step() -> None:
+    line = MemoryLine()
+    for t in range(0, 100, 10):  # a sleeping target: the same figures every look
+        line.add(MemoryPoint(t, 1000, 2000))
+    assert [p.time for p in line.points()] == [0, 90] and len(line) == 2
+    line.add(MemoryPoint(100, 1000, 3000))  # it moved: the step stays at 90, then the new figures
+    line.add(MemoryPoint(110, 1000, 3000))
+    assert [(p.time, p.rss) for p in line.points()] == [(0, 2000), (90, 2000), (100, 3000), (110, 3000)]
+    line.add(MemoryPoint(105, 1, 1))  # before the held point: late
+    assert line.n_late == 1
+    assert line.at(95) == MemoryPoint(90, 1000, 2000)
+
+
 def test_memory_line_is_looked_up_by_time() -> None:
     line = MemoryLine(capacity=4)
     for t in (0, 10, 20, 30, 40):  # the fifth point thins the line to every other
