@@ -10,9 +10,11 @@ The services are tests/integration/programs/fleet_service.c, built here with gcc
 Every --period seconds one step of a round runs, in turn: start a service (a parent and one worker, both chosen
 by `--attach-comm ^soak-svc$`, the worker as a followed child), make a worker exit (its parent forks a new one:
 a restart), end the oldest service when more than --services run. Beside that, all the time, a cycle of
-attach (POST /targets {"pid"}), check, detach (DELETE /targets/PID) on a process no selector matches, in exact
+attach (POST /targets {"pid"}), check, detach (DELETE /targets/PID) on processes no selector matches, in exact
 and sampled mode in turn (sampled at a rate of 1 byte, where every block is sampled at a weight of 1, so that the
-exact answer still holds while the sampler is injected, armed and disarmed every other cycle).
+exact answer still holds while the sampler is injected, armed and disarmed every other cycle). --cyclers such
+processes are cycled at once, each by its own thread: attaches overlap other targets' checks and detaches, and
+the daemon meets concurrent attaches, as a fleet's restarts give it.
 
 Reported (JSON on stdout, and bench/results/fleet_soak.json):
 - target crashes: a service or worker that ended other than by the soak's own signals (the parents report their
@@ -35,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from datetime import datetime
@@ -114,9 +117,11 @@ class Soak:
         self.crashes: list[str] = []
         self.wrong: list[str] = []
         self.counts: Counter[str] = Counter()
+        self.lock = threading.Lock()  # counts, wrong and crashes: the cyclers' threads add to them too
         self.rss: list[tuple[float, int]] = []
         self.cycle_seconds: list[float] = []
         self.daemon: subprocess.Popen[bytes] | None = None
+        self.stopping = threading.Event()
         self.url = ""
         self.log = work / "daemon.log"
 
@@ -213,29 +218,46 @@ class Soak:
             self.ended.append(p)
             self.counts["services ended"] += 1
 
-    def attach_detach(self, manual: subprocess.Popen[bytes]) -> None:
+    def attach_detach(self, manual: subprocess.Popen[bytes], sampled: bool) -> None:
         started = time.monotonic()
-        # Both modes in turn. Sampled at a rate of 1 byte samples every block at a weight of 1, so the exact
-        # figure is still the right answer, while the sampler is injected, armed and disarmed every other cycle.
-        sampled = self.counts["attach/detach cycles"] % 2 == 1
+        # Sampled at a rate of 1 byte samples every block at a weight of 1, so the exact figure is still the
+        # right answer, while the sampler is injected, armed and disarmed every other cycle.
         mode = {"mode": "sampled", "sample_rate": 1} if sampled else {"mode": "exact"}
+        problems = []
         with self.client() as c:
             r = c.post("/targets", json={"pid": manual.pid, **mode})
             if r.status_code != 201:
-                self.wrong.append(f"attach {manual.pid}: {r.status_code} {r.text}")
+                problems.append(f"attach {manual.pid}: {r.status_code} {r.text}")
+            else:
+                time.sleep(SETTLE + 0.5)
+                t = c.get("/targets").json()
+                [mine] = [x for x in t if x["pid"] == manual.pid]
+                if mine["heap"]["useful_bytes"] != RING_BYTES:
+                    problems.append(f"attach/detach {manual.pid} ({mode['mode']}): "
+                                    f"{mine['heap']['useful_bytes']} B live")
+                r = c.delete(f"/targets/{manual.pid}")
+                if r.status_code != 200:
+                    problems.append(f"detach {manual.pid}: {r.status_code} {r.text}")
+        with self.lock:
+            self.wrong += problems
+            if r.status_code in (200, 201):
+                self.counts["attach/detach cycles"] += 1
+                self.counts[f"attach/detach cycles ({mode['mode']})"] += 1
+                self.cycle_seconds.append(time.monotonic() - started)
+            if manual.poll() is not None:
+                self.crashes.append(f"the attach/detach process {manual.pid} ended with status {manual.returncode}")
+
+    def cycle(self, manual: subprocess.Popen[bytes], first_sampled: bool, until: float) -> None:
+        """Attach/detach cycles on one process, back to back until `until`, both modes in turn."""
+        sampled = first_sampled
+        while time.monotonic() < until and not self.stopping.is_set():
+            try:
+                self.attach_detach(manual, sampled)
+            except (httpx.HTTPError, SystemExit, ValueError) as exc:  # the daemon gone: the main loop says so
+                with self.lock:
+                    self.wrong.append(f"attach/detach {manual.pid}: {type(exc).__name__}: {exc}")
                 return
-            time.sleep(SETTLE + 0.5)
-            t = c.get("/targets").json()
-            [mine] = [x for x in t if x["pid"] == manual.pid]
-            if mine["heap"]["useful_bytes"] != RING_BYTES:
-                self.wrong.append(f"attach/detach {manual.pid} ({mode['mode']}): {mine['heap']['useful_bytes']} B live")
-            r = c.delete(f"/targets/{manual.pid}")
-            if r.status_code != 200:
-                self.wrong.append(f"detach {manual.pid}: {r.status_code} {r.text}")
-        self.counts["attach/detach cycles"] += 1
-        self.cycle_seconds.append(time.monotonic() - started)
-        if manual.poll() is not None:
-            self.crashes.append(f"the attach/detach process ended with status {manual.returncode}")
+            sampled = not sampled
 
     # ---- the run ----
 
@@ -249,12 +271,15 @@ class Soak:
         baseline = bpf_fds(self.daemon.pid)
         rss0, cpu0 = rss_and_cpu(self.daemon.pid)
         self.rss.append((0.0, rss0))
-        manual = self.spawn(self.manual_exe, 0)
+        manuals = [self.spawn(self.manual_exe, 0) for _ in range(a.cyclers if a.cycles else 0)]
         t0 = time.monotonic()
         steps = [self.start_service, self.restart_a_worker, self.end_oldest]
         next_step = next_check = next_rss = t0
         step = 0
-        # Attach/detach cycles run back to back between the fleet's steps; each takes an attach's time.
+        cyclers = [threading.Thread(target=self.cycle, args=(m, i % 2 == 1, t0 + a.duration), daemon=True)
+                   for i, m in enumerate(manuals)]
+        for t in cyclers:
+            t.start()
         while time.monotonic() - t0 < a.duration:
             now = time.monotonic()
             if now >= next_step:
@@ -268,21 +293,22 @@ class Soak:
             if now >= next_rss:
                 self.rss.append((round(now - t0, 1), rss_and_cpu(self.daemon.pid)[0]))
                 next_rss = now + 10
-            if a.cycles:
-                self.attach_detach(manual)
-            else:
-                time.sleep(0.5)
+            time.sleep(0.5)
             if self.daemon.poll() is not None:
                 self.crashes.append(f"the daemon ended with status {self.daemon.returncode}")
                 break
+        self.stopping.set()
+        for t in cyclers:
+            t.join()
         soak_seconds = time.monotonic() - t0
         # Wind down: every service ends; the daemon forgets them after --keep-exited.
         for p in self.services:
             p.terminate()
             self.ended.append(p)
         self.services = []
-        manual.terminate()
-        self.ended.append(manual)
+        for m in manuals:
+            m.terminate()
+            self.ended.append(m)
         for p in self.ended:
             try:
                 status = p.wait(30)
@@ -309,6 +335,7 @@ class Soak:
         return {
             "duration_s": round(soak_seconds, 1),
             "period_s": a.period,
+            "cyclers": len(manuals),
             "counts": dict(self.counts),
             "target_crashes": len(self.crashes),
             "crashes": self.crashes,
@@ -337,6 +364,8 @@ def main() -> int:
     p.add_argument("--period", type=float, default=10.0, help="seconds between the fleet's steps (default 10)")
     p.add_argument("--services", type=int, default=3, help="services kept running at most (default 3)")
     p.add_argument("--no-cycles", dest="cycles", action="store_false", help="no attach/detach cycles")
+    p.add_argument("--cyclers", type=int, default=3,
+                   help="processes attached and detached at once, each by its own thread (default 3)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fleet_soak.json")
     args = p.parse_args()
     if os.geteuid() != 0:

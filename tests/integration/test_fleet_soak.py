@@ -30,4 +30,6 @@ def test_a_one_minute_soak(bpf_ready: None, tmp_path: Path) -> None:
     counts = report["counts"]
     assert counts["services started"] >= 2 and counts["workers restarted"] >= 1
     assert counts["attach/detach cycles"] >= 3 and counts["results checked"] >= 5
+    assert counts["attach/detach cycles (exact)"] >= 1 and counts["attach/detach cycles (sampled)"] >= 1
+    assert report["cyclers"] == 3
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
