@@ -77,6 +77,7 @@ class SamplerLink:
         self._last_stats: dict[str, int] = {}
         self._lock = threading.Lock()
         self.arm_error: BaseException | None = None
+        self.disarmed_itself: str | None = None  # why the sampler disarmed without being asked, once it has
         if not process.launched:
             injection = inject(self.pid, self.library)
             if injection.reused:
@@ -166,6 +167,11 @@ class SamplerLink:
                 with contextlib.suppress(OSError, HeapscopeError):
                     st = self.control.read()
                     self._last_stats = {k: st[k] for k in self._STATS}
+                    if st.state != "armed" and self.disarmed_itself is None:
+                        # Its lease seen closed or lost: from here no allocation is sampled. Said, never silent.
+                        self.disarmed_itself = st.disarm_reason
+                        self.say(f"sampler in {self.pid} disarmed itself ({st.disarm_reason}, armed "
+                                 f"{st['arm_count']} times): its allocations are no longer sampled")
             return dict(self._last_stats)
 
     # ---- letting go ------------------------------------------------------------------------------------

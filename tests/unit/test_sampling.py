@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -212,3 +213,29 @@ def test_estimate_sites_sums_weights_per_site() -> None:
     p = sample_probability(500, rate)
     assert sites["b"].variance == pytest.approx(500**2 * (1 - p) / p**2)
     assert SiteEstimate().relative_stderr == math.inf
+
+
+def test_a_sampler_that_disarms_itself_is_said_once() -> None:
+    """The sampler disarms itself when it finds its lease closed or lost: from then on nothing is sampled, and
+    the profile says so (once, with the reason) instead of going on counting nothing."""
+    from agent.process.sampler import CONTROL_FIELDS, ControlState
+    from agent.session.sampled import SamplerLink
+
+    fields = {name: 0 for name, _ in CONTROL_FIELDS}
+    fields.update(state=2, samples=40, arm_count=3)  # armed
+
+    class Control:
+        def read(self) -> ControlState:
+            return ControlState(dict(fields))
+
+    said: list[str] = []
+    link = SamplerLink.__new__(SamplerLink)  # the link's bookkeeping alone: no process, no library
+    link.pid, link.say, link._lock, link._last_stats, link.disarmed_itself = 42, said.append, threading.Lock(), {}, None
+    link.control = Control()  # type: ignore[assignment]
+    assert link.statistics()["samples"] == 40 and said == [] and link.disarmed_itself is None
+    fields.update(state=1, disarm_reason=2)  # idle: its lease was seen closed
+    link.statistics()
+    link.statistics()
+    assert link.disarmed_itself == "controller gone"
+    assert said == ["sampler in 42 disarmed itself (controller gone, armed 3 times): its allocations are no "
+                    "longer sampled"]
