@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+import threading
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -156,12 +157,28 @@ def parse_json(b: Block) -> dict:  # type: ignore[type-arg]
 # Columns are mostly small counts that repeat little: Huffman-coded literals do better than short matches.
 # Measured on the bench's delta columns: level 3 gives 13.6 KB, the fast strategy without matches shorter
 # than 7 bytes 11.4 KB, in half the time. Any zstd decoder reads either.
-_compressor = zstandard.ZstdCompressor(
-    compression_params=zstandard.ZstdCompressionParameters.from_level(
-        ZSTD_LEVEL, strategy=zstandard.STRATEGY_FAST, min_match=7
-    )
-)
-_decompressor = zstandard.ZstdDecompressor()
+_PARAMS = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVEL, strategy=zstandard.STRATEGY_FAST, min_match=7)
+
+
+class _Codecs(threading.local):
+    """One compressor and one decompressor per thread: python-zstandard's objects are not thread-safe (they
+    let go of the GIL while they work), and a daemon's targets store, and its requests read, from threads of
+    their own. Sharing one crashed a daemon with three targets storing at once."""
+
+    def __init__(self) -> None:
+        self.compressor = zstandard.ZstdCompressor(compression_params=_PARAMS)
+        self.decompressor = zstandard.ZstdDecompressor()
+
+
+_codecs = _Codecs()
+
+
+def _compress(data: bytes) -> bytes:
+    return _codecs.compressor.compress(data)
+
+
+def _decompress(data: bytes) -> bytes:
+    return _codecs.decompressor.decompress(data, max_output_size=1 << 31)
 
 
 def column_width(values: np.ndarray) -> int:
@@ -179,7 +196,7 @@ def column_width(values: np.ndarray) -> int:
 def column_block(kind: bytes, values: np.ndarray) -> bytes:
     w = column_width(values)
     raw = values.astype(_DTYPES[w], copy=False).tobytes()
-    return block(kind, _compressor.compress(raw), w)
+    return block(kind, _compress(raw), w)
 
 
 def decode_column(b: Block, rows: int | None = None, widen: bool = True) -> np.ndarray:
@@ -188,7 +205,7 @@ def decode_column(b: Block, rows: int | None = None, widen: bool = True) -> np.n
     if b.entry_size not in _DTYPES:
         raise FormatError(f"{b.kind.decode()} block at {b.start}: entry size {b.entry_size}")
     try:
-        raw = _decompressor.decompress(b.payload, max_output_size=1 << 31)
+        raw = _decompress(b.payload)
     except zstandard.ZstdError as exc:
         raise FormatError(f"{b.kind.decode()} block at {b.start}: {exc}") from None
     if len(raw) % b.entry_size:
@@ -209,12 +226,12 @@ def strings_block(strings: Sequence[str]) -> bytes:
     for s in strings:
         raw = s.encode("utf-8", "surrogateescape")
         parts.append(U32.pack(len(raw)) + raw)
-    return block(K_STRINGS, _compressor.compress(b"".join(parts)))
+    return block(K_STRINGS, _compress(b"".join(parts)))
 
 
 def decode_strings(b: Block) -> list[str]:
     try:
-        raw = _decompressor.decompress(b.payload, max_output_size=1 << 31)
+        raw = _decompress(b.payload)
     except zstandard.ZstdError as exc:
         raise FormatError(f"strings block at {b.start}: {exc}") from None
     # A segment's first snapshot brings ten thousand names: one pass with the fewest calls per string. Names

@@ -383,3 +383,28 @@ def test_segments_hold_a_span_of_history_by_the_snapshots_clock(tmp_path: Path) 
     reader = StoreReader(tmp_path)
     spans = [[r.time // 1000 for r in seg.snapshots()] for seg in reader.segments]
     assert spans == [list(range(0, 10)), list(range(10, 20)), list(range(20, 30))]
+
+
+def test_columns_are_compressed_and_read_from_many_threads_at_once() -> None:
+    """A daemon's targets store, and its requests read, from threads of their own: each thread has its own zstd
+    objects (python-zstandard's are not thread-safe; one shared compressor crashed a daemon), and every column
+    comes back as it went in."""
+    seen: dict[int, tuple[int, int]] = {}
+    errors: list[str] = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        seen[seed] = (id(fmt._codecs.compressor), id(fmt._codecs.decompressor))
+        for _ in range(300):
+            values = rng.integers(-(1 << 40), 1 << 40, size=int(rng.integers(1, 3000)))
+            parsed = fmt.read_block(fmt.column_block(fmt.K_SITE_GAP, values), 0)
+            if not np.array_equal(fmt.decode_column(parsed), values):
+                errors.append(f"thread {seed}: a column came back changed")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len({ids for ids in seen.values()}) == 4  # no two threads share a compressor or a decompressor
