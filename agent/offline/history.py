@@ -68,8 +68,7 @@ def select(reader: StoreReader, start_ns: int | None, end_ns: int | None) -> Sel
     in_range = reader.snapshots(start_ns, end_ns)
     if start_ns is not None and (not in_range or in_range[0].wall_ns > start_ns):
         prior = reader.before(start_ns)
-        same_run = not in_range or prior is None or _run(prior) == _run(in_range[0])
-        if prior is not None and "error" not in prior.info and same_run:
+        if prior is not None and "error" not in prior.info and (not in_range or _run(prior) == _run(in_range[0])):
             refs.append(prior)
     for ref in in_range:
         if "error" in ref.info:
