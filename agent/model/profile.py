@@ -572,6 +572,16 @@ class SnapshotSeries:
         return self._last_time
 
     @property
+    def latest_time(self) -> int | None:
+        """The latest snapshot's own time (None before any): no later snapshot may be earlier, as Massif's file
+        is in time order. A paid tree (give_tree) can be later than last_time, the point it replaced, from which
+        the schedule goes on."""
+        if not self._snapshots:
+            return self._last_time
+        t = self._snapshots[-1].time
+        return t if self._last_time is None else max(t, self._last_time)
+
+    @property
     def tree_owed(self) -> bool:
         """The detailed frequency fell on a point (add_point), which had no tree: give_tree can pay it."""
         return self._tree_owed
@@ -723,8 +733,9 @@ class SnapshotSeries:
     # -- internals
 
     def _check_time(self, time: int) -> None:
-        if self._last_time is not None and time < self._last_time:
-            raise ValueError(f"time went backwards: {time} after {self._last_time}")
+        latest = self.latest_time
+        if latest is not None and time < latest:
+            raise ValueError(f"time went backwards: {time} after {latest}")
 
     def _uncullable(self, i: int) -> bool:
         return i == 0 or i == len(self._snapshots) - 1 or self._snapshots[i].kind is SnapshotKind.PEAK

@@ -54,8 +54,11 @@ class PointFeed:
             if series.finished:
                 continue
             time = self.to_time(raw_time)
-            last = series.last_time
-            if last is not None and time < last:
+            # A point can come after a tick paid its tree with a later state: the point's event took its time
+            # while the tick read the counters, and reached the ring only after (the target's thread was still
+            # in its handler on the other CPU). The file stays in time order: it is counted, not offered.
+            latest = series.latest_time
+            if latest is not None and time < latest:
                 self.n_late += 1
                 continue
             if kind == self.peak_kind:

@@ -39,6 +39,7 @@ class ScheduleSummary:
     at_peaks: int
     cullings: int
     kept: int
+    late: int = 0  # points that reached user space after a tick's later state: not kept, the file in time order
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class ProfileSummary:
             lines.append(
                 f"snapshots: {sc.taken} taken on Massif's schedule ({sc.at_peaks} at peaks), "
                 f"{sc.cullings} cullings, {sc.kept} kept"
+                + (f"; {sc.late} points not kept, read after a later state was recorded" if sc.late else "")
             )
         if c.sched_lost:
             lines.append(

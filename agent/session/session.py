@@ -473,7 +473,7 @@ class Session:
         schedule = None
         if self.points is not None:
             st = self.series
-            schedule = ScheduleSummary(st.n_taken, st.n_peaks_taken, st.n_cullings, len(st))
+            schedule = ScheduleSummary(st.n_taken, st.n_peaks_taken, st.n_cullings, len(st), self.points.n_late)
         return ProfileSummary(c, pages, unwind, schedule)
 
     def page_totals(self) -> PageTotals | None:

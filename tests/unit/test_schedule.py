@@ -9,6 +9,7 @@ passed), with the series' culling. The real kernel and real Massif meet in tests
 
 from __future__ import annotations
 
+import io
 import random
 import sys
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from agent.export.massif import write_massif
 from agent.model.profile import HeapTree, Snapshot, SnapshotKind, SnapshotSeries
 from agent.model.schedule import PointFeed
 
@@ -205,7 +207,24 @@ def test_add_point_owes_the_tree_and_give_tree_pays_it_without_moving_the_schedu
     assert [x.time for x in s.snapshots] == [0, 10, 20, 35]  # the point at 30 gave its place
     assert paid.scheduled_at == 30 and s.last_time == 30  # the schedule goes on from the point
     assert not s.tree_owed and s.give_tree(36, 4, 8, 0, tree()) is None
-    assert s.add_point(31, 5, 8, 0) is not None  # a point after the replaced one, before the tree's time
+    with pytest.raises(ValueError, match="backwards"):
+        s.add_point(31, 5, 8, 0)  # after the replaced point, before the tree's time: the file would go back
+    assert s.latest_time == 35 and s.add_point(35, 5, 8, 0) is not None
+
+
+def test_a_point_read_after_a_paid_tree_with_a_later_state_is_counted_late_and_the_file_stays_in_order() -> None:
+    """The target's thread took a point's time in the kernel while the tick read the counters, and put the point
+    in the ring after the tick had paid the owed tree with its own, later, state."""
+    s = SnapshotSeries(detailed_freq=2, max_snapshots=100)
+    feed = PointFeed(s, to_time=lambda ns: ns // 1_000_000, peak_kind=PEAK)
+    s.add(0, 0, 0, 0, tree())
+    assert feed.feed([(10_000_000, 1, 8, 0), (20_000_000, 2, 8, 0)], 0) == 2 and s.tree_owed
+    assert s.give_tree(30, 3, 8, 0, tree()) is not None
+    assert feed.feed([(25_000_000, 9, 8, 0), (31_000_000, 4, 8, 0)], 0) == 1 and feed.n_late == 1
+    assert [x.time for x in s.snapshots] == [0, 10, 30, 31]
+    out = io.StringIO()
+    write_massif(out, s.snapshots, desc=[], cmd="t", time_unit="ms", threshold=1.0)  # raises if out of order
+    assert out.getvalue().count("snapshot=") == 4
 
 
 def test_give_tree_pays_only_a_point_taken_while_owed() -> None:
