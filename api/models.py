@@ -276,6 +276,8 @@ class TargetOut(BaseModel):
     heap: HeapCounters
     pages: PagesOut | None = Field(description="Memory as the page syscalls left it: what malloc does not explain.")
     origin: OriginOut = Field(description="The process's identity, cgroup, and why it is profiled.")
+    error: str | None = Field(None, description="Why profiling failed once attached (its files may then be "
+                              "missing); null when it did not.")
 
 
 def _time(t: float | None) -> datetime | None:
@@ -294,6 +296,7 @@ def target_out(s: TargetStatus) -> TargetOut:
         estimate=s.mode == "sampled",
         state=s.state,
         exited=s.state == "exited",
+        error=s.error,
         started_at=_time(s.started_at),  # type: ignore[arg-type]
         ended_at=_time(s.ended_at),
         files=list(s.files),

@@ -64,6 +64,7 @@ class Target(Profile):
             origin=self.origin,
             mode=self.mode,
             sample_rate=self.sample_rate,
+            error=None if self.error is None else str(self.error),
         )
 
     def snapshot_text(self, detailed: bool) -> str:

@@ -46,6 +46,7 @@ class TargetStatus:
     origin: TargetOrigin = field(default_factory=TargetOrigin)  # identity, cgroup, selector (agent.model.fleet)
     mode: str = "exact"  # exact, or sampled: the heap figures are estimates (agent.model.sampling)
     sample_rate: int = 1  # sampled: mean bytes between samples; 1 when every call counts
+    error: str | None = None  # why profiling failed once attached (its files may be missing), else None
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ class FakeTarget:
     memory: list[MemoryPoint] = field(default_factory=list)  # the mapped/RSS line
     store_dir: Path | None = None  # the target's directory of a history store, when it keeps one
     origin: TargetOrigin = field(default_factory=TargetOrigin)  # identity, cgroup, selector
+    error: str | None = None  # why its profiling failed once attached
     _xt_seq: int = 0
 
     def header(self) -> ProfileHeader:
@@ -109,7 +110,7 @@ class FakeTarget:
             state=self.state, started_at=1_700_000_000.0,
             ended_at=None if self.state == "profiling" else 1_700_000_060.0, files=(), counters=self.counters(),
             origin=self.origin,
-            mode=self.mode, sample_rate=self.sample_rate,
+            mode=self.mode, sample_rate=self.sample_rate, error=self.error,
         )
 
     def _tree(self) -> HeapTree:

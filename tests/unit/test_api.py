@@ -158,6 +158,14 @@ def test_exited_target_is_marked() -> None:
         assert client.get("/detailed_snapshot").status_code == 200
 
 
+def test_a_profile_that_failed_once_attached_says_why() -> None:
+    failed = FakeTarget(pid=10, state="detached", error="snapshot 36: time 847 is before the previous snapshot's 855")
+    with client_for(FakeManager([failed, FakeTarget(pid=11)])) as client:
+        by_pid = {t["pid"]: t for t in client.get("/targets").json()}
+        assert by_pid[10]["error"] == failed.error and by_pid[11]["error"] is None
+        assert client.delete("/targets/10").json()["error"] == failed.error
+
+
 # ---- malformed requests: 4xx JSON, never a traceback ------------------------------------------------------
 
 
