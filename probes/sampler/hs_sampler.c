@@ -1097,6 +1097,11 @@ static int64_t arm(uint64_t rate)
     STORE(hs_control.lease_fd, (int64_t)-1);
     set_clear();
     reset_counts(); /* counts start at arming */
+    /* and so do the statistics: a profile that re-arms a loaded sampler reads its own samples */
+    STORE(hs_control.samples, 0);
+    STORE(hs_control.sampled_frees, 0);
+    STORE(hs_control.set_full, 0);
+    STORE(hs_control.realloc_failed_sampled, 0);
     STORE(sample_rate, rate);
     pthread_mutex_lock(&patch_lock);
     STORE(armed, 1);

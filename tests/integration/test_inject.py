@@ -63,10 +63,13 @@ def test_calls_on_every_thread_and_arm_cycles_change_nothing(
         assert not injected.reused
         assert not injected.was_single_threaded and not injected.warnings
         assert inject(conv.pid, sampler_lib).reused  # never loaded twice
+        last_samples = 0
         for cycle in range(10):
             ctl = SamplerControl(conv.pid, sampler_lib)
             armed = ctl.arm(4096)
             assert armed.state == "armed" and armed["slots_patched"] > 0
+            # the statistics start again at arming: read at once, fewer than the last cycle's 0.1 s of samples
+            assert cycle == 0 or armed["samples"] < last_samples, (armed["samples"], last_samples)
             time.sleep(0.1)
             if cycle % 2:
                 st = ctl.disarm()
@@ -81,6 +84,7 @@ def test_calls_on_every_thread_and_arm_cycles_change_nothing(
                 watch.close()
                 assert st.disarm_reason == "controller gone"
             assert st["slots_patched"] == 0
+            last_samples = st["samples"]
         final = SamplerControl(conv.pid, sampler_lib).read()
         assert final["samples"] > 0 and final["sampled_frees"] > 0
         assert final["arm_count"] == 10
