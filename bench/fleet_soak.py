@@ -19,7 +19,8 @@ the daemon meets concurrent attaches, as a fleet's restarts give it.
 Reported (JSON on stdout, and bench/results/fleet_soak.json):
 - target crashes: a service or worker that ended other than by the soak's own signals (the parents report their
   workers' ends), or the attach/detach process found not running;
-- wrong results: a target profiled for more than a second whose live heap is not 8000 bytes;
+- wrong results: a target profiled for more than a second whose live heap is not 8000 bytes, asked twice; a
+  profile that failed once attached (its `error`), or a detach that wrote no file;
 - leaked probes: the BPF links, programs, maps and perf events the daemon holds (its /proc/PID/fd) once every
   target is gone, against their count before the first target; and bpftool's system-wide count of uprobe_multi
   links before the daemon started and after it ended (other work on the machine may move that one);
@@ -40,7 +41,6 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -120,10 +120,13 @@ class Soak:
         self.lock = threading.Lock()  # counts, wrong and crashes: the cyclers' threads add to them too
         self.rss: list[tuple[float, int]] = []
         self.cycle_seconds: list[float] = []
-        self.daemon: subprocess.Popen[bytes] | None = None
+        self.daemon: subprocess.Popen[str] | None = None
         self.stopping = threading.Event()
         self.url = ""
         self.log = work / "daemon.log"
+        self.t0 = time.monotonic()
+        self.failed: set[tuple[int, str]] = set()  # (pid, started_at) of profiles found failed, said once
+        self.first_seen: dict[tuple[int, str], float] = {}  # (pid, started_at): when the soak first saw it ready
 
     # ---- set-up ----
 
@@ -135,10 +138,13 @@ class Soak:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         cmd = [*heapscope_cmd(), "serve", "--http", f"127.0.0.1:{port}", "--output-dir", str(self.work / "out"),
-               "--attach-comm", "^soak-svc$", "--keep-exited", "5", "--malt", "no", "--mode", "exact", "-q"]
+               "--attach-comm", "^soak-svc$", "--keep-exited", "5", "--malt", "no", "--mode", "exact",
+               *([] if self.args.verbose else ["-q"])]
         env = {k: v for k, v in os.environ.items() if k != "HEAPSCOPE_TOKEN"}
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-        self.daemon = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"), env=env)
+        log = self.log.open("w")
+        self.daemon = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        threading.Thread(target=self.keep_log, args=(self.daemon, log), daemon=True).start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.daemon.poll() is not None:
@@ -150,6 +156,14 @@ class Soak:
                 pass
             time.sleep(0.2)
         raise SystemExit("the daemon did not answer within 60 s")
+
+    def keep_log(self, daemon: subprocess.Popen[str], log: Any) -> None:
+        """The daemon's lines, each stamped with the soak's clock, so that they line up with its findings."""
+        assert daemon.stderr is not None
+        for line in daemon.stderr:
+            log.write(f"{self.at()} {line}")
+            log.flush()
+        log.close()
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60.0)
@@ -167,12 +181,16 @@ class Soak:
             return {t["pid"]: t for t in c.get("/targets").json()}
 
     def check_results(self, held: dict[int, dict[str, Any]]) -> None:
-        now = time.time()
+        now = time.monotonic()
         for pid, t in held.items():
+            if t["error"] and (pid, t["started_at"]) not in self.failed:
+                self.failed.add((pid, t["started_at"]))
+                self.wrong.append(f"{self.at()} {pid} ({t['command']}, {t['state']}): profiling failed: {t['error']}")
             if t["state"] != "profiling":
                 continue
-            started = datetime.fromisoformat(t["started_at"]).timestamp()
-            if now - started < SETTLE + 1:
+            # Counted from when the soak first saw this profile listed (it is listed once attached and armed);
+            # started_at is when the profile was made, before its program was compiled.
+            if now - self.first_seen.setdefault((pid, t["started_at"]), now) < SETTLE + 1:
                 continue
             self.counts["results checked"] += 1
             if not self._off(t):
@@ -181,11 +199,24 @@ class Soak:
             # process that has just exited between its last free and its exit: ask again after a few samples.
             time.sleep(0.2)
             again = self.targets().get(pid, {})
-            if Path(f"/proc/{pid}").exists() and again.get("state") == "profiling" and self._off(again):
-                self.wrong.append(f"{pid} ({t['command']}): {again['heap']['useful_bytes']} B in "
-                                  f"{again['heap']['live_blocks']} blocks, expected {RING_BYTES} B in 8")
+            if again.get("started_at") != t["started_at"]:
+                self.counts["off reads of a profile detached before asked again"] += 1  # a cycler's, re-attached
+            elif Path(f"/proc/{pid}").exists() and again.get("state") == "profiling" and self._off(again):
+                self.wrong.append(f"{self.at()} {pid} ({t['command']}): {self.heap_said(again)}")
             else:
                 self.counts["off reads right when asked again"] += 1
+
+    def at(self) -> str:
+        return f"[{time.monotonic() - self.t0:.1f} s]"
+
+    @staticmethod
+    def heap_said(t: dict[str, Any]) -> str:
+        """A wrong read, with what tells a sampler that stopped counting (its calls stand still) from samples
+        lost with the sampler still counting."""
+        h = t["heap"]
+        return (f"{h['useful_bytes']} B in {h['live_blocks']} blocks, expected {RING_BYTES} B in 8 "
+                f"({t['mode']}; {h['allocation_calls']} allocations, {h['free_calls']} frees, "
+                f"{h['untracked_frees']} untracked frees, {h['dropped']} dropped)")
 
     @staticmethod
     def _off(t: dict[str, Any]) -> bool:
@@ -234,12 +265,17 @@ class Soak:
                 t = c.get("/targets").json()
                 [mine] = [x for x in t if x["pid"] == manual.pid]
                 if mine["heap"]["useful_bytes"] != RING_BYTES:
-                    problems.append(f"attach/detach {manual.pid} ({mode['mode']}): "
-                                    f"{mine['heap']['useful_bytes']} B live")
+                    time.sleep(0.5)  # asked again: does it stay wrong, do the calls go on?
+                    [again] = [x for x in c.get("/targets").json() if x["pid"] == manual.pid]
+                    problems.append(f"{self.at()} attach/detach {manual.pid}: {self.heap_said(mine)}; "
+                                    f"0.5 s later {self.heap_said(again)}")
                 r = c.delete(f"/targets/{manual.pid}")
                 detached = r.status_code == 200
                 if not detached:
                     problems.append(f"detach {manual.pid}: {r.status_code} {r.text}")
+                elif r.json()["error"] or not r.json()["files"]:
+                    problems.append(f"{self.at()} detach {manual.pid} ({mode['mode']}): files "
+                                    f"{r.json()['files']}, error {r.json()['error']}")
         with self.lock:
             self.wrong += problems
             if detached:  # a whole cycle, attach to detach (its read may still be wrong: counted above)
@@ -274,7 +310,7 @@ class Soak:
         rss0, cpu0 = rss_and_cpu(self.daemon.pid)
         self.rss.append((0.0, rss0))
         manuals = [self.spawn(self.manual_exe, 0) for _ in range(a.cyclers if a.cycles else 0)]
-        t0 = time.monotonic()
+        t0 = self.t0 = time.monotonic()
         steps = [self.start_service, self.restart_a_worker, self.end_oldest]
         next_step = next_check = next_rss = t0
         step = 0
@@ -356,7 +392,7 @@ class Soak:
             "attach_detach_cycle_s_median": sorted(self.cycle_seconds)[len(self.cycle_seconds) // 2]
             if self.cycle_seconds else None,
             "daemon_log_errors": [ln for ln in self.log.read_text().splitlines() if "Traceback" in ln
-                                  or "failed" in ln or "stopped" in ln][:20],
+                                  or "failed" in ln.replace("(0 failed)", "") or "stopped" in ln][:20],
         }
 
 
@@ -368,6 +404,8 @@ def main() -> int:
     p.add_argument("--no-cycles", dest="cycles", action="store_false", help="no attach/detach cycles")
     p.add_argument("--cyclers", type=int, default=3,
                    help="processes attached and detached at once, each by its own thread (default 3)")
+    p.add_argument("--verbose", action="store_true",
+                   help="the daemon says what it does (not -q), and its log and work directory are kept")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fleet_soak.json")
     args = p.parse_args()
     if os.geteuid() != 0:
@@ -375,7 +413,10 @@ def main() -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="heapscope-soak-"))
     report = Soak(args, work).run()
-    shutil.rmtree(work)  # kept when the run ends early, with the daemon's log
+    if args.verbose:
+        print(f"fleet_soak: the daemon's log is kept in {work / 'daemon.log'}", file=sys.stderr)
+    else:
+        shutil.rmtree(work)  # kept when the run ends early, with the daemon's log
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))
