@@ -22,6 +22,8 @@ class HistoryOut(BaseModel):
     enabled: bool = Field(description="False when the daemon keeps no store (--no-store).")
     directory: str | None
     snapshots_written: int = Field(description="Samples stored by this profile.")
+    quiet_skipped: int = Field(0, description="Looks at the target not stored because nothing had moved since "
+                               "the last stored sample: its state holds until the next (--store-quiet-interval).")
     bytes_written: int
     write_errors: int = Field(description="Samples the disk refused (a full disk...): the profile went on.")
     last_error: str | None
@@ -35,7 +37,8 @@ class HistoryOut(BaseModel):
 def history_out(pid: int, s: StoreStatus) -> HistoryOut:
     return HistoryOut(
         pid=pid, enabled=s.enabled, directory=s.directory, snapshots_written=s.snapshots_written,
-        bytes_written=s.bytes_written, write_errors=s.write_errors, last_error=s.last_error,
+        quiet_skipped=s.quiet_skipped, bytes_written=s.bytes_written, write_errors=s.write_errors,
+        last_error=s.last_error,
         snapshots_held=s.snapshots_held, first=_iso(s.first_wall_ns), last=_iso(s.last_wall_ns),
         first_wall_ns=s.first_wall_ns, last_wall_ns=s.last_wall_ns,
     )

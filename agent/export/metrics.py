@@ -86,6 +86,8 @@ _PAGE_GAUGES = (
 # The history store (agent.model.stored.StoreStatus field), for targets that keep one.
 _STORE_COUNTERS = (
     ("heapscope_store_snapshots_written", "Samples written to the history store.", "snapshots_written"),
+    ("heapscope_store_quiet_skipped", "Looks not stored in the history store: nothing had moved since the last "
+     "stored sample.", "quiet_skipped"),
     ("heapscope_store_bytes_written", "Bytes written to the history store.", "bytes_written"),
     ("heapscope_store_write_errors", "Samples the history store could not write (a full disk...); the profile "
      "goes on.", "write_errors"),

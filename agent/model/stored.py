@@ -15,6 +15,7 @@ class StoreStatus:
 
     directory: str | None = None  # the target's directory of segments
     snapshots_written: int = 0
+    quiet_skipped: int = 0  # looks not stored: nothing had moved since the last stored sample (a step)
     bytes_written: int = 0
     write_errors: int = 0  # samples the disk refused (full disk, ...): counted, never raised to the profile
     last_error: str | None = None

@@ -210,6 +210,7 @@ class StoreRecorder:
         return StoreStatus(
             directory=str(self.writer.directory),
             snapshots_written=s.snapshots_written,
+            quiet_skipped=self.quiet_skipped,
             bytes_written=s.bytes_written,
             write_errors=self.errors,
             last_error=self.last_error,

@@ -164,7 +164,7 @@ class FakeTarget:
 
     def store_status(self) -> StoreStatus:
         self._check()
-        return StoreStatus() if self.store_dir is None else StoreStatus(directory=str(self.store_dir))
+        return StoreStatus() if self.store_dir is None else StoreStatus(directory=str(self.store_dir), quiet_skipped=3)
 
     def history_status(self) -> StoreStatus:
         status = self.store_status()

@@ -122,6 +122,9 @@ def test_history_says_what_the_store_holds(client: TestClient, stored) -> None: 
     [errors] = [line for line in client.get("/metrics").text.splitlines()
                 if line.startswith("heapscope_store_write_errors_total{") and 'pid="4242"' in line]
     assert errors.endswith(" 0.0")
+    [quiet] = [line for line in client.get("/metrics").text.splitlines()
+               if line.startswith("heapscope_store_quiet_skipped_total{") and 'pid="4242"' in line]
+    assert quiet.endswith(" 3.0") and h["quiet_skipped"] == 3  # the writer's looks not stored (fake: 3)
 
 
 def test_bad_times_are_400_and_moments_outside_the_history_404(client: TestClient, stored) -> None:  # type: ignore[no-untyped-def]
@@ -241,7 +244,7 @@ def test_a_quiet_target_is_stored_as_a_step(tmp_path: Path, monkeypatch: pytest.
     for t in range(1, 6):  # quiet: the same token and RSS
         clock[0] += 1
         assert rec.record(take(t), rss=4096, token=b"a", now=lambda t=t: 1000 * t)  # type: ignore[misc]
-    assert taken == [0] and rec.quiet_skipped == 5
+    assert taken == [0] and rec.quiet_skipped == 5 and rec.status().quiet_skipped == 5
     clock[0] += 1
     assert rec.record(take(6), rss=8192, token=b"a", now=lambda: 6000)  # the RSS moved: stored
     clock[0] += 1
