@@ -690,8 +690,9 @@ class HeapProbes(SiteReader):
         self._globals_fd = -1
         self._globals_buf: Any = None  # activity(), counters(): the raw globals, read into one reused buffer
         self._counters_codec: _CountersCodec | None = None
-        self._counters_raw = b""  # the raw globals last decoded, and what they decoded to
-        self._counters_last: Counters | None = None
+        # The raw globals last decoded, and what they decoded to: one tuple, replaced whole, as the sampling
+        # thread and HTTP threads read the counters at once.
+        self._counters_cache: tuple[bytes, Counters] | None = None
 
     # ---- life cycle -------------------------------------------------------------------------------
 
@@ -1061,12 +1062,11 @@ class HeapProbes(SiteReader):
         if self._bpf is None:
             raise HeapscopeError("probes are not loaded")
         raw = self._globals_raw()
-        if raw != self._counters_raw:  # a quiet target's loop asks again and again: decoded once per change
+        cached = self._counters_cache
+        if cached is None or cached[0] != raw:  # a quiet target's loop asks again and again: decoded once per change
             assert self._counters_codec is not None
-            self._counters_last = self._counters_codec.decode(raw)
-            self._counters_raw = raw
-        assert self._counters_last is not None
-        return self._counters_last
+            cached = self._counters_cache = (raw, self._counters_codec.decode(raw))
+        return cached[1]
 
     def _site_view(self, count: int) -> SiteArray:
         if self._sites is None:
