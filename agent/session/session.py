@@ -152,11 +152,15 @@ class Session:
 
     # ---- time -------------------------------------------------------------------------------------
 
-    def now(self, c: Counters) -> int:
-        """The current time in the session's unit (once sampling has ended, the time it ended)."""
+    def now(self, c: Counters, read_ns: int | None = None) -> int:
+        """The current time in the session's unit (once sampling has ended, the time it ended); `read_ns`: the
+        clock just before `c` was read, which its state is no earlier than."""
         if self.opts.time_unit == "B":
             return c.time_b + self.time_offset_b
-        now_ns = self._ended_ns if self._ended_ns is not None else time.monotonic_ns()
+        if self._ended_ns is not None:
+            now_ns = self._ended_ns
+        else:
+            now_ns = read_ns if read_ns is not None else time.monotonic_ns()
         return (now_ns - self.start_ns) // 1_000_000
 
     def _point_time(self, raw: int) -> int:
@@ -306,12 +310,15 @@ class Session:
         one."""
         with self._lock:
             self._take_points()  # before the counters: the tick's state is then no earlier than any point
+            # The tick's time is the clock before the counters are read, not after the work below: a point sent
+            # meanwhile is then later than the tick (and not counted in c, so no tree is paid over it).
+            read_ns = time.monotonic_ns()
             c = self.counters()
             if self.opts.stacks and self.live is not None:
                 self.stack_bytes = self.live.stack_bytes()
             if self.recorder is not None:
                 self.recorder.sample(c, mapped=self.pages.total if self.pages is not None else None)
-            t = self.now(c)
+            t = self.now(c, read_ns)
             if self.series.finished or (self.series.snapshots and t < self.series.snapshots[-1].time):
                 return
             # With the kernel's schedule a tick only takes the first snapshot and pays owed trees.
