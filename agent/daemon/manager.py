@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,6 +34,16 @@ from agent.session.pipeline import Profile, ProfileSettings
 
 # How long an attach may take (compiling the BPF program, reading symbols) before it is given up.
 ATTACH_TIMEOUT = 120.0
+
+
+def failure_said(exc: BaseException) -> str:
+    """An error in one line: its message; for one of heapscope's own bugs (not a HeapscopeError, or one with no
+    message) also its type and the line that raised it, so that a log names the fault."""
+    if isinstance(exc, HeapscopeError) and str(exc):
+        return str(exc)
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+    return f"{type(exc).__name__}{where}: {exc}" if str(exc) else f"{type(exc).__name__}{where}"
 
 
 class Target(Profile):
@@ -293,7 +304,7 @@ class TargetManager:
         except BaseException as exc:  # reported to the attacher, or logged
             t.error = exc
             if t.ready.is_set():
-                say(f"profiling {t.pid} failed: {exc}")
+                say(f"profiling {t.pid} failed: {failure_said(exc)}")
         finally:
             t.ready.set()
             t.done.set()

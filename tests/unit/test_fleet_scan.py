@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.daemon import manager as manager_module
 from agent.daemon.fleet import FleetConfig, FleetManager, _Job
-from agent.daemon.manager import DaemonConfig
-from agent.errors import NoSuchTarget
+from agent.daemon.manager import DaemonConfig, failure_said
+from agent.errors import NoSuchTarget, TargetError
 from agent.model.counters import Counters
 from agent.model.fleet import Limits, TargetOrigin
 from agent.model.options import MassifOptions
@@ -141,3 +141,17 @@ def test_ended_targets_are_forgotten_first_to_make_room_for_sites_or_memory(flee
     assert refusal is not None and refusal.reason == "memory"
     assert 555 not in {t.pid for t in m.targets()}  # forgotten on the way, still refused
     assert any("forgot ended target 555" in line for line in fleet.said)
+
+
+def test_a_failed_profile_is_said_with_its_type_and_place_when_it_is_a_bug() -> None:
+    def fail(exc: BaseException) -> BaseException:
+        try:
+            raise exc
+        except BaseException as caught:
+            return caught
+
+    assert failure_said(fail(TargetError("process 4 exited"))) == "process 4 exited"
+    bug = failure_said(fail(AssertionError()))  # no message of its own: the type and the line name it
+    assert bug.startswith("AssertionError at test_fleet_scan.py:") and bug.split(":")[-1].isdigit()
+    key = failure_said(fail(KeyError("x")))
+    assert key.startswith("KeyError at test_fleet_scan.py:") and key.endswith(": 'x'")
