@@ -517,7 +517,20 @@ class _Ctx:
 
     def say(self, line: str) -> None:
         if not self.ns.quiet:
-            print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+            with _SAY_LOCK:  # one write a line: a daemon's threads say things at once
+                sys.stderr.write(f"{PROG}: {line}\n")
+                sys.stderr.flush()
+
+
+_SAY_LOCK = threading.Lock()
+
+
+def _stderr_of_our_own() -> None:
+    """A daemon's lines go to a duplicate of fd 2, not to fd 2 itself: compiling a target's program points fd 2 at
+    a file for seconds (agent.kernel.probes captures clang's messages there), and every line the other threads
+    said meanwhile went into that file, not to the log."""
+    sys.stderr.flush()
+    sys.stderr = open(os.dup(2), "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")  # noqa: SIM115
 
 
 def _require_environment() -> None:
@@ -649,6 +662,7 @@ def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | Non
 
     settings = _api_settings(ctx.ns)
     fleet = fleet_config_from(ctx.ns)  # a bad selector is said before anything starts
+    _stderr_of_our_own()
     if ctx.ns.command == "serve":
         ctx.settings = replace(ctx.settings, store=store_settings(ctx.ns, settings.output_dir))
     _require_environment()
