@@ -363,6 +363,17 @@ class SamplerControl:
         self.close()
         return st
 
+    def descriptors(self) -> str:
+        """What this control's descriptors are now (for a failed read: one taken over shows what took it)."""
+        out = []
+        for name, fd in (("memory", self._mem), ("lease", self._lease)):
+            try:
+                what = os.readlink(f"/proc/self/fd/{fd}") if fd is not None and fd >= 0 else "closed by us"
+            except OSError as exc:
+                what = exc.strerror or "unreadable"
+            out.append(f"{name} fd {fd}: {what}")
+        return ", ".join(out)
+
     def close(self) -> None:
         if self._lease is not None:
             os.close(self._lease)

@@ -14,7 +14,6 @@ sampler armed: disarm() runs on every way out, and the lease makes it disarm its
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -78,6 +77,7 @@ class SamplerLink:
         self._lock = threading.Lock()
         self.arm_error: BaseException | None = None
         self.disarmed_itself: str | None = None  # why the sampler disarmed without being asked, once it has
+        self.read_error: str | None = None  # the first read of the sampler that failed while its process lived
         if not process.launched:
             injection = inject(self.pid, self.library)
             if injection.reused:
@@ -143,9 +143,18 @@ class SamplerLink:
         with self._lock:
             if self.control is None:
                 return self._last_calls
-            with contextlib.suppress(OSError, HeapscopeError):  # the target exited: its last counts stand
+            try:
                 self._last_calls = self.control.thread_calls()
+            except (OSError, HeapscopeError) as exc:  # the target exited: its last counts stand
+                self._read_failed(exc)
             return self._last_calls
+
+    def _read_failed(self, exc: BaseException) -> None:
+        """A read of the sampler that failed while its process lives is said once: its counts stand still."""
+        if self.read_error is None and self.process.alive():
+            self.read_error = str(exc)
+            fds = self.control.descriptors() if self.control is not None else ""
+            self.say(f"cannot read the sampler in {self.pid} ({exc}; {fds}): its counts stay as last read")
 
     def counts(self) -> dict[str, int] | None:
         """Exact counts since arming (allocs and frees, reallocs included; alloc_bytes; reallocs and the old
@@ -164,8 +173,11 @@ class SamplerLink:
         the last ones read once it is disarmed."""
         with self._lock:
             if self.control is not None:
-                with contextlib.suppress(OSError, HeapscopeError):
+                try:
                     st = self.control.read()
+                except (OSError, HeapscopeError) as exc:
+                    self._read_failed(exc)
+                else:
                     self._last_stats = {k: st[k] for k in self._STATS}
                     if st.state != "armed" and self.disarmed_itself is None:
                         # Its lease seen closed or lost: from here no allocation is sampled. Said, never silent.

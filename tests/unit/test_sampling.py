@@ -239,3 +239,33 @@ def test_a_sampler_that_disarms_itself_is_said_once() -> None:
     assert link.disarmed_itself == "controller gone"
     assert said == ["sampler in 42 disarmed itself (controller gone, armed 3 times): its allocations are no "
                     "longer sampled"]
+
+
+def test_a_sampler_that_cannot_be_read_is_said_once_with_what_its_descriptors_are() -> None:
+    """A read of a live process's sampler that fails leaves its counts standing still: said once, with what the
+    control's descriptors are now (one taken over by another part of the daemon shows what took it)."""
+    from agent.session.sampled import SamplerLink
+
+    class Control:
+        def read(self) -> None:
+            raise OSError(9, "Bad file descriptor")
+
+        def thread_calls(self) -> None:
+            raise OSError(9, "Bad file descriptor")
+
+        def descriptors(self) -> str:
+            return "memory fd 7: anon_inode:bpf-map, lease fd 8: closed by us"
+
+    class Alive:
+        def alive(self) -> bool:
+            return True
+
+    said: list[str] = []
+    link = SamplerLink.__new__(SamplerLink)  # the link's bookkeeping alone: no process, no library
+    link.pid, link.say, link._lock, link._last_stats, link._last_calls = 42, said.append, threading.Lock(), {}, None
+    link.disarmed_itself = link.read_error = None
+    link.process = Alive()  # type: ignore[assignment]
+    link.control = Control()  # type: ignore[assignment]
+    assert link.statistics() == {} and link.counts() is None and link.statistics() == {}
+    assert said == ["cannot read the sampler in 42 ([Errno 9] Bad file descriptor; memory fd 7: anon_inode:bpf-map, "
+                    "lease fd 8: closed by us): its counts stay as last read"]
