@@ -750,11 +750,22 @@ class HeapProbes(SiteReader):
                 self._page_ring = _RingReader(bpf["page_events"].map_fd, s.page_ring_bytes, _PAGE_EVENT)
             self._sched_ring = _RingReader(bpf["sched_points"].map_fd, SCHED_RING_BYTES, _SCHED_POINT)
             self._release_compiler()
+            self._open_globals()
         except BaseException:
             self.close()
             raise
         _trim_heap()
         return self
+
+    def _open_globals(self) -> None:
+        """The reader of struct hs_global, made once here, on the map's own descriptor (after
+        _release_compiler): made lazily at the first read, a sampling thread and an HTTP thread reading at once
+        could each see it half made (a codec not set yet failed a profile in the fleet soak)."""
+        assert self._bpf is not None
+        table = self._bpf["globals"]
+        self._counters_codec = _CountersCodec(table.Leaf)
+        self._globals_buf = ctypes.create_string_buffer(ctypes.sizeof(table.Leaf))
+        self._globals_fd = table.map_fd
 
     def _release_compiler(self) -> None:
         """Free what bcc keeps of the compilation once everything is loaded: its module holds clang's LLVM
@@ -805,6 +816,7 @@ class HeapProbes(SiteReader):
             if ring is not None:
                 ring.close()
         self._page_ring = self._sched_ring = None
+        self._globals_buf = None  # its descriptor is closed below
         if self._bpf is not None:
             _unload(self._bpf)
             self._bpf = None
@@ -956,15 +968,15 @@ class HeapProbes(SiteReader):
 
     def _globals_raw(self) -> bytes:
         """struct hs_global as bytes: one map lookup into a reused buffer, no Python object per field."""
-        assert self._bpf is not None
         if self._globals_buf is None:
-            table = self._bpf["globals"]
-            self._globals_fd = table.map_fd
-            self._globals_buf = ctypes.create_string_buffer(ctypes.sizeof(table.Leaf))
-            self._counters_codec = _CountersCodec(table.Leaf)
+            raise HeapscopeError("probes are not loaded")
         lib = _load_bcc().libbcc.lib
-        lib.bpf_lookup_elem(self._globals_fd, ctypes.byref(self._zero_key), self._globals_buf)
-        return self._globals_buf.raw
+        # One buffer per read: a shared one could be filled by one thread while another copies it out.
+        buf = ctypes.create_string_buffer(len(self._globals_buf))
+        if lib.bpf_lookup_elem(self._globals_fd, ctypes.byref(self._zero_key), buf) != 0:
+            # Never the last figures again as if they were now: a failed read is an error, said by the caller.
+            raise HeapscopeError("cannot read the probes' counters: the lookup in their map failed")
+        return buf.raw
 
     def mapping_calls(self) -> int | None:
         """A position that moves with every mmap, munmap, mremap and brk the target makes (the page events'

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agent.errors import HeapscopeError
 from agent.kernel.probes import SCHED_PEAK, HeapProbes, ProbeSettings
 from agent.model.options import MAX_WALKED_FRAMES
 from agent.process.discovery import allocator_of_process
@@ -96,11 +98,29 @@ def test_every_program_loads_and_counts(
         # Attaching loads each point's programs (and alloc_return for those that return): one that the verifier
         # refuses raises here.
         with HeapProbes(settings, points) as probes:
+            # The first reads come from several threads at once, as a daemon's sampling thread and its HTTP
+            # threads read a new target: each sees whole counters (a reader made at the first read was seen
+            # half made, and failed a profile).
+            barrier = threading.Barrier(8)
+            first: list[Any] = []
+
+            def read() -> None:
+                barrier.wait()
+                first.append(probes.counters())
+
+            readers = [threading.Thread(target=read) for _ in range(8)]
+            for t in readers:
+                t.start()
+            for t in readers:
+                t.join()
+            assert len(first) == 8 and len({(c.heap, c.n_allocs) for c in first}) == 1
             target.go()
             target.expect("allocated")
             counters = probes.counters()
             sched = probes.schedule_points()
         assert target.finish() == 7
+        with pytest.raises(HeapscopeError, match="not loaded"):
+            probes.activity()  # closed: an error, never the last figures read as if they were now
     finally:
         target.kill()
 
