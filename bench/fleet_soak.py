@@ -273,9 +273,9 @@ class Soak:
                 detached = r.status_code == 200
                 if not detached:
                     problems.append(f"detach {manual.pid}: {r.status_code} {r.text}")
-                elif r.json()["error"] or not r.json()["files"]:
+                elif (ended := r.json())["error"] or not ended["files"]:
                     problems.append(f"{self.at()} detach {manual.pid} ({mode['mode']}): files "
-                                    f"{r.json()['files']}, error {r.json()['error']}")
+                                    f"{ended['files']}, error {ended['error']}")
         with self.lock:
             self.wrong += problems
             if detached:  # a whole cycle, attach to detach (its read may still be wrong: counted above)

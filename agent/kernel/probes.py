@@ -688,7 +688,7 @@ class HeapProbes(SiteReader):
         self._zero_key = ctypes.c_int(0)
         self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed (_release_compiler)
         self._globals_fd = -1
-        self._globals_buf: Any = None  # activity(), counters(): the raw globals, read into one reused buffer
+        self._globals_size = 0  # activity(), counters(): bytes of struct hs_global; 0 while not loaded
         self._counters_codec: _CountersCodec | None = None
         # The raw globals last decoded, and what they decoded to: one tuple, replaced whole, as the sampling
         # thread and HTTP threads read the counters at once.
@@ -764,7 +764,7 @@ class HeapProbes(SiteReader):
         assert self._bpf is not None
         table = self._bpf["globals"]
         self._counters_codec = _CountersCodec(table.Leaf)
-        self._globals_buf = ctypes.create_string_buffer(ctypes.sizeof(table.Leaf))
+        self._globals_size = ctypes.sizeof(table.Leaf)
         self._globals_fd = table.map_fd
 
     def _release_compiler(self) -> None:
@@ -816,7 +816,7 @@ class HeapProbes(SiteReader):
             if ring is not None:
                 ring.close()
         self._page_ring = self._sched_ring = None
-        self._globals_buf = None  # its descriptor is closed below
+        self._globals_size = 0  # its descriptor is closed below
         if self._bpf is not None:
             _unload(self._bpf)
             self._bpf = None
@@ -967,12 +967,12 @@ class HeapProbes(SiteReader):
         return total
 
     def _globals_raw(self) -> bytes:
-        """struct hs_global as bytes: one map lookup into a reused buffer, no Python object per field."""
-        if self._globals_buf is None:
+        """struct hs_global as bytes: one map lookup, no Python object per field."""
+        if not self._globals_size:
             raise HeapscopeError("probes are not loaded")
         lib = _load_bcc().libbcc.lib
         # One buffer per read: a shared one could be filled by one thread while another copies it out.
-        buf = ctypes.create_string_buffer(len(self._globals_buf))
+        buf = ctypes.create_string_buffer(self._globals_size)
         if lib.bpf_lookup_elem(self._globals_fd, ctypes.byref(self._zero_key), buf) != 0:
             # Never the last figures again as if they were now: a failed read is an error, said by the caller.
             raise HeapscopeError("cannot read the probes' counters: the lookup in their map failed")
