@@ -20,7 +20,8 @@ from elftools.elf.dynamic import DynamicSection
 
 from agent.errors import TargetError
 from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS
-from agent.symbols.elf import ElfError, ElfObject, open_elf
+from agent.symbols.elf import ElfError, ElfObject, FileCache, open_elf
+from agent.symbols.elf import forget_gone_processes as forget_gone_objects
 from agent.symbols.placement import Placement, choose_offset
 from agent.symbols.symbolizer import Mapping, parse_maps
 
@@ -61,8 +62,17 @@ class ElfFacts:
 _WANTED = frozenset(f.symbol for f in ALLOC_FUNCTIONS) | {EXIT_FUNCTION, LOADER_HOOK}
 
 
-@lru_cache(maxsize=256)
 def elf_facts(path: str) -> ElfFacts:
+    """The ElfFacts of a file, cached while the file stays the same and its process (for a path through
+    /proc/PID/root) lives: each target's objects are read through its own root, and a daemon that sees thousands
+    of processes must not keep each one's (with its symbol table)."""
+    try:
+        return _facts.get(path)
+    except ElfError as exc:
+        raise TargetError(f"cannot read {path}: {exc}") from exc
+
+
+def _read_facts(path: str) -> ElfFacts:
     try:
         obj = open_elf(path)
         f, elf = obj.open_elffile()
@@ -87,6 +97,15 @@ def elf_facts(path: str) -> ElfFacts:
         if sym.name in _WANTED and sym.is_defined and sym.is_function and sym.value:
             facts.defined.setdefault(sym.name, sym.value)
     return facts
+
+
+_facts: FileCache[ElfFacts] = FileCache(_read_facts, limit=256)
+
+
+def forget_gone_processes() -> None:
+    """Drop what was read through /proc/PID/root of processes that are gone (also done at each new read)."""
+    _facts.forget_gone_processes()
+    forget_gone_objects()
 
 
 @lru_cache(maxsize=1)

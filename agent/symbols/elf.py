@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import BinaryIO
+from typing import BinaryIO, Generic, TypeVar
 
 from elftools.elf.elffile import ELFFile
+
+T = TypeVar("T")
 
 ET_DYN = "ET_DYN"
 
@@ -276,10 +278,6 @@ def _debuglink(elf: ELFFile) -> tuple[str, int] | None:
     return name, crc
 
 
-_cache: dict[tuple[str, _FileId], ElfObject] = {}
-_cache_lock = threading.Lock()
-
-
 def _file_id(path: str) -> _FileId:
     try:
         st = os.stat(path)
@@ -288,26 +286,63 @@ def _file_id(path: str) -> _FileId:
     return _FileId(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def _of_gone_process(path: str) -> bool:
+    """Whether a path reached through /proc/PID/ names a process that is gone."""
+    return path.startswith("/proc/") and not os.path.exists(path.split("/root/", 1)[0])
+
+
+class FileCache(Generic[T]):
+    """What was read from each file, kept while the file on disk stays the same.
+
+    Entries reached through /proc/PID/root of a process that is gone are dropped: no one opens them by that path
+    again, and a daemon that profiles one process after another would otherwise keep every one's (and the symbol
+    tables read with them). Holders of an entry keep it alive as long as they need it. `limit` bounds the entries
+    of live processes too, the oldest going first."""
+
+    def __init__(self, read: Callable[[str], T], limit: int | None = None) -> None:
+        self._read = read
+        self._limit = limit
+        self._entries: dict[tuple[str, _FileId], T] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> T:
+        """Raises ElfError when the file is missing, and what `read` raises."""
+        key = (path, _file_id(path))
+        with self._lock:
+            cached = self._entries.get(key)
+        if cached is not None:
+            return cached
+        value = self._read(path)
+        with self._lock:
+            self._forget_gone_processes()
+            if self._limit is not None:
+                while len(self._entries) >= self._limit:
+                    del self._entries[next(iter(self._entries))]
+            return self._entries.setdefault(key, value)
+
+    def forget_gone_processes(self) -> None:
+        with self._lock:
+            self._forget_gone_processes()
+
+    def _forget_gone_processes(self) -> None:
+        for key in [k for k in self._entries if _of_gone_process(k[0])]:
+            del self._entries[key]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_objects: FileCache[ElfObject] = FileCache(_read_header)
+
+
 def open_elf(path: str) -> ElfObject:
     """The ElfObject of a file, cached while the file on disk stays the same.
 
     Raises ElfError when the file is missing or not ELF.
     """
-    key = (path, _file_id(path))
-    with _cache_lock:
-        cached = _cache.get(key)
-    if cached is not None:
-        return cached
-    obj = _read_header(path)
-    with _cache_lock:
-        _forget_gone_processes()
-        return _cache.setdefault(key, obj)
+    return _objects.get(path)
 
 
-def _forget_gone_processes() -> None:
-    """Drop the entries reached through /proc/PID/root of a process that is gone: no one opens them by that path
-    again, and a daemon that profiles one process after another would otherwise keep every one's objects (and the
-    symbol tables read from them). Holders of an object keep it alive as long as they need it."""
-    gone = [k for k in _cache if k[0].startswith("/proc/") and not os.path.exists(k[0].split("/root/", 1)[0])]
-    for key in gone:
-        del _cache[key]
+def forget_gone_processes() -> None:
+    """Drop the objects read through /proc/PID/root of processes that are gone (also done at each new read)."""
+    _objects.forget_gone_processes()
