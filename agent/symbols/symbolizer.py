@@ -26,6 +26,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
+import weakref
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -414,7 +415,8 @@ class _Dwarf:
 
     def __init__(self, obj: ElfObject) -> None:
         self.path = obj.path
-        self._fh: BinaryIO = open(obj.path, "rb")  # noqa: SIM115 - closed by close()
+        self._fh: BinaryIO = open(obj.path, "rb")  # noqa: SIM115 - closed by close(), or once unreachable
+        self.close = weakref.finalize(self, self._fh.close)  # a shared build's DWARF has no one owner to close it
         base_dir = os.path.dirname(obj.path)
 
         def loader(p: str) -> BinaryIO:
@@ -433,9 +435,6 @@ class _Dwarf:
         self._cus: dict[int, _CuInfo] = {}
         self._ranges_cache: dict[tuple[int, int], list[tuple[int, int]] | None] = {}
         self._range_lists: Any = self.info.range_lists()
-
-    def close(self) -> None:
-        self._fh.close()
 
     def die_ranges(self, die: DIE, cu_base: int) -> list[tuple[int, int]] | None:
         """The pc ranges of a DIE; None when it has no pc information at all."""
@@ -666,10 +665,21 @@ class _ObjectInfo:
         levels.append((outer_name, chain[0].call_file, chain[0].call_line))
         return tuple(levels)
 
-    def close(self) -> None:
-        if self._dwarf is not None:
-            self._dwarf.close()
-            self._dwarf = None
+
+# One state per build, shared by every symbolizer that holds it: a daemon's targets all map the same libc, whose
+# DWARF alone is some 16 MiB once read, and a state per target made each busy or ended target pay for it again.
+_shared: weakref.WeakValueDictionary[tuple[str, tuple[str, ...]], _ObjectInfo] = weakref.WeakValueDictionary()
+_shared_lock = threading.Lock()
+
+
+def _shared_info(obj: ElfObject, debug_roots: tuple[str, ...]) -> _ObjectInfo:
+    """The state of obj's build (it has a build-id), made when no symbolizer holds one."""
+    key = (obj.build_id or "", debug_roots)
+    with _shared_lock:
+        info = _shared.get(key)
+        if info is None:
+            info = _shared[key] = _ObjectInfo(obj, debug_roots)
+        return info
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -694,9 +704,8 @@ class Symbolizer:
         self._index = _MappingIndex()
 
     def close(self) -> None:
+        """Let go of the objects' state; a build's DWARF is closed once no symbolizer holds it."""
         with self._lock:
-            for info in self._by_key.values():
-                info.close()
             self._by_key.clear()
             self._by_path.clear()
 
@@ -719,7 +728,7 @@ class Symbolizer:
             key: object = obj.build_id if obj.build_id else (path, obj)
             info = self._by_key.get(key)
             if info is None:
-                info = _ObjectInfo(obj, self.debug_roots)
+                info = _shared_info(obj, self.debug_roots) if obj.build_id else _ObjectInfo(obj, self.debug_roots)
                 self._by_key[key] = info
             self._by_path[path] = info
             return info

@@ -7,11 +7,13 @@ then) and compared with Massif's label, address included.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
 import subprocess
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -547,6 +549,40 @@ def test_libc_separate_debug_info_and_speed() -> None:
     # full parse of libc's DWARF takes (tens of seconds in pyelftools); cached lookups are dictionary hits.
     assert t1 - t0 < 5.0
     assert t2 - t1 < 0.005
+
+
+def test_symbolizers_share_a_builds_dwarf_and_close_it_with_the_last() -> None:
+    """A daemon has a symbolizer per target, and every target maps the same libc: its DWARF (some 16 MiB once read)
+    is read once for them all, and closed when the last symbolizer that holds it is gone."""
+    obj = open_elf(LIBC)
+    if obj.build_id is None or not os.path.exists(
+        debug := f"/usr/lib/debug/.build-id/{obj.build_id[:2]}/{obj.build_id[2:]}.debug"
+    ):
+        pytest.skip("libc6-dbg is not installed")
+    ra = _libc_strdup_malloc_return(obj)
+    base = 0x7F12_3400_0000
+    maps = [Mapping(base + m.start, base + m.end, m.offset, LIBC) for m in _identity_maps(obj)]
+
+    def debug_open() -> bool:
+        real = os.path.realpath(debug)
+        return any(os.path.realpath(f"/proc/self/fd/{fd}") == real for fd in os.listdir("/proc/self/fd"))
+
+    first, second = Symbolizer(), Symbolizer()
+    frames = first.symbolize(maps, base + ra)
+    assert second.symbolize(maps, base + ra) == frames and frames[-1].function == "strdup"
+    shared = first.object_info(LIBC)
+    assert shared is not None and second.object_info(LIBC) is shared
+    assert debug_open()
+    held = weakref.ref(shared)
+    del shared
+    first.close()
+    gc.collect()
+    assert held() is not None and debug_open()  # the second still holds it
+    second.close()
+    gc.collect()
+    assert held() is None and not debug_open()
+    with Symbolizer() as third:  # read again when asked again
+        assert third.symbolize(maps, base + ra) == frames
 
 
 # ----------------------------------------------------------------------------------------------------------
