@@ -331,7 +331,8 @@ def _add_store_options(p: argparse.ArgumentParser, serve: bool) -> None:
     g.add_argument("--store-max-size", type=byte_size, default=Retention.max_bytes, metavar="SIZE",
                    help="history kept per process, oldest deleted first (default 4G)")
     g.add_argument("--store-max-age", default="7d", metavar="AGE",
-                   help="history older than this is deleted (default 7d)")
+                   help="history older than this is deleted (default 7d); `serve` also deletes it from the "
+                        "histories of processes it no longer profiles")
     g.add_argument("--store-thin", default=None, metavar="AGE:EVERY,...",
                    help="thin older history: 1h:10s,1d:1m keeps one snapshot per 10 s of history older than an "
                         "hour, one a minute beyond a day (default: nothing is thinned)")

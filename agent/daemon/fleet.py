@@ -46,11 +46,14 @@ from agent.process.procinfo import (
     resident_bytes,
     start_time,
 )
+from agent.store.writer import sweep_ended
 
 # Without the tracepoints, how often /proc is scanned instead.
 POLL_INTERVAL = 2.0
 # How long the event loop sleeps at most: the housekeeping (expiry of exited targets) runs at least this often.
 TICK = 1.0
+# How often the store's histories of processes no longer profiled are checked against --store-max-age.
+STORE_SWEEP_INTERVAL = 600.0
 MAX_SELECTORS = 256
 
 Identity = tuple[int, int]  # (pid, start time)
@@ -106,6 +109,9 @@ class FleetManager(TargetManager):
         self._ev: ProcEvents | None = None
         self._watched: set[int] = set()
         self._trim = False
+        self._next_sweep = 0.0  # monotonic time of the next sweep of ended histories (at the first chores)
+        self._expired_segments = 0
+        self._expired_histories = 0
 
     # ---- life cycle ----
 
@@ -198,6 +204,8 @@ class FleetManager(TargetManager):
                 profiling=profiling,
                 sites=sites,
                 rss=resident_bytes(),
+                expired_segments=self._expired_segments,
+                expired_histories=self._expired_histories,
             )
 
     def _current_selectors(self) -> list[Selector]:
@@ -542,6 +550,9 @@ class FleetManager(TargetManager):
             gc.collect()
             gc.freeze()
             release_free_memory()
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + STORE_SWEEP_INTERVAL
+            self._sweep_store()
         for t in self.targets():
             if t.state == "profiling" or not t.done.is_set():
                 continue
@@ -558,6 +569,25 @@ class FleetManager(TargetManager):
                 self._failed = {k: v for k, v in self._failed.items() if k in alive}
                 self._released = {k for k in self._released if k in alive}
                 self._refusal_said = {k for k in self._refusal_said if k[0] in alive}
+
+    def _sweep_store(self) -> None:
+        """--store-max-age for the histories of processes no longer held: each writer keeps its own directory
+        within the retention, but an ended process's directory has no writer left to do it."""
+        store = self.config.profile.store
+        if store is None:
+            return
+        with self._flock:
+            busy = {str(pid) for pid in self._queued}
+        busy |= {str(t.pid) for t in self.targets()}
+        swept = sweep_ended(store.root, store.retention.max_age_s, busy)
+        with self._flock:
+            self._expired_segments += swept.segments_deleted
+            self._expired_histories += swept.directories_removed
+        if swept.segments_deleted:
+            self.config.say(f"store: deleted {swept.segments_deleted} segments older than --store-max-age of "
+                            f"processes no longer profiled ({swept.directories_removed} histories gone whole)")
+        if swept.errors:
+            self.config.say(f"{swept.errors[0]}" + (f" (and {len(swept.errors) - 1} more)" if swept.errors[1:] else ""))
 
     def _identities(self) -> set[Identity]:
         with self._flock:

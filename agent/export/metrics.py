@@ -233,6 +233,17 @@ class FleetCollector(Collector):
             value=f.events_lost,
         )
         yield CounterMetricFamily("heapscope_proc_scans", "Scans of /proc for selected processes.", value=f.scans)
+        yield CounterMetricFamily(
+            "heapscope_store_expired_segments",
+            "History segments of processes no longer profiled, deleted once older than --store-max-age.",
+            value=f.expired_segments,
+        )
+        yield CounterMetricFamily(
+            "heapscope_store_expired_histories",
+            "Histories of processes no longer profiled, deleted whole once every segment was older than "
+            "--store-max-age.",
+            value=f.expired_histories,
+        )
         matches = CounterMetricFamily(
             "heapscope_selector_matches", "Processes each selector chose since it was added.", labels=("selector",)
         )

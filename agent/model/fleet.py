@@ -82,3 +82,5 @@ class FleetStatus:
     profiling: int = 0  # targets profiled now
     sites: int = 0  # allocation sites held by all targets
     rss: int = 0  # the daemon's resident memory, bytes
+    expired_segments: int = 0  # history segments of processes no longer profiled, deleted at --store-max-age
+    expired_histories: int = 0  # such processes' directories, deleted once empty

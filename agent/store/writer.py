@@ -17,8 +17,8 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -390,6 +390,56 @@ def segment_paths(directory: Path) -> list[Path]:
     except OSError:
         return []
     return [directory / n for n in sorted(n for n in names if SEGMENT_RE.match(n))]
+
+
+@dataclass
+class Sweep:
+    """What a sweep of the store's ended histories deleted, and what it could not."""
+
+    segments_deleted: int = 0
+    directories_removed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def sweep_ended(root: Path, max_age_s: float | None, busy: Container[str], now: float | None = None) -> Sweep:
+    """Delete the segments older than `max_age_s` in the directories under root that no writer holds (`busy`
+    names the held ones), and each such directory once it holds nothing. A writer applies the store's retention
+    to its own directory only, so without this an ended process's history stayed for good and a fleet's store
+    grew with every process it saw. Age is a segment's modification time, as for a writer."""
+    done = Sweep()
+    if max_age_s is None:
+        return done
+    now = time.time() if now is None else now
+    try:
+        names = sorted(n for n in os.listdir(root) if n.isdigit() and n not in busy)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            done.errors.append(f"store: cannot list {root}: {exc.strerror}")
+        return done
+    def old(path: Path) -> bool:
+        return now - path.stat().st_mtime > max_age_s
+
+    for name in names:
+        directory = root / name
+        deleted = 0
+        for seg in segment_paths(directory):
+            try:
+                if old(seg):
+                    seg.unlink()
+                    deleted += 1
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                done.errors.append(f"store: cannot delete {seg}: {exc.strerror}")
+        done.segments_deleted += deleted
+        try:
+            # Only when empty, and emptied here or long unchanged: a writer may have just made it.
+            if deleted or old(directory):
+                directory.rmdir()
+                done.directories_removed += 1
+        except OSError:
+            pass
+    return done
 
 
 def _full_disk(exc: OSError) -> bool:

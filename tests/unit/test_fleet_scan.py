@@ -4,7 +4,9 @@ The real thing against compiled programs is tests/integration/test_fleet.py."""
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,11 +18,14 @@ from agent.daemon import manager as manager_module
 from agent.daemon.fleet import FleetConfig, FleetManager, _Job
 from agent.daemon.manager import DaemonConfig, failure_said
 from agent.errors import NoSuchTarget, TargetError
+from agent.export.metrics import FleetCollector
 from agent.model.counters import Counters
 from agent.model.fleet import Limits, TargetOrigin
 from agent.model.options import MassifOptions
 from agent.model.selector import Selector
 from agent.session.pipeline import ProfileSettings
+from agent.session.storerec import StoreSettings
+from agent.store import Retention
 
 
 def write_process(proc: Path, pid: int, comm: str, ppid: int, exe: str, args: list[str], cgroup: str = "/",
@@ -67,8 +72,8 @@ def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-u
 
     monkeypatch.setattr(manager_module.TargetManager, "attach", fake_attach)
 
-    def make(limits: Limits | None = None, follow: bool = True) -> FleetManager:
-        config = DaemonConfig(profile=ProfileSettings(opts=MassifOptions()), output_dir=tmp_path / "out",
+    def make(limits: Limits | None = None, follow: bool = True, store: StoreSettings | None = None) -> FleetManager:
+        config = DaemonConfig(profile=ProfileSettings(opts=MassifOptions(), store=store), output_dir=tmp_path / "out",
                               expand=lambda t, p: t, say=said.append)
         selectors = (Selector.make(comm="^nginx$", follow_children=follow),)
         m = FleetManager(config, FleetConfig(selectors=selectors, limits=limits or Limits(), use_events=False),
@@ -141,6 +146,35 @@ def test_ended_targets_are_forgotten_first_to_make_room_for_sites_or_memory(flee
     assert refusal is not None and refusal.reason == "memory"
     assert 555 not in {t.pid for t in m.targets()}  # forgotten on the way, still refused
     assert any("forgot ended target 555" in line for line in fleet.said)
+
+
+def test_the_old_history_of_processes_no_longer_profiled_is_deleted_and_counted(  # type: ignore[no-untyped-def]
+    fleet, tmp_path: Path
+) -> None:
+    root = tmp_path / "out" / "store"
+    now = time.time()
+    for name in ("100", "777"):  # 100 is profiled after the scan; 777 is a process long gone
+        (root / name).mkdir(parents=True)
+        seg = root / name / "seg-00000001.hss"
+        seg.write_bytes(b"x")
+        os.utime(seg, (now - 7200, now - 7200))
+    m = fleet(store=StoreSettings(root, retention=Retention(max_age_s=3600.0)))
+    m._scan()
+    m.drain()
+    assert 100 in {t.pid for t in m.targets()}
+    m._housekeeping()
+    assert not (root / "777").exists()
+    assert (root / "100" / "seg-00000001.hss").exists()  # its writer keeps it within the retention
+    status = m.fleet_status()
+    assert (status.expired_segments, status.expired_histories) == (1, 1)
+    assert any("store: deleted 1 segments older than --store-max-age" in line for line in fleet.said)
+    metrics = {f.name: f.samples[0].value for f in FleetCollector(m).collect() if f.name.startswith("heapscope_store")}
+    assert metrics == {"heapscope_store_expired_segments": 1, "heapscope_store_expired_histories": 1}
+    (root / "778").mkdir()
+    (root / "778" / "seg-00000001.hss").write_bytes(b"x")
+    os.utime(root / "778" / "seg-00000001.hss", (now - 7200, now - 7200))
+    m._housekeeping()  # the next sweep is ten minutes away
+    assert (root / "778").exists()
 
 
 def test_a_failed_profile_is_said_with_its_type_and_place_when_it_is_a_bug() -> None:

@@ -408,3 +408,52 @@ def test_columns_are_compressed_and_read_from_many_threads_at_once() -> None:
         t.join()
     assert not errors
     assert len({ids for ids in seen.values()}) == 4  # no two threads share a compressor or a decompressor
+
+
+def _aged(path: Path, age_s: float, now: float) -> None:
+    os.utime(path, (now - age_s, now - age_s))
+
+
+def _history(root: Path, name: str, ages: list[float], now: float) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    for i, age in enumerate(ages, 1):
+        seg = d / f"seg-{i:08d}.hss"
+        seg.write_bytes(b"x")
+        _aged(seg, age, now)
+    return d
+
+
+def test_a_sweep_deletes_the_old_history_of_processes_no_writer_holds(tmp_path: Path) -> None:
+    now = time.time()
+    day = 86400.0
+    gone = _history(tmp_path, "100", [9 * day, 8 * day], now)  # every segment past the age: gone whole
+    partly = _history(tmp_path, "200", [9 * day, 1 * day], now)  # the newer segment stays
+    held = _history(tmp_path, "300", [9 * day], now)  # a writer holds it: its own retention applies
+    fresh_empty = tmp_path / "400"  # a writer may have just made it
+    fresh_empty.mkdir()
+    old_empty = tmp_path / "500"
+    old_empty.mkdir()
+    _aged(old_empty, 9 * day, now)
+    other = tmp_path / "notes"  # not a process's directory
+    other.mkdir()
+    _aged(other, 9 * day, now)
+
+    swept = writer_mod.sweep_ended(tmp_path, 7 * day, busy={"300"}, now=now)
+
+    assert (swept.segments_deleted, swept.directories_removed, swept.errors) == (3, 2, [])
+    assert not gone.exists() and not old_empty.exists()
+    assert [p.name for p in writer_mod.segment_paths(partly)] == ["seg-00000002.hss"]
+    assert len(writer_mod.segment_paths(held)) == 1
+    assert fresh_empty.is_dir() and other.is_dir()
+    again = writer_mod.sweep_ended(tmp_path, 7 * day, busy={"300"}, now=now)
+    assert (again.segments_deleted, again.directories_removed) == (0, 0)
+
+
+def test_a_sweep_without_an_age_or_a_store_does_nothing(tmp_path: Path) -> None:
+    now = time.time()
+    d = _history(tmp_path, "100", [400 * 86400.0], now)
+    assert writer_mod.sweep_ended(tmp_path, None, busy=set(), now=now).segments_deleted == 0
+    assert len(writer_mod.segment_paths(d)) == 1
+    missing = writer_mod.sweep_ended(tmp_path / "none", 1.0, busy=set(), now=now)
+    assert (missing.segments_deleted, missing.errors) == (0, [])
