@@ -24,7 +24,8 @@ Reported (JSON on stdout, and bench/results/fleet_soak.json):
 - leaked probes: the BPF links, programs, maps and perf events the daemon holds (its /proc/PID/fd) once every
   target is gone, against their count before the first target; and bpftool's system-wide count of uprobe_multi
   links before the daemon started and after it ended (other work on the machine may move that one);
-- the daemon's RSS every 10 s, and its CPU time.
+- the daemon's RSS every 10 s (and its median each ten minutes), what it is made of each minute (anonymous
+  memory, file pages, threads, descriptors), and its CPU time.
 Exit status 0 only when there were no crashes, no wrong results and no leaked probes.
 """
 
@@ -82,6 +83,29 @@ def uprobe_links() -> int | None:
     return sum(1 for link in links if link.get("type") in ("uprobe_multi", 12))
 
 
+def memory_parts(pid: int) -> dict[str, float]:
+    """Where the daemon's RSS is (anonymous memory, file pages), its threads and descriptors: what tells a leak
+    from the pages of the libraries it maps."""
+    parts: dict[str, float] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                parts[key] = round(int(value.split()[0]) / 1024, 1)
+            elif key == "Threads":
+                parts[key] = int(value)
+    parts["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+    return parts
+
+
+def ten_minute_medians(series: list[tuple[float, int]]) -> list[float]:
+    """The median of each ten minutes of (seconds, bytes) samples, in MiB."""
+    buckets: dict[int, list[int]] = {}
+    for t, value in series:
+        buckets.setdefault(int(t // 600), []).append(value)
+    return [round(sorted(v)[len(v) // 2] / 2**20, 1) for _, v in sorted(buckets.items())]
+
+
 def rss_and_cpu(pid: int) -> tuple[int, float]:
     rss = 0
     with open(f"/proc/{pid}/status") as f:
@@ -119,6 +143,7 @@ class Soak:
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()  # counts, wrong and crashes: the cyclers' threads add to them too
         self.rss: list[tuple[float, int]] = []
+        self.memory: list[dict[str, float]] = []  # memory_parts each minute
         self.cycle_seconds: list[float] = []
         self.daemon: subprocess.Popen[str] | None = None
         self.stopping = threading.Event()
@@ -330,6 +355,8 @@ class Soak:
                 next_check = now + 5
             if now >= next_rss:
                 self.rss.append((round(now - t0, 1), rss_and_cpu(self.daemon.pid)[0]))
+                if len(self.rss) % 6 == 1:  # a minute
+                    self.memory.append({"t": round(now - t0, 1), **memory_parts(self.daemon.pid)})
                 next_rss = now + 10
             time.sleep(0.5)
             if self.daemon.poll() is not None:
@@ -386,6 +413,8 @@ class Soak:
             "uprobe_links_machine_before": links_before,
             "uprobe_links_machine_after": links_after,
             "daemon_rss_mib": [(t, round(r / 2**20, 1)) for t, r in self.rss],
+            "daemon_rss_ten_minute_medians_mib": ten_minute_medians(self.rss[1:-1] or self.rss),
+            "daemon_memory_each_minute": self.memory,
             "daemon_rss_first_half_max_mib": round(max(rss_values[: max(half, 1)]) / 2**20, 1),
             "daemon_rss_second_half_max_mib": round(max(rss_values[half:]) / 2**20, 1),
             "daemon_cpu_s": round(cpu1 - cpu0, 1),

@@ -33,3 +33,6 @@ def test_a_one_minute_soak(bpf_ready: None, tmp_path: Path) -> None:
     assert counts["attach/detach cycles (exact)"] >= 1 and counts["attach/detach cycles (sampled)"] >= 1
     assert report["cyclers"] == 3
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    memory = report["daemon_memory_each_minute"]
+    assert memory and all(m["RssAnon"] > 0 and m["RssFile"] > 0 and m["Threads"] >= 3 and m["fds"] > 0 for m in memory)
+    assert len(report["daemon_rss_ten_minute_medians_mib"]) == 1 and report["daemon_rss_ten_minute_medians_mib"][0] > 0
