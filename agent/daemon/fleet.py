@@ -587,7 +587,8 @@ class FleetManager(TargetManager):
             self.config.say(f"store: deleted {swept.segments_deleted} segments older than --store-max-age of "
                             f"processes no longer profiled ({swept.directories_removed} histories gone whole)")
         if swept.errors:
-            self.config.say(f"{swept.errors[0]}" + (f" (and {len(swept.errors) - 1} more)" if swept.errors[1:] else ""))
+            more = f" (and {len(swept.errors) - 1} more)" if len(swept.errors) > 1 else ""
+            self.config.say(swept.errors[0] + more)
 
     def _identities(self) -> set[Identity]:
         with self._flock:

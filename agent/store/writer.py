@@ -416,6 +416,7 @@ def sweep_ended(root: Path, max_age_s: float | None, busy: Container[str], now: 
         if exc.errno != errno.ENOENT:
             done.errors.append(f"store: cannot list {root}: {exc.strerror}")
         return done
+
     def old(path: Path) -> bool:
         return now - path.stat().st_mtime > max_age_s
 
