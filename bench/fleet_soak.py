@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchproc import free_port, heapscope_cmd
+from benchproc import cpu_seconds, free_port, heapscope_cmd
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "tests" / "integration" / "programs" / "fleet_service.c"
@@ -83,19 +83,24 @@ def uprobe_links() -> int | None:
     return sum(1 for link in links if link.get("type") in ("uprobe_multi", 12))
 
 
-def memory_parts(pid: int) -> dict[str, float]:
-    """Where the daemon's RSS is (anonymous memory, file pages), its threads and descriptors: what tells a leak
-    from the pages of the libraries it maps."""
-    parts: dict[str, float] = {}
+def _status(pid: int) -> dict[str, int]:
+    """The numeric lines of /proc/PID/status (sizes in kB)."""
+    out: dict[str, int] = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("RssAnon", "RssFile"):
-                parts[key] = round(int(value.split()[0]) / 1024, 1)
-            elif key == "Threads":
-                parts[key] = int(value)
-    parts["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
-    return parts
+            first = value.split()[:1]
+            if first and first[0].isdigit():
+                out[key] = int(first[0])
+    return out
+
+
+def memory_parts(pid: int) -> dict[str, float]:
+    """Where the daemon's RSS is (anonymous memory, file pages), its threads and descriptors: what tells a leak
+    from the pages of the libraries it maps."""
+    status = _status(pid)
+    return {"RssAnon": round(status["RssAnon"] / 1024, 1), "RssFile": round(status["RssFile"] / 1024, 1),
+            "Threads": status["Threads"], "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
 def ten_minute_medians(series: list[tuple[float, int]]) -> list[float]:
@@ -107,14 +112,7 @@ def ten_minute_medians(series: list[tuple[float, int]]) -> list[float]:
 
 
 def rss_and_cpu(pid: int) -> tuple[int, float]:
-    rss = 0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) * 1024
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return rss, cpu
+    return _status(pid).get("VmRSS", 0) * 1024, cpu_seconds(pid)
 
 
 def children(pid: int) -> list[int]:

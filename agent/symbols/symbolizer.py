@@ -415,8 +415,8 @@ class _Dwarf:
 
     def __init__(self, obj: ElfObject) -> None:
         self.path = obj.path
-        self._fh: BinaryIO = open(obj.path, "rb")  # noqa: SIM115 - closed by close(), or once unreachable
-        self.close = weakref.finalize(self, self._fh.close)  # a shared build's DWARF has no one owner to close it
+        self._fh: BinaryIO = open(obj.path, "rb")  # noqa: SIM115 - closed once unreachable (below)
+        weakref.finalize(self, self._fh.close)  # a shared build's DWARF has no one owner to close it
         base_dir = os.path.dirname(obj.path)
 
         def loader(p: str) -> BinaryIO:
