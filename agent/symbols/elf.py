@@ -287,8 +287,10 @@ def _file_id(path: str) -> _FileId:
 
 
 def _of_gone_process(path: str) -> bool:
-    """Whether a path reached through /proc/PID/ names a process that is gone."""
-    return path.startswith("/proc/") and not os.path.exists(path.split("/root/", 1)[0])
+    """Whether a path reached through /proc/PID/root names a process that is gone. A zombie counts as gone: its
+    /proc/PID stays until its parent waits for it, which a container's PID 1 or a careless supervisor may put off
+    for good, but its root can no longer be read."""
+    return path.startswith("/proc/") and not os.path.exists(path.split("/root/", 1)[0] + "/root")
 
 
 class FileCache(Generic[T]):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,3 +100,23 @@ def test_discovery_keeps_no_facts_of_a_gone_process(child: subprocess.Popen[byte
     finally:
         again.kill()
         again.wait()
+
+
+def test_what_was_read_through_a_zombie_is_forgotten(tmp_path: Path, child: subprocess.Popen[bytes]) -> None:
+    """A process ended but not waited for keeps its /proc/PID: its entries must go all the same."""
+    mine = tmp_path / "f"
+    mine.write_text("x")
+    _, cache = counting_reader()
+    cache.get(f"/proc/{child.pid}/root{mine}")
+    os.kill(child.pid, 9)
+    deadline = time.monotonic() + 10
+    while _state(child.pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _state(child.pid) == "Z" and os.path.exists(f"/proc/{child.pid}")
+    cache.forget_gone_processes()
+    assert len(cache) == 0
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
