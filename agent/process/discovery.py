@@ -320,7 +320,11 @@ def allocator_of_process(pid: int, proc: str = "/proc") -> Allocator:
     info = read_process(pid, proc)
     root = f"{proc}/{pid}/root"
     preload = [p for p in re.split(r"[ :]", info.environ.get("LD_PRELOAD", "")) if p]
-    order = load_order(info.exe, preload, mapped_finder(read_maps(pid, proc), root))
+    mapped = mapped_finder(read_maps(pid, proc), root)
+    # Caught at its exec, a process has only its program and the loader mapped: its libraries are found as the
+    # loader is about to find them (probes are set on the files, and fire once they are mapped).
+    on_disk = library_finder(info.environ, root)
+    order = load_order(info.exe, preload, lambda name, parent: mapped(name, parent) or on_disk(name, parent))
     return resolve_allocator(order)
 
 
