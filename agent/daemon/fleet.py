@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from agent.daemon.manager import ATTACH_TIMEOUT, DaemonConfig, Target, TargetManager
+from agent.daemon.outputs import output_names, sweep_outputs
 from agent.errors import EnvironmentProblem, HeapscopeError, NoSuchTarget, TargetConflict, TargetRefused
 from agent.kernel.procevents import ProcEvent, ProcEvents
 from agent.model.cgroup import placement_of
@@ -52,8 +53,9 @@ from agent.store.writer import sweep_ended
 POLL_INTERVAL = 2.0
 # How long the event loop sleeps at most: the housekeeping (expiry of exited targets) runs at least this often.
 TICK = 1.0
-# How often the store's histories of processes no longer profiled are checked against --store-max-age.
-STORE_SWEEP_INTERVAL = 600.0
+# How often what is kept of processes no longer profiled (their store histories, their output files) is checked
+# against --store-max-age and --output-max-age.
+SWEEP_INTERVAL = 600.0
 MAX_SELECTORS = 256
 
 Identity = tuple[int, int]  # (pid, start time)
@@ -64,6 +66,7 @@ class FleetConfig:
     selectors: tuple[Selector, ...] = ()
     limits: Limits = field(default_factory=Limits)
     keep_exited: float = 3600.0  # seconds an ended target stays in /targets
+    output_max_age: float = 7 * 86400.0  # seconds an ended target's output files stay; 0: for good
     rescan_interval: float = 60.0  # /proc scans besides the kernel's events
     attach_workers: int = 2
     use_events: bool = True  # the kernel's exec/fork/exit events; False: /proc scans every POLL_INTERVAL only
@@ -112,6 +115,7 @@ class FleetManager(TargetManager):
         self._next_sweep = 0.0  # monotonic time of the next sweep of ended histories (at the first chores)
         self._expired_segments = 0
         self._expired_histories = 0
+        self._expired_outputs = 0
 
     # ---- life cycle ----
 
@@ -206,6 +210,7 @@ class FleetManager(TargetManager):
                 rss=resident_bytes(),
                 expired_segments=self._expired_segments,
                 expired_histories=self._expired_histories,
+                expired_outputs=self._expired_outputs,
             )
 
     def _current_selectors(self) -> list[Selector]:
@@ -551,8 +556,8 @@ class FleetManager(TargetManager):
             gc.freeze()
             release_free_memory()
         if time.monotonic() >= self._next_sweep:
-            self._next_sweep = time.monotonic() + STORE_SWEEP_INTERVAL
-            self._sweep_store()
+            self._next_sweep = time.monotonic() + SWEEP_INTERVAL
+            self._sweep()
         for t in self.targets():
             if t.state == "profiling" or not t.done.is_set():
                 continue
@@ -570,25 +575,46 @@ class FleetManager(TargetManager):
                 self._released = {k for k in self._released if k in alive}
                 self._refusal_said = {k for k in self._refusal_said if k[0] in alive}
 
-    def _sweep_store(self) -> None:
+    def _sweep(self) -> None:
+        with self._flock:
+            held = set(self._queued)
+        held |= {t.pid for t in self.targets()}
+        self._sweep_store(held)
+        self._sweep_outputs(held)
+
+    def _sweep_store(self, held: set[int]) -> None:
         """--store-max-age for the histories of processes no longer held: each writer keeps its own directory
         within the retention, but an ended process's directory has no writer left to do it."""
         store = self.config.profile.store
         if store is None:
             return
-        with self._flock:
-            busy = {str(pid) for pid in self._queued}
-        busy |= {str(t.pid) for t in self.targets()}
-        swept = sweep_ended(store.root, store.retention.max_age_s, busy)
+        swept = sweep_ended(store.root, store.retention.max_age_s, {str(pid) for pid in held})
         with self._flock:
             self._expired_segments += swept.segments_deleted
             self._expired_histories += swept.directories_removed
         if swept.segments_deleted:
             self.config.say(f"store: deleted {swept.segments_deleted} segments older than --store-max-age of "
                             f"processes no longer profiled ({swept.directories_removed} histories gone whole)")
-        if swept.errors:
-            more = f" (and {len(swept.errors) - 1} more)" if len(swept.errors) > 1 else ""
-            self.config.say(swept.errors[0] + more)
+        self._say_first(swept.errors)
+
+    def _sweep_outputs(self, held: set[int]) -> None:
+        """--output-max-age for the files that ended targets left in the output directory."""
+        max_age = self.fleet.output_max_age
+        if not max_age:
+            return
+        templates = [*self.config.profile.files.values(), *filter(None, [self.config.summary_file])]
+        swept = sweep_outputs(self.config.output_dir, output_names(templates, self.config.expand), max_age, held)
+        with self._flock:
+            self._expired_outputs += swept.files_deleted
+        if swept.files_deleted:
+            self.config.say(f"deleted {swept.files_deleted} output files older than --output-max-age of processes "
+                            "no longer profiled")
+        self._say_first(swept.errors)
+
+    def _say_first(self, errors: list[str]) -> None:
+        if errors:
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            self.config.say(errors[0] + more)
 
     def _identities(self) -> set[Identity]:
         with self._flock:

@@ -11,6 +11,7 @@ from agent.daemon.fleet import FleetConfig
 from agent.errors import HeapscopeError, UsageError
 from agent.model.fleet import Limits
 from agent.model.selector import Selector
+from agent.offline.timespec import parse_duration
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -30,6 +31,15 @@ def seconds_or_zero(text: str) -> float:
     if text.strip() == "0":
         return 0.0
     return positive_seconds(text)
+
+
+def age_or_zero(text: str) -> float:
+    """A duration (30m, 12h, 7d; a bare number is seconds), or 0 for `never`."""
+    try:
+        value = parse_duration(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def add_fleet_options(p: argparse.ArgumentParser) -> None:
@@ -100,6 +110,14 @@ def add_fleet_options(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long a target whose profile ended stays in /targets (default 3600)",
     )
+    lim.add_argument(
+        "--output-max-age",
+        type=age_or_zero,
+        default="7d",
+        metavar="AGE",
+        help="how long the output files (massif.out.PID and the others) of a process no longer profiled stay in "
+        "the output directory: 7d (the default), 12h, 30m...; 0 keeps them for good",
+    )
 
 
 def fleet_config_from(ns: argparse.Namespace) -> FleetConfig:
@@ -121,5 +139,6 @@ def fleet_config_from(ns: argparse.Namespace) -> FleetConfig:
             max_memory=getattr(ns, "max_memory", 0) or None,
         ),
         keep_exited=getattr(ns, "keep_exited", 3600.0),
+        output_max_age=getattr(ns, "output_max_age", 7 * 86400.0),
         rescan_interval=getattr(ns, "rescan_interval", 60.0),
     )

@@ -244,6 +244,11 @@ class FleetCollector(Collector):
             "--store-max-age.",
             value=f.expired_histories,
         )
+        yield CounterMetricFamily(
+            "heapscope_output_files_expired",
+            "Output files of processes no longer profiled, deleted once older than --output-max-age.",
+            value=f.expired_outputs,
+        )
         matches = CounterMetricFamily(
             "heapscope_selector_matches", "Processes each selector chose since it was added.", labels=("selector",)
         )

@@ -84,3 +84,4 @@ class FleetStatus:
     rss: int = 0  # the daemon's resident memory, bytes
     expired_segments: int = 0  # history segments of processes no longer profiled, deleted at --store-max-age
     expired_histories: int = 0  # such processes' directories, deleted once empty
+    expired_outputs: int = 0  # output files of processes no longer profiled, deleted at --output-max-age

@@ -181,9 +181,18 @@ def test_services_started_after_the_daemon_are_found_and_marked(
     heapscope_cmd: list[str], services: Services, pod_cgroup: tuple[Path, str, str], tmp_path: Path
 ) -> None:
     cgroup_dir, pod, container = pod_cgroup
+    # What an earlier daemon left: a gone process's file a week old goes at the first chores; a file not named by
+    # the daemon's templates stays.
+    (tmp_path / "out").mkdir()
+    left, other = tmp_path / "out" / "massif.out.4194999", tmp_path / "out" / "massif.out.notes"
+    for f in (left, other):
+        f.write_text("old")
+        os.utime(f, (time.time() - 8 * 86400,) * 2)
     d = start_daemon(heapscope_cmd, tmp_path, "--attach-comm", "^svc-alpha$", "--attach-cgroup", f"pod:{pod}",
                      "--keep-exited", "4")
     try:
+        wait_for(lambda: not left.exists(), 10, "the week-old file of a gone process deleted (--output-max-age)")
+        assert other.exists() and metric(d, "heapscope_output_files_expired_total") == 1
         alpha = services.start("svc-alpha")
         beta = services.start("svc-beta", cgroup=cgroup_dir)  # chosen by its pod
         gamma = services.start("svc-gamma")  # chosen by nothing

@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from agent.cli import expand_filename
 from agent.daemon import manager as manager_module
 from agent.daemon.fleet import FleetConfig, FleetManager, _Job
 from agent.daemon.manager import DaemonConfig, failure_said
@@ -72,9 +73,10 @@ def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-u
 
     monkeypatch.setattr(manager_module.TargetManager, "attach", fake_attach)
 
-    def make(limits: Limits | None = None, follow: bool = True, store: StoreSettings | None = None) -> FleetManager:
-        config = DaemonConfig(profile=ProfileSettings(opts=MassifOptions(), store=store), output_dir=tmp_path / "out",
-                              expand=lambda t, p: t, say=said.append)
+    def make(limits: Limits | None = None, follow: bool = True, store: StoreSettings | None = None,
+             files: dict[str, str] | None = None) -> FleetManager:
+        profile = ProfileSettings(opts=MassifOptions(), store=store, files=files or {})
+        config = DaemonConfig(profile=profile, output_dir=tmp_path / "out", expand=expand_filename, say=said.append)
         selectors = (Selector.make(comm="^nginx$", follow_children=follow),)
         m = FleetManager(config, FleetConfig(selectors=selectors, limits=limits or Limits(), use_events=False),
                          proc=str(proc))
@@ -175,6 +177,38 @@ def test_the_old_history_of_processes_no_longer_profiled_is_deleted_and_counted(
     os.utime(root / "778" / "seg-00000001.hss", (now - 7200, now - 7200))
     m._housekeeping()  # the next sweep is ten minutes away
     assert (root / "778").exists()
+
+
+def test_the_old_output_files_of_processes_no_longer_profiled_are_deleted_and_counted(  # type: ignore[no-untyped-def]
+    fleet, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    now = time.time()
+    for name in ("massif.out.100", "massif.out.777", "massif.out.778", "README"):
+        (out / name).write_text("x")
+        os.utime(out / name, (now - 8 * 86400, now - 8 * 86400))
+    (out / "massif.out.779").write_text("x")  # written an hour ago
+    m = fleet(files={"massif": "massif.out.%p"})
+    m._scan()
+    m.drain()
+    m._housekeeping()
+    assert sorted(p.name for p in out.iterdir()) == ["README", "massif.out.100", "massif.out.779"]
+    assert m.fleet_status().expired_outputs == 2
+    assert any("deleted 2 output files older than --output-max-age" in line for line in fleet.said)
+    metrics = {f.name: f.samples[0].value for f in FleetCollector(m).collect() if f.samples}
+    assert metrics["heapscope_output_files_expired"] == 2
+
+
+def test_output_files_stay_for_good_at_an_age_of_zero(fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "massif.out.777").write_text("x")
+    os.utime(out / "massif.out.777", (1.0, 1.0))
+    m = fleet(files={"massif": "massif.out.%p"})
+    m.fleet = replace(m.fleet, output_max_age=0.0)
+    m._housekeeping()
+    assert (out / "massif.out.777").exists() and m.fleet_status().expired_outputs == 0
 
 
 def test_a_failed_profile_is_said_with_its_type_and_place_when_it_is_a_bug() -> None:
