@@ -16,6 +16,8 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.errors import HeapscopeError
+
 # Expanded in place of a PID to find where a template puts it: above any PID Linux gives (pid_max <= 2^22).
 _MARK = str(2**31 - 1)
 
@@ -39,7 +41,10 @@ def output_names(templates: Iterable[str], expand: Callable[[str, int], str]) ->
     """The names the templates give, for those that put the PID in the file's own name (and only there)."""
     names = []
     for template in templates:
-        directory, _, name = expand(template, int(_MARK)).rpartition("/")
+        try:
+            directory, _, name = expand(template, int(_MARK)).rpartition("/")
+        except HeapscopeError:  # a %q{VAR} not set: that template writes nothing either
+            continue
         if _MARK in directory or _MARK not in name:
             continue
         pattern = r"(\d+)".join(re.escape(part) for part in name.split(_MARK))

@@ -26,8 +26,10 @@ def touch(path: Path, age_s: float, now: float) -> Path:
 
 def test_the_names_are_those_with_the_pid_in_the_file_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SVC", "api")
+    monkeypatch.delenv("UNSET_HERE", raising=False)
     names = output_names(
-        ["massif.out.%p", "malt-%q{SVC}-%p.json", "fixed.out", "runs/%p/massif.out", "by-pid/heap.%p.pb.gz"],
+        ["massif.out.%p", "malt-%q{SVC}-%p.json", "fixed.out", "runs/%p/massif.out", "by-pid/heap.%p.pb.gz",
+         "%q{UNSET_HERE}.%p"],
         expand_filename,
     )
     assert [(n.directory, n.pattern.pattern) for n in names] == [
