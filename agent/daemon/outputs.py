@@ -58,9 +58,9 @@ def sweep_outputs(output_dir: Path, names: Iterable[OutputName], max_age_s: floa
     `max_age_s` ago."""
     done = OutputSweep()
     now = time.time() if now is None else now
-    base = output_dir.resolve()
+    base = Path(os.path.realpath(output_dir))  # realpath: never raises, even at a loop of links
     for name in names:
-        directory = (base / name.directory).resolve()
+        directory = Path(os.path.realpath(base / name.directory))
         if directory != base and base not in directory.parents:
             continue  # a template that leaves the output directory is refused when given; never delete there
         try:
