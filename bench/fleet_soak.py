@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchproc import cpu_seconds, free_port, heapscope_cmd
+from benchproc import cpu_seconds, free_port, heapscope_cmd, rss_mib
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "tests" / "integration" / "programs" / "fleet_service.c"
@@ -112,7 +112,7 @@ def ten_minute_medians(series: list[tuple[float, int]]) -> list[float]:
 
 
 def rss_and_cpu(pid: int) -> tuple[int, float]:
-    return _status(pid).get("VmRSS", 0) * 1024, cpu_seconds(pid)
+    return round(rss_mib(pid) * 2**20), cpu_seconds(pid)
 
 
 def children(pid: int) -> list[int]:

@@ -112,7 +112,7 @@ class FleetManager(TargetManager):
         self._ev: ProcEvents | None = None
         self._watched: set[int] = set()
         self._trim = False
-        self._next_sweep = 0.0  # monotonic time of the next sweep of ended histories (at the first chores)
+        self._next_sweep = 0.0  # monotonic time of the next sweep of ended histories and files (at the first chores)
         self._expired_segments = 0
         self._expired_histories = 0
         self._expired_outputs = 0

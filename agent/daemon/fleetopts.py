@@ -36,10 +36,9 @@ def seconds_or_zero(text: str) -> float:
 def age_or_zero(text: str) -> float:
     """A duration (30m, 12h, 7d; a bare number is seconds), or 0 for `never`."""
     try:
-        value = parse_duration(text)
+        return parse_duration(text)
     except UsageError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
 
 
 def add_fleet_options(p: argparse.ArgumentParser) -> None:
