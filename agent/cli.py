@@ -29,6 +29,7 @@ from agent.argtypes import byte_size, int_at_least, int_between, percent, positi
 from agent.daemon.fleetopts import add_fleet_options, fleet_config_from
 from agent.errors import EnvironmentProblem, HeapscopeError, UnsafePath, UsageError
 from agent.export.registry import FORMATS
+from agent.log import LOG, PROG
 from agent.model.options import MassifOptions
 from agent.model.sampling import DEFAULT_CAPACITY, DEFAULT_SAMPLE_RATE, MAX_SAMPLE_RATE, MODES, Mode, ProfileMode
 from agent.model.summary import ProfileSummary
@@ -42,8 +43,6 @@ from agent.process.target import TargetProcess, attach_to
 from agent.session.pipeline import Profile, ProfileSettings
 from agent.session.storerec import StoreSettings
 from agent.store import Retention, SyncPolicy
-
-PROG = "heapscope"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -518,12 +517,7 @@ class _Ctx:
 
     def say(self, line: str) -> None:
         if not self.ns.quiet:
-            with _SAY_LOCK:  # one write a line: a daemon's threads say things at once
-                sys.stderr.write(f"{PROG}: {line}\n")
-                sys.stderr.flush()
-
-
-_SAY_LOCK = threading.Lock()
+            LOG.say(line)  # a log that fails (a closed pipe) is counted, never the profile's end
 
 
 def _stderr_of_our_own() -> None:
@@ -738,13 +732,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_daemon(ctx, pids=[ns.pid])
         return cmd_attach(ctx)
     except HeapscopeError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
+        LOG.say(str(exc))
         return exc.exit_code
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        LOG.say("interrupted")
         return 130
     except Exception as exc:  # a bug of ours: one line, and the probes were detached on the way out
-        print(f"{PROG}: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        LOG.say(f"internal error: {type(exc).__name__}: {exc}")
         return 70
 
 

@@ -340,7 +340,8 @@ def block_slots(max_blocks: int) -> int:
 @contextlib.contextmanager
 def _captured_stderr() -> Iterator[Callable[[], list[str]]]:
     """Hold what clang and libbpf write to fd 2 while compiling, so errors reach the user as one line."""
-    sys.stderr.flush()
+    with contextlib.suppress(OSError, ValueError):  # a log that cannot be written (agent.log) is no error here
+        sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as tmp:
         os.dup2(tmp.fileno(), 2)

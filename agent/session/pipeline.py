@@ -261,7 +261,7 @@ class Profile:
                 rss = self._record_memory(session, proc)
                 if self.store is not None and now >= next_store:
                     # Behind after a slow write: the next sample is due an interval from now, none is crowded in.
-                    next_store = max(next_store + store_every, now)
+                    next_store = max(next_store + store_every, now) if next_store else now + store_every
                     live = session.live
                     token = live.activity() if live is not None else None  # unchanged: a quiet target, not stored
                     self.store.record(session.store_columns, rss, token, lambda: session.now(session.counters()))

@@ -7,6 +7,8 @@ kernel counters, page events and RSS all where they were at the last stored samp
 `StoreSettings.quiet_interval` seconds: a sleeping service costs neither a sample nor an fdatasync a second. When
 it moves again, the last state is first stored once more at the last quiet look, so that the history is a step
 where it stood still and every reader (`at`, ranges, the charts) sees what it would have seen in a full record.
+Meanwhile each quiet look leaves that step at the segment's end, written over by the next (StoreWriter.hold),
+so a heapscope killed by SIGKILL during a quiet stretch leaves a history that still reaches its last look.
 
 A disk that refuses a write (full, a quota, gone) never reaches the profile: the error is counted
 (StoreStatus.write_errors, the metric heapscope_store_write_errors_total), said in one line when it starts and when
@@ -132,7 +134,11 @@ class StoreRecorder:
             mono = time.monotonic()
             if token == self._token and self._last is not None and mono - self._last_at < self.quiet_interval:
                 self.quiet_skipped += 1
-                self._quiet_at = (time.time_ns(), now() if now is not None else self._last.time)
+                self._quiet_at = wall, t = (time.time_ns(), now() if now is not None else self._last.time)
+                try:  # the step so far, where a SIGKILL would leave it (written over by the next sample)
+                    self.writer.hold(replace(self._last, wall_ns=wall, time=t, new_stacks={}))
+                except StoreWriteError as exc:
+                    return self._failed(str(exc))
                 return True
             if token == self._token:
                 self._quiet_at = None  # still quiet, stored once a quiet_interval: no step to mark

@@ -131,6 +131,7 @@ class SegmentFile:
         self.tables: list[list[fmt.TocEntry]] = []  # table blocks of snapshot k, at k-1 (key: its seq)
         self.last_peak: object = None  # the peak (as in snapinfo) of the last snapshot written
         self.torn = False  # a failed write may have left bytes past `offset`
+        self.held_end = 0  # the end of a held (provisional) snapshot past `offset`, else 0
         filemeta = {**meta.to_json(), "subversion": fmt.FORMAT_SUBVERSION, "segment": seq,
                     "checkpoint_every": checkpoint_every, **extra}
         head = fmt.MAGIC + fmt.json_block(fmt.K_FILEMETA, filemeta)
@@ -320,21 +321,28 @@ class SegmentFile:
         self.n_snapshots += 1
         self.offset += written
 
-    def write(self, info: dict[str, object], state: np.ndarray, stacks: Sequence[Stack]) -> int:
+    def write(self, info: dict[str, object], state: np.ndarray, stacks: Sequence[Stack], held: bool = False) -> int:
         """Encode and write one snapshot; on an OSError the file is cut back to its last whole snapshot and
-        nothing is committed. Returns the bytes written."""
+        nothing is committed. Returns the bytes written. `held`: written but not committed, so the next write
+        goes over it (StoreWriter.hold)."""
         data, pending = self.encode(info, state, stacks)
+        end = self.offset + len(data)
         try:
             _pwrite_all(self.fd, data, self.offset)
-            if self.torn:
-                os.ftruncate(self.fd, self.offset + len(data))
+            if self.torn or self.held_end > end:  # no bytes of an earlier, longer tail after this one
+                os.ftruncate(self.fd, end)
                 self.torn = False
         except OSError:
+            self.held_end = 0
             try:
                 os.ftruncate(self.fd, self.offset)
             except OSError:
                 self.torn = True  # the next write overwrites the tail from the same offset
             raise
+        if held:
+            self.held_end = end
+            return len(data)
+        self.held_end = 0
         self.commit(len(data), pending)
         return len(data)
 
@@ -345,6 +353,9 @@ class SegmentFile:
         if self.fd < 0:
             return
         try:
+            if self.held_end:  # a segment closed in order ends at its last appended snapshot
+                os.ftruncate(self.fd, self.offset)
+                self.held_end = 0
             if sync:
                 os.fsync(self.fd)
         finally:
@@ -528,6 +539,24 @@ class StoreWriter:
                 raise
             self._stacks = stacks
             self._state = state
+
+    def hold(self, sample: StoreSample) -> bool:
+        """Write `sample`, which must change no site (a quiet target's state at a later look), as the segment's
+        last snapshot until the next append or hold writes over it: a history cut short by SIGKILL still
+        reaches the last look at a quiet target. Never synced and never a new segment: a quiet look costs one
+        small write to the page cache, no disk flush. False when there is nothing to hold it after (no snapshot
+        in the open segment). Raises StoreWriteError as append does."""
+        with self._lock:
+            seg = self._segment
+            if seg is None or not seg.n_snapshots:
+                return False
+            try:
+                seg.write(_info(sample), self._state, [], held=True)
+            except OSError as exc:
+                self.stats.write_errors += 1
+                self.stats.last_error = f"store: cannot write {self.directory}: {exc.strerror}"
+                raise StoreWriteError(self.stats.last_error) from None
+            return True
 
     def _index_ids(self, new_ids: list[int]) -> None:
         """Site ids are the kernel's stack keys, small and dense: numbered through an array, not a dict."""

@@ -368,3 +368,69 @@ def test_extent_from_the_tail_agrees_with_the_index(tmp_path: Path, steps: int) 
         n, _, last = reader.extent()
         assert n == steps - 1 and (n == 0 or last == refs[n - 1].wall_ns)
         assert reader.skipped
+
+
+class _Quiet:
+    """A recorder at quiet_interval 60 s on a clock the test moves, and the columns of `sites` sites at a step."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sites: int) -> None:
+        opts = MassifOptions()
+        self.rec = StoreRecorder.open(StoreSettings(tmp_path, sync=SyncPolicy("never"), quiet_interval=60.0),
+                                      store_meta(9, "p", opts, (), 0), opts)
+        self.stacks = {i: site_stack(i) for i in range(sites)}
+        self.clock = [100.0]
+        monkeypatch.setattr("agent.session.storerec.time.monotonic", lambda: self.clock[0])
+
+    def look(self, step: int, token: bytes, rss: int) -> bool:
+        """One look, a second after the last, at profile time 1000 * step."""
+        self.clock[0] += 1
+        stacks = self.stacks
+        return self.rec.record(lambda known: _columns(len(stacks), step, {i: s for i, s in stacks.items()
+                                                                          if i not in known}),
+                               rss=rss, token=token, now=lambda: 1000 * step)
+
+
+def test_a_moving_target_is_stored_at_every_look_whichever_of_token_and_rss_moves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The quiet test needs both to stand still: the kernel's token moving with the RSS equal is a sample, and so
+    is the RSS moving with the token equal."""
+    q = _Quiet(tmp_path, monkeypatch, 2)
+    looks = [(b"t0", 4096), (b"t1", 4096), (b"t2", 4096), (b"t2", 8192), (b"t2", 12288), (b"t3", 12288)]
+    assert all(q.look(step, token, rss) for step, (token, rss) in enumerate(looks))
+    assert q.rec.quiet_skipped == 0
+    q.rec.close()
+    with StoreReader(tmp_path / "9") as reader:
+        snaps = reader.snapshots()
+        assert [r.time for r in snaps] == [0, 1000, 2000, 3000, 4000, 5000]
+        assert [reader.load(r).rss_B for r in snaps] == [rss for _, rss in looks]
+
+
+def test_a_history_cut_during_a_quiet_stretch_reaches_its_last_look(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """heapscope killed (no close) while its target is quiet: the segment ends with the step up to the last quiet
+    look, which each look writes over the one before; a sample written after it goes over it; a close in order
+    ends the segment at its last stored sample. Nothing is ever skipped by the reader."""
+    q = _Quiet(tmp_path, monkeypatch, 3)
+    def times() -> list[int]:  # as a reader sees the directory now, the writer still open (a SIGKILL's view)
+        with StoreReader(tmp_path / "9") as reader:
+            assert not reader.skipped, reader.skipped
+            snaps = reader.snapshots()
+            assert reader.load(snaps[-1]).column("cur_blocks").tolist() == [last_stored[0] + 1] * 3
+            return [r.time for r in snaps]
+
+    last_stored = [0]
+    assert q.look(0, b"a", 4096)
+    for t in range(1, 6):
+        assert q.look(t, b"a", 4096)
+        assert times() == [0, 1000 * t]  # the step so far, at this look
+    assert q.rec.status().snapshots_written == 1 and q.rec.quiet_skipped == 5
+    last_stored[0] = 6
+    assert q.look(6, b"b", 4096)  # moves: the step, then the new state
+    assert times() == [0, 5000, 6000]
+    for t in range(7, 10):
+        assert q.look(t, b"b", 4096)
+    assert times() == [0, 5000, 6000, 9000]
+    q.rec.close()
+    assert times() == [0, 5000, 6000]
