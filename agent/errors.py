@@ -31,6 +31,14 @@ class SamplingRefused(TargetError):
     http_status = 409
 
 
+class NoSafePoint(TargetError):
+    """No thread of the target was found at a safe point for the injected call in the time given (each thread
+    was inside the allocator, the loader, fork or a signal handler, as the message says thread by thread). A
+    later try may find one: the daemon retries such a target."""
+
+    http_status = 409
+
+
 class EnvironmentProblem(HeapscopeError):
     """The machine lacks something: BPF, uprobes, kernel headers, permission."""
 

@@ -268,7 +268,10 @@ class TargetOut(BaseModel):
     sample_rate: int = Field(description="Mean bytes between samples; 1 in exact mode (every call counted).")
     estimate: bool = Field(description="True when the heap figures are estimates (sampled mode); the call "
                            "counts are exact in both modes.")
-    state: Literal["profiling", "exited", "detached"]
+    state: Literal["profiling", "exited", "detached", "waiting"] = Field(
+        description="waiting: sampled mode found no thread at a safe point yet (error says where each was); it "
+        "is tried again."
+    )
     exited: bool
     started_at: datetime
     ended_at: datetime | None

@@ -31,9 +31,18 @@ from typing import Literal
 
 from agent.daemon.manager import ATTACH_TIMEOUT, DaemonConfig, Target, TargetManager
 from agent.daemon.outputs import output_names, sweep_outputs
-from agent.errors import EnvironmentProblem, HeapscopeError, NoSuchTarget, TargetConflict, TargetRefused
+from agent.errors import (
+    EnvironmentProblem,
+    HeapscopeError,
+    NoSafePoint,
+    NoSuchTarget,
+    TargetConflict,
+    TargetRefused,
+)
 from agent.kernel.procevents import ProcEvent, ProcEvents
+from agent.log import LOG
 from agent.model.cgroup import placement_of
+from agent.model.counters import Counters
 from agent.model.fleet import REFUSAL_REASONS, FleetStatus, Limits, Refusal, SelectorStatus, TargetOrigin
 from agent.model.sampling import ProfileMode
 from agent.model.selector import ProcessFacts, Selector, first_match
@@ -75,11 +84,26 @@ class FleetConfig:
 @dataclass(frozen=True)
 class _Job:
     pid: int
-    kind: Literal["match", "fork", "exec"]
+    kind: Literal["match", "fork", "exec", "asked"]  # asked: POST /targets or --pid, tried again (waiting)
     selector: int | None = None  # match: the selector that chose it; fork: the parent's
     parent: int | None = None  # fork: the profiled parent
     start_time: int | None = None  # the identity seen when the job was made (None: read at attach)
     after: Target | None = None  # exec: the profile that ends at the exec
+    mode: ProfileMode | None = None  # asked: the mode asked for
+
+
+@dataclass
+class _Waiting:
+    """A process that had no thread at a safe point for sampled mode's injection (NoSafePoint): shown in
+    /targets as waiting, and tried again after RETRY_FIRST, then twice as long each time, up to RETRY_MAX."""
+
+    status: TargetStatus
+    tries: int
+    job: _Job
+
+
+RETRY_FIRST = 2.0  # seconds before the first retry of a waiting process
+RETRY_MAX = 30.0
 
 
 class FleetManager(TargetManager):
@@ -100,6 +124,7 @@ class FleetManager(TargetManager):
         self._refused: Counter[str] = Counter()
         self._refusal_said: set[tuple[Identity, str]] = set()
         self._failed: dict[Identity, str] = {}  # selected processes that could not be attached: not retried
+        self._waiting: dict[Identity, _Waiting] = {}  # no safe point yet: tried again later (NoSafePoint)
         self._released: set[Identity] = set()  # detached by the user: not selected again while they run
         self._failures = 0
         self._events = 0
@@ -206,11 +231,13 @@ class FleetManager(TargetManager):
                 scans=self._scans,
                 event_source=self._source,
                 profiling=profiling,
+                waiting=len(self._waiting),
                 sites=sites,
                 rss=resident_bytes(),
                 expired_segments=self._expired_segments,
                 expired_histories=self._expired_histories,
                 expired_outputs=self._expired_outputs,
+                log_lines_lost=LOG.lost,
             )
 
     def _current_selectors(self) -> list[Selector]:
@@ -241,7 +268,13 @@ class FleetManager(TargetManager):
             if identity is not None and started != identity:
                 raise NoSuchTarget(f"process {pid} went away before it could be attached")
             placement = placement_of(cgroup_of(pid, self.proc))
-            t = super().attach(pid, mode)
+            try:
+                t = super().attach(pid, mode)
+            except NoSafePoint as exc:
+                facts = read_facts(pid, self.proc)
+                if identity is None and facts is not None:  # asked for: it waits, and is tried again
+                    self._wait(_Job(pid, "asked", mode=mode), facts, None, None, exc)
+                raise
         finally:
             with self._admit:
                 self._inflight -= 1
@@ -321,6 +354,10 @@ class FleetManager(TargetManager):
             job.after.origin = replace(job.after.origin, end_reason="exec")
         facts = read_facts(job.pid, self.proc)
         if facts is None or self._stopping.is_set():
+            self._stop_waiting(job.pid)
+            return
+        if job.kind == "asked":
+            self._attach_waiting(job, facts, None, None)
             return
         selector, parent = job.selector, job.parent
         if job.kind == "fork" and not self._same_program(job.pid, job.parent):
@@ -340,9 +377,19 @@ class FleetManager(TargetManager):
         identity = (facts.pid, facts.start_time)
         if identity in self._failed or identity in self._released or self._profiling(facts):
             return
+        self._attach_waiting(job, facts, selector, parent)
+
+    def _attach_waiting(self, job: _Job, facts: ProcessFacts, selector: int | None, parent: int | None) -> None:
+        """Attach a chosen (or asked-for) process; one with no thread at a safe point yet waits and is tried
+        again; any other failure is said and counted, and not tried again."""
+        identity = (facts.pid, facts.start_time)
         try:
-            t = self.attach(facts.pid, selector=selector, parent=parent, identity=facts.start_time)
+            t = self.attach(facts.pid, job.mode, selector=selector, parent=parent, identity=facts.start_time)
+        except NoSafePoint as exc:
+            self._wait(job, facts, selector, parent, exc)
+            return
         except TargetConflict:
+            self._stop_waiting(facts.pid)
             return  # attached meanwhile by another way (POST /targets, another job)
         except TargetRefused as exc:
             if (identity, str(exc)) not in self._refusal_said:
@@ -356,10 +403,56 @@ class FleetManager(TargetManager):
             if read_facts(facts.pid, self.proc) is not None:  # one gone meanwhile is not worth a line
                 self.config.say(f"selector {selector}: cannot profile {facts.pid} ({facts.comm}): {exc}")
             return
+        waited = self._stop_waiting(facts.pid)
         with self._flock:
-            self._matched[selector] += 1
-        how = f"child of {parent}" if parent is not None else f"selector {selector}"
-        self.config.say(f"profiling {t.pid} ({t.command}, {how})")
+            if selector is not None:
+                self._matched[selector] += 1
+        how = f"child of {parent}" if parent is not None else f"selector {selector}" if selector else "asked for"
+        after = f", after {waited.tries + 1} tries" if waited is not None else ""
+        self.config.say(f"profiling {t.pid} ({t.command}, {how}{after})")
+
+    # ---- processes waiting for a safe point ----
+
+    def _wait(self, job: _Job, facts: ProcessFacts, selector: int | None, parent: int | None,
+              exc: NoSafePoint) -> None:
+        identity = (facts.pid, facts.start_time)
+        with self._flock:
+            before = self._waiting.get(identity)
+            tries = before.tries + 1 if before is not None else 1
+            delay = min(RETRY_MAX, RETRY_FIRST * 2 ** (tries - 1))
+            mode = job.mode or self.config.profile.mode
+            status = TargetStatus(
+                pid=facts.pid, command=facts.comm, cmdline=facts.cmdline or facts.comm, allocator="",
+                state="waiting", started_at=before.status.started_at if before is not None else time.time(),
+                ended_at=None, files=(), counters=Counters(),
+                origin=TargetOrigin(start_time=facts.start_time, placement=placement_of(facts.cgroup),
+                                    selector=selector, parent=parent),
+                mode=mode.mode, sample_rate=mode.period, error=f"{exc}; tried {tries} times, next in {delay:.0f} s",
+            )
+            self._waiting[identity] = _Waiting(status, tries, replace(job, start_time=facts.start_time))
+        if before is None:  # one line when it starts waiting, one when it is profiled
+            self.config.say(f"waiting for a safe point in {facts.pid} ({facts.comm}), trying again from {delay:.0f} s "
+                            f"on: {exc}")
+        timer = threading.Timer(delay, self._retry, (identity,))
+        timer.daemon = True
+        timer.start()
+
+    def _retry(self, identity: Identity) -> None:
+        with self._flock:
+            w = self._waiting.get(identity)
+        if w is not None and not self._stopping.is_set():
+            self._enqueue(w.job)
+
+    def _stop_waiting(self, pid: int) -> _Waiting | None:
+        with self._flock:
+            for identity in [k for k in self._waiting if k[0] == pid]:
+                return self._waiting.pop(identity)
+        return None
+
+    def waiting(self) -> list[TargetStatus]:
+        """Processes waiting for a safe point (state "waiting", `error` says where each thread was)."""
+        with self._flock:
+            return [w.status for _, w in sorted(self._waiting.items())]
 
     def _profiling(self, facts: ProcessFacts) -> bool:
         with self._lock:
@@ -568,12 +661,13 @@ class FleetManager(TargetManager):
                 self._unwatch(t.pid)
             elif now >= o.expires_at:
                 self._forget(t, f"{self.fleet.keep_exited:.0f} s after it ended (--keep-exited)")
-        if self._failed or self._released or self._refusal_said:
+        if self._failed or self._released or self._refusal_said or self._waiting:
             alive = {(pid, st) for pid, st in ((i[0], start_time(i[0], self.proc)) for i in self._identities())}
             with self._flock:
                 self._failed = {k: v for k, v in self._failed.items() if k in alive}
                 self._released = {k for k in self._released if k in alive}
                 self._refusal_said = {k for k in self._refusal_said if k[0] in alive}
+                self._waiting = {k: v for k, v in self._waiting.items() if k in alive}
 
     def _sweep(self) -> None:
         with self._flock:
@@ -618,7 +712,7 @@ class FleetManager(TargetManager):
 
     def _identities(self) -> set[Identity]:
         with self._flock:
-            return set(self._failed) | set(self._released) | {k[0] for k in self._refusal_said}
+            return set(self._failed) | set(self._released) | {k[0] for k in self._refusal_said} | set(self._waiting)
 
 
 def _sites(t: Target) -> int:

@@ -170,6 +170,10 @@ class TargetManager:
         with self._lock:
             return sorted(self._targets.values(), key=lambda t: t.pid)
 
+    def waiting(self) -> list[TargetStatus]:
+        """Processes waiting to be attached (the fleet's: no thread at a safe point yet); none here."""
+        return []
+
     def get(self, pid: int | None) -> Target:
         with self._lock:
             if pid is not None:

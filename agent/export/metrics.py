@@ -249,6 +249,16 @@ class FleetCollector(Collector):
             "Output files of processes no longer profiled, deleted once older than --output-max-age.",
             value=f.expired_outputs,
         )
+        yield GaugeMetricFamily(
+            "heapscope_targets_waiting",
+            "Processes sampled mode found no thread of at a safe point yet (in /targets as waiting): tried again.",
+            value=f.waiting,
+        )
+        yield CounterMetricFamily(
+            "heapscope_log_lines_lost",
+            "Lines of the daemon's log that could not be written (a closed pipe, a full disk); profiling goes on.",
+            value=f.log_lines_lost,
+        )
         matches = CounterMetricFamily(
             "heapscope_selector_matches", "Processes each selector chose since it was added.", labels=("selector",)
         )

@@ -80,8 +80,10 @@ class FleetStatus:
     scans: int = 0  # /proc scans (at start, after a loss, and periodically)
     event_source: str = "none"  # "tracepoints", "/proc scans" (no BPF), or "none" (no selector yet)
     profiling: int = 0  # targets profiled now
+    waiting: int = 0  # processes waiting for a safe point (sampled mode), tried again
     sites: int = 0  # allocation sites held by all targets
     rss: int = 0  # the daemon's resident memory, bytes
     expired_segments: int = 0  # history segments of processes no longer profiled, deleted at --store-max-age
     expired_histories: int = 0  # such processes' directories, deleted once empty
     expired_outputs: int = 0  # output files of processes no longer profiled, deleted at --output-max-age
+    log_lines_lost: int = 0  # lines of the daemon's log that could not be written (a closed pipe, a full disk)

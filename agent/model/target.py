@@ -10,7 +10,7 @@ from agent.model.fleet import TargetOrigin
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Stack
 
-TargetState = Literal["profiling", "exited", "detached"]
+TargetState = Literal["profiling", "exited", "detached", "waiting"]  # waiting: for a safe point (fleet)
 XtreeKind = Literal["allocs", "full"]
 
 # Linux's PID_MAX_LIMIT: no PID is larger.

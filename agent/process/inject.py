@@ -7,11 +7,13 @@ attached, and its README warns that a thread stopped inside malloc deadlocks the
 How a call is made safe:
 - One thread at a time is seized (PTRACE_SEIZE + PTRACE_INTERRUPT); the others run on, so any lock they hold
   is released as usual. The seized thread is used only at a safe point: its instruction pointer and every
-  word of its live stack (a conservative scan from %rsp up) lie outside the allocator (malloc and its
-  internal functions, the whole allocator library when it is not libc, C++ operators new/delete), the
-  loader (ld.so, libc's dl* functions) and fork, and outside a signal handler (__restore_rt on its stack).
-  A stale word can only make a thread look unsafe, never safe: it is then released and another one, or the
-  same one a little later, is tried.
+  return address of its call chain lie outside the allocator (malloc and its internal functions, the whole
+  allocator library when it is not libc, C++ operators new/delete), the loader (ld.so, libc's dl* functions)
+  and fork, and outside a signal handler (__restore_rt). The chain is unwound with the objects' CFI
+  (agent.process.safepoint); above a frame that cannot be unwound, every word of the stack is checked
+  instead, which can only make a thread look unsafe, never safe. An unsafe thread is released and another
+  one, or the same one a little later, is tried; when none is found in time, the refusal says where each
+  thread was (NoSafePoint), and the daemon tries again later.
 - The call goes through a small stub (probes/sampler/inject_stub.S) that heapscope writes into a fresh
   mapping of the target (the mmap and mprotect for it are single system calls, single-stepped on a `syscall`
   instruction of libc). heapscope fills the stub's data with the thread's own registers, the general ones
@@ -50,11 +52,13 @@ from typing import TypeVar
 
 from elftools.elf.elffile import ELFFile
 
-from agent.errors import EnvironmentProblem, SamplingRefused, TargetError
+from agent.errors import EnvironmentProblem, NoSafePoint, SamplingRefused, TargetError
 from agent.process.discovery import allocator_of_process
+from agent.process.safepoint import RuleLookup, UnsafeRanges, Verdict, examine
 from agent.process.sampler import MapLine, build_sampler, build_stub, mapped_base, read_map_lines
 from agent.symbols.elf import ElfObject, open_elf
 from agent.symbols.symbolizer import DEFAULT_DEBUG_ROOTS, find_debug_file
+from agent.symbols.unwind import Rule, UnwindTable, load_table, lookup
 
 T = TypeVar("T")
 
@@ -81,7 +85,6 @@ REG_NAMES = (
 )  # fmt: skip
 REG = {name: i for i, name in enumerate(REG_NAMES)}
 RED_ZONE = 128
-STACK_SCAN = 32 * 1024  # bytes of live stack checked for return addresses into the allocator or loader
 XSTATE_MAX = 16384
 SIGINFO_SIZE = 128
 EFLAGS_TF, EFLAGS_DF = 0x100, 0x400
@@ -293,21 +296,21 @@ def _is_unsafe_name(name: str) -> bool:
     return bare in UNSAFE_NAMES or bare.startswith(UNSAFE_PREFIXES)
 
 
-def _symbol_ranges(obj: ElfObject, debug: ElfObject | None) -> list[tuple[int, int]]:
+def _symbol_ranges(obj: ElfObject, debug: ElfObject | None) -> list[tuple[int, int, str]]:
     ranges = []
     for source in (obj, debug) if debug is not None else (obj,):
         for sym in source.function_symbols():
             if sym.size and _is_unsafe_name(sym.name):
-                ranges.append((sym.value, sym.value + sym.size))
+                ranges.append((sym.value, sym.value + sym.size, sym.name))
     return ranges
 
 
-def unsafe_ranges(pid: int, proc_root: str = "/proc") -> list[tuple[int, int]]:
+def unsafe_ranges(pid: int, proc_root: str = "/proc") -> UnsafeRanges:
     """Address ranges of the target where a thread must not be (or return to) when it runs the call."""
     maps = read_map_lines(pid)
     allocator = allocator_of_process(pid, proc_root)
     allocator_real = os.path.realpath(allocator.path)
-    out: list[tuple[int, int]] = []
+    out: list[tuple[int, int, str]] = []
     by_path: dict[str, list[MapLine]] = {}
     for m in maps:
         if m.path.startswith("/"):
@@ -319,39 +322,56 @@ def unsafe_ranges(pid: int, proc_root: str = "/proc") -> list[tuple[int, int]]:
             continue
         name = os.path.basename(path)
         seen_as = f"{proc_root}/{pid}/root{path}"
-        whole = name.startswith("ld-linux") or (
-            os.path.realpath(seen_as) == allocator_real and not name.startswith("libc.so")
-        )
-        if whole:  # the loader, or an allocator library (jemalloc, tcmalloc, mimalloc): all of its code
-            out.extend((m.start, m.end) for m in execs)
+        if name.startswith("ld-linux"):
+            out.extend((m.start, m.end, f"the loader ({name})") for m in execs)
+            continue
+        if os.path.realpath(seen_as) == allocator_real and not name.startswith("libc.so"):
+            out.extend((m.start, m.end, f"the allocator ({name})") for m in execs)  # jemalloc, tcmalloc: all
             continue
         if not (name.startswith(("libc.so", "libstdc++", "libc++")) or os.path.realpath(seen_as) == allocator_real):
             continue
         try:
             obj = open_elf(seen_as)
         except Exception:  # unreadable object: all of its code counts as unsafe
-            out.extend((m.start, m.end) for m in execs)
+            out.extend((m.start, m.end, f"{name} (unreadable)") for m in execs)
             continue
         debug = find_debug_file(obj, DEFAULT_DEBUG_ROOTS)
         bias = base if obj.is_pie_or_shared else 0
-        out.extend((lo + bias, hi + bias) for lo, hi in _symbol_ranges(obj, debug))
-    return _merge(out)
+        out.extend((lo + bias, hi + bias, fn) for lo, hi, fn in _symbol_ranges(obj, debug))
+    return UnsafeRanges(out)
 
 
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, overlapping or touching ranges joined (aliases of one function overlap)."""
-    merged: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if merged and lo <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-        else:
-            merged.append((lo, hi))
-    return merged
+class _FrameRules:
+    """The unwind row for any address of the target: its mapping's object, through the on-disk table cache
+    (the tables the kernel's walker uses). Tables are read on demand: only objects on the threads' chains."""
 
+    def __init__(self, pid: int, maps: list[MapLine], proc_root: str) -> None:
+        self.pid = pid
+        self.proc_root = proc_root
+        self.maps = sorted((m for m in maps if "x" in m.perms and m.path.startswith("/")), key=lambda m: m.start)
+        self._starts = [m.start for m in self.maps]
+        self._objects: dict[str, tuple[UnwindTable, ElfObject] | None] = {}
 
-def _inside(ranges: list[tuple[int, int]], address: int) -> bool:
-    i = bisect.bisect_right(ranges, (address, 1 << 64)) - 1
-    return i >= 0 and ranges[i][0] <= address < ranges[i][1]
+    def __call__(self, address: int) -> Rule | None:
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i < 0 or address >= self.maps[i].end:
+            return None  # the vDSO, anonymous (JIT) code, or no mapping at all
+        m = self.maps[i]
+        loaded = self._object(m.path)
+        if loaded is None:
+            return None
+        table, obj = loaded
+        vaddr = obj.file_offset_to_vaddr(m.offset)
+        return None if vaddr is None else lookup(table, address - (m.start - vaddr))
+
+    def _object(self, path: str) -> tuple[UnwindTable, ElfObject] | None:
+        if path not in self._objects:
+            seen_as = f"{self.proc_root}/{self.pid}/root{path}"
+            try:
+                self._objects[path] = (load_table(seen_as), open_elf(seen_as))
+            except Exception:  # no table to be had: the walk falls back to the scan from that frame
+                self._objects[path] = None
+        return self._objects[path]
 
 
 # ---- one seized thread ---------------------------------------------------------------------------------
@@ -587,20 +607,13 @@ def _tgkill(pid: int, tid: int, sig: int) -> None:
     _libc.syscall(234, pid, tid, sig)  # SYS_tgkill on x86_64
 
 
-def _at_safe_point(t: _Thread, ranges: list[tuple[int, int]], maps: list[MapLine]) -> bool:
+def _verdict(t: _Thread, ranges: UnsafeRanges, maps: list[MapLine], rules: RuleLookup) -> Verdict:
     regs = t.regs()
-    if _inside(ranges, regs[REG["rip"]]):
-        return False
     rsp = regs[REG["rsp"]]
     stack = next((m for m in maps if m.start <= rsp < m.end), None)
     if stack is None:
-        return False
-    end = min(stack.end, rsp + STACK_SCAN)
-    try:
-        data = t.read(rsp, end - rsp)
-    except OSError:
-        return False
-    return not any(_inside(ranges, w) for (w,) in struct.iter_unpack("<Q", data[: len(data) // 8 * 8]))
+        return Verdict(False, "on a stack outside its mappings", 0, False)
+    return examine(regs[REG["rip"]], rsp, regs[REG["rbp"]], t.read, ranges, rules, stack.end)
 
 
 # ---- the injection -------------------------------------------------------------------------------------
@@ -615,13 +628,16 @@ def _libc_function(pid: int, name: str, proc_root: str) -> int:
 
 
 def _on_safe_thread(
-    pid: int, ranges: list[tuple[int, int]], work: Callable[[_Thread], T], wait: float, proc_root: str, rotate: int = 0
+    pid: int, ranges: UnsafeRanges, work: Callable[[_Thread], T], wait: float, proc_root: str, rotate: int = 0
 ) -> tuple[T, _Thread, int]:
     """Run work(thread) on the first thread found at a safe point; returns (its result, the thread, how many
-    threads were seized and found unsafe). `rotate` changes which thread is tried first."""
+    threads were seized and found unsafe). `rotate` changes which thread is tried first. Raises NoSafePoint
+    with each thread's last verdict when none was safe within `wait` seconds."""
     deadline = time.monotonic() + wait
     tried = 0
+    found: dict[int, Verdict] = {}  # each thread's last verdict, for the refusal
     maps = read_map_lines(pid)
+    rules = _FrameRules(pid, maps, proc_root)
     try:
         mem = os.open(f"{proc_root}/{pid}/mem", os.O_RDWR)
     except OSError as exc:
@@ -638,7 +654,8 @@ def _on_safe_thread(
                 try:
                     if not t.seize():
                         continue
-                    if not _at_safe_point(t, ranges, maps):
+                    verdict = found[tid] = _verdict(t, ranges, maps, rules)
+                    if not verdict.safe:
                         tried += 1
                         continue
                     return work(t), t, tried
@@ -647,13 +664,47 @@ def _on_safe_thread(
                 finally:
                     t.release()
             time.sleep(0.01)
-            maps = read_map_lines(pid)
-        raise TargetError(
-            f"no thread of process {pid} reached a safe point (outside the allocator and the loader) in {wait:.0f} s"
+            fresh = read_map_lines(pid)
+            if fresh != maps:  # a library loaded or unloaded meanwhile: the rules follow
+                maps, rules = fresh, _FrameRules(pid, fresh, proc_root)
+        threads = "; ".join(v.describe(tid) for tid, v in sorted(found.items())) or "no thread could be seized"
+        raise NoSafePoint(
+            f"no thread of process {pid} reached a safe point (outside the allocator and the loader) in {wait:.0f} s: "
+            f"{threads}"
         )
     finally:
         os.close(mem)
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def examine_threads(pid: int, proc_root: str = "/proc", unwind: bool = True) -> dict[int, Verdict]:
+    """Where each thread of `pid` is, as the injection would judge it (seized one at a time, each for a few
+    milliseconds, then let go untouched). `unwind=False`: every stack word scanned, as no table were there.
+    For diagnostics and tests."""
+    preflight_ptrace(pid)
+    ranges = unsafe_ranges(pid, proc_root)
+    maps = read_map_lines(pid)
+    rules = _FrameRules(pid, maps, proc_root) if unwind else _NoRules()
+    out: dict[int, Verdict] = {}
+    mem = os.open(f"{proc_root}/{pid}/mem", os.O_RDONLY)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+    try:
+        for tid in sorted(int(t) for t in os.listdir(f"{proc_root}/{pid}/task")):
+            t = _Thread(pid, tid, mem)
+            try:
+                if t.seize():
+                    out[tid] = _verdict(t, ranges, maps, rules)
+            finally:
+                t.release()
+    finally:
+        os.close(mem)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    return out
+
+
+class _NoRules:
+    def __call__(self, address: int) -> Rule | None:
+        return None
 
 
 def read_memory(pid: int, address: int, n: int) -> bytes:

@@ -15,7 +15,8 @@ router = APIRouter(prefix="/targets", tags=["targets"])
 
 @router.get("", summary="The targets: profiled now, or exited (their last state stays queryable)", responses=ERRORS)
 def list_targets(manager: Manager) -> list[TargetOut]:
-    return [target_out(t.status()) for t in manager.targets()]
+    profiled = [target_out(t.status()) for t in manager.targets()]
+    return profiled + [target_out(s) for s in manager.waiting()]  # no safe point yet: tried again
 
 
 @router.post(

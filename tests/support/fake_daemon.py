@@ -211,6 +211,9 @@ class FakeManager:
     def shutdown(self) -> None:
         self.calls.append("shutdown")
 
+    def waiting(self) -> list[TargetStatus]:
+        return []
+
     def targets(self) -> list[FakeTarget]:
         return sorted(self.by_pid.values(), key=lambda t: t.pid)
 

@@ -1,9 +1,10 @@
 """The pure parts of the injection's safe-point check: which symbols count as allocator or loader code, and
-the range lookup a stack scan does for every word."""
+the range lookup the safe-point walk does for every return address."""
 
 from __future__ import annotations
 
-from agent.process.inject import REG, REG_NAMES, _inside, _is_unsafe_name, _merge, _resume_context
+from agent.process.inject import REG, REG_NAMES, _is_unsafe_name, _resume_context
+from agent.process.safepoint import UnsafeRanges
 
 
 def test_allocator_loader_and_fork_names_are_unsafe() -> None:
@@ -21,13 +22,13 @@ def test_blocking_calls_and_thread_start_are_safe() -> None:
 
 
 def test_ranges_merge_and_lookup() -> None:
-    ranges = _merge([(100, 200), (150, 180), (300, 400), (400, 410), (50, 60)])
-    assert ranges == [(50, 60), (100, 200), (300, 410)]
+    ranges = UnsafeRanges([(100, 200, "a"), (150, 180, "b"), (300, 400, "c"), (400, 410, "d"), (50, 60, "e")])
+    assert ranges.ranges == [(50, 60, "e"), (100, 200, "a"), (300, 410, "c")]
     # An address inside a long range is found even when a shorter alias starts after the long one.
-    assert _inside(ranges, 190)
-    assert _inside(ranges, 300) and _inside(ranges, 409)
-    assert not _inside(ranges, 200) and not _inside(ranges, 49) and not _inside(ranges, 410)
-    assert not _inside([], 5)
+    assert ranges.name_at(190) == "a"
+    assert ranges.name_at(300) == "c" and ranges.name_at(409) == "c"
+    assert ranges.name_at(200) is None and ranges.name_at(49) is None and ranges.name_at(410) is None
+    assert UnsafeRanges([]).name_at(5) is None
 
 
 def _regs(**values: int) -> list[int]:
