@@ -55,7 +55,7 @@ from elftools.elf.elffile import ELFFile
 from agent.errors import EnvironmentProblem, NoSafePoint, SamplingRefused, TargetError
 from agent.process.discovery import allocator_of_process
 from agent.process.safepoint import RuleLookup, UnsafeRanges, Verdict, examine
-from agent.process.sampler import MapLine, build_sampler, build_stub, mapped_base, read_map_lines
+from agent.process.sampler import MapLine, build_sampler, build_stub, mapped_base, read_map_lines, symbol_value
 from agent.symbols.elf import ElfObject, open_elf
 from agent.symbols.symbolizer import DEFAULT_DEBUG_ROOTS, find_debug_file
 from agent.symbols.unwind import Rule, UnwindTable, load_table, lookup
@@ -745,8 +745,12 @@ def call_function(pid: int, name: str, wait: float = 5.0, proc_root: str = "/pro
     """Call libc's `name`() (no arguments) in the target as inject() calls dlopen; returns (rax, thread).
     For checking the injection path itself (tests, diagnostics)."""
     preflight_ptrace(pid)
+    return _call(pid, _libc_function(pid, name, proc_root), wait, proc_root, rotate)
+
+
+def _call(pid: int, function: int, wait: float, proc_root: str, rotate: int = 0) -> tuple[int, int]:
+    """function() (no arguments) run on a thread at a safe point; (rax, thread)."""
     stub = _stub()
-    function = _libc_function(pid, name, proc_root)
     syscall_at = _syscall_instruction(pid, proc_root)
     ranges = unsafe_ranges(pid, proc_root)
     waiter, t, _ = _on_safe_thread(
@@ -754,6 +758,24 @@ def call_function(pid: int, name: str, wait: float = 5.0, proc_root: str = "/pro
     )
     result, _ = waiter()
     return result, t.tid
+
+
+REVIVE_SYMBOL = "hs_sampler_revive"
+
+
+def revive(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc") -> bool:
+    """Start the sampler again in a forked child of a process it was loaded in (a prefork server's worker, a
+    database's backend): the child has the library, but no control thread. Called like dlopen, at a safe point.
+    False where that is not what is wrong (the library failed to start in its own process, or runs)."""
+    library = Path(os.path.realpath(library))
+    base = mapped_base(pid, library)
+    if base is None:
+        return False
+    preflight_ptrace(pid)
+    result, _ = _call(pid, base + symbol_value(library, REVIVE_SYMBOL), wait, proc_root)
+    if result >= 1 << 63 and (1 << 64) - result not in (errno.ENOTSUP, errno.EALREADY):
+        raise TargetError(f"process {pid}: its sampler could not be started again: {os.strerror((1 << 64) - result)}")
+    return result == 0
 
 
 def inject(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc") -> Injection:

@@ -24,7 +24,7 @@ from agent.kernel.probes import SiteReader
 from agent.model.callcounts import ThreadCalls, total
 from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint
-from agent.process.inject import inject
+from agent.process.inject import inject, revive
 from agent.process.sampler import SamplerControl, build_sampler, library_range, mapped_base, probe_points
 from agent.process.target import TargetProcess, launch
 
@@ -80,13 +80,26 @@ class SamplerLink:
         self.read_error: str | None = None  # the first read of the sampler that failed while its process lived
         if not process.launched:
             injection = inject(self.pid, self.library)
-            if injection.reused:
+            if injection.reused and self._forked_child():
+                say(f"sampler inherited by {self.pid} from the process it was forked from: started again")
+            elif injection.reused:
                 say(f"sampler already loaded in {self.pid}: reused")
             else:
                 say(f"sampler loaded into {self.pid} by thread {injection.tid} in {injection.seconds * 1000:.0f} ms")
             for line in injection.warnings:
                 say(line)
         self.points: list[ProbePoint] = probe_points(self.library)
+
+    def _forked_child(self) -> bool:
+        """The library is there but cannot run: a forked child's copy (a prefork worker, a backend) is started
+        again; True when it was."""
+        control = SamplerControl(self.pid, self.library)
+        try:
+            if control.read().state != "broken":
+                return False
+        finally:
+            control.close()
+        return revive(self.pid, self.library)
 
     # ---- arming ----------------------------------------------------------------------------------------
 

@@ -1178,13 +1178,39 @@ static void *control_thread(void *arg)
  * (restoring slots needs the loader's lock, which another thread may have held at the fork), and the child
  * drops its copies of the lease, so that it never keeps a dead heapscope's lease open. A child made by a raw
  * clone() without glibc's fork keeps them until it execs (they are close-on-exec). */
+static int forked; /* this process is a forked child of the one the library was loaded in */
+
 static void after_fork_in_child(void)
 {
     STORE(armed, 0);
     STORE(live_samples, 0);
     close_lease();
     STORE(hs_control.lease_fd, (int64_t)-1);
+    STORE(hs_control.control_tid, 0);
+    /* The parent's control thread may have held it at the fork: nobody here would ever unlock it. */
+    pthread_mutex_init(&patch_lock, NULL);
+    forked = 1;
     STORE(hs_control.state, HS_STATE_BROKEN);
+}
+
+static int start_control_thread(void);
+
+/* A forked child (a prefork server's worker, a database's backend) has the library but no control thread.
+ * heapscope brings it back by calling this through its injection, at a safe point of one of the child's
+ * threads: a new lease, a new control thread, idle until heapscope arms it. The hooks the child inherited
+ * pass everything through meanwhile. Returns 0, or -ENOTSUP where the library failed to start in its own
+ * process (that is not mended by starting again), -EALREADY where it runs already. */
+EXPORT int64_t hs_sampler_revive(void)
+{
+    if (!forked)
+        return LOAD(hs_control.state) == HS_STATE_BROKEN ? -ENOTSUP : -EALREADY;
+    if (LOAD(hs_control.state) != HS_STATE_BROKEN)
+        return -EALREADY;
+    if (new_lease() != 0 || start_control_thread() != 0)
+        return -EAGAIN;
+    forked = 0; /* it runs as in a process of its own now; a fork of this one is a child again */
+    STORE(hs_control.state, HS_STATE_IDLE);
+    return 0;
 }
 
 static void broken(void)
@@ -1245,6 +1271,14 @@ __attribute__((constructor)) static void hs_sampler_init(void)
     if (new_lease() != 0)
         { broken(); return; }
     pthread_atfork(NULL, NULL, after_fork_in_child);
+    if (start_control_thread() != 0)
+        { broken(); return; }
+    STORE(hs_control.state, HS_STATE_IDLE);
+    hold_for_arming();
+}
+
+static int start_control_thread(void)
+{
     /* The control thread takes no signal meant for the process. */
     sigset_t all, old;
     sigfillset(&all);
@@ -1257,8 +1291,5 @@ __attribute__((constructor)) static void hs_sampler_init(void)
     int rc = pthread_create(&tid, &attr, control_thread, NULL);
     pthread_attr_destroy(&attr);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (rc != 0)
-        { broken(); return; }
-    STORE(hs_control.state, HS_STATE_IDLE);
-    hold_for_arming();
+    return rc;
 }

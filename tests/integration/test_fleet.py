@@ -229,17 +229,21 @@ def test_services_started_after_the_daemon_are_found_and_marked(
         stop_daemon(d)
 
 
+@pytest.mark.parametrize("mode", ["exact", "sampled"])
 def test_a_prefork_parent_and_its_children_through_exit_restart_and_exec(
-    heapscope_cmd: list[str], services: Services, tmp_path: Path
+    heapscope_cmd: list[str], services: Services, tmp_path: Path, mode: str
 ) -> None:
-    d = start_daemon(heapscope_cmd, tmp_path, "--attach-comm", "^svc-prefork$")
+    """In both modes; sampled is the daemon's default. A worker forked after the parent's sampler was loaded has
+    the library but no control thread: the daemon starts it again in the worker."""
+    d = start_daemon(heapscope_cmd, tmp_path, f"--mode={mode}", "--attach-comm", "^svc-prefork$")
+    heap = RING_BYTES if mode == "exact" else None  # sampled: estimates
     try:
         parent = services.start("svc-prefork", workers=2)
         wait_for(lambda: len(children(parent.pid)) == 2, 10, "two workers")
         first, second = children(parent.pid)
         # The workers are named fleet-worker: the selector does not match them; they are followed as children.
         for pid in (parent.pid, first, second):
-            wait_for(profiling(d, pid), FOUND_WITHIN, f"{pid} profiled")
+            wait_for(profiling(d, pid, heap), FOUND_WITHIN, f"{pid} profiled")
         held = targets(d)
         assert Path(f"/proc/{first}/comm").read_text().strip() == "fleet-worker"
         assert held[parent.pid]["origin"]["parent"] is None
@@ -251,15 +255,19 @@ def test_a_prefork_parent_and_its_children_through_exit_restart_and_exec(
         wait_for(lambda: len(set(children(parent.pid)) - {second}) == 1, 10, "a new worker")
         [third] = set(children(parent.pid)) - {second}
         wait_for(lambda: targets(d)[first]["state"] == "exited", 30, "the old worker marked exited")
-        wait_for(profiling(d, third), FOUND_WITHIN, "the new worker profiled")
+        wait_for(profiling(d, third, heap), FOUND_WITHIN, "the new worker profiled")
         assert targets(d)[third]["origin"]["parent"] == parent.pid
+        if mode == "sampled":  # forked from a sampled parent: its inherited sampler was started again, and counts
+            assert f"sampler inherited by {third} from the process it was forked from: started again" in d.stderr()
+            calls = targets(d)[third]["heap"]["allocation_calls"]
+            wait_for(lambda: targets(d)[third]["heap"]["allocation_calls"] > calls, 30, "the new worker's calls")
 
         # The other worker execs the program again: its profile ends there, and the new image, still the parent's
         # program, is followed from its start (its name is now "exe": no selector matches it by name).
         before = targets(d)[second]
         os.kill(second, signal.SIGUSR2)
         wait_for(lambda: targets(d)[second]["started_at"] != before["started_at"], FOUND_WITHIN, "re-attached")
-        wait_for(profiling(d, second), FOUND_WITHIN, "the exec'ed worker profiled")
+        wait_for(profiling(d, second, heap), FOUND_WITHIN, "the exec'ed worker profiled")
         after = targets(d)[second]
         assert after["command"] == "exe" and after["cmdline"].endswith("--worker")
         assert after["origin"]["parent"] == parent.pid
