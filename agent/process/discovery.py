@@ -12,7 +12,7 @@ import re
 import subprocess
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from elftools.common.exceptions import ELFError
@@ -20,6 +20,7 @@ from elftools.elf.dynamic import DynamicSection
 
 from agent.errors import TargetError
 from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS
+from agent.process.view import ProcessView
 from agent.symbols.elf import ElfError, ElfObject, FileCache, open_elf
 from agent.symbols.elf import forget_gone_processes as forget_gone_objects
 from agent.symbols.placement import Placement, choose_offset
@@ -301,7 +302,7 @@ def read_process(pid: int, proc: str = "/proc") -> ProcessInfo:
         raise TargetError(f"no permission to read process {pid} (heapscope needs root): {exc}", 4) from exc
     except FileNotFoundError as exc:
         raise TargetError(f"process {pid} exited or is a kernel thread") from exc
-    exe_link = exe_link.removesuffix(" (deleted)")
+    exe_link = ProcessView.of(pid, proc).inside(exe_link.removesuffix(" (deleted)"))
     return ProcessInfo(pid, f"{proc}/{pid}/root{exe_link}", cmdline, environ)
 
 
@@ -320,7 +321,8 @@ def allocator_of_process(pid: int, proc: str = "/proc") -> Allocator:
     info = read_process(pid, proc)
     root = f"{proc}/{pid}/root"
     preload = [p for p in re.split(r"[ :]", info.environ.get("LD_PRELOAD", "")) if p]
-    mapped = mapped_finder(read_maps(pid, proc), root)
+    view = ProcessView.of(pid, proc)  # a chroot's maps show the host's paths: made relative to its root
+    mapped = mapped_finder([replace(m, path=view.inside(m.path)) for m in read_maps(pid, proc)], root)
     # Caught at its exec, a process has only its program and the loader mapped: its libraries are found as the
     # loader is about to find them (probes are set on the files, and fire once they are mapped).
     on_disk = library_finder(info.environ, root)

@@ -56,6 +56,7 @@ from agent.errors import EnvironmentProblem, NoSafePoint, SamplingRefused, Targe
 from agent.process.discovery import allocator_of_process
 from agent.process.safepoint import RuleLookup, UnsafeRanges, Verdict, examine
 from agent.process.sampler import MapLine, build_sampler, build_stub, mapped_base, read_map_lines, symbol_value
+from agent.process.view import ProcessView
 from agent.symbols.elf import ElfObject, open_elf
 from agent.symbols.symbolizer import DEFAULT_DEBUG_ROOTS, find_debug_file
 from agent.symbols.unwind import Rule, UnwindTable, load_table, lookup
@@ -235,6 +236,11 @@ def _libc_mapping(maps: Iterable[MapLine]) -> MapLine | None:
     return None
 
 
+def _seen_as(pid: int, path: str, proc_root: str) -> str:
+    """Where we open a file the process's maps name `path`: through its own root (a chroot's prefix off)."""
+    return f"{proc_root}/{pid}/root{ProcessView.of(pid, proc_root).inside(path)}"
+
+
 def preflight_ptrace(pid: int) -> dict[str, str]:
     """Refuse where ptrace itself is not allowed or not safe."""
     yama = Path("/proc/sys/kernel/yama/ptrace_scope")
@@ -269,7 +275,7 @@ def preflight(pid: int, library: Path, proc_root: str = "/proc") -> None:
         )
     maps = read_map_lines(pid)
     libc = _libc_mapping(maps)
-    if libc is None or open_elf(f"{proc_root}/{pid}/root{libc.path}").find_symbol("dlopen") is None:
+    if libc is None or open_elf(_seen_as(pid, libc.path, proc_root)).find_symbol("dlopen") is None:
         raise SamplingRefused(f"process {pid} has no glibc dlopen (a static or non-glibc program); use --mode=exact")
     allocator = allocator_of_process(pid, proc_root)
     exe = os.path.realpath(f"{proc_root}/{pid}/exe")
@@ -321,7 +327,7 @@ def unsafe_ranges(pid: int, proc_root: str = "/proc") -> UnsafeRanges:
         if not execs or base is None:
             continue
         name = os.path.basename(path)
-        seen_as = f"{proc_root}/{pid}/root{path}"
+        seen_as = _seen_as(pid, path, proc_root)
         if name.startswith("ld-linux"):
             out.extend((m.start, m.end, f"the loader ({name})") for m in execs)
             continue
@@ -366,7 +372,7 @@ class _FrameRules:
 
     def _object(self, path: str) -> tuple[UnwindTable, ElfObject] | None:
         if path not in self._objects:
-            seen_as = f"{self.proc_root}/{self.pid}/root{path}"
+            seen_as = _seen_as(self.pid, path, self.proc_root)
             try:
                 self._objects[path] = (load_table(seen_as), open_elf(seen_as))
             except Exception:  # no table to be had: the walk falls back to the scan from that frame
@@ -621,7 +627,7 @@ def _verdict(t: _Thread, ranges: UnsafeRanges, maps: list[MapLine], rules: RuleL
 
 def _libc_function(pid: int, name: str, proc_root: str) -> int:
     libc = _libc_mapping(read_map_lines(pid))
-    found = open_elf(f"{proc_root}/{pid}/root{libc.path}").find_symbol(name) if libc else None
+    found = open_elf(_seen_as(pid, libc.path, proc_root)).find_symbol(name) if libc else None
     if libc is None or found is None:
         raise TargetError(f"process {pid} has no glibc {name}")
     return libc.start + found[0]
@@ -718,7 +724,7 @@ def read_memory(pid: int, address: int, n: int) -> bytes:
 def _syscall_instruction(pid: int, proc_root: str) -> int:
     """Address of a `syscall` instruction in the target's libc (inside its syscall() function)."""
     libc = _libc_mapping(read_map_lines(pid))
-    obj = open_elf(f"{proc_root}/{pid}/root{libc.path}") if libc else None
+    obj = open_elf(_seen_as(pid, libc.path, proc_root)) if libc else None
     found = obj.find_symbol("syscall") if obj else None
     if libc is None or obj is None or found is None:
         raise TargetError(f"process {pid} has no glibc syscall()")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from agent.model.pages import parse_start_stack
+from agent.process.view import ProcessView
 from agent.symbols.symbolizer import Mapping, parse_maps
 
 
@@ -11,6 +12,7 @@ class MapsRecorder:
 
     def __init__(self, pid: int, proc: str = "/proc") -> None:
         self.path = f"{proc}/{pid}/maps"
+        self.view = ProcessView.of(pid, proc)  # a container's or a chroot's files: through its own root
         self.stat_path = f"{proc}/{pid}/stat"
         self._text = ""
         self._seen: dict[tuple[int, int, int, str], Mapping] = {}
@@ -32,7 +34,7 @@ class MapsRecorder:
             return False
         self._text = text
         fresh = False
-        self.current = tuple(parse_maps(text))
+        self.current = tuple(self.view.mapping(m) for m in parse_maps(text))
         try:
             with open(self.stat_path) as f:
                 start_stack = parse_start_stack(f.read())

@@ -56,6 +56,12 @@ class Mapping:
     path: str
     perms: str = "r-xp"
     build_id: str | None = None  # when recorded, a file on disk with another build-id is not trusted
+    shown: str | None = None  # the path as the process names it, where `path` is where we open it (a container)
+
+    @property
+    def name(self) -> str:
+        """The object's path as the outputs show it."""
+        return self.shown or self.path
 
     def contains(self, address: int) -> bool:
         return self.start <= address < self.end
@@ -762,13 +768,13 @@ class Symbolizer:
             return [Frame(address=look)]
         info = self.object_info(m.path)
         if info is None or (m.build_id is not None and info.obj.build_id != m.build_id):
-            return [Frame(address=look, obj=m.path)]
+            return [Frame(address=look, obj=m.name)]
         vaddr = info.obj.file_offset_to_vaddr(look - m.start + m.offset)
         if vaddr is None:
-            return [Frame(address=look, obj=m.path)]
+            return [Frame(address=look, obj=m.name)]
         levels = info.levels(vaddr)
         return [
-            Frame(address=look, function=fn, file=file, line=line, obj=m.path, inlined=i + 1 < len(levels))
+            Frame(address=look, function=fn, file=file, line=line, obj=m.name, inlined=i + 1 < len(levels))
             for i, (fn, file, line) in enumerate(levels)
         ]
 

@@ -1,0 +1,58 @@
+"""A process's files as the process sees them: through its own root, whatever its mount namespace.
+
+/proc/PID/maps names a file relative to the root of the mount namespace it lives in. For a container
+(pivot_root into its image, as runtimes do) that is the container's root: the same path on the host is
+another file, or none. For a chroot the maps show the host's path, while /proc/PID/root is the chroot
+directory, so joining the two doubles the prefix. A process's file is therefore opened as
+/proc/PID/root/<its path inside its root>; a process that shares our mount namespace and root keeps plain
+paths, as before. What the outputs show stays the path as the process names it (Mapping.shown).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from agent.symbols.symbolizer import Mapping
+
+
+@dataclass(frozen=True)
+class ProcessView:
+    pid: int
+    proc: str
+    root: str  # where the process's root is, as readlink(/proc/PID/root) says ("/" unless chrooted)
+    foreign: bool  # its paths are not ours: another mount namespace, or another root
+
+    @classmethod
+    def of(cls, pid: int, proc: str = "/proc") -> ProcessView:
+        """The view of a live process (a gone one: plain paths, nothing to read anyway)."""
+        try:
+            root = os.readlink(f"{proc}/{pid}/root")
+            theirs = os.readlink(f"{proc}/{pid}/ns/mnt")
+            ours = os.readlink(f"{proc}/self/ns/mnt")
+        except OSError:
+            return cls(pid, proc, "/", False)
+        return cls(pid, proc, root, theirs != ours or root != "/")
+
+    def inside(self, path: str) -> str:
+        """`path` as the maps name it, made relative to the process's root (a chroot's prefix taken off)."""
+        root = self.root.rstrip("/")
+        if root and (path == root or path.startswith(root + "/")):
+            return path[len(root) :] or "/"
+        return path
+
+    def file(self, path: str) -> str:
+        """Where heapscope opens the file the process's maps name `path`."""
+        if not self.foreign:
+            return path
+        return f"{self.proc}/{self.pid}/root{self.inside(path)}"
+
+    def root_prefix(self) -> str:
+        """What goes before a path inside the process's root to open it from here ("" when they are ours)."""
+        return f"{self.proc}/{self.pid}/root" if self.foreign else ""
+
+    def mapping(self, m: Mapping) -> Mapping:
+        """`m` with its file opened through the process's root, still shown by the process's own name."""
+        if not self.foreign:
+            return m
+        return replace(m, path=self.file(m.path), shown=self.inside(m.path))

@@ -1,0 +1,49 @@
+"""A process's files through its own root (agent.process.view), on a made-up /proc."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from agent.process.view import ProcessView
+from agent.symbols.symbolizer import Mapping
+
+
+def fake_proc(tmp_path: Path, root: str, their_ns: str, our_ns: str = "mnt:[4026531841]") -> str:
+    proc = tmp_path / "proc"
+    (proc / "7" / "ns").mkdir(parents=True)
+    (proc / "self" / "ns").mkdir(parents=True)
+    os.symlink(root, proc / "7" / "root")
+    os.symlink(their_ns, proc / "7" / "ns" / "mnt")
+    os.symlink(our_ns, proc / "self" / "ns" / "mnt")
+    return str(proc)
+
+
+def test_a_process_of_ours_keeps_plain_paths(tmp_path: Path) -> None:
+    v = ProcessView.of(7, fake_proc(tmp_path, "/", "mnt:[4026531841]"))
+    assert not v.foreign and v.file("/usr/lib/libc.so.6") == "/usr/lib/libc.so.6" and v.root_prefix() == ""
+    m = Mapping(0x1000, 0x2000, 0, "/usr/lib/libc.so.6")
+    assert v.mapping(m) is m
+
+
+def test_a_containers_paths_are_opened_through_its_root_and_shown_as_it_names_them(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path, "/", "mnt:[4026532999]")  # pivot_root'ed: its root reads as "/"
+    v = ProcessView.of(7, proc)
+    assert v.foreign and v.file("/usr/bin/redis-server") == f"{proc}/7/root/usr/bin/redis-server"
+    m = v.mapping(Mapping(0x1000, 0x2000, 0, "/usr/bin/redis-server"))
+    assert m.path == f"{proc}/7/root/usr/bin/redis-server" and m.name == "/usr/bin/redis-server"
+
+
+def test_a_chroots_doubled_prefix_is_taken_off(tmp_path: Path) -> None:
+    """Its maps show the host's path, its root is the chroot directory: joined, the prefix would be doubled."""
+    proc = fake_proc(tmp_path, "/srv/jail", "mnt:[4026532999]")
+    v = ProcessView.of(7, proc)
+    assert v.inside("/srv/jail/usr/bin/x") == "/usr/bin/x"
+    assert v.file("/srv/jail/usr/bin/x") == f"{proc}/7/root/usr/bin/x"
+    assert v.inside("/srv/jailbreak/x") == "/srv/jailbreak/x"  # a prefix of the name, not of the path
+    m = v.mapping(Mapping(0x1000, 0x2000, 0, "/srv/jail/lib/libc.so.6"))
+    assert m.name == "/lib/libc.so.6"
+
+
+def test_a_gone_process_is_plain(tmp_path: Path) -> None:
+    assert not ProcessView.of(8, fake_proc(tmp_path, "/", "mnt:[1]")).foreign
