@@ -144,6 +144,7 @@ class Injection:
     # paths (malloc takes its locks) for the rest of the process's life, loaded or not. Measured on
     # bench/churn.c: about +0.05 µs per malloc+free pair. Callers should say so.
     was_single_threaded: bool = False
+    memfd: bool = False  # handed over in a memfd (the process could not see the library's path)
 
     @property
     def warnings(self) -> list[str]:
@@ -260,22 +261,28 @@ def preflight_ptrace(pid: int) -> dict[str, str]:
     return status
 
 
+def sees_library(pid: int, library: Path, proc_root: str = "/proc") -> bool:
+    """Whether the process finds `library` at its path through its own root (not in a container or chroot that
+    hides it): then it is dlopen'ed by that path, else handed over in a memfd."""
+    try:
+        inside = os.stat(f"{proc_root}/{pid}/root{library}")
+    except OSError:
+        return False
+    ours = os.stat(library)
+    return (inside.st_dev, inside.st_ino) == (ours.st_dev, ours.st_ino)
+
+
 def preflight(pid: int, library: Path, proc_root: str = "/proc") -> None:
     """Refuse, with one line, where injecting cannot be made safe."""
     preflight_ptrace(pid)
-    try:
-        inside = os.stat(f"{proc_root}/{pid}/root{library}")
-    except FileNotFoundError:
-        inside = None
-    ours = os.stat(library)
-    if inside is None or (inside.st_dev, inside.st_ino) != (ours.st_dev, ours.st_ino):
+    if not sees_library(pid, library, proc_root) and not os.path.lexists(f"{proc_root}/{pid}/root/proc/self"):
         raise SamplingRefused(
-            f"process {pid} cannot see the sampler library {library} through its own root (a container?); "
-            "use --mode=exact"
+            f"process {pid} cannot see the sampler library through its own root, and has no /proc there to be "
+            "handed it through a memfd; use --mode=exact"
         )
     maps = read_map_lines(pid)
     libc = _libc_mapping(maps)
-    if libc is None or open_elf(_seen_as(pid, libc.path, proc_root)).find_symbol("dlopen") is None:
+    if libc is None or _dlopen_of(open_elf(_seen_as(pid, libc.path, proc_root))) is None:
         raise SamplingRefused(f"process {pid} has no glibc dlopen (a static or non-glibc program); use --mode=exact")
     allocator = allocator_of_process(pid, proc_root)
     exe = os.path.realpath(f"{proc_root}/{pid}/exe")
@@ -284,6 +291,15 @@ def preflight(pid: int, library: Path, proc_root: str = "/proc") -> None:
             f"process {pid}'s allocator ({allocator.family}) is linked into its executable: its calls do not go "
             "through the GOT and cannot be sampled; use --mode=exact"
         )
+
+
+def _dlopen_of(libc: ElfObject) -> str | None:
+    """The name of the target libc's dlopen: dlopen (glibc 2.34+, where libdl went into libc), else
+    __libc_dlopen_mode (older glibc's own, which a program that does not link libdl has too)."""
+    for name in ("dlopen", "__libc_dlopen_mode"):
+        if libc.find_symbol(name) is not None:
+            return name
+    return None
 
 
 def preflight_sampled(pid: int, proc_root: str = "/proc") -> None:
@@ -784,8 +800,13 @@ def revive(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc")
     return result == 0
 
 
+MFD_CLOEXEC = 1
+
+
 def inject(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc") -> Injection:
-    """Load `library` into process `pid` (no-op if it is loaded already)."""
+    """Load `library` into process `pid` (no-op if it is loaded already). A process that cannot see it at its
+    path (a container, a chroot) is handed it in a memfd: made in the process, filled from here through
+    /proc/PID/fd, dlopen'ed as /proc/self/fd/N, then closed. Nothing is written into its filesystem."""
     library = Path(os.path.realpath(library))
     if mapped_base(pid, library) is not None:
         return Injection(pid, library, reused=True)
@@ -793,20 +814,65 @@ def inject(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc")
     single = _single_threaded(pid, proc_root)
     stub = _stub()
     ranges = unsafe_ranges(pid, proc_root)
-    dlopen_at = _libc_function(pid, "dlopen", proc_root)
-    dlerror_at = _libc_function(pid, "dlerror", proc_root)
+    libc = _libc_mapping(read_map_lines(pid))
+    dlopen_name = _dlopen_of(open_elf(_seen_as(pid, libc.path, proc_root))) if libc else None
+    dlopen_at = _libc_function(pid, dlopen_name or "dlopen", proc_root)
+    dlerror_at = _libc_function(pid, "dlerror", proc_root) if dlopen_name == "dlopen" else 0
     syscall_at = _syscall_instruction(pid, proc_root)
     started = time.monotonic()
-    path = os.fsencode(library) + b"\0"
+    memfd = None
+    if sees_library(pid, library, proc_root):
+        path = os.fsencode(library) + b"\0"
+    else:
+        memfd = _memfd_with(pid, library, stub, syscall_at, ranges, wait, proc_root)
+        path = b"/proc/self/fd/%d\0" % memfd
 
     def start(t: _Thread) -> Callable[[], tuple[int, int]]:
         return t.run_detached(stub, syscall_at, dlopen_at, -1, RTLD_NOW | RTLD_NODELETE, dlerror_at, path)
 
-    waiter, t, tried = _on_safe_thread(pid, ranges, start, wait, proc_root)
-    handle, error = waiter()
+    try:
+        waiter, t, tried = _on_safe_thread(pid, ranges, start, wait, proc_root)
+        handle, error = waiter()
+    finally:
+        if memfd is not None:  # the mapping holds the file now; the descriptor is not the program's to keep
+            close_at = _libc_function(pid, "close", proc_root)
+            _on_safe_thread(pid, ranges, lambda t: t.run_detached(stub, syscall_at, close_at, memfd, 0, 0), wait,
+                            proc_root)[0]()
     if handle == 0:
         msg = read_memory(pid, error, 512).split(b"\0", 1)[0].decode(errors="replace") if error else "?"
         raise TargetError(f"dlopen of the sampler failed in process {pid}: {msg}")
     return Injection(
-        pid, library, False, t.tid, time.monotonic() - started, tried, [s for s, _ in t.deferred], single
+        pid, library, False, t.tid, time.monotonic() - started, tried, [s for s, _ in t.deferred], single,
+        memfd=memfd is not None,
     )
+
+
+def memfd_name(library: Path) -> str:
+    """The name a memfd holding `library` has in the target's maps ("/memfd:NAME (deleted)")."""
+    return library.name
+
+
+def _memfd_with(pid: int, library: Path, stub: Stub, syscall_at: int, ranges: UnsafeRanges, wait: float,
+                proc_root: str) -> int:
+    """A memfd made in the process (its libc's memfd_create, on a thread at a safe point) and filled with
+    `library` from here; its descriptor number in the process."""
+    try:
+        create_at = _libc_function(pid, "memfd_create", proc_root)
+    except TargetError:
+        raise SamplingRefused(
+            f"process {pid} cannot see the sampler library through its own root, and its libc has no memfd_create "
+            "to be handed it (glibc before 2.27); use --mode=exact"
+        ) from None
+    name = memfd_name(library).encode() + b"\0"
+    waiter, _, _ = _on_safe_thread(
+        pid, ranges, lambda t: t.run_detached(stub, syscall_at, create_at, -1, MFD_CLOEXEC, 0, name), wait, proc_root
+    )
+    fd, _ = waiter()
+    if fd >= 1 << 31:
+        raise TargetError(f"process {pid}: memfd_create for the sampler failed")
+    try:
+        with open(f"{proc_root}/{pid}/fd/{fd}", "wb") as out, open(library, "rb") as src:
+            out.write(src.read())
+    except OSError as exc:
+        raise TargetError(f"process {pid}: cannot fill its memfd with the sampler: {exc.strerror}") from exc
+    return fd

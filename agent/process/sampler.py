@@ -179,30 +179,41 @@ def read_map_lines(pid: int) -> list[MapLine]:
     return lines
 
 
-def mapped_base(pid: int, library: Path) -> int | None:
-    """Load address of `library` in process `pid` (matched by device and inode, so a path seen differently
-    from inside a container still matches), or None when it is not loaded."""
+def _library_lines(pid: int, library: Path) -> list[MapLine]:
+    """The mappings of `library` in process `pid`: by device and inode (a path seen differently from inside a
+    container still matches), or by the name of the memfd it was handed over in (agent.process.inject)."""
     st = os.stat(library)
     wanted = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    for m in read_map_lines(pid):
-        if m.offset == 0 and (m.dev_major, m.dev_minor, m.inode) == wanted:
-            return m.start
-    return None
+    memfd = f"/memfd:{library.name}"
+    return [m for m in read_map_lines(pid)
+            if (m.dev_major, m.dev_minor, m.inode) == wanted or m.path in (memfd, memfd + " (deleted)")]
+
+
+def mapped_base(pid: int, library: Path) -> int | None:
+    """Load address of `library` in process `pid`, or None when it is not loaded."""
+    return next((m.start for m in _library_lines(pid, library) if m.offset == 0), None)
 
 
 def library_range(pid: int, library: Path) -> tuple[int, int] | None:
-    """[lowest start, highest end) of the mappings of `library` in process `pid` (by device and inode), or None."""
-    st = os.stat(library)
-    wanted = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    spans = [(m.start, m.end) for m in read_map_lines(pid) if (m.dev_major, m.dev_minor, m.inode) == wanted]
+    """[lowest start, highest end) of the mappings of `library` in process `pid`, or None."""
+    spans = [(m.start, m.end) for m in _library_lines(pid, library)]
     if not spans:
         return None
     return min(lo for lo, _ in spans), max(hi for _, hi in spans)
 
 
-def probe_points(library: Path) -> list[ProbePoint]:
+def loaded_file(pid: int, library: Path) -> str:
+    """The file the kernel's uprobes go on for `library` as process `pid` has it mapped: the library itself,
+    or, when it was handed over in a memfd (another inode), that memfd through /proc/PID/map_files."""
+    lines = _library_lines(pid, library)
+    memfd = next((m for m in lines if m.path.startswith("/memfd:")), None)
+    return str(library) if memfd is None else f"/proc/{pid}/map_files/{memfd.start:x}-{memfd.end:x}"
+
+
+def probe_points(library: Path, loaded_as: str | None = None) -> list[ProbePoint]:
     """The uprobes of sampled mode: hs_sample_alloc(ptr, size, weight, fn) and hs_sample_free(ptr), each on the
-    5-byte nop it starts with (no trap on Linux 6.18: its uprobe runs through a trampoline)."""
+    5-byte nop it starts with (no trap on Linux 6.18: its uprobe runs through a trampoline). `loaded_as`: the
+    file they go on, where it is not the library's path (loaded_file)."""
     obj = open_elf(str(library))
     points = []
     for name, kind, regs in (("hs_sample_alloc", "sample_alloc", ("rdi", "rsi", "rdx", "rcx")),
@@ -212,7 +223,7 @@ def probe_points(library: Path) -> list[ProbePoint]:
             raise EnvironmentProblem(f"{library} has no symbol {name}: not a heapscope sampler")
         placement = choose_offset(obj.code_bytes(found[0], 16), regs)
         offset = obj.vaddr_to_file_offset(found[0] + placement.offset)
-        points.append(ProbePoint(name, kind, str(library), found[0], offset, placement))
+        points.append(ProbePoint(name, kind, loaded_as or str(library), found[0], offset, placement))
     return points
 
 

@@ -52,7 +52,10 @@ class ProcessView:
         return f"{self.proc}/{self.pid}/root" if self.foreign else ""
 
     def mapping(self, m: Mapping) -> Mapping:
-        """`m` with its file opened through the process's root, still shown by the process's own name."""
+        """`m` with its file opened through the process's root, still shown by the process's own name. A memfd
+        (the sampler handed over in one) has no path anywhere: it is opened through /proc/PID/map_files."""
+        if m.path.startswith("/memfd:"):
+            return replace(m, path=f"{self.proc}/{self.pid}/map_files/{m.start:x}-{m.end:x}", shown=m.path)
         if not self.foreign:
             return m
         return replace(m, path=self.file(m.path), shown=self.inside(m.path))

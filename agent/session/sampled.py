@@ -25,7 +25,14 @@ from agent.model.callcounts import ThreadCalls, total
 from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint
 from agent.process.inject import inject, revive
-from agent.process.sampler import SamplerControl, build_sampler, library_range, mapped_base, probe_points
+from agent.process.sampler import (
+    SamplerControl,
+    build_sampler,
+    library_range,
+    loaded_file,
+    mapped_base,
+    probe_points,
+)
 from agent.process.target import TargetProcess, launch
 
 HOLD_MS = 10_000  # run: how long the preloaded sampler holds the program for heapscope to arm it
@@ -85,10 +92,13 @@ class SamplerLink:
             elif injection.reused:
                 say(f"sampler already loaded in {self.pid}: reused")
             else:
-                say(f"sampler loaded into {self.pid} by thread {injection.tid} in {injection.seconds * 1000:.0f} ms")
+                how = " (handed over in a memfd: it cannot see the library's path)" if injection.memfd else ""
+                say(f"sampler loaded into {self.pid} by thread {injection.tid} in {injection.seconds * 1000:.0f} ms"
+                    f"{how}")
             for line in injection.warnings:
                 say(line)
-        self.points: list[ProbePoint] = probe_points(self.library)
+        loaded_as = None if process.launched else loaded_file(self.pid, self.library)
+        self.points: list[ProbePoint] = probe_points(self.library, loaded_as)
 
     def _forked_child(self) -> bool:
         """The library is there but cannot run: a forked child's copy (a prefork worker, a backend) is started

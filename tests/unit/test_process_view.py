@@ -47,3 +47,9 @@ def test_a_chroots_doubled_prefix_is_taken_off(tmp_path: Path) -> None:
 
 def test_a_gone_process_is_plain(tmp_path: Path) -> None:
     assert not ProcessView.of(8, fake_proc(tmp_path, "/", "mnt:[1]")).foreign
+
+
+def test_a_memfd_is_opened_through_map_files(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path, "/", "mnt:[4026531841]")
+    m = ProcessView.of(7, proc).mapping(Mapping(0x7F00, 0x8F00, 0x2000, "/memfd:libhs_sampler-1.so"))
+    assert m.path == f"{proc}/7/map_files/7f00-8f00" and m.name == "/memfd:libhs_sampler-1.so"
