@@ -17,6 +17,7 @@ from functools import lru_cache
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.dynamic import DynamicSection
+from elftools.elf.segments import InterpSegment
 
 from agent.errors import TargetError
 from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS
@@ -33,7 +34,16 @@ LOADER_HOOK = "_dl_debug_state"
 # Probe kinds that are no allocation call: exit(), the loader's hook, and sampled mode's probe functions.
 HOOK_KINDS = frozenset({"exit", "loader", "sample_alloc", "sample_free"})
 
-_FAMILIES = (("jemalloc", "jemalloc"), ("tcmalloc", "tcmalloc"), ("mimalloc", "mimalloc"), ("libc.so", "glibc"))
+_FAMILIES = (
+    ("jemalloc", "jemalloc"), ("tcmalloc", "tcmalloc"), ("mimalloc", "mimalloc"),
+    ("musl", "musl"),  # before libc.so: musl's libc is also named so
+    ("libc.so", "glibc"),
+)  # fmt: skip
+
+def is_glibc_name(name: str) -> bool:
+    """glibc's libc by its file name: libc.so.6, or libc-2.31.so as glibc before 2.34 named the file."""
+    return name.startswith("libc.so") or re.fullmatch(r"libc-2\.\d+\.so", name) is not None
+
 
 _DEFAULT_LIB_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib")
 
@@ -48,6 +58,7 @@ class ElfFacts:
     needed: list[str] = field(default_factory=list)
     search_dirs: list[str] = field(default_factory=list)  # DT_RPATH/DT_RUNPATH with $ORIGIN expanded
     defined: dict[str, int] = field(default_factory=dict)  # wanted function -> st_value (defined ones)
+    interp: str | None = None  # PT_INTERP: the program's loader (musl's is also its libc)
 
     @property
     def path(self) -> str:
@@ -80,6 +91,9 @@ def _read_facts(path: str) -> ElfFacts:
         with f:
             dynamic = elf.get_section_by_name(".dynamic")
             facts = ElfFacts(obj, isinstance(dynamic, DynamicSection))
+            for seg in elf.iter_segments():
+                if isinstance(seg, InterpSegment):
+                    facts.interp = seg.get_interp_name()
             origin = os.path.dirname(path)
             if isinstance(dynamic, DynamicSection):
                 for tag in dynamic.iter_tags():
@@ -167,12 +181,15 @@ def mapped_finder(mappings: Sequence[Mapping], root: str) -> Callable[[str, ElfF
 
 
 def load_order(exe: str, preload: Iterable[str], find: Callable[[str, ElfFacts], str | None]) -> list[ElfFacts]:
-    """Objects in symbol-lookup order: executable, LD_PRELOAD, then DT_NEEDED breadth-first."""
+    """Objects in symbol-lookup order: executable, LD_PRELOAD, then DT_NEEDED breadth-first; last, the program's
+    loader (glibc's defines no malloc; musl's is its libc, which a musl program needs as "libc.so")."""
     exe_facts = elf_facts(exe)
     order = [exe_facts]
     seen = {os.path.realpath(exe)}
     queue: deque[tuple[str, ElfFacts]] = deque((p, exe_facts) for p in preload)
     queue.extend((n, exe_facts) for n in exe_facts.needed)
+    if exe_facts.interp:
+        queue.append((exe_facts.interp, exe_facts))  # breadth-first: after every DT_NEEDED of the program
     while queue:
         name, parent = queue.popleft()
         path = find(name, parent)
@@ -233,6 +250,8 @@ class Allocator:
 
 def _family(path: str, is_exe: bool, is_dynamic: bool) -> str:
     base = os.path.basename(path)
+    if is_glibc_name(base):
+        return "glibc"
     for needle, family in _FAMILIES:
         if needle in base:
             return family

@@ -53,7 +53,7 @@ from typing import TypeVar
 from elftools.elf.elffile import ELFFile
 
 from agent.errors import EnvironmentProblem, NoSafePoint, SamplingRefused, TargetError
-from agent.process.discovery import allocator_of_process
+from agent.process.discovery import allocator_of_process, is_glibc_name
 from agent.process.safepoint import RuleLookup, UnsafeRanges, Verdict, examine
 from agent.process.sampler import MapLine, build_sampler, build_stub, mapped_base, read_map_lines, symbol_value
 from agent.process.view import ProcessView
@@ -232,7 +232,7 @@ def _status_fields(pid: int) -> dict[str, str]:
 
 def _libc_mapping(maps: Iterable[MapLine]) -> MapLine | None:
     for m in maps:
-        if m.offset == 0 and os.path.basename(m.path).startswith("libc.so"):
+        if m.offset == 0 and is_glibc_name(os.path.basename(m.path)):
             return m
     return None
 
@@ -347,10 +347,11 @@ def unsafe_ranges(pid: int, proc_root: str = "/proc") -> UnsafeRanges:
         if name.startswith("ld-linux"):
             out.extend((m.start, m.end, f"the loader ({name})") for m in execs)
             continue
-        if os.path.realpath(seen_as) == allocator_real and not name.startswith("libc.so"):
+        if os.path.realpath(seen_as) == allocator_real and not is_glibc_name(name):
             out.extend((m.start, m.end, f"the allocator ({name})") for m in execs)  # jemalloc, tcmalloc: all
             continue
-        if not (name.startswith(("libc.so", "libstdc++", "libc++")) or os.path.realpath(seen_as) == allocator_real):
+        if not (is_glibc_name(name) or name.startswith(("libstdc++", "libc++"))
+                or os.path.realpath(seen_as) == allocator_real):
             continue
         try:
             obj = open_elf(seen_as)

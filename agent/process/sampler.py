@@ -42,7 +42,8 @@ CFLAGS = (
     "-fcf-protection=none", "-fexceptions", "-fno-stack-protector", "-Wall", "-Wextra", "-Werror",
     "-Wl,-z,now", "-Wl,-z,relro", "-Wl,-z,nodelete",
 )  # fmt: skip
-LIBS = ("-lm",)
+# libdl and libpthread held dlsym and pthread_create before glibc 2.34 (empty since): needed, used or not.
+LIBS = ("-Wl,--no-as-needed", "-l:libdl.so.2", "-l:libpthread.so.0", "-lm", "-Wl,--as-needed")
 DEFAULT_CACHE_DIR = "/var/cache/heapscope"
 CONTROL_SYMBOL = "hs_control"
 PROBE_FUNCTIONS = ("hs_sample_alloc", "hs_sample_free")

@@ -48,6 +48,19 @@
 
 #include "hs_sampler.h"
 
+/* The library loads into any glibc from 2.17 on (a test reads its dynamic symbol table): each glibc function it
+ * calls is bound to the oldest version that has it, where the build machine's glibc would pick a newer default
+ * (2.34 moved dl* and pthread_* into libc, 2.29 gave log a new version). The libraries that held them before
+ * 2.34 are linked (libdl, libpthread; empty on newer glibc); getrandom and fstat are made as system calls. */
+#if defined(__GLIBC__)
+__asm__(".symver dladdr,dladdr@GLIBC_2.2.5");
+__asm__(".symver dlsym,dlsym@GLIBC_2.2.5");
+__asm__(".symver pthread_create,pthread_create@GLIBC_2.2.5");
+__asm__(".symver pthread_attr_setstacksize,pthread_attr_setstacksize@GLIBC_2.2.5");
+__asm__(".symver pthread_sigmask,pthread_sigmask@GLIBC_2.2.5");
+__asm__(".symver log,log@GLIBC_2.2.5");
+#endif
+
 #define EXPORT __attribute__((visibility("default")))
 #define LIKELY(x) __builtin_expect(!!(x), 1)
 #define UNLIKELY(x) __builtin_expect(!!(x), 0)
@@ -1040,7 +1053,7 @@ static uint64_t lease_ino;
 static uint64_t fd_ino(int fd)
 {
     struct stat st;
-    return fd >= 0 && fstat(fd, &st) == 0 && S_ISFIFO(st.st_mode) ? (uint64_t)st.st_ino : 0;
+    return fd >= 0 && syscall(SYS_fstat, fd, &st) == 0 && S_ISFIFO(st.st_mode) ? (uint64_t)st.st_ino : 0;
 }
 
 /* Close our ends of the lease, but only descriptors that are still our pipe: the program may have closed one
@@ -1259,7 +1272,7 @@ __attribute__((constructor)) static void hs_sampler_init(void)
     STORE(hs_control.hooks_resolved, resolved);
     if (!hooks[H_MALLOC].real || !hooks[H_FREE].real)
         { broken(); return; }
-    if (getrandom(&global_seed, sizeof global_seed, GRND_NONBLOCK) != sizeof global_seed)
+    if (syscall(SYS_getrandom, &global_seed, sizeof global_seed, GRND_NONBLOCK) != sizeof global_seed)
         global_seed = splitmix64((uint64_t)time(NULL) ^ (uint64_t)getpid());
     set_buckets = mmap(NULL, set_bytes(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     set_filter = mmap(NULL, (size_t)1 << FILTER_BITS, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
