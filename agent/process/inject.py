@@ -282,6 +282,10 @@ def preflight(pid: int, library: Path, proc_root: str = "/proc") -> None:
         )
     maps = read_map_lines(pid)
     libc = _libc_mapping(maps)
+    if libc is None and any(os.path.basename(m.path).startswith("ld-musl") for m in maps):
+        raise SamplingRefused(
+            f"process {pid} uses musl's libc: sampled mode has no musl build of its sampler yet; use --mode=exact"
+        )
     if libc is None or _dlopen_of(open_elf(_seen_as(pid, libc.path, proc_root))) is None:
         raise SamplingRefused(f"process {pid} has no glibc dlopen (a static or non-glibc program); use --mode=exact")
     allocator = allocator_of_process(pid, proc_root)

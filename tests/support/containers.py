@@ -108,9 +108,10 @@ class Container:
         """The host PID of the program: the runner's child, once it has exec'ed the program."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            runner = os.readlink(f"/proc/{self.proc.pid}/exe")
             for child in psutil.Process(self.proc.pid).children():
                 try:
-                    if os.readlink(f"/proc/{child.pid}/exe").endswith(os.path.basename(program)):
+                    if os.readlink(f"/proc/{child.pid}/exe") != runner:  # exec'ed (maybe through a link)
                         return child.pid
                 except OSError:
                     continue

@@ -1,0 +1,283 @@
+"""heapscope across the container wall, with real containers (tests/support/containers.py): Debian 12 and Debian 11
+roots made by debootstrap from the package registry, a musl-only root, each program started as a runtime starts
+it (its own mount and PID namespaces, its own /proc, pivot_root), and a chroot in its own mount namespace.
+
+- exact mode reads the container's own files: the tree of a program in a container is the tree of the same
+  program on the host, every frame unwound by table;
+- sampled mode (the default) gets in without touching the container's filesystem (a memfd), into glibc 2.36
+  and 2.31, and the container's own redis-server answers its benchmark while sampled, after a detach and after
+  heapscope's SIGKILL;
+- a chroot'ed process is profiled in both modes; a musl program in exact mode, and refused in sampled mode with
+  one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import unavailable
+from tests.integration.test_daemon import free_port
+from tests.support.containers import Container, Unavailable, build_runner, debian_root, musl_root
+from tests.support.massif_reader import paths, read_massif
+
+pytestmark = pytest.mark.integration
+
+PROGRAM_DIR = "/opt/heapscope-test"  # where a test's own program goes inside a root
+
+
+def _root(release: str) -> Path:
+    try:
+        return debian_root(release, ("redis-server",))
+    except Unavailable as exc:
+        unavailable(str(exc))
+        raise
+
+
+@pytest.fixture(scope="session")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_runner(tmp_path_factory.mktemp("runner"))
+
+
+@pytest.fixture(scope="session")
+def bookworm(bpf_ready: None) -> Path:
+    return _root("bookworm")
+
+
+@pytest.fixture(scope="session")
+def bullseye(bpf_ready: None) -> Path:
+    return _root("bullseye")
+
+
+def put(root: Path, program: Path) -> str:
+    """Copy one of the tests' programs into the root; its path inside."""
+    inside = Path(PROGRAM_DIR) / program.name
+    (root / inside.relative_to("/")).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(program, root / inside.relative_to("/"))
+    return str(inside)
+
+
+class Profile:
+    """`heapscope attach` on a PID, its log read line by line; ended by SIGINT (files written) or SIGKILL."""
+
+    def __init__(self, cli: list[str], pid: int, cwd: Path, *args: str) -> None:
+        self.proc = subprocess.Popen([*cli, "attach", *args, str(pid)], cwd=cwd, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        assert self.proc.stderr is not None
+        deadline = time.monotonic() + timeout
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if text in line:
+                return
+            assert time.monotonic() < deadline, "".join(self.lines)
+        raise AssertionError(f"heapscope ended before {text!r}:\n{''.join(self.lines)}")
+
+    def end(self, sig: int = signal.SIGINT) -> str:
+        self.proc.send_signal(sig)
+        rest = self.proc.communicate(timeout=120)[1]
+        log = "".join(self.lines) + (rest or "")
+        assert "Traceback" not in log, log
+        return log
+
+
+def drive(stdin: object, stdout: object) -> None:
+    """daemon_target's two steps: allocate, then free the small blocks."""
+    for step, answer in ((b"\n", b"allocated"), (b"\n", b"freed")):
+        stdin.write(step)  # type: ignore[attr-defined]
+        stdin.flush()  # type: ignore[attr-defined]
+        assert answer in stdout.readline()  # type: ignore[attr-defined]
+
+
+def exact_tree(cli: list[str], pid: int, stdin: object, stdout: object, tmp: Path) -> tuple[dict, str]:  # type: ignore[type-arg]
+    out = tmp / f"massif.out.{pid}"
+    prof = Profile(cli, pid, tmp, "--mode=exact", f"--massif-out-file={out}")
+    prof.wait_for("probes attached")
+    drive(stdin, stdout)
+    time.sleep(0.3)  # the last sample
+    log = prof.end()
+    last = read_massif(out).last_detailed
+    assert last is not None and last.tree is not None
+    return paths(last.tree), log
+
+
+@pytest.fixture
+def target_program(build: Callable[..., Path]) -> Path:
+    return build("daemon_target.c")
+
+
+def test_exact_mode_in_a_container_gives_the_tree_of_the_same_program_on_the_host(
+    heapscope_cmd: list[str], runner: Path, bookworm: Path, target_program: Path, tmp_path: Path
+) -> None:
+    inside = put(bookworm, target_program)
+    box = Container(runner, bookworm, [inside])
+    host = subprocess.Popen([str(target_program)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert box.in_own_namespaces()
+        assert box.proc.stdout is not None and b"ready" in box.proc.stdout.readline()
+        assert host.stdout is not None and b"ready" in host.stdout.readline()
+        in_box, box_log = exact_tree(heapscope_cmd, box.pid, box.proc.stdin, box.proc.stdout, tmp_path)
+        on_host, host_log = exact_tree(heapscope_cmd, host.pid, host.stdin, host.stdout, tmp_path)
+    finally:
+        box.stop()
+        host.kill()
+        host.wait()
+    assert in_box == on_host and any("site_big (daemon_target.c:" in "/".join(p) for p in in_box), (in_box, on_host)
+    for log in (box_log, host_log):
+        assert "no table for" not in log and " 0 with no rule" in log, log
+
+
+def snapshot_of(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path of a root with its size and mtime, /proc and /dev aside."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        if dirpath == str(root):
+            dirnames[:] = [d for d in dirnames if d not in ("proc", "dev", "sys")]
+        for name in filenames + dirnames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            out[p] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def benchmark(port: int) -> float:
+    done = subprocess.run(["redis-benchmark", "-p", str(port), "-q", "-n", "20000", "-t", "set,get"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and "requests per second" in done.stdout, done.stdout + done.stderr
+    rates = [float(r) for r in re.findall(r"[A-Z]+: ([\d.]+) requests per second", done.stdout)]
+    assert len(rates) == 2, done.stdout
+    return min(rates)
+
+
+@pytest.mark.parametrize("release", ["bookworm", "bullseye"])
+def test_sampled_mode_gets_into_a_containers_redis_through_a_memfd_and_leaves_nothing(
+    heapscope_cmd: list[str], runner: Path, request: pytest.FixtureRequest, release: str, tmp_path: Path
+) -> None:
+    root: Path = request.getfixturevalue(release)
+    port = free_port()
+    box = Container(runner, root, ["/usr/bin/redis-server", "--port", str(port), "--save", "", "--appendonly", "no"])
+    try:
+        before = snapshot_of(root)
+        wait_answer(port)
+        prof = Profile(heapscope_cmd, box.pid, tmp_path, "--sample-rate", "4096")  # sampled: the default
+        prof.wait_for("sampler armed")
+        assert any("handed over in a memfd" in line for line in prof.lines), prof.lines
+        assert any("/memfd:libhs_sampler-" in line for line in Path(f"/proc/{box.pid}/maps").read_text().splitlines())
+        benchmark(port)  # no error while sampled
+        log = prof.end()
+        samples = [line for line in log.splitlines() if "samples," in line]
+        assert samples and " 0 samples" not in samples[0], log
+        benchmark(port)  # and after the detach
+        again = Profile(heapscope_cmd, box.pid, tmp_path)
+        again.wait_for("sampler armed")
+        assert any("already loaded" in line for line in again.lines)  # the memfd's library, reused
+        again.end(signal.SIGKILL)
+        time.sleep(1.5)  # the sampler goes inert within a second of its controller's end
+        benchmark(port)
+        assert box.proc.poll() is None
+        assert snapshot_of(root) == before  # nothing written into the container's filesystem
+    finally:
+        box.stop()
+
+
+def wait_answer(port: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, check=False)
+        if done.stdout.strip() == "PONG":
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"redis on {port} does not answer")
+
+
+@pytest.mark.parametrize("mode", ["exact", "sampled"])
+def test_a_chrooted_process_is_profiled_in_both_modes(
+    heapscope_cmd: list[str], bookworm: Path, target_program: Path, tmp_path: Path, mode: str
+) -> None:
+    """In its own mount namespace, chroot'ed: its maps show the host's paths, its root is the chroot directory.
+    Sampled mode hands the sampler over through the chroot's /proc, mounted as schroot does; a bare chroot
+    (no /proc inside) is refused in sampled mode with one line that says so, and profiled in exact mode."""
+    inside = put(bookworm, target_program)
+    with_proc = mode == "sampled"
+    setup = f'mount -t proc proc "{bookworm}/proc" && ' if with_proc else ""
+    proc = subprocess.Popen(["unshare", "--mount", "sh", "-c", f'{setup}exec chroot "{bookworm}" {inside}'],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and b"ready" in proc.stdout.readline()
+        pid = proc.pid  # unshare, sh and chroot exec the program in turn
+        assert os.readlink(f"/proc/{pid}/root") == str(bookworm)
+        assert os.path.ismount(f"{bookworm}/proc") is False  # its /proc is in its own mount namespace only
+        if not with_proc:
+            refused = subprocess.run([*heapscope_cmd, "attach", str(pid)], cwd=tmp_path, capture_output=True,
+                                     text=True, timeout=120, check=False)
+            assert refused.returncode == 3 and "has no /proc there" in refused.stderr, refused.stderr
+        out = tmp_path / "chroot.out"
+        rate = ("--sample-rate", "1") if mode == "sampled" else ()  # every byte: the tree is exact
+        prof = Profile(heapscope_cmd, pid, tmp_path, f"--mode={mode}", *rate, f"--massif-out-file={out}")
+        prof.wait_for("sampler armed" if mode == "sampled" else "probes attached")
+        drive(proc.stdin, proc.stdout)
+        time.sleep(0.3)
+        log = prof.end()
+        assert "cannot read" not in log and "no table for" not in log, log
+        peak = read_massif(out).peak
+        assert peak is not None and peak.tree is not None
+        labels = "\n".join("/".join(p) for p in paths(peak.tree))
+        assert "site_big (daemon_target.c:" in labels and "site_small (daemon_target.c:" in labels, labels
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def musl_program(tmp_path: Path) -> Path:
+    if shutil.which("musl-gcc") is None:
+        unavailable("musl-gcc (musl-tools) is not installed")
+    out = tmp_path / "musl_target"
+    from tests.integration.harness import PROGRAMS
+
+    subprocess.run(["musl-gcc", "-g", "-O0", "-fno-omit-frame-pointer", "-o", str(out),
+                    str(PROGRAMS / "daemon_target.c")], check=True, capture_output=True)
+    return out
+
+
+def test_a_musl_program_is_profiled_in_exact_mode_and_refused_in_sampled_with_one_line(
+    heapscope_cmd: list[str], runner: Path, musl_program: Path, tmp_path: Path
+) -> None:
+    root = musl_root(tmp_path / "musl-root", {"musl_target": musl_program})
+    box = Container(runner, root, ["/bin/musl_target"])
+    try:
+        assert box.proc.stdout is not None and b"ready" in box.proc.stdout.readline()
+        refused = subprocess.run([*heapscope_cmd, "attach", str(box.pid)], cwd=tmp_path, capture_output=True,
+                                 text=True, timeout=120, check=False)
+        lines = [ln for ln in refused.stderr.splitlines() if "musl" in ln]
+        assert refused.returncode == 3 and len(lines) == 1 and "use --mode=exact" in lines[0], refused.stderr
+        tree, log = exact_tree(heapscope_cmd, box.pid, box.proc.stdin, box.proc.stdout, tmp_path)
+    finally:
+        box.stop()
+    assert "allocator: musl (" in log, log
+    assert any("site_big (daemon_target.c:" in "/".join(p) for p in tree), tree
+
+
+def test_the_sampler_asks_for_no_glibc_newer_than_2_17(build: Callable[..., Path]) -> None:
+    """Its dynamic symbol table: every glibc version it needs is 2.17 or older, and it names the libraries that
+    held dlsym and pthread_create before glibc 2.34 (so it loads into Debian 11's glibc 2.31, tested above)."""
+    from agent.process.sampler import build_sampler
+
+    library = build_sampler()
+    symbols = subprocess.run(["objdump", "-T", str(library)], capture_output=True, text=True, check=True).stdout
+    versions = set(re.findall(r"\(GLIBC_([\d.]+)\)", symbols))
+    assert versions and "2.2.5" in versions
+    too_new = [v for v in versions if tuple(int(x) for x in v.split(".")) > (2, 17)]
+    assert not too_new, [line for line in symbols.splitlines() if any(f"GLIBC_{v})" in line for v in too_new)]
+    needed = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    assert "[libdl.so.2]" in needed and "[libpthread.so.0]" in needed, needed
