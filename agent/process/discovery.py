@@ -45,6 +45,12 @@ def is_glibc_name(name: str) -> bool:
     return name.startswith("libc.so") or re.fullmatch(r"libc-2\.\d+\.so", name) is not None
 
 
+def is_libc_name(name: str) -> bool:
+    """A libc by its file name: glibc's, or musl's (its loader, ld-musl-ARCH.so.1; libc.musl-ARCH.so.1 on
+    Alpine)."""
+    return is_glibc_name(name) or name.startswith(("ld-musl", "libc.musl"))
+
+
 _DEFAULT_LIB_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib")
 
 

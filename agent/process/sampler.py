@@ -27,7 +27,7 @@ from pathlib import Path
 
 from agent.errors import EnvironmentProblem, TargetError, UsageError
 from agent.model.callcounts import ThreadCalls, total
-from agent.process.discovery import ProbePoint
+from agent.process.discovery import ProbePoint, elf_facts
 from agent.symbols.elf import open_elf
 from agent.symbols.placement import choose_offset
 
@@ -44,6 +44,18 @@ CFLAGS = (
 )  # fmt: skip
 # libdl and libpthread held dlsym and pthread_create before glibc 2.34 (empty since): needed, used or not.
 LIBS = ("-Wl,--no-as-needed", "-l:libdl.so.2", "-l:libpthread.so.0", "-lm", "-Wl,--as-needed")
+MUSL_LIBS = ("-lm",)  # musl's libc holds all of it
+# musl: no -fexceptions, whose cleanup personality pulls in GCC's unwinder, built for glibc (_dl_find_object).
+# The hooks keep their unwind tables; what is lost is only the reset of a hook's busy flag when a C++
+# operator new throws through it (bad_alloc), which leaves that thread's later calls uncounted.
+# And no initial-exec TLS, which musl's loader refuses in a library it dlopens.
+MUSL_CFLAGS = (
+    *(
+        "-fasynchronous-unwind-tables" if f == "-fexceptions" else f
+        for f in CFLAGS if f != "-ftls-model=initial-exec"
+    ),
+    '-DHS_TLS_MODEL="global-dynamic"',
+)
 DEFAULT_CACHE_DIR = "/var/cache/heapscope"
 CONTROL_SYMBOL = "hs_control"
 PROBE_FUNCTIONS = ("hs_sample_alloc", "hs_sample_free")
@@ -109,15 +121,29 @@ def build_stub(directory: Path | None = None, cc: str = "gcc") -> Path:
     return _build(directory, cc, "inject_stub.S", "inject_stub", ".o", ("-c",), ())
 
 
-def build_sampler(directory: Path | None = None, cc: str = "gcc") -> Path:
-    """The sampler library for the current source, built if it is not in the cache yet."""
+def build_sampler(directory: Path | None = None, cc: str = "gcc", libc: str = "glibc") -> Path:
+    """The sampler library for the current source and a target's libc ("glibc", or "musl": the same source
+    built with musl-gcc, for musl's loader to load), built if it is not in the cache yet."""
+    if libc == "musl":
+        return _build(directory, "musl-gcc", "hs_sampler.c", "libhs_sampler-musl", ".so", MUSL_CFLAGS, MUSL_LIBS)
     return _build(directory, cc, "hs_sampler.c", "libhs_sampler", ".so", CFLAGS, LIBS)
+
+
+def libc_of_process(pid: int) -> str:
+    """ "musl" for a process whose loader is musl's (its libc), else "glibc"."""
+    return "musl" if any(os.path.basename(m.path).startswith("ld-musl") for m in read_map_lines(pid)) else "glibc"
+
+
+def libc_of_program(path: str) -> str:
+    """The same for a program not started yet: its PT_INTERP."""
+    return "musl" if "ld-musl" in (elf_facts(path).interp or "") else "glibc"
 
 
 def _build(directory: Path | None, cc: str, source: str, stem: str, suffix: str, flags: tuple[str, ...],
            libs: tuple[str, ...]) -> Path:
     if shutil.which(cc) is None:
-        raise EnvironmentProblem(f"sampled mode builds its sampler with {cc}, which is not installed")
+        package = " (musl-tools), for a musl process," if cc == "musl-gcc" else ""
+        raise EnvironmentProblem(f"sampled mode builds its sampler with {cc}{package} which is not installed")
     directory = directory or cache_dir()
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)
     _check_private_dir(directory)

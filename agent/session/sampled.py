@@ -15,6 +15,7 @@ sampler armed: disarm() runs on every way out, and the lease makes it disarm its
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from agent.process.inject import inject, revive
 from agent.process.sampler import (
     SamplerControl,
     build_sampler,
+    libc_of_program,
     library_range,
     loaded_file,
     mapped_base,
@@ -52,7 +54,7 @@ def _refuse_static(process: TargetProcess, exe: str) -> None:
 
 def launch_sampled(argv: Sequence[str]) -> TargetProcess:
     """`run --mode=sampled`: the program started held before its exec, with the sampler preloaded."""
-    library = build_sampler()
+    library = build_sampler(libc=libc_of_program(shutil.which(argv[0]) or argv[0]))
     env = dict(os.environ)
     given = env.get("LD_PRELOAD")
     if given is not None:
@@ -77,7 +79,8 @@ class SamplerLink:
         self.pid = process.pid
         self.rate = mode.rate
         self.say = say
-        self.library = build_sampler()
+        self.libc = process.allocator.family if process.allocator.family == "musl" else "glibc"
+        self.library = build_sampler(libc=self.libc)  # the build for the target's libc
         self.control: SamplerControl | None = None
         self._last_calls: list[ThreadCalls] | None = None
         self._last_stats: dict[str, int] = {}
@@ -93,8 +96,8 @@ class SamplerLink:
                 say(f"sampler already loaded in {self.pid}: reused")
             else:
                 how = " (handed over in a memfd: it cannot see the library's path)" if injection.memfd else ""
-                say(f"sampler loaded into {self.pid} by thread {injection.tid} in {injection.seconds * 1000:.0f} ms"
-                    f"{how}")
+                say(f"sampler ({self.libc} build) loaded into {self.pid} by thread {injection.tid} in "
+                    f"{injection.seconds * 1000:.0f} ms{how}")
             for line in injection.warnings:
                 say(line)
         loaded_as = None if process.launched else loaded_file(self.pid, self.library)

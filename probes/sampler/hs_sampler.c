@@ -100,7 +100,12 @@ struct thread_state {
     uint8_t busy;          /* inside a hook that calls another hooked function (C++ operators) */
     uint8_t counts_shared; /* counts is the shared last slot: atomic adds */
 };
-static __thread struct thread_state tls __attribute__((tls_model("initial-exec")));
+/* initial-exec: one load from %fs in every hook. musl's loader refuses it in a library loaded by dlopen, so its
+ * build takes the general model (HS_TLS_MODEL="global-dynamic": a call to __tls_get_addr per hook). */
+#ifndef HS_TLS_MODEL
+#define HS_TLS_MODEL "initial-exec"
+#endif
+static __thread struct thread_state tls __attribute__((tls_model(HS_TLS_MODEL)));
 
 static uint64_t sample_rate = 524288;
 static int armed;

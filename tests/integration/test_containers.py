@@ -250,22 +250,32 @@ def musl_program(tmp_path: Path) -> Path:
     return out
 
 
-def test_a_musl_program_is_profiled_in_exact_mode_and_refused_in_sampled_with_one_line(
-    heapscope_cmd: list[str], runner: Path, musl_program: Path, tmp_path: Path
+@pytest.mark.parametrize("mode", ["exact", "sampled"])
+def test_a_musl_program_in_a_musl_root_is_profiled_in_both_modes(
+    heapscope_cmd: list[str], runner: Path, musl_program: Path, tmp_path: Path, mode: str
 ) -> None:
+    """musl's libc is its loader: discovery finds malloc there, and sampled mode loads the musl build of the
+    sampler (global-dynamic TLS, no glibc unwinder) through musl's dlopen, from a memfd."""
     root = musl_root(tmp_path / "musl-root", {"musl_target": musl_program})
     box = Container(runner, root, ["/bin/musl_target"])
+    out = tmp_path / "musl.out"
     try:
         assert box.proc.stdout is not None and b"ready" in box.proc.stdout.readline()
-        refused = subprocess.run([*heapscope_cmd, "attach", str(box.pid)], cwd=tmp_path, capture_output=True,
-                                 text=True, timeout=120, check=False)
-        lines = [ln for ln in refused.stderr.splitlines() if "musl" in ln]
-        assert refused.returncode == 3 and len(lines) == 1 and "use --mode=exact" in lines[0], refused.stderr
-        tree, log = exact_tree(heapscope_cmd, box.pid, box.proc.stdin, box.proc.stdout, tmp_path)
+        rate = ("--sample-rate", "1") if mode == "sampled" else ()
+        prof = Profile(heapscope_cmd, box.pid, tmp_path, f"--mode={mode}", *rate, f"--massif-out-file={out}")
+        prof.wait_for("sampler armed" if mode == "sampled" else "probes attached")
+        drive(box.proc.stdin, box.proc.stdout)
+        time.sleep(0.3)
+        log = prof.end()
     finally:
         box.stop()
     assert "allocator: musl (" in log, log
-    assert any("site_big (daemon_target.c:" in "/".join(p) for p in tree), tree
+    if mode == "sampled":
+        assert "sampler (musl build) loaded into" in log and "handed over in a memfd" in log, log
+    peak = read_massif(out).peak
+    assert peak is not None and peak.tree is not None
+    labels = "\n".join("/".join(p) for p in paths(peak.tree))
+    assert "site_big (daemon_target.c:" in labels and "site_small (daemon_target.c:" in labels, labels
 
 
 def test_the_sampler_asks_for_no_glibc_newer_than_2_17(build: Callable[..., Path]) -> None:
