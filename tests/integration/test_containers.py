@@ -19,14 +19,23 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.integration.harness import unavailable
-from tests.integration.test_daemon import free_port
-from tests.support.containers import Container, Unavailable, build_runner, debian_root, musl_root
+from tests.integration.test_daemon import free_port, start_daemon, stop_daemon, wait_for
+from tests.support.containers import (
+    Container,
+    Unavailable,
+    build_runner,
+    debian_root,
+    musl_root,
+    pod_cgroups,
+    remove_cgroups,
+)
 from tests.support.massif_reader import paths, read_massif
 
 pytestmark = pytest.mark.integration
@@ -291,3 +300,40 @@ def test_the_sampler_asks_for_no_glibc_newer_than_2_17(build: Callable[..., Path
     assert not too_new, [line for line in symbols.splitlines() if any(f"GLIBC_{v})" in line for v in too_new)]
     needed = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
     assert "[libdl.so.2]" in needed and "[libpthread.so.0]" in needed, needed
+
+
+def test_the_daemon_profiles_containers_started_after_it_in_sampled_mode_with_their_pod_and_container(
+    heapscope_cmd: list[str], runner: Path, bookworm: Path, tmp_path: Path
+) -> None:
+    """Its defaults (sampled mode), a selector by pod, two containers of one image in that pod started after the
+    daemon: both profiled, each with its pod and container in /targets, the sampler handed over in a memfd."""
+    pod = str(uuid.uuid4())
+    ids = [uuid.uuid4().hex + uuid.uuid4().hex for _ in range(2)]
+    cgroups = pod_cgroups(pod, ids)
+    d = start_daemon(heapscope_cmd, tmp_path, "--mode=sampled", "--attach-cgroup", f"pod:{pod}")
+    boxes: list[Container] = []
+    try:
+        for cg in cgroups:
+            port = free_port()
+            boxes.append(Container(runner, bookworm, ["/usr/bin/redis-server", "--port", str(port), "--save", "",
+                                                      "--appendonly", "no"], cgroup=cg))
+
+        def held() -> dict[int, dict]:  # type: ignore[type-arg]
+            with d.client() as c:
+                return {t["pid"]: t for t in c.get("/targets").json()}
+
+        wait_for(lambda: all(held().get(b.pid, {}).get("state") == "profiling" for b in boxes), 180,
+                 "both containers profiled")
+        targets = held()
+        for box, container in zip(boxes, ids, strict=True):
+            t = targets[box.pid]
+            assert t["mode"] == "sampled" and t["error"] is None, t
+            placement = t["origin"]["placement"]
+            assert (placement["pod"], placement["container"], placement["runtime"]) == (pod, container, "containerd")
+        log = d.stderr()
+        assert log.count("handed over in a memfd") == 2, log
+    finally:
+        stop_daemon(d)
+        for b in boxes:
+            b.stop()
+        remove_cgroups(cgroups)

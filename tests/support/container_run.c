@@ -2,7 +2,8 @@
  * container_run ROOT PROGRAM [ARGS...]: PROGRAM in ROOT as a container runtime starts one process: new mount
  * and PID namespaces, ROOT bind-mounted onto itself with a fresh /proc inside, pivot_root into it, the old root
  * unmounted, then exec. PROGRAM is PID 1 of its namespace; this process waits for it on the host's side and
- * exits with its status. Built static, so that nothing of the host is needed once inside.
+ * exits with its status. With HS_CGROUP=DIR, both first join that cgroup. Built static, so that nothing of the
+ * host is needed once inside.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -29,6 +30,14 @@ int main(int argc, char **argv)
         return 125;
     }
     const char *root = argv[1];
+    const char *cgroup = getenv("HS_CGROUP"); /* a cgroup v2 directory to run in, as the kubelet would place it */
+    if (cgroup) {
+        char procs[4096];
+        snprintf(procs, sizeof procs, "%s/cgroup.procs", cgroup);
+        FILE *f = fopen(procs, "w");
+        if (!f || fputs("0\n", f) < 0 || fclose(f) != 0)
+            die("join the cgroup");
+    }
     if (unshare(CLONE_NEWNS | CLONE_NEWPID) != 0)
         die("unshare");
     pid_t child = fork();

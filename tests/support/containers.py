@@ -86,6 +86,35 @@ def musl_root(directory: Path, programs: dict[str, Path]) -> Path:
     return directory
 
 
+def pod_cgroups(pod: str, containers: list[str]) -> list[Path]:
+    """cgroup v2 directories laid out as the kubelet (systemd driver) and containerd make them, one per container
+    of `pod`; made if missing. (AssertionError where no cgroup v2 hierarchy is mounted.)"""
+    mounts = [ln.split() for ln in Path("/proc/self/mounts").read_text().splitlines()]
+    roots = [m[1] for m in mounts if m[2] == "cgroup2"]
+    assert roots, "no cgroup v2 hierarchy is mounted"
+    pod_dir = Path(roots[0], "kubepods.slice", "kubepods-burstable.slice",
+                   f"kubepods-burstable-pod{pod.replace('-', '_')}.slice")
+    out = []
+    for c in containers:
+        d = pod_dir / f"cri-containerd-{c}.scope"
+        d.mkdir(parents=True, exist_ok=True)
+        out.append(d)
+    return out
+
+
+def remove_cgroups(dirs: list[Path]) -> None:
+    """The cgroups of pod_cgroups, once their processes are gone (the pod's own directory too)."""
+    for d in [*dirs, *{d.parent for d in dirs}]:
+        for _ in range(50):
+            try:
+                d.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
 def build_runner(directory: Path) -> Path:
     """container_run.c, built static (nothing of the host is needed once it is inside the root)."""
     out = directory / "container_run"
@@ -98,10 +127,11 @@ def build_runner(directory: Path) -> Path:
 class Container:
     """One program in a root filesystem, in its own mount and PID namespaces."""
 
-    def __init__(self, runner: Path, root: Path, argv: list[str]) -> None:
+    def __init__(self, runner: Path, root: Path, argv: list[str], cgroup: Path | None = None) -> None:
         self.root = root
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", **({"HS_CGROUP": str(cgroup)} if cgroup else {})}
         self.proc = subprocess.Popen([str(runner), str(root), *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+                                     env=env)
         self.pid = self._program_pid(argv[0])
 
     def _program_pid(self, program: str, timeout: float = 10.0) -> int:
