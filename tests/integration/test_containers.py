@@ -37,6 +37,7 @@ from tests.support.containers import (
     remove_cgroups,
 )
 from tests.support.massif_reader import paths, read_massif
+from tests.support.sampled_sites import SCALE, SITES, check_estimates, sampling_rate, tree_sites
 
 pytestmark = pytest.mark.integration
 
@@ -337,3 +338,49 @@ def test_the_daemon_profiles_containers_started_after_it_in_sampled_mode_with_th
         for b in boxes:
             b.stop()
         remove_cgroups(cgroups)
+
+
+@pytest.mark.parametrize("where", ["bookworm", "musl"])
+def test_sampled_estimates_in_a_container_are_within_10_percent_of_the_truth(
+    heapscope_cmd: list[str], runner: Path, build: Callable[..., Path], request: pytest.FixtureRequest,
+    tmp_path: Path, where: str
+) -> None:
+    """modes_sites.c (its sites' live bytes known) in a Debian 12 container and in a musl root: each site of 10%
+    of the heap or more estimated within 10%, with 1,600 samples or more expected per site."""
+    if where == "musl":
+        if shutil.which("musl-gcc") is None:
+            unavailable("musl-gcc (musl-tools) is not installed")
+        program = tmp_path / "modes_sites"
+        from tests.integration.harness import PROGRAMS
+
+        subprocess.run(["musl-gcc", "-g", "-O0", "-fno-omit-frame-pointer", "-pthread", "-o", str(program),
+                        str(PROGRAMS / "modes_sites.c")], check=True, capture_output=True)
+        root = musl_root(tmp_path / "musl-root", {"modes_sites": program})
+        inside = "/bin/modes_sites"
+    else:
+        root = request.getfixturevalue("bookworm")
+        inside = put(root, build("modes_sites.c"))
+    rate = sampling_rate(SCALE)
+    out = tmp_path / "sampled.out"
+    box = Container(runner, root, [inside, str(SCALE), "wait"])
+    try:
+        assert box.proc.stdin is not None and box.proc.stdout is not None
+        assert box.proc.stdout.readline().strip() == b"ready"
+        prof = Profile(heapscope_cmd, box.pid, tmp_path, f"--sample-rate={rate}", "--time-unit=B", "--threshold=0.0",
+                       "--detailed-freq=1", f"--massif-out-file={out}")
+        prof.wait_for("sampler armed")
+        box.proc.stdin.write(b"go\n")
+        box.proc.stdin.flush()
+        assert box.proc.stdout.readline().strip() == b"allocated"
+        time.sleep(0.3)
+        log = prof.end()
+        box.proc.stdin.write(b"go\n")
+        box.proc.stdin.flush()
+        truth = {name: int(value) for _, name, value in
+                 (line.split() for line in box.proc.stdout.read().decode().splitlines())}
+    finally:
+        box.stop()
+    assert set(truth) == set(SITES) and "handed over in a memfd" in log, (truth, log)
+    last = read_massif(out).snapshots[-1]
+    assert last.tree is not None
+    check_estimates(tree_sites(paths(last.tree)), truth, rate)
