@@ -20,7 +20,7 @@ class FrozenProbes(SiteReader):
         self._stacks = {k: ips for k, ips in live.stacks(range(count)).items() if ips}
         self._page_counters = live.page_counters()
         # What the end-of-run summary says of the live probes.
-        self.rows_used, self.rows_dropped = live.rows_used, live.rows_dropped
+        self.rows_used, self.rows_dropped, self.rows_shared = live.rows_used, live.rows_dropped, live.rows_shared
 
     def counters(self) -> Counters:
         return self._counters

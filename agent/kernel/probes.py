@@ -546,8 +546,9 @@ class SharedRows:
                 cls._instance = SharedRows(max_rows, probes_dir)
             return cls._instance
 
-    def acquire(self, key: str, rows: bytes, n_rows: int) -> tuple[int, int] | None:
-        """(first row, rows) of the object, its rows written if it is new here; None when they do not fit."""
+    def acquire(self, key: str, rows: bytes, n_rows: int) -> tuple[int, int, bool] | None:
+        """(first row, rows, new) of the object, its rows written if it is new here (new: no other target of
+        this process has the object's identity, its build id); None when they do not fit."""
         with self.lock:
             got = self.space.acquire(key, n_rows)
             if got is None:
@@ -558,7 +559,7 @@ class SharedRows:
                 keys = (table.Key * n_rows)(*range(placed.first, placed.first + n_rows))
                 values = (table.Leaf * n_rows).from_buffer_copy(rows)
                 table.items_update_batch(keys, values)
-            return placed.first, placed.count
+            return placed.first, placed.count, new
 
     def release(self, keys: Iterable[str]) -> None:
         """A target's probes are gone: it uses these objects no more."""
@@ -583,6 +584,7 @@ class SiteReader(abc.ABC):
     settings: ProbeSettings
     rows_used = 0  # unwind rows loaded into the kernel, all objects together
     rows_dropped = 0  # rows that did not fit in the table (their objects fall back to frame pointers)
+    rows_shared = 0  # of rows_used, those another target had placed already (one image's pods: written once)
 
     def __init__(self) -> None:
         self._stacks: dict[int, tuple[int, ...]] = {}  # site id -> return addresses, read once per site
@@ -1030,10 +1032,13 @@ class HeapProbes(SiteReader):
             placed = self._objects.get(m.key)
             if placed is None:
                 if m.n_rows:
-                    placed = self._shared_rows.acquire(m.key, m.rows, m.n_rows)
-                    if placed is None:
+                    got = self._shared_rows.acquire(m.key, m.rows, m.n_rows)
+                    if got is None:
                         self.rows_dropped += m.n_rows
                         continue
+                    placed = got[:2]
+                    if not got[2]:
+                        self.rows_shared += m.n_rows
                 else:
                     placed = (0, 0)
                 self.rows_used += m.n_rows

@@ -29,6 +29,7 @@ class UnwindSummary:
     objects: int  # objects whose table was built or loaded
     seconds: float  # building or loading them
     problems: dict[str, str] = field(default_factory=dict)  # object path -> why it has no table
+    rows_shared: int = 0  # of rows_used, rows of objects another target had in the kernel already (by build id)
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,9 @@ def _unwind_lines(u: UnwindSummary, c: Counters) -> list[str]:
         f"({c.unwind_short_reads} runs read again to a page end), {c.unwind_depth_cut} stacks cut "
         "at the depth limit"
     ]
+    if u.rows_shared:
+        lines.append(f"unwind: {u.rows_shared} of those rows were in the kernel already for other targets with the "
+                     "same objects (shared by build id, written once)")
     if u.rows_dropped:
         lines.append(f"unwind: {u.rows_dropped} rows did not fit in the kernel table")
     for path, problem in u.problems.items():

@@ -451,12 +451,14 @@ class Session:
             self.end_counters = c
             if self.recorder is not None:  # the timelines end with the final state
                 self.recorder.sample(c, mapped=self.pages.total if self.pages is not None else None)
-            t_end = max(self.now(c), self.series.snapshots[-1].time if self.series.snapshots else 0)
             if c.peak_total > 0:
                 peak_tree, ign = self.peak_tree(c.peak_gen)
                 self.series.set_peak(
                     self.peak_time(c), c.peak_heap - ign.heap, c.peak_extra - ign.extra, self.stack_bytes, peak_tree
                 )
+            # No earlier than any snapshot: the peak just set, or a paid tree's later time, may be after the clock
+            # stopped (a sampled target allocates on until its sampler is disarmed).
+            t_end = max(self.now(c), self.series.latest_time or 0)
             tree, ign = self.live_tree()
             self.series.finish(t_end, c.heap - ign.heap, c.extra - ign.extra, self.stack_bytes, tree)
 
@@ -476,7 +478,7 @@ class Session:
             pages = PageSummary(pm.stats, pm.total, pm.peak_total, self.probes.page_counters())
         unwind = None
         if self.tables is not None:
-            unwind = self.tables.summary(self.probes.rows_used, self.probes.rows_dropped)
+            unwind = self.tables.summary(self.probes.rows_used, self.probes.rows_dropped, self.probes.rows_shared)
         schedule = None
         if self.points is not None:
             st = self.series

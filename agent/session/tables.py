@@ -42,10 +42,11 @@ class UnwindTables:
         key = table.build_id or f"{m.path}:{os.stat(m.path).st_mtime_ns}"
         return UnwindMapping(m.start, m.end, m.start - vaddr, key, table.rows, table.n_rows)
 
-    def summary(self, rows_used: int, rows_dropped: int) -> UnwindSummary:
+    def summary(self, rows_used: int, rows_dropped: int, rows_shared: int = 0) -> UnwindSummary:
         return UnwindSummary(
             rows_used=rows_used,
             rows_dropped=rows_dropped,
+            rows_shared=rows_shared,
             objects=len(self._seconds),
             seconds=sum(self._seconds.values()),
             problems=dict(self.problems),

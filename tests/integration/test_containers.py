@@ -304,40 +304,58 @@ def test_the_sampler_asks_for_no_glibc_newer_than_2_17(build: Callable[..., Path
 
 
 def test_the_daemon_profiles_containers_started_after_it_in_sampled_mode_with_their_pod_and_container(
-    heapscope_cmd: list[str], runner: Path, bookworm: Path, tmp_path: Path
+    heapscope_cmd: list[str], runner: Path, bookworm: Path, bullseye: Path, tmp_path: Path
 ) -> None:
-    """Its defaults (sampled mode), a selector by pod, two containers of one image in that pod started after the
-    daemon: both profiled, each with its pod and container in /targets, the sampler handed over in a memfd."""
+    """Its defaults (sampled mode), a selector by pod, three containers in that pod started after the daemon (two
+    of one image, Debian 12, and one of Debian 11, whose files have the same paths): each profiled, with its pod
+    and container in /targets, the sampler handed over in a memfd. The two of one image share their unwind
+    tables in the kernel (said in each one's summary); the Debian 11 one, the same paths but other files, shares
+    none."""
     pod = str(uuid.uuid4())
-    ids = [uuid.uuid4().hex + uuid.uuid4().hex for _ in range(2)]
+    ids = [uuid.uuid4().hex + uuid.uuid4().hex for _ in range(3)]
     cgroups = pod_cgroups(pod, ids)
     d = start_daemon(heapscope_cmd, tmp_path, "--mode=sampled", "--attach-cgroup", f"pod:{pod}")
     boxes: list[Container] = []
     try:
-        for cg in cgroups:
+        for cg, root in zip(cgroups, (bookworm, bookworm, bullseye), strict=True):
             port = free_port()
-            boxes.append(Container(runner, bookworm, ["/usr/bin/redis-server", "--port", str(port), "--save", "",
-                                                      "--appendonly", "no"], cgroup=cg))
+            boxes.append(Container(runner, root, ["/usr/bin/redis-server", "--port", str(port), "--save", "",
+                                                  "--appendonly", "no"], cgroup=cg))
 
         def held() -> dict[int, dict]:  # type: ignore[type-arg]
             with d.client() as c:
                 return {t["pid"]: t for t in c.get("/targets").json()}
 
-        wait_for(lambda: all(held().get(b.pid, {}).get("state") == "profiling" for b in boxes), 180,
-                 "both containers profiled")
+        wait_for(lambda: all(held().get(b.pid, {}).get("state") == "profiling" for b in boxes), 240,
+                 "the three containers profiled")
         targets = held()
         for box, container in zip(boxes, ids, strict=True):
             t = targets[box.pid]
             assert t["mode"] == "sampled" and t["error"] is None, t
             placement = t["origin"]["placement"]
             assert (placement["pod"], placement["container"], placement["runtime"]) == (pod, container, "containerd")
-        log = d.stderr()
-        assert log.count("handed over in a memfd") == 2, log
     finally:
-        stop_daemon(d)
+        stop_daemon(d)  # each target's summary goes to the log
         for b in boxes:
             b.stop()
         remove_cgroups(cgroups)
+    log = d.stderr()
+    assert log.count("handed over in a memfd") == 3, log
+    rows = {b.pid: rows_said(log, b.pid) for b in boxes}  # (rows used, rows already in the kernel)
+    first, second = sorted(rows[b.pid] for b in boxes[:2])[::-1]  # the one attached second shares its rows
+    assert first[1] == first[0] and second[1] == 0 and first[0] == second[0], rows
+    used, shared = rows[boxes[2].pid]
+    # Debian 11's objects have the paths of Debian 12's, and none of its rows: it shares only the sampler's (the
+    # same library in all three, handed over in each one's memfd).
+    assert 0 < shared < used / 100, rows
+
+
+def rows_said(log: str, pid: int) -> tuple[int, int]:
+    """A target's unwind rows in its summary: (rows used, rows that were in the kernel already)."""
+    used = re.search(rf"heapscope: {pid}: unwind: (\d+) table rows", log)
+    shared = re.search(rf"heapscope: {pid}: unwind: (\d+) of those rows were in the kernel already", log)
+    assert used is not None, log
+    return int(used.group(1)), int(shared.group(1)) if shared else 0
 
 
 @pytest.mark.parametrize("where", ["bookworm", "musl"])
