@@ -25,6 +25,7 @@ import bisect
 import ctypes
 import ctypes.util
 import os
+import re
 import threading
 import weakref
 import zlib
@@ -551,9 +552,17 @@ def _crc32_of(path: str) -> int:
 DEFAULT_DEBUG_ROOTS = ("/usr/lib/debug",)
 
 
+_PROCESS_ROOT = re.compile(r"^/proc/\d+/root(?=/)")
+
+
 def find_debug_file(obj: ElfObject, debug_roots: Sequence[str]) -> ElfObject | None:
     """The separate debug file of an object: by build-id under each root's .build-id/, else by
-    .gnu_debuglink next to the object, in its .debug/ folder, or under each root plus the object's folder."""
+    .gnu_debuglink next to the object, in its .debug/ folder, or under each root plus the object's folder.
+    An object read through a process's root (a container's) is looked for inside that root first, then on the
+    host by build id (a debug file found by its name alone must match the object's build id or CRC)."""
+    inside = _PROCESS_ROOT.match(obj.path)
+    if inside is not None:
+        debug_roots = [inside.group(0) + r for r in debug_roots] + list(debug_roots)
     if obj.build_id and len(obj.build_id) > 2:
         for root in debug_roots:
             cand = os.path.join(root, ".build-id", obj.build_id[:2], obj.build_id[2:] + ".debug")
@@ -562,9 +571,11 @@ def find_debug_file(obj: ElfObject, debug_roots: Sequence[str]) -> ElfObject | N
                 return dbg
     if obj.debuglink is not None:
         name, crc = obj.debuglink
-        folder = os.path.dirname(os.path.realpath(obj.path))
+        # realpath would follow /proc/PID/root out of the container: its folder is taken as the process sees it
+        folder = os.path.dirname(obj.path if inside is not None else os.path.realpath(obj.path))
         cands = [os.path.join(folder, name), os.path.join(folder, ".debug", name)]
-        cands += [os.path.join(root, folder.lstrip("/"), name) for root in debug_roots]
+        own = os.path.dirname(obj.path[inside.end():]) if inside is not None else folder  # as the process names it
+        cands += [os.path.join(root, own.lstrip("/"), name) for root in debug_roots]
         for cand in cands:
             if os.path.realpath(cand) == os.path.realpath(obj.path):
                 continue

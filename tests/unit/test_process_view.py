@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from agent.process.view import ProcessView
 from agent.symbols.symbolizer import Mapping
 
@@ -53,3 +55,27 @@ def test_a_memfd_is_opened_through_map_files(tmp_path: Path) -> None:
     proc = fake_proc(tmp_path, "/", "mnt:[4026531841]")
     m = ProcessView.of(7, proc).mapping(Mapping(0x7F00, 0x8F00, 0x2000, "/memfd:libhs_sampler-1.so"))
     assert m.path == f"{proc}/7/map_files/7f00-8f00" and m.name == "/memfd:libhs_sampler-1.so"
+
+
+def test_a_containers_debug_files_are_looked_for_inside_it_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A debug file by build id under the container's /usr/lib/debug wins over the host's roots; the host's is
+    the fallback (tests/unit/test_symbols.py builds real objects with separate debug files)."""
+    from agent.symbols import symbolizer
+
+    seen: list[str] = []
+
+    class Obj:
+        path = "/proc/42/root/usr/lib/x86_64-linux-gnu/libfoo.so.1"
+        build_id = "abcdef0123"
+        debuglink = ("libfoo.so.1.debug", 0)
+
+    def try_open(path: str) -> None:
+        seen.append(path)
+
+    monkeypatch.setattr(symbolizer, "_try_open", try_open)
+    assert symbolizer.find_debug_file(Obj(), ("/usr/lib/debug",)) is None  # type: ignore[arg-type]
+    assert seen[:2] == ["/proc/42/root/usr/lib/debug/.build-id/ab/cdef0123.debug",
+                        "/usr/lib/debug/.build-id/ab/cdef0123.debug"]
+    assert seen[2:4] == ["/proc/42/root/usr/lib/x86_64-linux-gnu/libfoo.so.1.debug",
+                         "/proc/42/root/usr/lib/x86_64-linux-gnu/.debug/libfoo.so.1.debug"]
+    assert "/proc/42/root/usr/lib/debug/usr/lib/x86_64-linux-gnu/libfoo.so.1.debug" in seen
