@@ -137,13 +137,37 @@ def test_refuses_an_allocator_linked_into_the_executable(sampler_lib: Path, buil
     assert "linked into its executable" in refused([str(build("sampler_own_malloc.c"))], sampler_lib)
 
 
-def test_refuses_a_library_the_target_cannot_see(sampler_lib: Path, build: Callable[..., Path]) -> None:
-    """A target in its own mount namespace with the sampler's folder hidden under a tmpfs (as in a
-    container that does not share it)."""
+def test_a_library_the_target_cannot_see_is_handed_over_in_a_memfd(
+    sampler_lib: Path, build: Callable[..., Path]
+) -> None:
+    """A target in its own mount namespace with the sampler's folder hidden under a tmpfs (as in a container
+    that does not share it): the library goes in through a memfd it makes, and its descriptor is closed after."""
     program = build("sampler_wait.c")
     hide = f"mount -t tmpfs none {sampler_lib.parent} && exec {program}"
+    conv = Conversation(["unshare", "-m", "--propagation", "private", "sh", "-c", hide])
+    try:
+        conv.expect("ready")
+        injection = inject(conv.pid, sampler_lib)
+        assert injection.memfd and not injection.reused
+        maps = Path(f"/proc/{conv.pid}/maps").read_text()
+        assert f"/memfd:{sampler_lib.name} (deleted)" in maps and mapped_base(conv.pid, sampler_lib) is not None
+        fds = [os.readlink(f"/proc/{conv.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{conv.pid}/fd")]
+        assert not [f for f in fds if "memfd:" in f], fds  # its descriptor is closed: the mapping holds the file
+        assert inject(conv.pid, sampler_lib).reused  # found again by its memfd's name
+        conv.say("x")
+        assert conv.finish() == 0
+    finally:
+        if conv.proc.poll() is None:
+            conv.proc.kill()
+            conv.proc.wait()
+
+
+def test_refuses_a_hidden_library_where_the_target_has_no_proc(sampler_lib: Path, build: Callable[..., Path]) -> None:
+    """No /proc in its root (a bare chroot): no path to dlopen a memfd by. One line that says so."""
+    program = build("sampler_wait.c")
+    hide = f"mount -t tmpfs none {sampler_lib.parent} && mount -t tmpfs none /proc && exec {program}"
     msg = refused(["unshare", "-m", "--propagation", "private", "sh", "-c", hide], sampler_lib)
-    assert "cannot see the sampler library" in msg
+    assert "has no /proc there" in msg
 
 
 def test_refusal_is_one_line_and_an_exit_code(sampler_lib: Path, build: Callable[..., Path]) -> None:
