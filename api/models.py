@@ -281,6 +281,9 @@ class TargetOut(BaseModel):
     origin: OriginOut = Field(description="The process's identity, cgroup, and why it is profiled.")
     error: str | None = Field(None, description="Why profiling failed once attached (its files may then be "
                               "missing); null when it did not.")
+    sampler: str | None = Field(None, description="Sampled mode: the sampler's build (for the target's libc: glibc "
+                                "or musl) and how it got in (dlopen by path; memfd, where the target cannot see "
+                                "the library, as in a container; inherited from its parent); null in exact mode.")
 
 
 def _time(t: float | None) -> datetime | None:
@@ -300,6 +303,7 @@ def target_out(s: TargetStatus) -> TargetOut:
         state=s.state,
         exited=s.state == "exited",
         error=s.error,
+        sampler=s.sampler,
         started_at=_time(s.started_at),  # type: ignore[arg-type]
         ended_at=_time(s.ended_at),
         files=list(s.files),

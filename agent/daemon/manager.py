@@ -76,6 +76,7 @@ class Target(Profile):
             mode=self.mode,
             sample_rate=self.sample_rate,
             error=None if self.error is None else str(self.error),
+            sampler=self.sampler_info(),
         )
 
     def snapshot_text(self, detailed: bool) -> str:

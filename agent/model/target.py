@@ -47,6 +47,7 @@ class TargetStatus:
     mode: str = "exact"  # exact, or sampled: the heap figures are estimates (agent.model.sampling)
     sample_rate: int = 1  # sampled: mean bytes between samples; 1 when every call counts
     error: str | None = None  # why profiling failed once attached (its files may be missing), else None
+    sampler: str | None = None  # sampled mode: the sampler's build and how it got in ("musl build, memfd")
 
 
 @dataclass(frozen=True)

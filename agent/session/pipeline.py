@@ -143,6 +143,11 @@ class Profile:
         self._history: list[Snapshot] = []  # snapshots of an earlier profile this one continues
         self._clock: tuple[int, int] | None = None  # (session start_ns, B offset) to continue from
 
+    def sampler_info(self) -> str | None:
+        """Sampled mode: which build of the sampler the target got and how (SamplerLink.describe)."""
+        link = self._sampler
+        return link.describe() if link is not None else None
+
     def continue_from(self, before: Profile) -> None:
         """Continue the history of an earlier profile of the same process (the daemon switching its mode): its
         snapshots come first, the clock goes on from its start, and the memory line goes on. The new profile

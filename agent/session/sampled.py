@@ -88,13 +88,17 @@ class SamplerLink:
         self.arm_error: BaseException | None = None
         self.disarmed_itself: str | None = None  # why the sampler disarmed without being asked, once it has
         self.read_error: str | None = None  # the first read of the sampler that failed while its process lived
+        self.delivery = "preloaded"  # how the library reached the target, for /targets
         if not process.launched:
             injection = inject(self.pid, self.library)
             if injection.reused and self._forked_child():
+                self.delivery = "inherited from its parent, started again"
                 say(f"sampler inherited by {self.pid} from the process it was forked from: started again")
             elif injection.reused:
+                self.delivery = "already loaded, reused"
                 say(f"sampler already loaded in {self.pid}: reused")
             else:
+                self.delivery = "memfd" if injection.memfd else "dlopen by path"
                 how = " (handed over in a memfd: it cannot see the library's path)" if injection.memfd else ""
                 say(f"sampler ({self.libc} build) loaded into {self.pid} by thread {injection.tid} in "
                     f"{injection.seconds * 1000:.0f} ms{how}")
@@ -113,6 +117,10 @@ class SamplerLink:
         finally:
             control.close()
         return revive(self.pid, self.library)
+
+    def describe(self) -> str:
+        """Which build of the sampler the target got, and how: "glibc build, memfd"."""
+        return f"{self.libc} build, {self.delivery}"
 
     # ---- arming ----------------------------------------------------------------------------------------
 

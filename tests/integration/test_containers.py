@@ -331,7 +331,8 @@ def test_the_daemon_profiles_containers_started_after_it_in_sampled_mode_with_th
         targets = held()
         for box, container in zip(boxes, ids, strict=True):
             t = targets[box.pid]
-            assert t["mode"] == "sampled" and t["error"] is None, t
+            assert t["mode"] == "sampled" and t["error"] is None and t["sampler"] == "glibc build, memfd", t
+            assert t["allocator"] == "jemalloc"  # Debian's redis-server
             placement = t["origin"]["placement"]
             assert (placement["pod"], placement["container"], placement["runtime"]) == (pod, container, "containerd")
     finally:
