@@ -403,3 +403,35 @@ def test_sampled_estimates_in_a_container_are_within_10_percent_of_the_truth(
     last = read_massif(out).snapshots[-1]
     assert last.tree is not None
     check_estimates(tree_sites(paths(last.tree)), truth, rate)
+
+
+def test_a_daemon_in_its_own_container_profiles_host_and_container_processes_in_sampled_mode(
+    heapscope_cmd: list[str], runner: Path, bookworm: Path, build: Callable[..., Path], tmp_path: Path
+) -> None:
+    """As the DaemonSet runs it (deploy/kubernetes: hostPID, its own image): the daemon in a mount namespace of
+    its own whose files no target sees (its sampler cache on a private tmpfs). A process on the host and one in
+    a container both get the sampler through a memfd, and their files are read through their own roots."""
+    cache = tmp_path / "daemon-cache"
+    cache.mkdir(mode=0o755)
+    own = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+           f'mount -t tmpfs -o mode=755 none {cache} && HEAPSCOPE_CACHE_DIR={cache} exec "$@"', "sh", *heapscope_cmd]
+    host = subprocess.Popen([str(build("daemon_target.c"))], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    box = Container(runner, bookworm, ["/usr/bin/redis-server", "--port", str(free_port()), "--save", "",
+                                       "--appendonly", "no"])
+    d = start_daemon(own, tmp_path, "--mode=sampled")  # the daemon's default, said explicitly
+    try:
+        assert host.stdout is not None and b"ready" in host.stdout.readline()
+        with d.client() as c:
+            for pid in (host.pid, box.pid):
+                r = c.post("/targets", json={"pid": pid, "mode": "sampled"}, timeout=180)
+                assert r.status_code == 201, r.text
+                assert r.json()["sampler"] == "glibc build, memfd", r.json()
+        drive(host.stdin, host.stdout)
+        assert not list(cache.iterdir())  # the daemon's cache is its own: empty from here
+    finally:
+        stop_daemon(d)
+        box.stop()
+        host.kill()
+        host.wait()
+    log = d.stderr()
+    assert "no table for" not in log and log.count("handed over in a memfd") == 2, log
