@@ -43,8 +43,34 @@ ALLOC_FUNCTIONS: tuple[AllocFunction, ...] = (
     AllocFunction("_ZdaPv", "free", ("rdi",), cxx=True),
     AllocFunction("_ZdlPvm", "free", ("rdi",), cxx=True),
     AllocFunction("_ZdaPvm", "free", ("rdi",), cxx=True),
+    AllocFunction("_ZdlPvRKSt9nothrow_t", "free", ("rdi",), cxx=True),
+    AllocFunction("_ZdaPvRKSt9nothrow_t", "free", ("rdi",), cxx=True),
+    AllocFunction("_ZdlPvSt11align_val_t", "free", ("rdi",), cxx=True),
+    AllocFunction("_ZdaPvSt11align_val_t", "free", ("rdi",), cxx=True),
+    AllocFunction("_ZdlPvmSt11align_val_t", "free", ("rdi",), cxx=True),
+    AllocFunction("_ZdaPvmSt11align_val_t", "free", ("rdi",), cxx=True),
+    AllocFunction("_ZdlPvSt11align_val_tRKSt9nothrow_t", "free", ("rdi",), cxx=True),
+    AllocFunction("_ZdaPvSt11align_val_tRKSt9nothrow_t", "free", ("rdi",), cxx=True),
+    # jemalloc's own API (redis-server and others call it): probed where the allocator defines it
+    AllocFunction("mallocx", "malloc", ("rdi",)),
+    AllocFunction("rallocx", "realloc", ("rdi", "rsi")),
+    AllocFunction("dallocx", "free", ("rdi",)),
+    AllocFunction("sdallocx", "free", ("rdi",)),
 )
 BY_SYMBOL: dict[str, AllocFunction] = {f.symbol: f for f in ALLOC_FUNCTIONS}
+
+# The sampler's hooks (probes/sampler/hs_sampler.c, define_hooks) are the same functions but for these, each with
+# why; tests/unit/test_contract.py reads both tables and checks that this is all that differs.
+SAMPLED_ONLY: dict[str, str] = {
+    sym: "aligned operator new takes (size, alignment), an argument order no kernel kind reads: exact mode has no "
+    "probe for it (its blocks' frees are seen, as untracked frees)"
+    for sym in ("_ZnwmSt11align_val_t", "_ZnamSt11align_val_t", "_ZnwmSt11align_val_tRKSt9nothrow_t",
+                "_ZnamSt11align_val_tRKSt9nothrow_t")
+}  # fmt: skip
+EXACT_ONLY: dict[str, str] = {
+    "cfree": "free under an old name, gone from glibc 2.26: a program that still calls it goes through exact mode's "
+    "probe on the function, which the sampler's GOT hooks do not look for",
+}
 
 # Kinds whose call has no return probe: all the kernel needs is the argument at entry.
 ENTRY_ONLY_KINDS = frozenset({"free"})

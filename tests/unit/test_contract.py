@@ -12,7 +12,7 @@ import pytest
 from agent.contract import HEAP_H, HeaderContract
 from agent.kernel import probes
 from agent.model.counters import Counters, PageCounters
-from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS
+from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS, EXACT_ONLY, SAMPLED_ONLY
 from agent.model.pages import KINDS as PAGE_KINDS
 from agent.symbols import unwind
 
@@ -113,3 +113,17 @@ def test_the_parser_reads_heap_h_forms() -> None:
 def test_the_parser_refuses_implicit_enum_values() -> None:
     with pytest.raises(ValueError, match="no explicit value"):
         HeaderContract("enum e { A = 0, B };").enum("e")
+
+
+def test_the_samplers_hooks_are_the_allocation_functions_but_for_what_is_said() -> None:
+    """One table: agent.model.functions. The sampler's hooks (hs_sampler.c's define_hooks) are read from its source
+    and must be the same functions, but for SAMPLED_ONLY and EXACT_ONLY, each of which says why."""
+    source = (Path(__file__).resolve().parents[2] / "probes" / "sampler" / "hs_sampler.c").read_text()
+    hooked = set(re.findall(r'DEF\(H_\w+, "([^"]+)", hs_hook_\w+\);', source))
+    assert len(hooked) > 20, hooked
+    probed = {f.symbol for f in ALLOC_FUNCTIONS}
+    assert hooked == (probed - set(EXACT_ONLY)) | set(SAMPLED_ONLY), (
+        f"hooked, not probed and not said: {sorted(hooked - probed - set(SAMPLED_ONLY))}; "
+        f"probed, not hooked and not said: {sorted(probed - hooked - set(EXACT_ONLY))}"
+    )
+    assert set(EXACT_ONLY) <= probed and not set(SAMPLED_ONLY) & probed
