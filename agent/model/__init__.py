@@ -1,0 +1,2 @@
+"""The model: options, counters, stacks and trees, Massif's snapshot series and schedule, pages, sampling
+estimates, fleets and growth. Pure Python, testable without root."""

@@ -3,7 +3,8 @@ and the calls per allocation function they give.
 
 Pure Python (no I/O). The sampler counts every call it sees, sampled or not; the functions are the kinds of
 probes/heap.h `enum hs_fn`, as exact mode records the same calls (operator new and mallocx are malloc, delete
-is free, aligned_alloc and the aligned operator new are memalign, reallocarray and rallocx are realloc). Its
+is free, aligned_alloc is memalign, reallocarray and rallocx are realloc); the sampler also counts the aligned
+operator new, as memalign, which exact mode does not probe (agent.model.functions.SAMPLED_ONLY). Its
 malloc and free hooks keep no count of their own, so that their fast path stays two adds: malloc's calls are
 the allocations less every other function's, free's the frees less the old blocks of reallocs.
 """
