@@ -21,10 +21,10 @@ import numpy as np
 
 from agent.model.profile import Frame, SiteCounts, Stack
 from agent.store import format as fmt
+from agent.store.files import segment_paths
 from agent.store.format import FormatError, SnapshotUnavailable
 from agent.store.sample import PeakState, StoreMeta
 from agent.store.tables import make_frames, make_stacks, no_gc
-from agent.store.writer import segment_paths
 
 # SiteCounts' own field order, and where each field is among the stored counters
 _SITECOUNTS_FIELDS = tuple(f.name for f in fields(SiteCounts))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Container, Sequence
@@ -27,10 +26,10 @@ import numpy as np
 from agent.errors import EnvironmentProblem
 from agent.model.profile import Frame, Stack
 from agent.store import format as fmt
+from agent.store.files import SEGMENT_RE, segment_paths
 from agent.store.sample import PeakState, StoreMeta, StoreSample
 
 _LOOKUP_LIMIT = 1 << 24
-SEGMENT_RE = re.compile(r"^seg-(\d{8})\.hss$")
 N_FIELDS = len(fmt.COUNTER_FIELDS)
 
 
@@ -392,15 +391,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def segment_paths(directory: Path) -> list[Path]:
-    """The segment files of a target's directory, oldest first."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    return [directory / n for n in sorted(n for n in names if SEGMENT_RE.match(n))]
 
 
 @dataclass
