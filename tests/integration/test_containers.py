@@ -26,7 +26,6 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import unavailable
-from tests.integration.test_daemon import free_port, start_daemon, stop_daemon, wait_for
 from tests.support.containers import (
     Container,
     Unavailable,
@@ -36,6 +35,7 @@ from tests.support.containers import (
     pod_cgroups,
     remove_cgroups,
 )
+from tests.support.daemon import free_port, start_daemon, stop_daemon, wait_for
 from tests.support.massif_reader import paths, read_massif
 from tests.support.sampled_sites import SCALE, SITES, check_estimates, sampling_rate, tree_sites
 

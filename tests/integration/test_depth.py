@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from tests.integration.harness import ORACLE_OPTIONS, PROGRAMS, RUN_TIMEOUT, Completed
-from tests.integration.test_daemon import _answers, free_port, wait_for
 from tests.integration.test_oracle import NO_CULL, Paths, final, heapscope_peak, read_snapshots, reference_peak
+from tests.support.daemon import answers, free_port, wait_for
 from tests.support.massif_reader import parse_massif, paths
 
 pytestmark = pytest.mark.integration
@@ -168,7 +168,7 @@ def test_daemon_answers_follow_depth(
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline() == b"allocated\n"
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _answers(f"{url}/healthz"), what="the daemon to answer")
+        wait_for(lambda: answers(f"{url}/healthz"), what="the daemon to answer")
         snap = httpx.get(f"{url}/detailed_snapshot", timeout=30).text
         xt = httpx.get(f"{url}/xtmemory", timeout=30).text
         proc.stdin.write(b"\n")

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.integration.harness import PROGRAMS
-from tests.integration.test_daemon import Daemon, start_daemon, stop_daemon, wait_for
+from tests.support.daemon import Daemon, start_daemon, stop_daemon, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -25,9 +25,9 @@ import pytest
 from agent.process.sampler import SamplerControl, build_sampler
 from agent.session.maltrec import EXACT_IN_SAMPLED
 from tests.integration.harness import Completed
-from tests.integration.test_daemon import Daemon, start_daemon, stop_daemon
 from tests.integration.test_oracle import NO_CULL, _diff, final, read_snapshots
 from tests.integration.test_sampler import got_slot, libc_function, read_word
+from tests.support.daemon import Daemon, start_daemon, stop_daemon
 from tests.support.massif_reader import parse_massif, paths
 from tests.support.sampled_sites import SCALE, SITES, check_estimates, sampling_rate, site_sizes, tree_sites
 

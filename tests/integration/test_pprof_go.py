@@ -29,8 +29,8 @@ import pytest
 from agent.export.pprof import render_pprof
 from agent.model.profile import Frame, SiteCounts
 from tests.integration.harness import PROGRAMS, Completed, unavailable
-from tests.integration.test_daemon import Daemon, Target, start_daemon, stop_daemon
 from tests.support.annotate import annotate_inclusive
+from tests.support.daemon import Daemon, Target, start_daemon, stop_daemon
 from tests.support.massif_reader import parse_massif
 
 pytestmark = pytest.mark.integration

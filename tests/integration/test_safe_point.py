@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from agent.process.inject import examine_threads
-from tests.integration.test_daemon import Daemon, start_daemon, stop_daemon, wait_for
+from tests.support.daemon import Daemon, start_daemon, stop_daemon, wait_for
 
 pytestmark = pytest.mark.integration
 

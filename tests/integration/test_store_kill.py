@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.test_daemon import free_port, wait_for
+from tests.support.daemon import free_port, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -157,7 +157,7 @@ def test_sigkill_of_the_daemon_leaves_every_targets_history_up_to_the_kill(
     services = [start_service(cache_service) for _ in range(RUNS)]
     profiling_ns: dict[int, int] = {}  # when its POST answered: the probes are live then
     try:
-        wait_for(lambda: _answers(url), 60, "the daemon's first answer")
+        wait_for(lambda: answers(url), 60, "the daemon's first answer")
 
         def attach(svc: subprocess.Popen[str]) -> None:
             with httpx.Client(base_url=url, timeout=ATTACH_TIMEOUT) as client:
@@ -187,7 +187,7 @@ def test_sigkill_of_the_daemon_leaves_every_targets_history_up_to_the_kill(
             svc.wait()
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
     try:
         return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
     except httpx.TransportError:

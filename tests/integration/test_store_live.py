@@ -24,7 +24,7 @@ import pytest
 
 from agent.store import StoreReader
 from tests.integration.harness import PROGRAMS
-from tests.integration.test_daemon import Daemon, Target, attach, run_tool, start_daemon, stop_daemon, wait_for
+from tests.support.daemon import Daemon, Target, attach, run_tool, start_daemon, stop_daemon, wait_for
 from tests.support.massif_reader import parse_massif, paths
 from tests.unit.store_spec_reader import read_segment
 

@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from tests.integration.harness import PROGRAMS
-from tests.integration.test_daemon import free_port, wait_for
 from tests.support.browser import chromium, outside, requested_urls, screenshot
+from tests.support.daemon import answers, free_port, wait_for
 from tests.support.massif_reader import parse_massif
 
 pytestmark = pytest.mark.integration
@@ -189,7 +189,7 @@ def test_live_page_of_a_running_program(heapscope_cmd: list[str], program: Path,
         if proc.stdout.readline() != b"ready\n":
             proc.wait(60)
             raise AssertionError(f"heapscope run did not start the program:\n{proc.stderr.read().decode()}")
-        wait_for(lambda: _answers(f"{url}/healthz"), what="the daemon to answer")
+        wait_for(lambda: answers(f"{url}/healthz"), what="the daemon to answer")
         with chromium() as driver:
             requested_urls(driver)  # the browser's own start-up page is not ours
             driver.get(url + "/")
@@ -257,13 +257,6 @@ def test_live_page_of_a_running_program(heapscope_cmd: list[str], program: Path,
     assert proc.stderr is not None
     err = proc.stderr.read().decode()
     assert "Traceback" not in err, err
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def test_view_of_a_valgrind_massif_out(cli_cmd: list[str], program: Path, tmp_path: Path) -> None:
