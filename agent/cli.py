@@ -231,6 +231,11 @@ def _add_profile_options(p: argparse.ArgumentParser, mode: Mode = "exact") -> No
         help="walk stacks with .eh_frame tables (cfi, default) or frame pointers only (fp)",
     )
     h.add_argument("-q", "--quiet", action="store_true", help="print errors only")
+    h.add_argument("-v", "--verbose", action="count", default=0,
+                   help="more detail (Massif's -v): where each allocation function's probe sits and how")
+    h.add_argument("--stats", type=yes_no, default=False, metavar="yes|no",
+                   help="at the end, Massif's statistics from heapscope's own counts: allocations, frees, "
+                   "reallocs, snapshots and cullings (Valgrind's --stats; default no)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -499,6 +504,7 @@ def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> 
         variants=variants,
         sample_interval=ns.sample_interval,
         unwind=ns.unwind,
+        verbose=ns.verbose,
         max_blocks=ns.max_blocks,
         max_stacks=ns.max_stacks,
         malt=ns.malt == "yes" if daemon else "malt" in files,
@@ -542,6 +548,9 @@ def _profile(ctx: _Ctx, process: TargetProcess, stop: threading.Event) -> Profil
     summary = profile.summary()
     for line in summary.lines():
         ctx.say(line)
+    if ctx.ns.stats:
+        for line in summary.massif_stats():
+            ctx.say(line)
     _write_summary(ctx, summary, process.pid, Path("."))
     return profile
 

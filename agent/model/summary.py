@@ -123,6 +123,18 @@ class ProfileSummary:
         return lines
 
 
+    def massif_stats(self) -> list[str]:
+        """--stats=yes: Massif's statistics (ms_main.c's print_stats), from heapscope's own counts where it has
+        them. Stack allocations are not counted (heapscope records stack depth at allocator calls)."""
+        c, sc = self.counters, self.schedule
+        rows = [("heap allocs", c.n_allocs), ("heap reallocs", c.n_reallocs), ("heap frees", c.n_frees)]
+        if sc is not None:
+            rows += [("real snapshots", sc.taken), ("peak snapshots", sc.at_peaks), ("cullings", sc.cullings),
+                     ("kept snapshots", sc.kept)]
+        rows += [("XPt sites", c.n_sites)]
+        return [f"stats: {name + ':':<22}{value:>10}" for name, value in rows]
+
+
 def _page_lines(p: PageSummary) -> list[str]:
     st, kc = p.stats, p.kernel
     lines = [

@@ -58,6 +58,7 @@ class ProfileSettings:
     variants: Mapping[str, str] = field(default_factory=dict)  # output format name -> its variant (MALT's version)
     sample_interval: float = 0.05  # seconds between samples of the kernel's counters
     unwind: str = "cfi"  # cfi: .eh_frame tables; fp: frame pointers only
+    verbose: int = 0  # -v: each probe's placement too
     max_blocks: int | None = None  # None: the mode's (ProfileMode.max_blocks)
     max_stacks: int | None = None  # None: the mode's (ProfileMode.max_stacks)
     malt: bool = False  # keep MALT's statistics in the kernel (GET /malt, --malt-out-file)
@@ -172,7 +173,7 @@ class Profile:
         `ready` is called once the probes are live."""
         s, p = self.settings, self.process
         lines = p.allocator.describe()
-        for line in lines[:1] if s.mode.sampled else lines:  # sampled mode probes no allocation function
+        for line in lines if s.verbose and not s.mode.sampled else lines[:1]:  # sampled: no function probed
             self.say(line)
         if s.opts.depth + 12 > MAX_WALKED_FRAMES:
             self.say(f"stacks are walked to {MAX_WALKED_FRAMES} frames at most (the BPF verifier's limit)")
