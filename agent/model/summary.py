@@ -8,6 +8,7 @@ from typing import Any
 
 from agent.model.counters import Counters, PageCounters
 from agent.model.pages import PageStats
+from agent.model.stored import StoreStatus
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class ProfileSummary:
     unwind: UnwindSummary | None = None
     schedule: ScheduleSummary | None = None
     sampling: SamplingSummary | None = None  # None: exact mode
+    store: StoreStatus | None = None  # the history store's writer, when one was kept
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,6 +122,13 @@ class ProfileSummary:
             lines.extend(_page_lines(self.pages))
         if self.unwind is not None:
             lines.extend(_unwind_lines(self.unwind, c))
+        if self.store is not None:
+            st = self.store
+            lines.append(
+                f"history: {st.snapshots_written} samples stored in {st.directory} ({st.bytes_written} B); "
+                f"{st.quiet_skipped} looks at a target that had not moved kept as a step, not stored"
+                + (f"; NOT STORED: {st.write_errors} samples ({st.last_error})" if st.write_errors else "")
+            )
         return lines
 
 

@@ -432,6 +432,9 @@ class Profile:
         s = self._session()
         with self.lock:
             summary = s.summary()
+        store = self.store_status()
+        if store.enabled:  # what the history kept, and what it skipped: said with the rest
+            summary = replace(summary, store=store)
         link = self._sampler
         if link is None:
             return summary

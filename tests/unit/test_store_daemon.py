@@ -434,3 +434,16 @@ def test_a_history_cut_during_a_quiet_stretch_reaches_its_last_look(
     assert times() == [0, 5000, 6000, 9000]
     q.rec.close()
     assert times() == [0, 5000, 6000]
+
+
+def test_the_end_of_run_summary_says_what_the_history_stored_and_skipped() -> None:
+    from agent.model.counters import Counters
+    from agent.model.stored import StoreStatus
+    from agent.model.summary import ProfileSummary
+
+    st = StoreStatus("/s/9", snapshots_written=12, quiet_skipped=40, bytes_written=9000, write_errors=2,
+                     last_error="store: cannot write /s/9: the disk is full")
+    [line] = [ln for ln in ProfileSummary(Counters(), store=st).lines() if ln.startswith("history:")]
+    assert "12 samples stored in /s/9" in line and "40 looks" in line and "NOT STORED: 2 samples" in line
+    assert ProfileSummary(Counters(), store=st).to_json()["store"]["quiet_skipped"] == 40
+    assert not [ln for ln in ProfileSummary(Counters()).lines() if ln.startswith("history:")]
