@@ -573,7 +573,7 @@ static __always_inline struct hs_site *get_site(u64 id, struct hs_global *g)
 }
 
 /* Before a site's live bytes change, keep its value at the last peak: a lazy copy, so the peak tree is exact
- * without copying every site at the moment of the peak (README: "Options", the exact peak). */
+ * without copying every site at the moment of the peak (docs/usage.md: "Snapshots: Massif's schedule", the exact peak). */
 static __always_inline void site_touch(struct hs_site *s, struct hs_global *g)
 {
     u64 gen = g->peak_gen;

@@ -1,10 +1,10 @@
 """Where to put a uprobe inside an allocation function.
 
 x86 uprobes emulate a few instructions (push reg, jmp/jcc/call rel, nop) and single-step every other one out of
-line, which costs a second trap: in a VM about ten times the cost of an emulated hit (README: "Where the probes go"). So
-the probe goes on the first emulated instruction that still sees everything the probe reads: the argument
-registers, %rsp (its [rsp] is the caller's return address, also used by the return probe) and %rbp (the
-frame-pointer walk starts there). Pure logic over bytes: no bcc, no I/O.
+line, which costs a second trap: in a VM about ten times the cost of an emulated hit (docs/usage.md, "Where exact
+mode's probes go"). So the probe goes on the first emulated instruction that still sees everything the probe
+reads: the argument registers, %rsp (its [rsp] is the caller's return address, also used by the return probe)
+and %rbp (the frame-pointer walk starts there). Pure logic over bytes: no bcc, no I/O.
 """
 
 from __future__ import annotations
