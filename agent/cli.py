@@ -3,7 +3,7 @@
     heapscope run [options] -- PROG [ARGS]    launch PROG held until the probes are attached
     heapscope attach PID [options]            profile a running process until Ctrl-C, SIGTERM or its exit
     heapscope serve [--pid PID]... [options]  the daemon: targets, monitor commands and metrics over HTTP
-    heapscope report STORE / diff STORE       read a stored history (agent.offline.commands)
+    heapscope report / diff / growth STORE    read a stored history (agent.offline.commands)
     (run and attach take --http HOST:PORT to serve their one profile over HTTP while it runs)
 
 Every error the user can act on is a HeapscopeError: main() prints it as one line and exits with its code.

@@ -14,7 +14,7 @@ from agent.export.metrics import FleetCollector, HeapscopeCollector
 from agent.export.webdata import SiteCache
 from api.errors import install_error_handlers
 from api.ports import ManagerPort
-from api.routers import health, history, metrics, monitor, pprof, profiles, selectors, targets, web
+from api.routers import growth, health, history, metrics, monitor, pprof, profiles, selectors, targets, web
 from api.security import token_dependency
 from api.settings import ApiSettings, check_exposure
 
@@ -53,6 +53,6 @@ def create_app(settings: ApiSettings, manager: ManagerPort) -> FastAPI:
     app.include_router(health.router)
     app.include_router(web.page_router)
     routers = (profiles.router, monitor.router, targets.router, selectors.router, metrics.router, pprof.router)
-    for r in (*routers, web.router, history.router):
+    for r in (*routers, web.router, history.router, growth.router):
         app.include_router(r, dependencies=guarded)
     return app

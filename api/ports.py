@@ -9,6 +9,7 @@ from typing import Protocol
 
 from agent.model.counters import Counters
 from agent.model.fleet import FleetStatus, SelectorStatus, TargetOrigin
+from agent.model.growth import GrowthReport
 from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Snapshot, Stack
@@ -64,6 +65,11 @@ class TargetPort(Protocol):
 
     def stored_diff(self, start: str, end: str, threshold: float) -> StoredDiff:
         """What grew and shrank between two stored moments (`heapscope diff`)."""
+        ...
+
+    def stored_growth(self, since: str | None, window_s: float | None, top: int) -> GrowthReport:
+        """What is growing over a window of the stored history (`heapscope growth`): from `since`, or `window_s`
+        seconds back from the last stored snapshot (both None: the whole run); `top` sites listed (0: all)."""
         ...
 
     def store_status(self) -> StoreStatus:

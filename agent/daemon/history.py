@@ -1,6 +1,6 @@
-"""A target's stored history, read for the HTTP API: a snapshot at a moment, Massif's series over a range, and the
-difference between two moments, from the target's directory of the store (agent.store), through the same code as
-`heapscope report` and `heapscope diff` (agent.offline).
+"""A target's stored history, read for the HTTP API: a snapshot at a moment, Massif's series over a range, the
+difference between two moments and what is growing over a window, from the target's directory of the store
+(agent.store), through the same code as `heapscope report`, `heapscope diff` and `heapscope growth` (agent.offline).
 
 Every call opens the directory afresh and closes it before returning: the daemon keeps no history in memory, and
 a reader sees every snapshot written up to the call (each is whole on disk once its write returned). Times are
@@ -17,8 +17,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from agent.errors import NotInHistory, UsageError
+from agent.model.growth import GrowthReport
 from agent.model.profile import HEAP_ROOT_LABEL, Snapshot, SnapshotKind
 from agent.model.stored import StoredDiff, StoredSeries, StoreStatus
+from agent.offline import growth as offline_growth
 from agent.offline import history
 from agent.offline.commands import diff_between, diff_json, diff_text
 from agent.offline.timespec import iso, parse_moment
@@ -110,6 +112,14 @@ def diff(directory: Path, start: str, end: str, threshold: float) -> StoredDiff:
         notes = _skipped(reader)
         doc = {**diff_json(d, threshold), "notes": notes}
         return StoredDiff(doc, diff_text(d, meta.pid, meta.cmd, threshold), notes)
+
+
+def growth(directory: Path, since: str | None, window_s: float | None, top: int) -> GrowthReport:
+    """What is growing over the window (`heapscope growth`): from `since` (a time) or `window_s` seconds back from
+    the last stored snapshot."""
+    since_ns = _moment(since, "since") if since is not None else None
+    with _open(directory) as reader:
+        return offline_growth.report(reader, since_ns=since_ns, window_s=window_s, top=top)
 
 
 def held(directory: Path, status: StoreStatus) -> StoreStatus:

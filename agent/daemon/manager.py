@@ -25,6 +25,7 @@ from agent.errors import HeapscopeError, NoSuchTarget, TargetConflict, UsageErro
 from agent.export.massif import render_snapshot
 from agent.kernel.probes import SharedRows, limit_malloc_arenas
 from agent.model.fleet import TargetOrigin
+from agent.model.growth import GrowthReport
 from agent.model.profile import Snapshot
 from agent.model.sampling import ProfileMode
 from agent.model.stored import StoredDiff, StoredSeries, StoreStatus
@@ -109,6 +110,9 @@ class Target(Profile):
 
     def stored_diff(self, start: str, end: str, threshold: float) -> StoredDiff:
         return history.diff(self._store_dir(), start, end, threshold)
+
+    def stored_growth(self, since: str | None, window_s: float | None, top: int) -> GrowthReport:
+        return history.growth(self._store_dir(), since, window_s, top)
 
     def history_status(self) -> StoreStatus:
         """The store's writer statistics and what the target's directory holds."""

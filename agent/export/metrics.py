@@ -6,10 +6,16 @@ Names follow Prometheus's conventions: a `heapscope_` prefix, base units in the 
 counters (prometheus_client adds it to counter families). Every per-target series carries `pid` and `command`.
 The per-site series are bounded: the top N sites by live bytes plus one `(other sites)` series per target, so
 a target with a million allocation sites still makes N + 1 series.
+
+What is growing (agent.model.growth, read from a target's stored history over the last GROWTH_WINDOW_S) is the
+one figure not read afresh: it reads up to 48 stored snapshots, so each target's is kept GROWTH_REFRESH_S, and a
+scrape spends at most GROWTH_BUDGET_S recomputing the oldest (the others keep their last figures meanwhile).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -19,6 +25,7 @@ from prometheus_client.registry import Collector
 from agent.errors import HeapscopeError
 from agent.model.counters import Counters
 from agent.model.fleet import REFUSAL_REASONS, FleetStatus, TargetOrigin
+from agent.model.growth import DEFAULT_WINDOW_S, GrowthReport
 from agent.model.pages import PageTotals
 from agent.model.stored import StoreStatus
 from agent.model.target import SiteTotal
@@ -46,6 +53,8 @@ class MetricsTarget(Protocol):
     def page_totals(self) -> PageTotals | None: ...
 
     def store_status(self) -> StoreStatus: ...
+
+    def stored_growth(self, since: str | None, window_s: float | None, top: int) -> GrowthReport: ...
 
 
 class MetricsSource(Protocol):
@@ -103,12 +112,52 @@ _DROPS = (
 )
 
 
+GROWTH_WINDOW_S = DEFAULT_WINDOW_S
+GROWTH_REFRESH_S = 30.0
+GROWTH_BUDGET_S = 2.0
+
+
+class GrowthCache:
+    """Each target's growth report, recomputed once it is GROWTH_REFRESH_S old, oldest first, within a time budget
+    per scrape (one at least). A target whose history cannot be read (none stored yet) has no figures."""
+
+    def __init__(self, window_s: float = GROWTH_WINDOW_S, refresh_s: float = GROWTH_REFRESH_S,
+                 budget_s: float = GROWTH_BUDGET_S) -> None:
+        self.window_s = window_s
+        self.refresh_s = refresh_s
+        self.budget_s = budget_s
+        self._lock = threading.Lock()  # scrapes may run at once (the server's worker threads)
+        self._held: dict[tuple[int, int], tuple[float, GrowthReport | None]] = {}  # (pid, id) -> (when, report)
+
+    def reports(self, targets: Sequence[MetricsTarget], top: int) -> dict[int, GrowthReport]:
+        """The latest report of each target that keeps a history, by id(target)."""
+        with self._lock:
+            now = time.monotonic()
+            keys = {(t.pid, id(t)): t for t in targets}
+            for gone in self._held.keys() - keys.keys():
+                del self._held[gone]
+            stale = sorted((self._held.get(k, (-1e18, None))[0], k) for k in keys)
+            spent = 0.0
+            for done, (at, key) in enumerate(stale):
+                if now - at < self.refresh_s or (done and spent >= self.budget_s):  # one at least, for progress
+                    break
+                t0 = time.monotonic()
+                try:
+                    report = keys[key].stored_growth(None, self.window_s, top)
+                except HeapscopeError:  # no history kept, none stored yet, or gone
+                    report = None
+                spent += time.monotonic() - t0
+                self._held[key] = (now, report)
+            return {k[1]: r for k, (_, r) in self._held.items() if r is not None}
+
+
 class HeapscopeCollector(Collector):
-    def __init__(self, source: MetricsSource, top_stacks: int = 10) -> None:
+    def __init__(self, source: MetricsSource, top_stacks: int = 10, growth: GrowthCache | None = None) -> None:
         if top_stacks < 0:
             raise ValueError(f"top_stacks must be at least 0, got {top_stacks}")
         self.source = source
         self.top_stacks = top_stacks
+        self.growth = growth if growth is not None else GrowthCache()
 
     def describe(self) -> list[Metric]:
         # No families at registration: collect() reads the maps and must only run at scrape time.
@@ -149,8 +198,24 @@ class HeapscopeCollector(Collector):
             labels=TARGET_LABELS,
         )
         store_counters = [CounterMetricFamily(name, doc, labels=TARGET_LABELS) for name, doc, _ in _STORE_COUNTERS]
+        window = f"{self.growth.window_s:.0f} s"
+        site_growth = GaugeMetricFamily(
+            "heapscope_site_growth_bytes_per_second",
+            f"Growth of the live heap bytes of the top {self.top_stacks} sites by growth (leak suspects first, then "
+            f"by bytes added), a second, over the last {window} of the stored history (Theil-Sen's slope; "
+            "recomputed every 30 s), and of all other sites together.",
+            labels=(*TARGET_LABELS, "site"),
+        )
+        suspects = GaugeMetricFamily(
+            "heapscope_leak_suspects",
+            f"Sites whose live bytes grew steadily and stayed over the last {window} of the stored history "
+            "(GET /targets/PID/growth lists them).",
+            labels=TARGET_LABELS,
+        )
+        targets = list(self.source.targets())
+        growth = self.growth.reports([t for t in targets if _keeps_history(t)], self.top_stacks)
         n_targets = 0
-        for t in self.source.targets():
+        for t in targets:
             try:
                 c = t.counters()
                 top, other = t.top_sites(self.top_stacks)
@@ -181,6 +246,12 @@ class HeapscopeCollector(Collector):
             for s in [*top, other]:
                 site_bytes.add_metric([*labels, s.site], s.bytes)
                 site_blocks.add_metric([*labels, s.site], s.blocks)
+            report = growth.get(id(t))
+            if report is not None:
+                suspects.add_metric(labels, report.suspects)
+                for g in report.sites[: self.top_stacks]:
+                    site_growth.add_metric([*labels, g.site], g.bytes_per_s)
+                site_growth.add_metric([*labels, OTHER_SITES], report.rest_bytes_per_s)
         yield GaugeMetricFamily("heapscope_targets", "Processes the daemon holds a profile of.", value=n_targets)
         yield info
         yield profile
@@ -193,6 +264,18 @@ class HeapscopeCollector(Collector):
         yield site_bytes
         yield site_blocks
         yield from store_counters
+        yield site_growth
+        yield suspects
+
+
+OTHER_SITES = "(other sites)"
+
+
+def _keeps_history(t: MetricsTarget) -> bool:
+    try:
+        return t.store_status().enabled
+    except HeapscopeError:
+        return False
 
 
 class FleetSource(Protocol):

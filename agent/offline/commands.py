@@ -1,7 +1,9 @@
-"""`heapscope report` and `heapscope diff`: read a stored history, no target, no probes, no root.
+"""`heapscope report`, `heapscope diff` and `heapscope growth`: read a stored history, no target, no probes, no
+root.
 
     heapscope report STORE [--pid N] [--from T] [--to T] --format=massif|xtree|json [-o FILE]
     heapscope diff STORE [--pid N] --from T1 --to T2 [--json] [--threshold P]
+    heapscope growth STORE [--pid N] [--since T] [--window SECONDS] [--top N] [--format text|json]
 
 cli.py registers them (`register`) and hands their namespace to `run`.
 """
@@ -20,11 +22,11 @@ from agent.argtypes import int_at_least, percent
 from agent.errors import HeapscopeError, NotInHistory, UsageError
 from agent.export.massif import write_massif
 from agent.export.xtree import write_xtree
-from agent.offline import history
-from agent.offline.timespec import iso, parse_moment
+from agent.offline import growth, history
+from agent.offline.timespec import iso, parse_duration, parse_moment
 from agent.store import SnapshotUnavailable, StoreReader
 
-COMMANDS = ("report", "diff")
+COMMANDS = ("report", "diff", "growth")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -50,6 +52,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
     d.add_argument("--threshold", type=percent, default=1.0,
                    help="nodes below this percent of the growth (or shrinkage) are merged into one line (1.0)")
+    g = sub.add_parser(
+        "growth", help="what is growing: sites ranked by steady growth over a window, leak suspects first",
+        epilog=times + " Verdicts: leak suspect (steady growth of bytes that stay), grew then stopped (a cache that "
+        "filled), growing, churn (rises and falls), shrinking, flat, too few samples (sampled mode); "
+        "agent/model/growth.py says how each is decided.",
+    )
+    _store_args(g)
+    g.add_argument("--since", metavar="T", help="start of the window (default: --window before the last snapshot)")
+    g.add_argument("--window", metavar="SECONDS", type=window_seconds, default=None,
+                   help="length of the window: 20, 90s, 10m, 1h, 2d (default: from --since, else the whole run)")
+    g.add_argument("--top", type=int_at_least(0), default=growth.TOP,
+                   help=f"sites listed, ranked (0: all; every site is judged and counted) ({growth.TOP})")
+    g.add_argument("--format", choices=("text", "json"), default="text")
 
 
 # `--from -24h`: argparse takes a word that starts with '-' for an option unless it looks like a negative
@@ -57,18 +72,44 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 _RELATIVE_TIME = re.compile(r"^-\d+(?:\.\d+)?[smhdw]?$")
 
 
-def _common(p: argparse.ArgumentParser, required: bool = False) -> None:
+def _store_args(p: argparse.ArgumentParser) -> None:
     p._negative_number_matcher = _RELATIVE_TIME  # type: ignore[attr-defined]
     p.add_argument("store", metavar="STORE", help="the store directory (as given to --store), or one process's")
     p.add_argument("--pid", type=int_at_least(1), default=None, help="the process (when the store holds several)")
+
+
+def _common(p: argparse.ArgumentParser, required: bool = False) -> None:
+    _store_args(p)
     p.add_argument("--from", dest="start", metavar="T", required=required, help="start of the range")
     p.add_argument("--to", dest="end", metavar="T", required=required, help="end of the range")
+
+
+def window_seconds(text: str) -> float:
+    """A window's length, as --window takes it: a positive duration (20, 90s, 10m, 1h, 2d)."""
+    try:
+        seconds = parse_duration(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return seconds
 
 
 def run(ns: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
     now = time.time_ns()
+    if ns.command == "growth":
+        since = parse_moment(ns.since, now) if ns.since else None
+        with history.open_target(ns.store, ns.pid) as reader:
+            rep = growth.report(reader, since_ns=since, window_s=ns.window, top=ns.top)
+        if ns.format == "json":
+            out.write(json.dumps(rep.to_json(), indent=1) + "\n")
+        else:
+            out.write(growth.text(rep))
+        for note in rep.notes:
+            err.write(f"heapscope: {note}\n")
+        return 0
     start = parse_moment(ns.start, now) if ns.start else None
     end = parse_moment(ns.end, now, base_ns=start) if ns.end else None
     if start is not None and end is not None and end < start:

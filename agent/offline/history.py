@@ -4,7 +4,7 @@ moment, and the difference between two moments as a tree of byte deltas. No outp
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,7 +68,7 @@ def select(reader: StoreReader, start_ns: int | None, end_ns: int | None) -> Sel
     in_range = reader.snapshots(start_ns, end_ns)
     if start_ns is not None and (not in_range or in_range[0].wall_ns > start_ns):
         prior = reader.before(start_ns)
-        if prior is not None and "error" not in prior.info and (not in_range or _run(prior) == _run(in_range[0])):
+        if prior is not None and "error" not in prior.info and (not in_range or run_of(prior) == run_of(in_range[0])):
             refs.append(prior)
     for ref in in_range:
         if "error" in ref.info:
@@ -78,17 +78,17 @@ def select(reader: StoreReader, start_ns: int | None, end_ns: int | None) -> Sel
     notes = []
     if bad:
         notes.append(f"{bad} snapshots in the range have an unreadable snapinfo and are left out")
-    runs = sorted({_run(r) for r in refs})
+    runs = sorted({run_of(r) for r in refs})
     if len(runs) > 1:
         last = runs[-1]
-        dropped = sum(1 for r in refs if _run(r) != last)
-        refs = [r for r in refs if _run(r) == last]
+        dropped = sum(1 for r in refs if run_of(r) != last)
+        refs = [r for r in refs if run_of(r) == last]
         notes.append(f"the range covers {len(runs)} runs of the process: reporting the last, "
                      f"{dropped} snapshots of earlier runs left out (narrow it with --from/--to)")
     return Selection(refs, notes)
 
 
-def _run(ref: SnapshotRef) -> int:
+def run_of(ref: SnapshotRef) -> int:
     """Which run of the process a snapshot belongs to (its start on the wall clock)."""
     return int(ref.segment.filemeta.get("start_wall_ns", 0))
 
@@ -135,6 +135,36 @@ class Trimmer:
         return merged
 
 
+class SiteNumbers:
+    """A number for each site of a segment, from its stack (`number_of`; -1 leaves the site out), asked once per
+    distinct stack: a segment numbers its sites its own way, and segments repeat each other's stacks."""
+
+    def __init__(self, number_of: Callable[[Stack], int]) -> None:
+        self.number_of = number_of
+        self._by_segment: dict[int, np.ndarray] = {}  # id(segment) -> number per site
+        self._by_raw: dict[Stack, int] = {}
+
+    def of(self, segment: object, stacks: Sequence[Stack], n: int) -> np.ndarray:
+        """The numbers of the segment's sites 0..n-1 (`stacks`: the segment's site stacks, at least n)."""
+        key = id(segment)
+        have = self._by_segment.get(key)
+        if have is None or len(have) < n:
+            done = 0 if have is None else len(have)
+            more = []
+            for stack in stacks[done:n]:
+                number = self._by_raw.get(stack)
+                if number is None:
+                    number = self._by_raw[stack] = self.number_of(stack)
+                more.append(number)
+            grown = np.array(more, dtype=np.int64)
+            have = grown if have is None else np.concatenate([have, grown])
+            self._by_segment[key] = have
+        return have[:n]
+
+    def of_snapshot(self, snap: StoredSnapshot) -> np.ndarray:
+        return self.of(snap.ref.segment, snap.site_stacks, snap.counters.shape[1])
+
+
 class TreeBuilder:
     """Heap trees of stored snapshots through one StackIndex (as the session builds its trees): each site is
     trimmed and numbered once, and a snapshot's tree is then one pass over its counter column."""
@@ -142,27 +172,15 @@ class TreeBuilder:
     def __init__(self, trim: Trimmer, root_label: str) -> None:
         self.trim = trim
         self.index = StackIndex(root_label)
-        self._numbers: dict[int, np.ndarray] = {}  # id(segment) -> stack number per site (-1: left out)
-        self._by_raw: dict[Stack, int] = {}  # raw stack -> stack number: segments repeat their sites' stacks
+        self._sites = SiteNumbers(self._number)
+
+    def _number(self, stack: Stack) -> int:
+        t = self.trim(stack)
+        return -1 if not t else self.index.add(t)
 
     def numbers(self, snap: StoredSnapshot) -> np.ndarray:
         """The trimmed stack's number of every site of the snapshot's segment (-1: ignored or empty)."""
-        key = id(snap.ref.segment)
-        have = self._numbers.get(key)
-        n = snap.counters.shape[1]
-        if have is None or len(have) < n:
-            done = 0 if have is None else len(have)
-            more = []
-            for stack in snap.site_stacks[done:n]:
-                number = self._by_raw.get(stack)
-                if number is None:
-                    t = self.trim(stack)
-                    number = self._by_raw[stack] = -1 if not t else self.index.add(t)
-                more.append(number)
-            grown = np.array(more, dtype=np.int64)
-            have = grown if have is None else np.concatenate([have, grown])
-            self._numbers[key] = have
-        return have[:n]
+        return self._sites.of_snapshot(snap)
 
     def values(self, snap: StoredSnapshot, field: str) -> list[int]:
         """Bytes per stack number of one counter (sites with equal trimmed stacks add up)."""
@@ -296,7 +314,7 @@ class Diff:
 def diff(before: StoredSnapshot, after: StoredSnapshot, trim: Trimmer, root_label: str) -> Diff:
     """The change of live bytes per trimmed stack between two snapshots, split in the stacks that grew and the
     ones that shrank, each merged into a tree (allocation site first, then its callers, as Massif's trees)."""
-    numbers = _StackNumbers(trim)
+    numbers = StackNumbers(trim)
     a_bytes, a_blocks = numbers.live(before)
     b_bytes, b_blocks = numbers.live(after)
     n = len(numbers.stacks)
@@ -313,41 +331,30 @@ def diff(before: StoredSnapshot, after: StoredSnapshot, trim: Trimmer, root_labe
     return Diff(before, after, grew, shrank, new_sites, gone_sites)
 
 
-class _StackNumbers:
+class StackNumbers(SiteNumbers):
     """Trimmed stacks numbered once for the sites of the snapshots' segments (a diff's two snapshots mostly
-    share one), so that each snapshot's live bytes per trimmed stack are one pass over its counter columns."""
+    share one), so that each snapshot's live bytes per trimmed stack are one pass over its counter columns.
+    `stacks[k]` is trimmed stack number k; -1 is a site --ignore-fn leaves out."""
 
     def __init__(self, trim: Trimmer) -> None:
+        super().__init__(self._number)
         self.trim = trim
         self.stacks: list[Stack] = []
         self._index: dict[Stack, int] = {}
-        self._by_segment: dict[int, np.ndarray] = {}  # id(segment) -> number per site (-1: --ignore-fn)
 
-    def _numbers(self, snap: StoredSnapshot) -> np.ndarray:
-        n = snap.counters.shape[1]
-        key = id(snap.ref.segment)
-        have = self._by_segment.get(key)
-        if have is None or len(have) < n:
-            done = 0 if have is None else len(have)
-            more = []
-            for raw in snap.site_stacks[done:n]:
-                t = self.trim(raw)
-                if t is None:
-                    more.append(-1)
-                    continue
-                k = self._index.get(t)
-                if k is None:
-                    k = self._index[t] = len(self.stacks)
-                    self.stacks.append(t)
-                more.append(k)
-            grown = np.array(more, dtype=np.int64)
-            have = grown if have is None else np.concatenate([have, grown])
-            self._by_segment[key] = have
-        return have[:n]
+    def _number(self, raw: Stack) -> int:
+        t = self.trim(raw)
+        if t is None:
+            return -1
+        k = self._index.get(t)
+        if k is None:
+            k = self._index[t] = len(self.stacks)
+            self.stacks.append(t)
+        return k
 
     def live(self, snap: StoredSnapshot) -> tuple[np.ndarray, np.ndarray]:
         """Live bytes and blocks per trimmed stack number (sites with equal trimmed stacks add up)."""
-        nums = self._numbers(snap)
+        nums = self.of_snapshot(snap)
         keep = nums >= 0
         out = []
         for field_name in ("cur_bytes", "cur_blocks"):

@@ -60,6 +60,12 @@ def _plain_frame(a: int, fn: str | None, fl: str | None, ln: int | None, ob: str
     return Frame(a, fn, fl, ln, ob, pa, inlined=inl)
 
 
+def frame_hash(a: int, fn: str | None, fl: str | None, ln: int, ob: str | None) -> int:
+    """hash() of the frame make_frames makes from these columns (string references resolved; a line of 0 is
+    none), without making it."""
+    return hash((a & _MASK, fn, fl, ln or None, ob))
+
+
 def _direct_frame(a: int, fn: str | None, fl: str | None, ln: int | None, ob: str | None, pa: str | None,
                   inl: bool) -> Frame:
     # _hash: what Frame.__hash__ computes and keeps on first use (checked below), computed here in the same call
@@ -145,7 +151,43 @@ def _tuple_hash_matches() -> bool:
     return got == [hash(tuple(items[i] for i in c)) for c in cases]
 
 
-_FAST_HASH = _tuple_hash_matches()
+FAST_HASH = _tuple_hash_matches()  # stack hashes can be computed with numpy (tuple_hashes)
+_MODULUS = (1 << 61) - 1  # an int's hash is itself modulo this (sys.hash_info.modulus, on 64-bit CPython)
+_INT_HASH = FAST_HASH and sys.hash_info.modulus == _MODULUS and sys.hash_info.width == 64
+
+
+def frame_hashes(addr: np.ndarray, func: np.ndarray, file: np.ndarray, line: np.ndarray, obj: np.ndarray,
+                 strings: Sequence[str]) -> np.ndarray:
+    """frame_hash of every row of a frame table's columns (string references are index + 1, 0 for none), with
+    numpy: the tuple hash of (address, function, file, line, obj) from its items' hashes, a non-negative int's
+    being itself modulo 2**61 - 1. Checked against frame_hash on a few rows; frame_hash row by row where the
+    arithmetic is not the interpreter's."""
+    n = len(addr)
+    strs: list[str | None] = [None, *strings]
+    if not _INT_HASH or not n:
+        return frame_hashes_plain(addr, func, file, line, obj, strs)
+    text = np.array([hash(x) for x in strs], dtype=np.int64)
+    none = hash(None)
+    mod = np.uint64(_MODULUS)
+    items = np.empty((n, 5), dtype=np.int64)
+    items[:, 0] = (addr.astype(np.int64).view(np.uint64) % mod).view(np.int64)  # the address as u64
+    items[:, 1] = text[func]
+    items[:, 2] = text[file]
+    items[:, 3] = np.where(line == 0, none, line.astype(np.int64) % _MODULUS)
+    items[:, 4] = text[obj]
+    out = tuple_hashes(items.ravel(), np.arange(5 * n), np.full(n, 5, dtype=np.int64))
+    for k in {0, n // 2, n - 1}:
+        row = int(addr[k]), strs[func[k]], strs[file[k]], int(line[k]), strs[obj[k]]
+        if frame_hash(*row) != int(out[k]):
+            return frame_hashes_plain(addr, func, file, line, obj, strs)
+    return out
+
+
+def frame_hashes_plain(addr: np.ndarray, func: np.ndarray, file: np.ndarray, line: np.ndarray, obj: np.ndarray,
+                       strs: Sequence[str | None]) -> np.ndarray:
+    return np.array([frame_hash(a, strs[fn], strs[fl], ln, strs[ob])
+                     for a, fn, fl, ln, ob in zip(addr.tolist(), func.tolist(), file.tolist(), line.tolist(),
+                                                  obj.tolist(), strict=True)], dtype=np.int64)
 
 
 def make_stacks(
@@ -172,7 +214,7 @@ def make_stacks(
                 got = objs[frm_a[starts[which][:, None] + np.arange(length)]].tolist()
                 for i, row in zip(which.tolist(), got, strict=True):
                     rows[i] = row
-    if not _FAST_HASH:
+    if not FAST_HASH:
         return [tuple(r) for r in rows]
     hashes = tuple_hashes(frame_hashes, frm_a, lens_a).tolist()
     out: list[Stack] = list(map(StoredStack, rows))

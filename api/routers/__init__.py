@@ -1,4 +1,5 @@
-"""One router per resource: health, profiles (the monitor commands as GETs), monitor, targets, metrics."""
+"""One router per resource: health, profiles (the monitor commands as GETs), monitor, targets, metrics, the stored
+history, what is growing (growth), pprof, selectors and the web page."""
 
 from __future__ import annotations
 

@@ -23,17 +23,17 @@ from api.routers import ERRORS
 
 router = APIRouter(tags=["history"])
 
-_TIME = "ISO 8601 (2026-11-23T08:00), a time of day (09:00), `now`, or relative (-30m, -24h)."
-At = Annotated[str, Query(max_length=64, description=f"The moment: {_TIME}")]
+TIME = "ISO 8601 (2026-11-23T08:00), a time of day (09:00), `now`, or relative (-30m, -24h)."
+At = Annotated[str, Query(max_length=64, description=f"The moment: {TIME}")]
 OptAt = Annotated[
-    str | None, Query(max_length=64, description=f"Read the last snapshot stored at or before this moment: {_TIME}")
+    str | None, Query(max_length=64, description=f"Read the last snapshot stored at or before this moment: {TIME}")
 ]
-From = Annotated[str, Query(alias="from", max_length=64, description=f"The start: {_TIME}")]
-To = Annotated[str, Query(alias="to", max_length=64, description=f"The end: {_TIME}")]
+From = Annotated[str, Query(alias="from", max_length=64, description=f"The start: {TIME}")]
+To = Annotated[str, Query(alias="to", max_length=64, description=f"The end: {TIME}")]
 OptFrom = Annotated[
-    str | None, Query(alias="from", max_length=64, description=f"The start (default: the first): {_TIME}")
+    str | None, Query(alias="from", max_length=64, description=f"The start (default: the first): {TIME}")
 ]
-OptTo = Annotated[str | None, Query(alias="to", max_length=64, description=f"The end (default: the last): {_TIME}")]
+OptTo = Annotated[str | None, Query(alias="to", max_length=64, description=f"The end (default: the last): {TIME}")]
 Threshold = Annotated[
     float, Query(ge=0.0, le=100.0, description="Nodes below this percent of the growth (or shrinkage) are merged.")
 ]

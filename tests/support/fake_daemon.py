@@ -16,6 +16,7 @@ from agent.export.pprof import PprofContext
 from agent.export.registry import BY_NAME, MaltDocument
 from agent.model.counters import Counters
 from agent.model.fleet import FleetStatus, SelectorStatus, TargetOrigin
+from agent.model.growth import GrowthReport
 from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
 from agent.model.profile import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
@@ -184,6 +185,9 @@ class FakeTarget:
 
     def stored_diff(self, start: str, end: str, threshold: float) -> StoredDiff:
         return history.diff(self._store(), start, end, threshold)
+
+    def stored_growth(self, since: str | None, window_s: float | None, top: int) -> GrowthReport:
+        return history.growth(self._store(), since, window_s, top)
 
     def next_xtmemory_seq(self) -> int:
         self._xt_seq += 1

@@ -22,6 +22,7 @@ from agent.errors import HeapscopeError
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 MANIFEST = DEPLOY / "kubernetes" / "heapscope.yaml"
+ALERTS = DEPLOY / "prometheus" / "heapscope-alerts.yml"
 
 
 def documents() -> list[dict[str, Any]]:
@@ -101,10 +102,67 @@ def test_prometheus_config_is_valid(tmp_path: Path) -> None:
     config = tmp_path / "prometheus.yml"
     config.write_text((DEPLOY / "prometheus" / "prometheus.yml").read_text().replace(
         "/etc/prometheus/heapscope.token", str(token)))
+    shutil.copy(ALERTS, tmp_path / ALERTS.name)  # its rule_files, beside it
     done = subprocess.run(["promtool", "check", "config", str(config)], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     jobs = [j["job_name"] for j in yaml.safe_load(config.read_text())["scrape_configs"]]
     assert jobs == ["heapscope", "heapscope-kubernetes"]
+    assert "SUCCESS: 2 rules found" in done.stdout, done.stdout
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (Debian: prometheus)")
+def test_growth_alerts_pass_promtool_and_fire(tmp_path: Path) -> None:
+    """`promtool check rules`, then `promtool test rules`: made-up series of a target with a leak suspect from
+    minute 2 on, a site adding 50,000 B/s, and the other sites' sum (never alerted on), evaluated by Prometheus's
+    own rule engine."""
+    done = subprocess.run(["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "SUCCESS: 2 rules found" in done.stdout, done.stdout + done.stderr
+    target = 'pid="42",command="svc",cgroup="/system.slice/svc.service",unit="svc.service",container="",pod=""'
+    labels = {"pid": "42", "command": "svc", "cgroup": "/system.slice/svc.service", "unit": "svc.service",
+              "severity": "warning"}  # Prometheus drops the labels whose value is empty
+    leak = "leak_one (svc.c:40)"
+    cases = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                {"series": f"heapscope_leak_suspects{{{target}}}", "values": "0 0 1x60"},
+                {"series": f'heapscope_site_growth_bytes_per_second{{{target},site="{leak}"}}', "values": "50000x90"},
+                {"series": f'heapscope_site_growth_bytes_per_second{{{target},site="cache (svc.c:60)"}}',
+                 "values": "100x90"},
+                {"series": f'heapscope_site_growth_bytes_per_second{{{target},site="(other sites)"}}',
+                 "values": "1000000x90"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "20m", "alertname": "HeapscopeLeakSuspect", "exp_alerts": []},  # pending: for 30m
+                {"eval_time": "40m", "alertname": "HeapscopeLeakSuspect", "exp_alerts": [{
+                    "exp_labels": labels,
+                    "exp_annotations": {
+                        "summary": "svc (pid 42): 1 leak suspect site(s)",
+                        "description": "heapscope sees steady growth made of bytes that stay at 1 allocation site(s) "
+                                       "of svc (pid 42). The sites, their rates and stacks: GET /targets/42/growth on "
+                                       "the daemon, or `heapscope growth STORE --pid 42`.",
+                    },
+                }]},
+                {"eval_time": "50m", "alertname": "HeapscopeSiteGrowsFast", "exp_alerts": []},
+                {"eval_time": "70m", "alertname": "HeapscopeSiteGrowsFast", "exp_alerts": [{
+                    "exp_labels": {**labels, "site": leak},
+                    "exp_annotations": {
+                        "summary": f"svc (pid 42): {leak} grows fast",
+                        "description": f"{leak} in svc (pid 42) has grown by 171.7MiB an hour for an hour. GET "
+                                       "/targets/42/growth says whether it is a leak suspect, a cache still "
+                                       "filling, or churn.",
+                    },
+                }]},
+            ],
+        }],
+    }
+    test_file = tmp_path / "alerts_test.yml"
+    test_file.write_text(yaml.safe_dump(cases))
+    done = subprocess.run(["promtool", "test", "rules", str(test_file)], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")

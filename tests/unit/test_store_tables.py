@@ -72,3 +72,21 @@ def test_stored_stacks_are_the_same_dict_keys_as_plain_tuples() -> None:
         # pickled (between processes str hashes differ): a plain tuple, hashed afresh
         back = pickle.loads(pickle.dumps(stacks[2]))
         assert type(back) is tuple and back == plain[2] and hash(back) == hash(plain[2])
+
+
+def test_frame_hashes_are_the_frames_hashes() -> None:
+    """frame_hashes (numpy, for matching sites across segments without making frames) gives what hash() gives
+    for the frame make_frames makes: addresses up to 2**64 - 1 (stored as negative i64), lines of 0 (none),
+    missing strings."""
+    rng = np.random.default_rng(5)
+    strings = [f"fn_{i}" for i in range(50)] + ["é", "", "a.c", "/lib/x86_64-linux-gnu/libc.so.6"]
+    n = 500
+    addr = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
+    addr[:4] = [0, 1, -1, 0x401000]
+    cols = [rng.integers(0, len(strings) + 1, n) for _ in range(3)]
+    line = rng.integers(0, 3000, n)
+    line[:3] = 0
+    got = tables.frame_hashes(addr, cols[0], cols[1], line, cols[2], strings)
+    frames = tables.make_frames(addr.tolist(), cols[0].tolist(), cols[1].tolist(), line.tolist(),
+                                cols[2].tolist(), [0] * n, [0] * n, strings)
+    assert got.tolist() == [hash(f) for f in frames]

@@ -7,6 +7,8 @@
     "#9c755f", "#86bcb6", "#d37295", "#a0cbe8"];
   const OTHER_COLOR = "#c9ccd3";
   const POLL_MS = 1000;
+  const GROWTH_EVERY_MS = 5000;  // the growth panel reads up to 48 stored snapshots: not at every poll
+  const GROWTH_ROWS = 20;
   const $ = (id) => document.getElementById(id);
 
   // ---- data sources ----------------------------------------------------------------------------------------
@@ -27,6 +29,13 @@
       timeline: (pid) => get(`targets/${pid}/timeline`),
       tree: (pid, id) => get(`targets/${pid}/snapshots/${encodeURIComponent(id)}/tree`),
       diff: (pid, a, b) => get(`targets/${pid}/diff?a=${encodeURIComponent(a)}&b=${encodeURIComponent(b)}`),
+      growth: async (pid) => {
+        // Asked first, so that a target without a history (or none stored yet) costs no failed request.
+        const h = await get(`targets/${pid}/history`);
+        if (!h.enabled) throw new Error("this target keeps no history (serve keeps one unless --no-store; run and attach with --store DIR)");
+        if (!h.snapshots_held) throw new Error("no snapshot stored yet");
+        return get(`targets/${pid}/growth?top=${GROWTH_ROWS}`);
+      },
     };
   }
 
@@ -103,7 +112,7 @@
 
   // ---- state -----------------------------------------------------------------------------------------------
   const state = { targets: [], pid: null, timeline: null, cursor: null, marks: [], treeId: null, tree: null,
-    zoom: null, focus: null, busy: false };
+    zoom: null, focus: null, busy: false, growth: null, growthAt: -Infinity, growthOpen: new Set(), growthFocus: null };
   const siteColor = (name) => {
     const i = state.timeline ? state.timeline.sites.indexOf(name) : -1;
     return i >= 0 && i < state.timeline.sites.length - 1 ? PALETTE[i % PALETTE.length] : OTHER_COLOR;
@@ -130,11 +139,12 @@
 
   async function selectTarget(pid) {
     if (pid === state.pid) return;
-    Object.assign(state, { pid, timeline: null, cursor: null, marks: [], treeId: null, tree: null, zoom: null, focus: null });
-    $("tree-panel").hidden = true;
-    $("diff-panel").hidden = true;
+    Object.assign(state, { pid, timeline: null, cursor: null, marks: [], treeId: null, tree: null, zoom: null, focus: null,
+      growth: null, growthAt: -Infinity, growthOpen: new Set(), growthFocus: null });
+    for (const id of ["tree-panel", "diff-panel", "growth-panel"]) $(id).hidden = true;
     renderTargets();
     await refreshTimeline();
+    await refreshGrowth();
   }
 
   // ---- timeline --------------------------------------------------------------------------------------------
@@ -479,6 +489,91 @@
     timings.diff = performance.now() - started;
   }
 
+  // ---- what is growing: the target's sites over its stored history, leak suspects first ------------------
+  async function refreshGrowth() {
+    if (!source.growth || state.pid === null || performance.now() - state.growthAt < GROWTH_EVERY_MS) return;
+    state.growthAt = performance.now();
+    const pid = state.pid;
+    let g = null, error = null;
+    try { g = await source.growth(pid); } catch (e) { error = String(e.message || e); }
+    if (pid !== state.pid) return;  // another target was chosen meanwhile
+    state.growth = g;
+    renderGrowth(error);
+  }
+
+  function fmtSpan(s) {
+    if (s >= 86400) return (s / 86400).toFixed(1) + " d";
+    if (s >= 3600) return (s / 3600).toFixed(1) + " h";
+    if (s >= 60) return (s / 60).toFixed(1) + " min";
+    return Math.round(s) + " s";
+  }
+
+  // A site's live bytes over the window, scaled to its own range.
+  function spark(values, times) {
+    const W = 120, H = 22;
+    const svg = svgEl("svg", { class: "spark", width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: "img",
+      "aria-label": `live bytes from ${fmtBytes(values[0])} to ${fmtBytes(values[values.length - 1])}` });
+    const t0 = times[0], t1 = Math.max(times[times.length - 1], t0 + 1e-9);
+    const lo = Math.min(...values), hi = Math.max(lo + 1, ...values);
+    svgEl("polyline", { points: values.map((v, i) => `${1 + (W - 2) * (times[i] - t0) / (t1 - t0)},${H - 2 - (H - 4) * (v - lo) / (hi - lo)}`).join(" ") }, svg);
+    return svg;
+  }
+
+  function renderGrowth(error) {
+    $("growth-panel").hidden = false;
+    const tb = $("growth-table");
+    tb.textContent = "";
+    const g = state.growth;
+    if (!g) {
+      $("growth-title").textContent = "What is growing";
+      $("growth-info").textContent = "Nothing to show: " + error;
+      return;
+    }
+    const span = fmtSpan(g.window_s);
+    $("growth-title").textContent = `What is growing, over the last ${span}` + (g.mode === "sampled" ? " (estimates)" : "");
+    const said = g.process.said.charAt(0).toUpperCase() + g.process.said.slice(1);
+    $("growth-info").textContent = `${said}. ${g.suspects} leak suspect${g.suspects === 1 ? "" : "s"} among ${g.n_sites} sites: `
+      + "suspects first, then by the bytes added. Click a site (or Enter) for its stack.";
+    const head = el("tr", {}, el("thead", {}, tb));
+    for (const [h, num] of [["site", false], ["verdict", false], ["rate", true], ["added", true], ["live", true],
+      ["steady", true], ["age", true], [`live bytes over ${span}`, false]])
+      el("th", { class: num ? "num" : "" }, head).textContent = h;
+    const body = el("tbody", {}, tb);
+    for (const s of g.sites.slice(0, GROWTH_ROWS)) {
+      const open = state.growthOpen.has(s.site);
+      const tr = el("tr", { class: "growth-row" + (s.suspect ? " suspect" : ""), tabindex: "0", "data-site": s.site,
+        "data-verdict": s.verdict, "data-suspect": String(s.suspect), "aria-expanded": String(open) }, body);
+      el("td", {}, tr).textContent = s.site;
+      el("td", { class: "verdict" }, tr).textContent = s.verdict + (s.samples !== null ? ` (${s.samples} samples)` : "");
+      el("td", { class: "num", title: `${Math.round(s.bytes_per_s)} B/s` }, tr).textContent = signed(Math.round(s.bytes_per_s)) + "/s";
+      el("td", { class: "num", title: exact(s.added_B) }, tr).textContent = signed(s.added_B);
+      el("td", { class: "num", title: exact(s.live_B) }, tr).textContent = fmtBytes(s.live_B);
+      el("td", { class: "num" }, tr).textContent = s.steadiness.toFixed(2);
+      el("td", { class: "num" }, tr).textContent = fmtSpan(s.age_s);
+      el("td", {}, tr).appendChild(spark(s.line, g.times_s));
+      const toggle = () => {
+        if (open) state.growthOpen.delete(s.site); else state.growthOpen.add(s.site);
+        state.growthFocus = s.site;
+        renderGrowth(null);
+      };
+      tr.addEventListener("click", toggle);
+      tr.addEventListener("keydown", (ev) => { if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); toggle(); } });
+      if (open) {
+        const td = el("td", { colspan: 8 }, el("tr", { class: "growth-stack", "data-site": s.site }, body));
+        td.appendChild(document.createTextNode("Its stack that added the most: the site, then its callers outwards"));
+        const ol = el("ol", { "aria-label": "stack of " + s.site }, td);
+        for (const frame of s.stack) el("li", {}, ol).textContent = frame;
+      }
+    }
+    if (g.sites.length > GROWTH_ROWS || g.n_sites > g.sites.length)
+      el("td", { colspan: 8 }, el("tr", {}, body)).textContent = `${g.n_sites - Math.min(g.sites.length, GROWTH_ROWS)} more sites (GET /targets/${g.pid}/growth?top=0 lists them all)`;
+    if (state.growthFocus !== null) {
+      const again = [...tb.querySelectorAll("tr.growth-row")].find((r) => r.dataset.site === state.growthFocus);
+      if (again) again.focus();
+      state.growthFocus = null;
+    }
+  }
+
   // ---- wiring ----------------------------------------------------------------------------------------------
   $("compare").addEventListener("click", showDiff);
   $("clear-marks").addEventListener("click", () => { state.marks = []; renderTimeline(); });
@@ -496,7 +591,8 @@
         // Detached and forgotten by the daemon: show another target, or nothing.
         state.pid = null;
         state.timeline = null;
-        for (const id of ["tree-panel", "diff-panel"]) $(id).hidden = true;
+        state.growth = null;
+        for (const id of ["tree-panel", "diff-panel", "growth-panel"]) $(id).hidden = true;
         $("timeline").textContent = "";
         $("legend").textContent = "";
         $("timeline-note").textContent = "The target was detached.";
@@ -505,6 +601,7 @@
       else if (state.pid !== null) {
         const t = state.targets.find((q) => q.pid === state.pid);
         if (t && (t.state === "profiling" || !state.timeline || state.lastState !== t.state)) await refreshTimeline();
+        if (t && (t.state === "profiling" || !state.growth)) await refreshGrowth();
         if (t) state.lastState = t.state;
       }
       const live = state.targets.filter((q) => q.state === "profiling").length;
