@@ -46,7 +46,7 @@ from agent.model.counters import Counters
 from agent.model.fleet import REFUSAL_REASONS, FleetStatus, Limits, Refusal, SelectorStatus, TargetOrigin
 from agent.model.sampling import ProfileMode
 from agent.model.selector import ProcessFacts, Selector, first_match
-from agent.model.target import TargetStatus
+from agent.model.target import TargetState, TargetStatus
 from agent.process.discovery import forget_gone_processes
 from agent.process.procinfo import (
     cgroup_of,
@@ -123,7 +123,8 @@ class FleetManager(TargetManager):
         self._inflight = 0  # admitted and attaching
         self._refused: Counter[str] = Counter()
         self._refusal_said: set[tuple[Identity, str]] = set()
-        self._failed: dict[Identity, str] = {}  # selected processes that could not be attached: not retried
+        # selected processes that could not be attached, not retried: in /targets as refused, with why
+        self._failed: dict[Identity, TargetStatus] = {}
         self._waiting: dict[Identity, _Waiting] = {}  # no safe point yet: tried again later (NoSafePoint)
         self._released: set[Identity] = set()  # detached by the user: not selected again while they run
         self._failures = 0
@@ -397,9 +398,10 @@ class FleetManager(TargetManager):
                 self.config.say(f"selector {selector}: {exc}")
             return
         except HeapscopeError as exc:
+            refused = self._unprofiled(facts, selector, parent, job.mode, "refused", str(exc))
             with self._flock:
                 self._failures += 1
-                self._failed[identity] = str(exc)
+                self._failed[identity] = refused
             if read_facts(facts.pid, self.proc) is not None:  # one gone meanwhile is not worth a line
                 self.config.say(f"selector {selector}: cannot profile {facts.pid} ({facts.comm}): {exc}")
             return
@@ -420,15 +422,9 @@ class FleetManager(TargetManager):
             before = self._waiting.get(identity)
             tries = before.tries + 1 if before is not None else 1
             delay = min(RETRY_MAX, RETRY_FIRST * 2 ** (tries - 1))
-            mode = job.mode or self.config.profile.mode
-            status = TargetStatus(
-                pid=facts.pid, command=facts.comm, cmdline=facts.cmdline or facts.comm, allocator="",
-                state="waiting", started_at=before.status.started_at if before is not None else time.time(),
-                ended_at=None, files=(), counters=Counters(),
-                origin=TargetOrigin(start_time=facts.start_time, placement=placement_of(facts.cgroup),
-                                    selector=selector, parent=parent),
-                mode=mode.mode, sample_rate=mode.period, error=f"{exc}; tried {tries} times, next in {delay:.0f} s",
-            )
+            status = self._unprofiled(facts, selector, parent, job.mode, "waiting",
+                                      f"{exc}; tried {tries} times, next in {delay:.0f} s",
+                                      before.status.started_at if before is not None else None)
             self._waiting[identity] = _Waiting(status, tries, replace(job, start_time=facts.start_time))
         if before is None:  # one line when it starts waiting, one when it is profiled
             self.config.say(f"waiting for a safe point in {facts.pid} ({facts.comm}), trying again from {delay:.0f} s "
@@ -449,10 +445,23 @@ class FleetManager(TargetManager):
                 return self._waiting.pop(identity)
         return None
 
-    def waiting(self) -> list[TargetStatus]:
-        """Processes waiting for a safe point (state "waiting", `error` says where each thread was)."""
+    def _unprofiled(self, facts: ProcessFacts, selector: int | None, parent: int | None, mode: ProfileMode | None,
+                    state: TargetState, error: str, since: float | None = None) -> TargetStatus:
+        """How /targets shows a chosen process that is not profiled: waiting (tried again) or refused."""
+        mode = mode or self.config.profile.mode
+        return TargetStatus(
+            pid=facts.pid, command=facts.comm, cmdline=facts.cmdline or facts.comm, allocator="", state=state,
+            started_at=since if since is not None else time.time(), ended_at=None, files=(), counters=Counters(),
+            origin=TargetOrigin(start_time=facts.start_time, placement=placement_of(facts.cgroup),
+                                selector=selector, parent=parent),
+            mode=mode.mode, sample_rate=mode.period, error=error,
+        )
+
+    def not_profiled(self) -> list[TargetStatus]:
+        """Processes chosen but not profiled: waiting for a safe point (tried again; `error` says where each
+        thread was), or refused (not tried again while the process runs; `error` says why)."""
         with self._flock:
-            return [w.status for _, w in sorted(self._waiting.items())]
+            return [w.status for _, w in sorted(self._waiting.items())] + [s for _, s in sorted(self._failed.items())]
 
     def _profiling(self, facts: ProcessFacts) -> bool:
         with self._lock:

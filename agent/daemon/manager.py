@@ -175,8 +175,8 @@ class TargetManager:
         with self._lock:
             return sorted(self._targets.values(), key=lambda t: t.pid)
 
-    def waiting(self) -> list[TargetStatus]:
-        """Processes waiting to be attached (the fleet's: no thread at a safe point yet); none here."""
+    def not_profiled(self) -> list[TargetStatus]:
+        """Processes chosen but not profiled (the fleet's: waiting for a safe point, or refused); none here."""
         return []
 
     def get(self, pid: int | None) -> Target:

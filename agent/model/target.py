@@ -10,7 +10,8 @@ from agent.model.fleet import TargetOrigin
 from agent.model.pages import PageTotals
 from agent.model.profile import SiteCounts, Stack
 
-TargetState = Literal["profiling", "exited", "detached", "waiting"]  # waiting: for a safe point (fleet)
+# waiting: for a safe point, tried again; refused: chosen by a selector and refused (the fleet's, with why)
+TargetState = Literal["profiling", "exited", "detached", "waiting", "refused"]
 XtreeKind = Literal["allocs", "full"]
 
 # Linux's PID_MAX_LIMIT: no PID is larger.

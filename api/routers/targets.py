@@ -16,7 +16,7 @@ router = APIRouter(prefix="/targets", tags=["targets"])
 @router.get("", summary="The targets: profiled now, or exited (their last state stays queryable)", responses=ERRORS)
 def list_targets(manager: Manager) -> list[TargetOut]:
     profiled = [target_out(t.status()) for t in manager.targets()]
-    return profiled + [target_out(s) for s in manager.waiting()]  # no safe point yet: tried again
+    return profiled + [target_out(s) for s in manager.not_profiled()]  # waiting (tried again), or refused
 
 
 @router.post(

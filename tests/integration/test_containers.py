@@ -435,3 +435,31 @@ def test_a_daemon_in_its_own_container_profiles_host_and_container_processes_in_
         host.wait()
     log = d.stderr()
     assert "no table for" not in log and log.count("handed over in a memfd") == 2, log
+
+
+def test_a_process_the_daemon_cannot_sample_shows_as_refused_in_targets_with_why(
+    heapscope_cmd: list[str], build: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A static program chosen by a selector in sampled mode: no libc to dlopen the sampler with. It is in
+    /targets as refused, with the reason, not only in the log, and it runs on untouched."""
+    static = tmp_path / "hs-static-prog"
+    shutil.copy2(build("sampler_wait.c", flags=("-g", "-O0", "-static")), static)
+    d = start_daemon(heapscope_cmd, tmp_path, "--mode=sampled", "--attach-comm", "^hs-static-prog$")
+    proc = subprocess.Popen([str(static)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+
+        def refused() -> dict | None:  # type: ignore[type-arg]
+            with d.client() as c:
+                return next((t for t in c.get("/targets").json() if t["pid"] == proc.pid), None)
+
+        wait_for(lambda: refused() is not None, 60, "the static program in /targets")
+        t = refused()
+        assert t is not None and t["state"] == "refused" and "a static program" in t["error"], t
+        with d.client() as c:
+            assert "heapscope_targets_waiting 0.0" in c.get("/metrics").text
+        assert proc.poll() is None
+    finally:
+        stop_daemon(d)
+        proc.kill()
+        proc.wait()

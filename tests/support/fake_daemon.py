@@ -215,7 +215,7 @@ class FakeManager:
     def shutdown(self) -> None:
         self.calls.append("shutdown")
 
-    def waiting(self) -> list[TargetStatus]:
+    def not_profiled(self) -> list[TargetStatus]:
         return []
 
     def targets(self) -> list[FakeTarget]:
