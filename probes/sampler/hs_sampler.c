@@ -951,6 +951,11 @@ static int count_definers(struct dl_phdr_info *info, size_t size, void *data)
     (void)size;
     struct definers *defs = data;
     struct dyn_info d;
+    /* glibc's loader before 2.32 exports a minimal malloc of its own (weak, for its use before libc is
+     * relocated). It comes after libc in every lookup, so it never is what a lazy slot binds to: not a definer. */
+    const char *base = info->dlpi_name ? strrchr(info->dlpi_name, '/') : NULL;
+    if (base && strncmp(base + 1, "ld-linux", 8) == 0)
+        return 0;
     if (!read_dyn(info, &d))
         return 0;
     for (int i = 0; i < H_COUNT; i++) {

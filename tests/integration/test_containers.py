@@ -29,6 +29,7 @@ from tests.integration.harness import unavailable
 from tests.support.containers import (
     Container,
     Unavailable,
+    build_against,
     build_runner,
     debian_root,
     musl_root,
@@ -45,8 +46,8 @@ PROGRAM_DIR = "/opt/heapscope-test"  # where a test's own program goes inside a 
 
 
 def _root(release: str) -> Path:
-    try:
-        return debian_root(release, ("redis-server",))
+    try:  # libc6-dev: the tests build programs against the root's own glibc (build_against)
+        return debian_root(release, ("redis-server", "libc6-dev"))
     except Unavailable as exc:
         unavailable(str(exc))
         raise
@@ -359,13 +360,14 @@ def rows_said(log: str, pid: int) -> tuple[int, int]:
     return int(used.group(1)), int(shared.group(1)) if shared else 0
 
 
-@pytest.mark.parametrize("where", ["bookworm", "musl"])
+@pytest.mark.parametrize("where", ["bookworm", "bullseye", "musl"])
 def test_sampled_estimates_in_a_container_are_within_10_percent_of_the_truth(
     heapscope_cmd: list[str], runner: Path, build: Callable[..., Path], request: pytest.FixtureRequest,
     tmp_path: Path, where: str
 ) -> None:
-    """modes_sites.c (its sites' live bytes known) in a Debian 12 container and in a musl root: each site of 10%
-    of the heap or more estimated within 10%, with 1,600 samples or more expected per site."""
+    """modes_sites.c (its sites' live bytes known) in a Debian 12 container, a Debian 11 one (glibc 2.31, built
+    against it) and a musl root: each site of 10% of the heap or more estimated within 10%, with 1,600 samples
+    or more expected per site."""
     if where == "musl":
         if shutil.which("musl-gcc") is None:
             unavailable("musl-gcc (musl-tools) is not installed")
@@ -376,6 +378,13 @@ def test_sampled_estimates_in_a_container_are_within_10_percent_of_the_truth(
                         str(PROGRAMS / "modes_sites.c")], check=True, capture_output=True)
         root = musl_root(tmp_path / "musl-root", {"modes_sites": program})
         inside = "/bin/modes_sites"
+    elif where == "bullseye":
+        root = request.getfixturevalue("bullseye")
+        from tests.integration.harness import PROGRAMS
+
+        program = build_against(root, PROGRAMS / "modes_sites.c", tmp_path / "modes_sites",
+                                ("-g", "-O0", "-fno-omit-frame-pointer"))
+        inside = put(root, program)
     else:
         root = request.getfixturevalue("bookworm")
         inside = put(root, build("modes_sites.c"))

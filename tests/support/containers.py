@@ -115,6 +115,25 @@ def remove_cgroups(dirs: list[Path]) -> None:
                 time.sleep(0.1)
 
 
+def build_against(root: Path, source: Path, out: Path, flags: tuple[str, ...] = ()) -> Path:
+    """`source` built on this machine against the libc of a Debian root with libc6-dev (its headers, start files
+    and libraries), so that it runs there: a program built against this machine's glibc asks for versions an
+    older one lacks. The root's loader paths are absolute links, so the link is spelled out."""
+    lib, gcc_dir = root / "usr/lib/x86_64-linux-gnu", Path(subprocess.run(
+        ["gcc", "-print-libgcc-file-name"], capture_output=True, text=True, check=True).stdout.strip()).parent
+    loader = next(lib.glob("ld-2.*.so"), None) or lib / "ld-linux-x86-64.so.2"
+    obj = out.with_suffix(".o")
+    subprocess.run(["gcc", "-nostdinc", "-isystem", str(gcc_dir / "include"), "-isystem",
+                    str(root / "usr/include/x86_64-linux-gnu"), "-isystem", str(root / "usr/include"), "-fPIE",
+                    *flags, "-c", "-o", str(obj), str(source)], check=True, capture_output=True)
+    subprocess.run(["gcc", "-nostdlib", "-pie", "-o", str(out), str(lib / "Scrt1.o"), str(lib / "crti.o"),
+                    str(gcc_dir / "crtbeginS.o"), str(obj), str(lib / "libc.so.6"), str(lib / "libc_nonshared.a"),
+                    str(lib / "libpthread.so.0"), str(loader), "-Wl,--dynamic-linker=/lib64/ld-linux-x86-64.so.2",
+                    str(gcc_dir / "libgcc.a"), str(gcc_dir / "crtendS.o"), str(lib / "crtn.o")],
+                   check=True, capture_output=True)
+    return out
+
+
 def build_runner(directory: Path) -> Path:
     """container_run.c, built static (nothing of the host is needed once it is inside the root)."""
     out = directory / "container_run"
