@@ -9,7 +9,8 @@ How a call is made safe:
   is released as usual. The seized thread is used only at a safe point: its instruction pointer and every
   return address of its call chain lie outside the allocator (malloc and its internal functions, the whole
   allocator library when it is not libc, C++ operators new/delete), the loader (ld.so, libc's dl* functions)
-  and fork, and outside a signal handler (__restore_rt). The chain is unwound with the objects' CFI
+  and fork; a signal handler's frame is followed into the code the signal interrupted, which must be outside
+  them too. The chain is unwound with the objects' CFI
   (agent.process.safepoint); above a frame that cannot be unwound, every word of the stack is checked
   instead, which can only make a thread look unsafe, never safe. An unsafe thread is released and another
   one, or the same one a little later, is tried; when none is found in time, the refusal says where each
@@ -104,7 +105,7 @@ UNSAFE_NAMES = frozenset(
         "malloc", "free", "calloc", "realloc", "reallocarray", "memalign", "aligned_alloc", "posix_memalign",
         "valloc", "pvalloc", "cfree", "malloc_trim", "malloc_usable_size", "mallinfo", "mallinfo2",
         "malloc_stats", "malloc_info", "mallopt", "fork", "_Fork", "vfork", "dlopen", "dlclose", "dlsym",
-        "dlvsym", "dladdr", "dladdr1", "dlinfo", "dlmopen", "dlerror", "dl_iterate_phdr", "__restore_rt",
+        "dlvsym", "dladdr", "dladdr1", "dlinfo", "dlmopen", "dlerror", "dl_iterate_phdr",
         "pthread_create", "exit", "_exit",
     }
 )  # fmt: skip

@@ -1,7 +1,8 @@
 """Whether a seized thread may run an injected call: its real call chain, unwound with the objects' CFI.
 
-A thread must not be inside the allocator, the loader, fork or a signal handler when it runs dlopen (it could
-hold their locks or be in the middle of their state). The thread's call chain says where it is: its program
+A thread must not be inside the allocator, the loader or fork when it runs dlopen (it could hold their locks or
+be in the middle of their state), nor in a signal handler that interrupted them: a handler's frame is followed
+into the registers the signal saved, and the interrupted chain is judged too. The thread's call chain says where it is: its program
 counter and every return address, found by unwinding its stack with the same `.eh_frame` rows the kernel's stack
 walker uses (agent.symbols.unwind). A frame that cannot be unwound (no table: the vDSO, JIT code; a row with no
 rule; a stack that does not grow) ends the walk, and the rest of the stack from that frame up is scanned
@@ -23,6 +24,12 @@ from dataclasses import dataclass
 from agent.symbols.unwind import CFA_END, CFA_NONE, CFA_PLT, CFA_RBP, CFA_RSP, Rule
 
 MAX_FRAMES = 512  # deeper than any real chain; a walk that goes on longer is taken for a broken one
+# The signal trampoline a handler returns to (glibc's and musl's __restore_rt: rt_sigreturn), by its code: its
+# symbol has no size to find it by, and its CFI is the 'S' kind the tables cannot express.
+SIGRETURN_CODES = (bytes.fromhex("48c7c00f0000000f05"), bytes.fromhex("b80f0000000f05"))
+# Where the interrupted registers are in the frame it pops (struct ucontext: uc_mcontext.gregs at 40; REG_RBP 10,
+# REG_RSP 15, REG_RIP 16), from the stack pointer at its first instruction.
+UC_RBP, UC_RSP, UC_RIP = 40 + 10 * 8, 40 + 15 * 8, 40 + 16 * 8
 STACK_SCAN = 32 * 1024  # bytes scanned above the frame where the walk stopped
 _WORD = struct.Struct("<Q")
 
@@ -75,15 +82,27 @@ def examine(rip: int, rsp: int, rbp: int, read: MemoryReader, unsafe: UnsafeRang
     """The verdict for a thread stopped with these registers. `stack_end`: the end of the mapping that holds
     its stack (where a conservative scan stops)."""
     pc, sp, bp = rip, rsp, rbp
+    interrupted = True  # pc is where the thread stands (not a return address): at the start, after a signal frame
     for depth in range(MAX_FRAMES):
         # A caller's return address is looked up one byte back, in its call instruction (a call to a noreturn
         # function can end its function); the address itself too, for __restore_rt, which a signal handler
         # returns to at its very first byte.
-        for address in (pc,) if depth == 0 else (pc - 1, pc):
+        for address in (pc,) if interrupted else (pc - 1, pc):
             name = unsafe.name_at(address)
             if name is not None:
                 return Verdict(False, f"in {name}", depth, False)
-        rule = rule_at(pc if depth == 0 else pc - 1)
+        if not interrupted and _is_sigreturn(read, pc):
+            # A signal handler returns here: the chain goes on in the code the signal interrupted (a prefork
+            # server's worker forked in its parent's handler lives in one for good). What it interrupted is
+            # judged like any frame: inside malloc is unsafe, blocked in select() is not.
+            try:
+                pc, sp, bp = (_word(read, sp + UC_RIP), _word(read, sp + UC_RSP), _word(read, sp + UC_RBP))
+            except OSError:
+                return _scan(sp, read, unsafe, depth, stack_end)
+            interrupted = True
+            continue
+        rule = rule_at(pc if interrupted else pc - 1)
+        interrupted = False
         if rule is None or rule.cfa_type == CFA_NONE:
             return _scan(sp, read, unsafe, depth, stack_end)
         if rule.cfa_type == CFA_END:
@@ -123,6 +142,14 @@ def _scan(sp: int, read: MemoryReader, unsafe: UnsafeRanges, frames: int, stack_
         if name is not None:
             return Verdict(False, f"in {name}? (a word at sp+{offset * 8:#x} points there)", frames, True)
     return Verdict(True, "outside the allocator and the loader", frames, True)
+
+
+def _is_sigreturn(read: MemoryReader, pc: int) -> bool:
+    try:
+        code = read(pc, len(SIGRETURN_CODES[0]))
+    except OSError:
+        return False
+    return any(code.startswith(c) for c in SIGRETURN_CODES)
 
 
 def _word(read: MemoryReader, address: int) -> int:

@@ -10,7 +10,7 @@ from agent.process.safepoint import UnsafeRanges
 def test_allocator_loader_and_fork_names_are_unsafe() -> None:
     for name in ("malloc", "free@@GLIBC_2.2.5", "_int_malloc", "sysmalloc", "malloc_consolidate", "tcache_init",
                  "arena_get2", "_dl_open", "_dl_catch_exception", "dlopen@GLIBC_2.2.5", "dl_iterate_phdr",
-                 "__restore_rt", "_Znwm", "_ZdlPvm", "fork", "__libc_fork", "pthread_create@@GLIBC_2.34"):
+                 "_Znwm", "_ZdlPvm", "fork", "__libc_fork", "pthread_create@@GLIBC_2.34"):
         assert _is_unsafe_name(name), name
 
 

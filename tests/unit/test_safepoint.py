@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import struct
 
-from agent.process.safepoint import UnsafeRanges, examine
+from agent.process.safepoint import SIGRETURN_CODES, UC_RBP, UC_RIP, UC_RSP, UnsafeRanges, examine
 from agent.symbols.unwind import CFA_END, CFA_RBP, CFA_RSP, FLAG_RBP_SAVED, Rule
 
 # Code: main and two functions of the program, malloc and __restore_rt in "libc", and an unmapped hole.
 MAIN, LOOP, WAIT = 0x1000, 0x2000, 0x2800  # each 0x100 long
 MALLOC, RESTORE_RT = 0x5000, 0x6000
 JIT = 0x9000  # code no table covers
-UNSAFE = UnsafeRanges([(MALLOC, MALLOC + 0x100, "malloc"), (RESTORE_RT, RESTORE_RT + 0x10, "__restore_rt")])
+UNSAFE = UnsafeRanges([(MALLOC, MALLOC + 0x100, "malloc")])
 STACK = 0x7F0000  # the stack's lowest address here; it ends 4 KiB above
 STACK_END = STACK + 0x1000
 
@@ -36,6 +36,8 @@ class Stack:
         struct.pack_into("<Q", self.mem, address - STACK, word)
 
     def read(self, address: int, n: int) -> bytes:
+        if address == RESTORE_RT:  # the trampoline's code: mov $15, %rax; syscall (rt_sigreturn)
+            return SIGRETURN_CODES[0][:n]
         if not (address >= STACK and address + n <= STACK_END):
             raise OSError(14, "Bad address")
         return bytes(self.mem[address - STACK : address - STACK + n])
@@ -69,13 +71,23 @@ def test_a_thread_inside_malloc_is_unsafe_named_and_so_is_one_called_from_it() -
     assert v.describe(77) == "thread 77 in malloc (1 frames unwound)"
 
 
-def test_a_signal_handlers_return_to_restore_rt_is_unsafe() -> None:
-    """A handler returns to __restore_rt's first byte: the lookup one byte back would miss it."""
-    s = Stack()
-    sp = STACK + 0x800
-    s.put(sp + 8, RESTORE_RT)
-    v = examine(LOOP + 0x8, sp, 0, s.read, UNSAFE, rules, STACK_END)
-    assert not v.safe and v.where == "in __restore_rt"
+def test_a_signal_frame_is_unwound_into_what_the_signal_interrupted() -> None:
+    """A handler returns to __restore_rt, whose frame holds the interrupted registers (struct ucontext). The chain
+    goes on there: a signal that interrupted malloc is unsafe; one that interrupted a blocking call is not (a
+    postgres child forked in its postmaster's handler lives inside one for good)."""
+    for interrupted, safe in ((MALLOC + 0x30, False), (LOOP + 0x40, True)):
+        s = Stack()
+        sp = STACK + 0x400
+        s.put(sp + 8, RESTORE_RT)  # the handler (LOOP) returns to the trampoline
+        uc = sp + 16  # the trampoline's frame: the ucontext
+        inner_sp = STACK + 0x900
+        s.put(uc + UC_RIP, interrupted)
+        s.put(uc + UC_RSP, inner_sp)
+        s.put(uc + UC_RBP, 0)
+        s.put(inner_sp + 8, MAIN + 0x10)  # what was interrupted was called from main
+        v = examine(LOOP + 0x8, sp, 0, s.read, UNSAFE, rules, STACK_END)
+        assert v.safe is safe and not v.scanned, (hex(interrupted), v)
+        assert v.where == ("outside the allocator and the loader" if safe else "in malloc")
 
 
 def test_frame_pointer_rules_are_followed() -> None:
