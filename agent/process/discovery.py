@@ -327,8 +327,7 @@ def read_process(pid: int, proc: str = "/proc") -> ProcessInfo:
         raise TargetError(f"no permission to read process {pid} (heapscope needs root): {exc}", 4) from exc
     except FileNotFoundError as exc:
         raise TargetError(f"process {pid} exited or is a kernel thread") from exc
-    exe_link = ProcessView.of(pid, proc).inside(exe_link.removesuffix(" (deleted)"))
-    return ProcessInfo(pid, f"{proc}/{pid}/root{exe_link}", cmdline, environ)
+    return ProcessInfo(pid, ProcessView.of(pid, proc).through(exe_link.removesuffix(" (deleted)")), cmdline, environ)
 
 
 def read_maps(pid: int, proc: str = "/proc") -> list[Mapping]:
@@ -347,7 +346,7 @@ def allocator_of_process(pid: int, proc: str = "/proc") -> Allocator:
     root = f"{proc}/{pid}/root"
     preload = [p for p in re.split(r"[ :]", info.environ.get("LD_PRELOAD", "")) if p]
     view = ProcessView.of(pid, proc)  # a chroot's maps show the host's paths: made relative to its root
-    mapped = mapped_finder([replace(m, path=view.inside(m.path)) for m in read_maps(pid, proc)], root)
+    mapped = mapped_finder([replace(m, path=view.through(m.path)) for m in read_maps(pid, proc)], "")
     # Caught at its exec, a process has only its program and the loader mapped: its libraries are found as the
     # loader is about to find them (probes are set on the files, and fire once they are mapped).
     on_disk = library_finder(info.environ, root)

@@ -248,7 +248,7 @@ def _libc_mapping(maps: Iterable[MapLine]) -> MapLine | None:
 
 def _seen_as(pid: int, path: str, proc_root: str) -> str:
     """Where we open a file the process's maps name `path`: through its own root (a chroot's prefix off)."""
-    return f"{proc_root}/{pid}/root{ProcessView.of(pid, proc_root).inside(path)}"
+    return ProcessView.of(pid, proc_root).through(path)
 
 
 def preflight_ptrace(pid: int) -> dict[str, str]:

@@ -2,12 +2,13 @@
 
 A thread must not be inside the allocator, the loader or fork when it runs dlopen (it could hold their locks or
 be in the middle of their state), nor in a signal handler that interrupted them: a handler's frame is followed
-into the registers the signal saved, and the interrupted chain is judged too. The thread's call chain says where it is: its program
-counter and every return address, found by unwinding its stack with the same `.eh_frame` rows the kernel's stack
-walker uses (agent.symbols.unwind). A frame that cannot be unwound (no table: the vDSO, JIT code; a row with no
-rule; a stack that does not grow) ends the walk, and the rest of the stack from that frame up is scanned
-conservatively instead: any word that points into unsafe code then makes the thread look unsafe, and the
-verdict says so. The walk reads only the seized thread's memory and registers; it decides, it changes nothing.
+into the registers the signal saved, and the interrupted chain is judged too. The thread's call chain says where
+it is: its program counter and every return address, found by unwinding its stack with the same `.eh_frame` rows
+the kernel's stack walker uses (agent.symbols.unwind). A frame that cannot be unwound (no table: the vDSO, JIT
+code; a row with no rule; a stack that does not grow) ends the walk, and the rest of the stack from that frame up
+is scanned conservatively instead: any word that points into unsafe code then makes the thread look unsafe, and
+the verdict says so. The walk reads only the seized thread's memory and registers; it decides, it changes
+nothing.
 
 Before, the whole stack was scanned word by word: a stale word in a dead slot of a live frame (the nginx
 worker's `__fork+0x1f3`, left by the fork that made it, under a frame that never overwrote it) made an idle

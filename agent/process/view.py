@@ -22,6 +22,7 @@ class ProcessView:
     proc: str
     root: str  # where the process's root is, as readlink(/proc/PID/root) says ("/" unless chrooted)
     foreign: bool  # its paths are not ours: another mount namespace, or another root
+    same_ns: bool = True  # its mount namespace is ours (a chroot's maps name files by our paths)
 
     @classmethod
     def of(cls, pid: int, proc: str = "/proc") -> ProcessView:
@@ -32,7 +33,7 @@ class ProcessView:
             ours = os.readlink(f"{proc}/self/ns/mnt")
         except OSError:
             return cls(pid, proc, "/", False)
-        return cls(pid, proc, root, theirs != ours or root != "/")
+        return cls(pid, proc, root, theirs != ours or root != "/", theirs == ours)
 
     def inside(self, path: str) -> str:
         """`path` as the maps name it, made relative to the process's root (a chroot's prefix taken off)."""
@@ -45,7 +46,16 @@ class ProcessView:
         """Where heapscope opens the file the process's maps name `path`."""
         if not self.foreign:
             return path
-        return f"{self.proc}/{self.pid}/root{self.inside(path)}"
+        return self.through(path)
+
+    def through(self, path: str) -> str:
+        """`path` through the process's root, except a file a chroot'ed process of our mount namespace mapped
+        before it chrooted (haproxy's workers chroot into an empty directory): outside its root, its maps name it
+        by our path, which is where it is."""
+        inside = self.inside(path)
+        if self.same_ns and self.root != "/" and inside == path:
+            return path
+        return f"{self.proc}/{self.pid}/root{inside}"
 
     def root_prefix(self) -> str:
         """What goes before a path inside the process's root to open it from here ("" when they are ours)."""

@@ -79,3 +79,12 @@ def test_a_containers_debug_files_are_looked_for_inside_it_first(monkeypatch: py
     assert seen[2:4] == ["/proc/42/root/usr/lib/x86_64-linux-gnu/libfoo.so.1.debug",
                          "/proc/42/root/usr/lib/x86_64-linux-gnu/.debug/libfoo.so.1.debug"]
     assert "/proc/42/root/usr/lib/debug/usr/lib/x86_64-linux-gnu/libfoo.so.1.debug" in seen
+
+
+def test_a_file_mapped_before_a_chroot_of_our_namespace_is_opened_by_our_path(tmp_path: Path) -> None:
+    """haproxy's workers chroot into an empty directory after mapping their program: its maps name it by our path,
+    which is not under the process's root; through the root there is nothing."""
+    proc = fake_proc(tmp_path, "/var/lib/haproxy", "mnt:[4026531841]")  # our namespace, chroot'ed
+    v = ProcessView.of(7, proc)
+    assert v.same_ns and v.through("/usr/sbin/haproxy") == "/usr/sbin/haproxy"
+    assert v.through("/var/lib/haproxy/dev/log") == f"{proc}/7/root/dev/log"
