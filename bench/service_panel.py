@@ -1,0 +1,270 @@
+#!/usr/bin/env python3
+"""Sampled mode on the panel of real servers (issue 31): each service's own load tool untraced and with heapscope
+attached, side by side, and the time from the attach to every sampler armed.
+
+    sudo .venv/bin/python bench/service_panel.py                  # every service, 5 s runs, 3 repeats
+    sudo .venv/bin/python bench/service_panel.py --quick          # 2 s runs, 2 repeats
+    sudo .venv/bin/python bench/service_panel.py --services nginx,redis --json out.json
+
+For each service of tests/support/services.py, two instances run at once: one untraced, one profiled by `heapscope
+serve` (sampled mode, its defaults) through a selector of its main process, so that its workers are followed as
+the daemon follows them in production. The time to armed runs from the POST of the selector (the daemon is up and
+idle) to the moment every process of the instance has its sampler armed, read from the sampler's control block in
+each process; a process not armed within --armed-timeout is counted and its /targets error shown. Each instance gets
+the same warm-up, then the load runs alternate between them, the order turned round every repeat, so that drift on
+the machine falls on both alike; the ratio is the median of each repeat's profiled rate over its untraced rate (the
+two runs of a repeat are next to each other, so slow drift cancels in each ratio). The load tools run on the same
+two cores as the servers and heapscope, so heapscope's CPU comes out of the throughput.
+
+Goal (issue 31): a ratio of at least 0.97 on every service. Run it when `uptime` shows a load below 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from benchproc import cpu_seconds, free_port, heapscope_cmd
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.support.armed import sampler_state  # noqa: E402
+from tests.support.services import SERVICES, Service, ServiceError  # noqa: E402
+
+TOKEN = "service-panel-bench"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+START_TIMEOUT = 60.0
+
+
+@dataclass
+class Row:
+    service: str
+    tool: str
+    processes: int = 0
+    armed: int = 0
+    time_to_first_armed_s: float | None = None
+    time_to_armed_s: float | None = None  # every process armed; None: not all were
+    untraced: list[float] = field(default_factory=list)  # the load tool's rate, per run
+    profiled: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # load runs that failed, processes not armed
+    daemon_cpu_percent: float | None = None  # heapscope's CPU during the profiled runs, % of a core
+
+    @property
+    def ratio(self) -> float | None:
+        pairs = [p / u for u, p in zip(self.untraced, self.profiled, strict=False) if u > 0]
+        return statistics.median(pairs) if pairs else None
+
+
+class Daemon:
+    """`heapscope serve` in sampled mode (its default), on a free loopback port, with no history store."""
+
+    def __init__(self, scratch: Path) -> None:
+        self.port = free_port()
+        self.log = scratch / "daemon.log"
+        env = {**os.environ, "HEAPSCOPE_TOKEN": TOKEN}
+        cmd = [*heapscope_cmd(), "serve", "--http", f"127.0.0.1:{self.port}", "--output-dir", str(scratch / "out"),
+               "--no-store"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"), env=env)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", headers=AUTH, timeout=60)
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"heapscope serve exited with {self.proc.returncode}: {self.last_line()}")
+            try:
+                if self.client.get("/healthz").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"heapscope serve did not answer in {START_TIMEOUT:.0f} s: {self.last_line()}")
+            time.sleep(0.1)
+
+    def last_line(self) -> str:
+        lines = self.log.read_text(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "(no output)"
+
+    def lines_about(self, pid: int) -> list[str]:
+        """The daemon's last log lines about the process (a refusal says why)."""
+        about = [ln for ln in self.log.read_text(errors="replace").splitlines() if re.search(rf"\b{pid}\b", ln)]
+        trouble = [ln for ln in about if re.search(r"cannot|refus|waiting|error|fail", ln)]
+        return (trouble or about)[-3:]
+
+    def targets(self) -> dict[int, dict[str, Any]]:
+        return {t["pid"]: t for t in self.client.get("/targets").json()}
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def wait_idle(pid: int, limit: float = 30.0) -> None:
+    """Until heapscope uses under 5% of a CPU over half a second: its one-time work after the attach (the first
+    stacks symbolized) is done, and what follows is its steady cost."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        before = cpu_seconds(pid)
+        time.sleep(0.5)
+        if cpu_seconds(pid) - before < 0.025:
+            return
+
+
+def attach(daemon: Daemon, svc: Service, timeout: float, row: Row) -> None:
+    """POST the selector and time every process of the instance to armed."""
+    pids = svc.pids()
+    row.processes = len(pids)
+    start = time.monotonic()
+    r = daemon.client.post("/targets", json={"cmdline": svc.selector})
+    if r.status_code != 201:
+        raise SystemExit(f"{svc.name}: POST /targets: {r.status_code} {r.text}")
+    armed: dict[int, float] = {}
+    looked = start
+    while len(armed) < len(pids) and time.monotonic() - start < timeout:
+        for pid in pids:
+            if pid not in armed and sampler_state(pid) == "armed":
+                armed[pid] = time.monotonic() - start
+        if time.monotonic() - looked > 1.0:  # every one left refused for good: no need to wait on
+            looked = time.monotonic()
+            have = daemon.targets()
+            if all(have.get(p, {}).get("state") == "refused" for p in pids if p not in armed):
+                break
+        time.sleep(0.02)
+    row.armed = len(armed)
+    if armed:
+        row.time_to_first_armed_s = min(armed.values())
+    if len(armed) == len(pids):
+        row.time_to_armed_s = max(armed.values())
+    roles = svc.processes()
+    have = daemon.targets()
+    for pid in pids:
+        if pid not in armed:
+            t = have.get(pid)
+            why = "not in /targets" if t is None else f"{t['state']}: {t['error']}"
+            row.errors.append(f"{pid} ({roles.get(pid, '?')}) not armed after {time.monotonic() - start:.0f} s: "
+                              f"sampler {sampler_state(pid)}; {why}")
+            if t is None or not t["error"]:  # else /targets said why
+                row.errors += [f"  daemon: {ln}" for ln in daemon.lines_about(pid)]
+
+
+def measure(name: str, seconds: float, repeats: int, armed_timeout: float) -> Row:
+    cls = SERVICES[name]
+    row = Row(name, cls.tool)
+    missing = cls.missing()
+    if missing:
+        row.errors.append(f"not installed: {', '.join(missing)}")
+        return row
+    with tempfile.TemporaryDirectory(prefix=f"heapscope-panel-bench-{name}-") as tmp, cls() as plain, \
+            cls() as profiled:  # fmt: skip
+        daemon = Daemon(Path(tmp))
+        try:
+            attach(daemon, profiled, armed_timeout, row)
+            for svc in (plain, profiled):  # the same warm-up for both (and heapscope's first stacks)
+                svc.load(min(seconds, 2.0))
+            wait_idle(daemon.proc.pid)
+            cpu = wall = 0.0
+            for rep in range(repeats):
+                for svc in (plain, profiled) if rep % 2 == 0 else (profiled, plain):
+                    cpu0, t0 = cpu_seconds(daemon.proc.pid), time.monotonic()
+                    got = svc.load(seconds)
+                    if svc is profiled:
+                        cpu += cpu_seconds(daemon.proc.pid) - cpu0
+                        wall += time.monotonic() - t0
+                    label = "profiled" if svc is profiled else "untraced"
+                    if not got.ok:
+                        row.errors.append(f"{label} run {rep + 1}: {got.error}")
+                    (row.profiled if svc is profiled else row.untraced).append(got.rate)
+            row.daemon_cpu_percent = 100 * cpu / wall if wall else None
+            for svc in (plain, profiled):
+                if not svc.answers():
+                    row.errors.append(f"the {'profiled' if svc is profiled else 'untraced'} instance stopped answering")
+        finally:
+            daemon.stop()
+    return row
+
+
+def fmt_s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} s"
+
+
+def table(rows: list[Row]) -> str:
+    head = ("service", "tool", "processes", "armed", "time to armed", "untraced /s", "profiled /s", "ratio",
+            "heapscope CPU")  # fmt: skip
+    lines = []
+    for r in rows:
+        ratio = r.ratio
+        # Not all armed: the time the first one took, if any was.
+        to_armed = fmt_s(r.time_to_armed_s) if r.time_to_armed_s is not None else (
+            f"- (first {fmt_s(r.time_to_first_armed_s)})" if r.armed else "-")
+        lines.append((
+            r.service, r.tool, str(r.processes), f"{r.armed}/{r.processes}", to_armed,
+            f"{statistics.median(r.untraced):,.0f}" if r.untraced else "-",
+            f"{statistics.median(r.profiled):,.0f}" if r.profiled else "-",
+            "-" if ratio is None else f"{ratio:.3f}" + ("" if ratio >= 0.97 else " (<0.97)"),
+            "-" if r.daemon_cpu_percent is None else f"{r.daemon_cpu_percent:.1f}%",
+        ))  # fmt: skip
+    widths = [max(len(h), *(len(ln[i]) for ln in lines)) for i, h in enumerate(head)]
+    out = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + " |",
+           "|" + "|".join("-" * (w + 2) for w in widths) + "|"]  # fmt: skip
+    out += ["| " + " | ".join(c.ljust(w) for c, w in zip(ln, widths, strict=True)) + " |" for ln in lines]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 s runs, 2 repeats")
+    ap.add_argument("--services", default=",".join(SERVICES), help=f"comma-separated (default: {','.join(SERVICES)})")
+    ap.add_argument("--seconds", type=float, default=None, help="each load run (default 5, --quick 2)")
+    ap.add_argument("--repeats", type=int, default=None, help="runs per instance (default 3, --quick 2)")
+    ap.add_argument("--armed-timeout", type=float, default=60.0, help="seconds to wait for every sampler armed")
+    ap.add_argument("--json", type=Path, help="write the rows there as JSON")
+    args = ap.parse_args()
+    names = [n for n in args.services.split(",") if n]
+    unknown = [n for n in names if n not in SERVICES]
+    if unknown:
+        ap.error(f"unknown service {', '.join(unknown)} (services: {', '.join(SERVICES)})")
+    seconds = args.seconds if args.seconds is not None else 2.0 if args.quick else 5.0
+    repeats = args.repeats if args.repeats is not None else 2 if args.quick else 3
+    if os.geteuid() != 0:
+        raise SystemExit("bench/service_panel.py needs root (heapscope attaches, the services switch users)")
+    print(f"load average at start: {os.getloadavg()[0]:.2f}; {seconds:g} s runs, {repeats} repeats", flush=True)
+    rows = []
+    for name in names:
+        try:
+            row = measure(name, seconds, repeats, args.armed_timeout)
+        except ServiceError as e:
+            row = Row(name, SERVICES[name].tool, errors=[str(e)])
+        rows.append(row)
+        ratio = row.ratio
+        print(f"{name}: {row.armed}/{row.processes} armed, time to armed {fmt_s(row.time_to_armed_s)}, ratio "
+              f"{'-' if ratio is None else f'{ratio:.3f}'} (untraced {row.untraced}, profiled {row.profiled})",
+              flush=True)
+        for problem in row.errors:
+            print(f"  {name}: {problem}", flush=True)
+    print()
+    print(table(rows))
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps([{**asdict(r), "ratio": r.ratio} for r in rows], indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

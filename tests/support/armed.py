@@ -1,0 +1,49 @@
+"""Whether sampled mode's sampler is armed in a process, read from the sampler's own control block in its memory
+(agent.process.sampler), not from what heapscope says about it. Used by tests/integration/test_service_panel.py and
+bench/service_panel.py."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from agent.errors import TargetError
+from agent.process.sampler import SamplerControl, cache_dir, read_map_lines
+
+# The builds in heapscope's cache (agent.process.sampler.build_sampler): one per source and libc.
+LIBRARY = re.compile(r"libhs_sampler(-musl)?-[0-9a-f]+\.so")
+
+
+def loaded_sampler(pid: int) -> Path | None:
+    """The sampler library the process has mapped, whichever build it is (the source may have changed since it
+    was loaded), also when it was handed over in a memfd; None if none is."""
+    for m in read_map_lines(pid):
+        path = m.path.removesuffix(" (deleted)")
+        name = os.path.basename(path)
+        if m.offset == 0 and LIBRARY.fullmatch(name):
+            return Path(path) if path.startswith("/") and os.path.exists(path) else cache_dir() / name
+    return None
+
+
+def sampler(pid: int) -> tuple[str, str]:
+    """The sampler's state in the process and why it was last disarmed: ("armed", ...), ("idle", "controller
+    gone"), ("broken", ...); ("not loaded", ""); ("gone", "") for a process that exited."""
+    try:
+        library = loaded_sampler(pid)
+        if library is None:
+            return "not loaded", ""
+        control = SamplerControl(pid, library)
+    except TargetError:
+        return "gone", ""
+    try:
+        st = control.read()
+        return st.state, st.disarm_reason
+    except (TargetError, OSError):
+        return "gone", ""
+    finally:
+        control.close()
+
+
+def sampler_state(pid: int) -> str:
+    return sampler(pid)[0]
