@@ -62,7 +62,7 @@ def attach_each(d: Daemon, svc: Service, pids: Iterable[int]) -> None:
         for pid in pids:
             r = c.post("/targets", json={"pid": pid})
             why = f"{svc.name}: POST /targets {pid} ({roles.get(pid, '?')}): {r.status_code} {r.text}"
-            assert r.status_code == 201, why
+            assert r.status_code == 201 or not alive(pid), why  # one that ended since has nothing to attach
 
 
 def daemon_lines(d: Daemon, pid: int) -> list[str]:
@@ -167,10 +167,12 @@ def extras(d: Daemon, svc: Service) -> None:
         wait_armed(d, svc, [backend], f"after a new connection (backend {backend})")
 
 
-# Not in the panel yet, with why (bench/service_panel.py measures them all): postgres's re-attach after the daemon's
-# SIGKILL is answered 404 for its postmaster, not yet understood; haproxy's worker, forked by its master after the
-# sampler was loaded, was refused as a child without its sampler's control thread, and the fix for its chroot
-# (agent.process.view, ProcessView.through) is not yet run through this test.
+# Not in the panel yet, with why (bench/service_panel.py measures them all): haproxy's worker sets RLIMIT_NPROC to 0
+# for itself (its protection against fork and exec, unless `insecure-fork-wanted`), so the sampler cannot start its
+# control thread there: "the sampler loaded in it cannot run"; and with Debian's chroot it cannot be handed the
+# sampler ("no /proc there to be handed it through a memfd"). postgres arms every process now (its children forked
+# in the postmaster's signal handler included) and passed 3 runs of 3 and then failed 1 of 2 on a quiet machine: not
+# steady enough yet for the suite.
 NOT_YET = {"postgres", "haproxy", "haproxy-nochroot"}
 
 
@@ -203,11 +205,13 @@ def test_sampled_mode_on_a_real_service(name: str, heapscope_cmd: list[str], tmp
             pids = svc.steady_pids()
             attach_each(d, svc, pids)
             wait_armed(d, svc, pids, "at the second attach")
+            roles = svc.processes()
             d.proc.kill()
             d.proc.wait(30)
             wait_disarmed(svc, pids, "after heapscope's SIGKILL", "controller gone")
             assert svc.answers(), f"{svc.name} does not answer after heapscope's SIGKILL"
-            assert all(alive(p) for p in pids), f"{svc.name}: processes gone after heapscope's SIGKILL"
+            gone = [f"{p} ({roles.get(p, '?')})" for p in pids if not alive(p)]
+            assert not gone, f"{svc.name}: gone after heapscope's SIGKILL: {', '.join(gone)}; its log: {svc.log_tail()}"
             check_load(svc, "after heapscope's SIGKILL")
         finally:
             stop_daemon(d)

@@ -417,7 +417,7 @@ class Postgres(Service):
     tool = "pgbench"
     programs = (str(PG_BIN / "postgres"), str(PG_BIN / "initdb"), str(PG_BIN / "pgbench"), str(PG_BIN / "psql"))
     users = ("postgres",)
-    transient_roles = ("autovacuum worker",)
+    transient_roles = ("autovacuum worker", "starting")
     roles_expected = ("main", "checkpointer", "background writer", "walwriter", "autovacuum launcher",
                       "logical replication launcher")
     USER = "postgres"
@@ -429,6 +429,7 @@ class Postgres(Service):
         self.data = self.dir / "data"
         self.sockets = self.dir
         self.sessions: list[subprocess.Popen[str]] = []
+        self.session_backends: list[int] = []
 
     def user(self) -> str:
         return self.USER
@@ -462,11 +463,21 @@ class Postgres(Service):
         return f"^{re.escape(str(PG_BIN / 'postgres'))} -D {re.escape(str(self.data))} "
 
     def processes(self) -> dict[int, str]:
-        # A backend's title is its user, database, client and state ("postgres postgres [local] idle").
-        return {p: "backend" if re.search(r"\[local\]|\d\(\d+\)", r) else r for p, r in super().processes().items()}
+        out = {}
+        for pid, role in super().processes().items():
+            if re.search(r"\[local\]|\d\(\d+\)", role):
+                role = "backend"  # its title: user, database, client, state ("postgres postgres [local] idle")
+            elif role == "main" and pid != self.main_pid:
+                role = "starting"  # just forked (an autovacuum worker, a backend), still with the postmaster's title
+            out[pid] = role
+        return out
 
     def backends(self) -> list[int]:
         return sorted(p for p, r in self.processes().items() if r == "backend")
+
+    def steady_pids(self) -> list[int]:
+        # A load tool's backends end with its connections, a moment after the tool itself: only ours stay.
+        return [p for p in super().steady_pids() if p not in self.backends() or p in self.session_backends]
 
     def _psql(self, *args: str) -> list[str]:
         return [str(PG_BIN / "psql"), "-X", "-q", "-At", "-h", str(self.sockets), "-p", str(self.port),
@@ -502,6 +513,7 @@ class Postgres(Service):
         line = s.stdout.readline().strip()
         if not line.isdigit():
             raise ServiceError(f"psql: no backend pid ({line!r}, exit {s.poll()})")
+        self.session_backends.append(int(line))
         return int(line)
 
     def _pgbench(self, *args: str) -> list[str]:
