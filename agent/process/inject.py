@@ -345,6 +345,7 @@ def unsafe_ranges(pid: int, proc_root: str = "/proc") -> UnsafeRanges:
     allocator = allocator_of_process(pid, proc_root)
     allocator_real = os.path.realpath(allocator.path)
     out: list[tuple[int, int, str]] = []
+    view = ProcessView.of(pid, proc_root)  # read once: every mapped object goes through it
     by_path: dict[str, list[MapLine]] = {}
     for m in maps:
         if m.path.startswith("/"):
@@ -355,7 +356,7 @@ def unsafe_ranges(pid: int, proc_root: str = "/proc") -> UnsafeRanges:
         if not execs or base is None:
             continue
         name = os.path.basename(path)
-        seen_as = _seen_as(pid, path, proc_root)
+        seen_as = view.through(path)
         if name.startswith("ld-linux"):
             out.extend((m.start, m.end, f"the loader ({name})") for m in execs)
             continue
@@ -386,6 +387,7 @@ class _FrameRules:
         self.maps = sorted((m for m in maps if "x" in m.perms and m.path.startswith("/")), key=lambda m: m.start)
         self._starts = [m.start for m in self.maps]
         self._objects: dict[str, tuple[UnwindTable, ElfObject] | None] = {}
+        self._view = ProcessView.of(pid, proc_root)
 
     def __call__(self, address: int) -> Rule | None:
         i = bisect.bisect_right(self._starts, address) - 1
@@ -401,7 +403,7 @@ class _FrameRules:
 
     def _object(self, path: str) -> tuple[UnwindTable, ElfObject] | None:
         if path not in self._objects:
-            seen_as = _seen_as(self.pid, path, self.proc_root)
+            seen_as = self._view.through(path)
             try:
                 self._objects[path] = (load_table(seen_as), open_elf(seen_as))
             except Exception:  # no table to be had: the walk falls back to the scan from that frame
