@@ -382,8 +382,6 @@ class _FrameRules:
     (the tables the kernel's walker uses). Tables are read on demand: only objects on the threads' chains."""
 
     def __init__(self, pid: int, maps: list[MapLine], proc_root: str) -> None:
-        self.pid = pid
-        self.proc_root = proc_root
         self.maps = sorted((m for m in maps if "x" in m.perms and m.path.startswith("/")), key=lambda m: m.start)
         self._starts = [m.start for m in self.maps]
         self._objects: dict[str, tuple[UnwindTable, ElfObject] | None] = {}
