@@ -543,10 +543,15 @@ class StoreWriter:
             try:
                 seg.write(_info(sample), self._state, [], held=True)
             except OSError as exc:
-                self.stats.write_errors += 1
-                self.stats.last_error = f"store: cannot write {self.directory}: {exc.strerror}"
-                raise StoreWriteError(self.stats.last_error) from None
+                raise StoreWriteError(self._refused(exc)) from None
             return True
+
+    def _refused(self, exc: OSError) -> str:
+        """A write the disk refused: counted, and said as the user reads it."""
+        self.stats.write_errors += 1
+        what = "the disk is full" if _full_disk(exc) else exc.strerror
+        self.stats.last_error = f"store: cannot write {self.directory}: {what}"
+        return self.stats.last_error
 
     def _index_ids(self, new_ids: list[int]) -> None:
         """Site ids are the kernel's stack keys, small and dense: numbered through an array, not a dict."""
@@ -575,11 +580,8 @@ class StoreWriter:
             seg = self._segment_for_write(int(info["wall_ns"]))  # type: ignore[call-overload]
             written = seg.write(info, state, stacks[seg.n_sites :])
         except OSError as exc:
-            self.stats.write_errors += 1
-            what = "the disk is full" if _full_disk(exc) else exc.strerror
-            self.stats.last_error = f"store: cannot write {self.directory}: {what}"
             raise StoreWriteError(
-                f"{self.stats.last_error}; history stops at the last snapshot written "
+                f"{self._refused(exc)}; history stops at the last snapshot written "
                 f"({self.stats.snapshots_written} this run) until there is room"
             ) from None
         self.stats.snapshots_written += 1
