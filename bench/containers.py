@@ -31,20 +31,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.support.containers import Container, build_runner, debian_root  # noqa: E402
+from tests.support.containers import Container, build_runner, debian_root, wait_redis  # noqa: E402
 
 HEAPSCOPE = REPO / ".venv" / "bin" / "heapscope"
 REDIS = ["/usr/bin/redis-server", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-
-
-def wait_ping(port: int) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        out = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, check=False)
-        if out.stdout.strip() == "PONG":
-            return
-        time.sleep(0.05)
-    raise SystemExit(f"redis on {port} does not answer")
 
 
 def attach_until(pid: int, mode: str, line: str, cwd: str) -> tuple[float, subprocess.Popen[str]]:
@@ -100,7 +90,7 @@ def main() -> int:
     attached = None
     try:
         for port in ports.values():
-            wait_ping(port)
+            wait_redis(port)
         recording = time_to_recording({"host": host.pid, "container": boxes["container"].pid}, ns.repeats, work)
         _, attached = attach_until(boxes["sampled"].pid, "sampled", "sampler armed", work)
         time.sleep(2)  # its one-time work at the attach is done

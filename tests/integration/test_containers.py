@@ -35,6 +35,7 @@ from tests.support.containers import (
     musl_root,
     pod_cgroups,
     remove_cgroups,
+    wait_redis,
 )
 from tests.support.daemon import free_port, start_daemon, stop_daemon, wait_for
 from tests.support.massif_reader import paths, read_massif
@@ -179,7 +180,7 @@ def test_sampled_mode_gets_into_a_containers_redis_through_a_memfd_and_leaves_no
     box = Container(runner, root, ["/usr/bin/redis-server", "--port", str(port), "--save", "", "--appendonly", "no"])
     try:
         before = snapshot_of(root)
-        wait_answer(port)
+        wait_redis(port)
         prof = Profile(heapscope_cmd, box.pid, tmp_path, "--sample-rate", "4096")  # sampled: the default
         prof.wait_for("sampler armed")
         assert any("handed over in a memfd" in line for line in prof.lines), prof.lines
@@ -199,16 +200,6 @@ def test_sampled_mode_gets_into_a_containers_redis_through_a_memfd_and_leaves_no
         assert snapshot_of(root) == before  # nothing written into the container's filesystem
     finally:
         box.stop()
-
-
-def wait_answer(port: int, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, check=False)
-        if done.stdout.strip() == "PONG":
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"redis on {port} does not answer")
 
 
 @pytest.mark.parametrize("mode", ["exact", "sampled"])

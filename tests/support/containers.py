@@ -134,6 +134,17 @@ def build_against(root: Path, source: Path, out: Path, flags: tuple[str, ...] = 
     return out
 
 
+def wait_redis(port: int, timeout: float = 20) -> None:
+    """Until a redis-server on `port` answers PING (AssertionError after `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, check=False)
+        if done.stdout.strip() == "PONG":
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"redis on {port} does not answer")
+
+
 def build_runner(directory: Path) -> Path:
     """container_run.c, built static (nothing of the host is needed once it is inside the root)."""
     out = directory / "container_run"
