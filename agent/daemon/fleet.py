@@ -195,6 +195,9 @@ class FleetManager(TargetManager):
             s = self._selectors.pop(id, None)
         if s is None:
             raise NoSuchTarget(f"no selector {id}")
+        with self._flock:  # what it chose and still waits for a safe point is no longer wanted
+            for identity in [k for k, w in self._waiting.items() if w.status.origin.selector == id]:
+                del self._waiting[identity]
         self.config.say(f"{s.describe()} removed")
         return self._selector_status(s)
 
@@ -288,6 +291,10 @@ class FleetManager(TargetManager):
         return t
 
     def detach(self, pid: int) -> TargetStatus:
+        waited = self._stop_waiting(pid)
+        if waited is not None:  # not attached yet: it is no longer tried, nor chosen again while it runs
+            self._released.add((pid, waited.status.origin.start_time))
+            return replace(waited.status, state="detached", ended_at=time.time())
         t = self.get(pid)
         if t.origin.start_time:
             self._released.add((pid, t.origin.start_time))  # the user let it go: not chosen again
@@ -358,7 +365,8 @@ class FleetManager(TargetManager):
             self._stop_waiting(job.pid)
             return
         if job.kind == "asked":
-            self._attach_waiting(job, facts, None, None)
+            if (facts.pid, facts.start_time) not in self._released:  # DELETE'd while its retry was queued
+                self._attach_waiting(job, facts, None, None)
             return
         selector, parent = job.selector, job.parent
         if job.kind == "fork" and not self._same_program(job.pid, job.parent):
@@ -370,13 +378,16 @@ class FleetManager(TargetManager):
             else:  # a chosen process's child that exec'ed its parent's program again is still followed
                 selector, parent = self._followed_parent(facts), facts.ppid
                 if selector is None:
+                    self._stop_waiting(job.pid)  # its selector went away while it waited
                     return
         else:
             followed = self._selectors.get(selector)
             if followed is None or not followed.follow_children:
+                self._stop_waiting(job.pid)
                 return  # the parent's selector was removed meanwhile, or follows no children
         identity = (facts.pid, facts.start_time)
         if identity in self._failed or identity in self._released or self._profiling(facts):
+            self._stop_waiting(job.pid)
             return
         self._attach_waiting(job, facts, selector, parent)
 

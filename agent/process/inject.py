@@ -55,6 +55,7 @@ from elftools.elf.elffile import ELFFile
 
 from agent.errors import EnvironmentProblem, NoSafePoint, SamplingRefused, TargetError
 from agent.process.discovery import allocator_of_process, is_libc_name
+from agent.process.procinfo import thread_limit
 from agent.process.safepoint import RuleLookup, UnsafeRanges, Verdict, examine
 from agent.process.sampler import (
     MapLine,
@@ -809,7 +810,8 @@ def revive(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc")
     preflight_ptrace(pid)
     result, _ = _call(pid, base + symbol_value(library, REVIVE_SYMBOL), wait, proc_root)
     if result >= 1 << 63 and (1 << 64) - result not in (errno.ENOTSUP, errno.EALREADY):
-        raise TargetError(f"process {pid}: its sampler could not be started again: {os.strerror((1 << 64) - result)}")
+        why = thread_limit(pid, proc_root) or os.strerror((1 << 64) - result)
+        raise TargetError(f"process {pid}: its sampler could not be started again: {why}; use --mode=exact")
     return result == 0
 
 

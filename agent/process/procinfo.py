@@ -92,6 +92,37 @@ def is_thread_group_leader(pid: int, proc: str = "/proc") -> bool:
     return False
 
 
+def _status_fields(pid: int, proc: str) -> dict[str, str]:
+    try:
+        with open(f"{proc}/{pid}/status") as f:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    except OSError:
+        return {}
+
+
+def thread_limit(pid: int, proc: str = "/proc") -> str | None:
+    """Why `pid` can start no thread, if its RLIMIT_NPROC says so (a server that drops to a user of its own and sets
+    it, as haproxy's workers do), else None. The kernel counts every task of the process's real user against that
+    limit, and exempts root."""
+    uid = _status_fields(pid, proc).get("Uid", "").split()[:1]
+    try:
+        with open(f"{proc}/{pid}/limits") as f:
+            soft = next((line.split()[2] for line in f if line.startswith("Max processes")), "unlimited")
+    except OSError:
+        return None
+    if not uid or uid[0] == "0" or not soft.isdigit():
+        return None
+    tasks = 0
+    for other in process_ids(proc):
+        status = _status_fields(other, proc)
+        if status.get("Uid", "").split()[:1] == uid:
+            tasks += int(status.get("Threads", "1"))
+    if tasks < int(soft):
+        return None
+    return (f"its limit on processes (RLIMIT_NPROC, Max processes {soft}) lets it start no thread: user {uid[0]} "
+            f"runs {tasks} tasks already, and the sampler needs a thread of its own")
+
+
 def resident_bytes(pid: int | None = None, proc: str = "/proc") -> int:
     """Resident memory of a process (by default this one)."""
     target = "self" if pid is None else str(pid)

@@ -28,6 +28,7 @@ from pathlib import Path
 from agent.errors import EnvironmentProblem, TargetError, UsageError
 from agent.model.callcounts import ThreadCalls, total
 from agent.process.discovery import ProbePoint, elf_facts
+from agent.process.procinfo import thread_limit
 from agent.symbols.elf import open_elf
 from agent.symbols.placement import choose_offset
 
@@ -331,10 +332,10 @@ class SamplerControl:
             if st["magic"] != MAGIC or st["version"] != VERSION:
                 raise TargetError(f"process {self.pid}: the sampler's control block is not version {VERSION}")
             if st.state == "broken":
-                raise TargetError(
-                    f"process {self.pid}: the sampler loaded in it cannot run (it failed to start, or this process "
-                    "is a forked child of one it was loaded in, which has no control thread); use --mode=exact"
-                )
+                why = thread_limit(self.pid) or (
+                    "it failed to start, or this process is a forked child of one it was loaded in, which has no "
+                    "control thread")
+                raise TargetError(f"process {self.pid}: the sampler loaded in it cannot run ({why}); use --mode=exact")
             if st.state != "loading" and st["control_tid"] != 0:
                 return st
             if time.monotonic() > deadline:

@@ -133,3 +133,29 @@ def test_the_daemon_shows_a_process_without_a_safe_point_as_waiting_and_profiles
     assert 'heapscope_targets_waiting 0.0' in client.get("/metrics").text
     assert f"profiling {locked.pid} (safe_point, asked for, after " in sampled_daemon.stderr(), sampled_daemon.stderr()
     assert httpx.get(f"{sampled_daemon.url}/healthz").status_code == 200
+
+
+def test_a_waiting_target_let_go_by_delete_or_by_its_selector_is_no_longer_tried(
+    sampled_daemon: Daemon, locked: Program
+) -> None:
+    client = sampled_daemon.client()
+
+    def states() -> list[str]:
+        return [t["state"] for t in client.get("/targets").json() if t["pid"] == locked.pid]
+
+    # Chosen by a selector, waiting; the selector removed: the wait ends with it.
+    chosen = client.post("/targets", json={"comm": "^safe_point$", "follow_children": False}, timeout=30)
+    assert chosen.status_code in (200, 201), chosen.text
+    wait_for(lambda: states() == ["waiting"], 60, "the selected process waiting")
+    assert client.delete(f"/selectors/{chosen.json()['id']}").status_code == 200
+    assert states() == [] and 'heapscope_targets_waiting 0.0' in client.get("/metrics").text
+
+    # Asked for by PID, waiting; DELETE answers with it, and it is not tried again once it could be profiled.
+    assert client.post("/targets", json={"pid": locked.pid}, timeout=120).status_code == 409
+    assert states() == ["waiting"]
+    gone = client.delete(f"/targets/{locked.pid}")
+    assert gone.status_code == 200 and gone.json()["state"] == "detached", gone.text
+    assert locked.drain().startswith(b"unlocked")
+    time.sleep(5)  # past the first retry (2 s): nothing may attach it now
+    assert states() == [] and f"profiling {locked.pid}" not in sampled_daemon.stderr()
+    assert locked.proc.poll() is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.process.procinfo import running, start_time
+from agent.process.procinfo import running, start_time, thread_limit
 
 
 def write_stat(proc: Path, pid: int, state: str, started: int, comm: str = "svc (a) b") -> None:
@@ -28,3 +28,26 @@ def test_a_zombie_a_gone_process_and_a_reused_pid_do_not(tmp_path: Path) -> None
     write_stat(tmp_path, 42, "R", 5678)  # the PID now names a process that started later
     assert not running(42, 1234, str(tmp_path))
     assert running(42, 5678, str(tmp_path))
+
+
+def write_task(proc: Path, pid: int, uid: int, threads: int, nproc: str) -> None:
+    (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+    (proc / str(pid) / "status").write_text(f"Name:\tsvc\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\nThreads:\t{threads}\n")
+    (proc / str(pid) / "limits").write_text(
+        "Limit                     Soft Limit           Hard Limit           Units     \n"
+        f"Max processes             {nproc:<20} {nproc:<20} processes \n"
+    )
+
+
+def test_a_thread_limit_is_named_only_when_the_users_tasks_reach_it(tmp_path: Path) -> None:
+    write_task(tmp_path, 10, 33, 2, "4")
+    write_task(tmp_path, 11, 33, 1, "4")
+    write_task(tmp_path, 12, 1000, 9, "unlimited")  # another user's tasks do not count
+    assert thread_limit(10, str(tmp_path)) is None  # 3 tasks of user 33, limit 4
+    write_task(tmp_path, 13, 33, 1, "4")
+    why = thread_limit(10, str(tmp_path))
+    assert why is not None and "Max processes 4" in why and "user 33 runs 4 tasks" in why
+    assert thread_limit(12, str(tmp_path)) is None  # unlimited
+    write_task(tmp_path, 14, 0, 1, "0")
+    assert thread_limit(14, str(tmp_path)) is None  # root is exempt
+    assert thread_limit(99, str(tmp_path)) is None  # gone
