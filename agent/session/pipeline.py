@@ -212,9 +212,10 @@ class Profile:
                 if not p.launched:
                     session.prepare_attach()
                 try:
-                    self.say(f"probes attached to {p.pid} ({probes.attached_through})")
                     if link is not None and not p.launched:
                         link.arm(probes)  # after prepare_attach: the sampler's unwind table is published
+                    # Said once recording: a script that starts its workload at this line misses nothing.
+                    self.say(f"probes attached to {p.pid} ({probes.attached_through})")
                     p.release()
                     if link is not None and p.launched:
                         link.arm_in_background(probes)

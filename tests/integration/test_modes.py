@@ -137,7 +137,7 @@ def sampled_run(program: Path, heapscope_cmd: list[str], tmp_path_factory: pytes
             f"--pprof-out-file={files['pprof']}", "--xtree-memory=allocs", f"--xtree-memory-file={files['xtree']}",
             f"--summary-file={files['summary']}",
         ], tmp)
-        attach.wait_for("sampler armed")
+        attach.wait_for("probes attached")  # the users' line: said once the sampler is armed too
         target.go()
         target.expect("allocated")
         time.sleep(0.3)  # a few sampling intervals
