@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from agent import __version__
 from agent.argtypes import byte_size, int_at_least, int_between, percent, positive_seconds, yes_no
@@ -36,13 +36,12 @@ from agent.model.summary import ProfileSummary
 from agent.offline import commands as offline_commands
 from agent.offline import view
 from agent.offline.timespec import parse_duration, parse_thin_rules
-from agent.process.capability import check_environment
-from agent.process.discovery import read_process
-from agent.process.launch import HeldChild
-from agent.process.target import TargetProcess, attach_to
-from agent.session.pipeline import Profile, ProfileSettings
-from agent.session.storerec import StoreSettings
 from agent.store import Retention, SyncPolicy
+
+if TYPE_CHECKING:  # imported where used: `report`, `diff`, `growth` and `view` need none of the profiling side
+    from agent.process.target import TargetProcess
+    from agent.session.pipeline import Profile, ProfileSettings
+    from agent.session.storerec import StoreSettings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -345,6 +344,8 @@ def _add_store_options(p: argparse.ArgumentParser, serve: bool) -> None:
 def store_settings(ns: argparse.Namespace, output_dir: Path | None = None) -> StoreSettings | None:
     """The store of `run` and `attach` (--store DIR, as given), or of `serve` (`output_dir`/store unless
     --no-store; a --store DIR that leaves the output directory is refused)."""
+    from agent.session.storerec import StoreSettings
+
     if ns.command == "serve":
         assert output_dir is not None
         if ns.no_store:
@@ -494,6 +495,8 @@ def mode_from(ns: argparse.Namespace) -> ProfileMode:
 def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> ProfileSettings:
     """The pipeline's settings from the command line. A daemon keeps MALT's statistics unless --malt=no (for
     GET /malt); `run` and `attach` keep them only for a MALT file."""
+    from agent.session.pipeline import ProfileSettings
+
     opts = options_from(ns)
     files = {f.name: getattr(ns, f.dest) for f in FORMATS if getattr(ns, f.dest) is not None}
     variants = {f.name: getattr(ns, f.variant.dest) for f in FORMATS if f.variant is not None}
@@ -535,6 +538,8 @@ def _stderr_of_our_own() -> None:
 
 
 def _require_environment() -> None:
+    from agent.process.capability import check_environment
+
     problems = check_environment()
     if problems:
         raise EnvironmentProblem("; ".join(problems))
@@ -542,6 +547,8 @@ def _require_environment() -> None:
 
 def _profile(ctx: _Ctx, process: TargetProcess, stop: threading.Event) -> Profile:
     """`run` and `attach` without --http: the pipeline in this thread, then the files and the summary."""
+    from agent.session.pipeline import Profile
+
     profile = Profile(ctx.settings, process, ctx.say)
     profile.run(stop)
     profile.write_outputs(Path("."), expand_filename, strict=True)
@@ -586,6 +593,8 @@ def _forward_sigterm(process: TargetProcess) -> Callable[[int], None]:
 
 
 def cmd_run(ctx: _Ctx, program: list[str]) -> int:
+    from agent.process.launch import HeldChild
+
     if not program:
         raise UsageError("no program given: heapscope run [options] -- PROG [ARGS]")
     _require_environment()
@@ -597,6 +606,9 @@ def cmd_run(ctx: _Ctx, program: list[str]) -> int:
 
 
 def cmd_attach(ctx: _Ctx) -> int:
+    from agent.process.discovery import read_process
+    from agent.process.target import attach_to
+
     pid = ctx.ns.pid
     if pid == os.getpid():
         raise UsageError("heapscope cannot profile itself")
@@ -661,6 +673,7 @@ def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | Non
     """`serve` (until SIGTERM), or `run`/`attach` with --http (until the target ends, as without --http)."""
     from agent.daemon.fleet import FleetManager
     from agent.daemon.manager import DaemonConfig
+    from agent.process.launch import HeldChild
     from api.app import create_app
     from api.server import bind, serve
 

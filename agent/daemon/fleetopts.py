@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import argparse
 import re
+from typing import TYPE_CHECKING
 
 from agent.argtypes import int_at_least, positive_seconds
-from agent.daemon.fleet import FleetConfig
 from agent.errors import HeapscopeError, UsageError
 from agent.model.fleet import Limits
 from agent.model.selector import Selector
 from agent.offline.timespec import parse_duration
+
+if TYPE_CHECKING:  # the command line is parsed without the daemon's modules: `heapscope growth` starts quickly
+    from agent.daemon.fleet import FleetConfig
+
+if TYPE_CHECKING:  # the command line is parsed without the daemon's modules: `heapscope growth` starts quickly
+    from agent.daemon.fleet import FleetConfig
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -121,6 +127,8 @@ def add_fleet_options(p: argparse.ArgumentParser) -> None:
 
 def fleet_config_from(ns: argparse.Namespace) -> FleetConfig:
     """The fleet's configuration; a bad selector is a UsageError naming the option."""
+    from agent.daemon.fleet import FleetConfig
+
     follow = getattr(ns, "follow_children", "yes") == "yes"
     selectors: list[Selector] = []
     for option, key in (("--attach-comm", "attach_comm"), ("--attach-cmdline", "attach_cmdline"),
