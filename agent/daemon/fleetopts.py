@@ -16,9 +16,6 @@ from agent.offline.timespec import parse_duration
 if TYPE_CHECKING:  # the command line is parsed without the daemon's modules: `heapscope growth` starts quickly
     from agent.daemon.fleet import FleetConfig
 
-if TYPE_CHECKING:  # the command line is parsed without the daemon's modules: `heapscope growth` starts quickly
-    from agent.daemon.fleet import FleetConfig
-
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
