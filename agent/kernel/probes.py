@@ -23,6 +23,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
@@ -218,6 +219,9 @@ class ProbeSettings:
     max_blocks: int = 1 << 20
     max_stacks: int = 1 << 16
     pages: bool = False  # trace mmap/munmap/mremap/brk: one PageEvent per call (page_events())
+    # Walk the stack of each page call (its site: the pages-as-heap tree, MALT's mmap statistics). Without it the
+    # page walker is not loaded, which saves its verification (~0.8 s of an attach), and every call has site 0.
+    page_stacks: bool = True
     stacks: bool = False  # keep each thread's stack extent (--stacks=yes: stack_bytes())
     sampled: bool = False  # also compile probes/sampled.bpf.c (points of kind sample_alloc / sample_free)
     schedule_ns: bool = False  # the snapshot schedule's points are timed in ns (--time-unit=ms), else in B
@@ -742,6 +746,7 @@ class HeapProbes(SiteReader):
                 self._sites = MappedArray(bpf["sites"], s.max_stacks)
             except (OSError, ValueError) as exc:
                 raise EnvironmentProblem(f"cannot map the sites array (BPF_F_MMAPABLE, Linux 5.5+): {exc}") from exc
+            self._load_programs()
             self._install_walkers()
             for point in self.points:
                 self._attach(point)
@@ -835,18 +840,40 @@ class HeapProbes(SiteReader):
             self._sites.close()
         self._sites = None
 
-    def _install_walkers(self) -> None:
-        """The programs that hold the shared copies of the stack walk, in the program arrays the probes
-        tail-call (probes/heap.bpf.c alloc_walker, page_walker): before any probe can fire."""
-        bcc = _load_bcc()
-        assert self._bpf is not None
+    def _walkers(self) -> list[tuple[str, bytes]]:
+        """(program array, program) of the shared copies of the stack walk the probes tail-call."""
         walkers = []
         if not self.settings.sampled:  # sampled mode probes no allocation function: no call tail-calls it
-            walkers.append(("alloc_walker", self._load_uprobe_program(b"alloc_enter")))
-        if self.settings.pages:
-            walkers.append(("page_walker", self._bpf.load_func(b"page_enter_walk", bcc.BPF.TRACEPOINT)))
-        for table, fn in walkers:
-            self._bpf[table][ctypes.c_int(0)] = ctypes.c_int(fn.fd)
+            walkers.append(("alloc_walker", b"alloc_enter"))
+        if self.settings.pages and self.settings.page_stacks:
+            walkers.append(("page_walker", b"page_enter_walk"))
+        return walkers
+
+    def _load_programs(self) -> None:
+        """Load the uprobes' programs and the walkers two at a time: the kernel verifies each load on the calling
+        thread and ctypes lets go of the GIL meanwhile, so on two CPUs the three programs that walk stacks (~0.8 s
+        of verification each) take half as long. bcc keeps each loaded program (load_func gives it again)."""
+        names = {name for _, name in self._walkers()}
+        for point in self.points:
+            names.add(f"{point.kind}_enter".encode())
+            if point.needs_return:
+                names.add(b"alloc_return")
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="bpf-load") as pool:
+            list(pool.map(self._load_program, sorted(names)))
+
+    def _load_program(self, name: bytes) -> Any:
+        if name == b"page_enter_walk":
+            assert self._bpf is not None
+            return self._bpf.load_func(name, _load_bcc().BPF.TRACEPOINT)
+        return self._load_uprobe_program(name)
+
+    def _install_walkers(self) -> None:
+        """The programs that hold the shared copies of the stack walk, in the program arrays the probes
+        tail-call (probes/heap.bpf.c alloc_walker, page_walker): before any probe can fire. Without the page
+        walker (page_stacks off) a page call is kept without its stack (probes/heap.bpf.c page_enter)."""
+        assert self._bpf is not None
+        for table, name in self._walkers():
+            self._bpf[table][ctypes.c_int(0)] = ctypes.c_int(self._load_program(name).fd)
 
     @property
     def attached_through(self) -> str:

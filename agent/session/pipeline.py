@@ -82,6 +82,7 @@ class ProfileSettings:
             max_blocks=self.mode.max_blocks if self.max_blocks is None else self.max_blocks,
             max_stacks=self.mode.max_stacks if self.max_stacks is None else self.max_stacks,
             pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
+            page_stacks=o.pages_as_heap or self.malt,  # a page call's site: its tree, MALT's mmap statistics
             # Sampled mode (the daemon's default) keeps a smaller ring of page events: the kernel holds it and the
             # daemon maps it for every target, however quiet. The kernel wakes the daemon when a ring is half full.
             page_ring_bytes=SAMPLED_PAGE_RING_BYTES if self.mode.sampled else PAGE_RING_BYTES,
