@@ -71,7 +71,7 @@ class ProgramStats:
     def _poll(self, period: float) -> None:
         while not self._stop.wait(period):
             for pid, p in bpf_programs().items():
-                owners = {o.get("comm") for o in p.get("pids", [])}  # type: ignore[union-attr]
+                owners = {o.get("comm") for o in p.get("pids", [])}  # type: ignore[union-attr,attr-defined]
                 if pid not in self.before and (not owners or owners & {"heapscope", "python3", "python"}):
                     self.latest[pid] = p
 
