@@ -45,15 +45,16 @@ test: setup
 	echo "+ pytest -v tests"; $(VENV)/bin/pytest -v tests || status=1; \
 	exit $$status
 
-# The checks that need no root: the virtualenv only (no Debian packages), then the linters and tests/unit
-# (tests that need gcc, Valgrind or gdb skip without them).
+# The checks that need no root and no external tools: the virtualenv only (no Debian packages), then the linters
+# and tests/unit but for the tests marked `tools` (they run gcc, Valgrind, gdb, binutils... or need root: tests/conftest.py);
+# `make test` runs those too.
 unit:
 	bash scripts/setup.sh venv
 	@status=0; \
 	echo "+ ruff check"; $(VENV)/bin/ruff check || status=1; \
 	echo "+ mypy agent api"; $(VENV)/bin/mypy agent api || status=1; \
 	echo "+ lint-imports"; $(VENV)/bin/lint-imports || status=1; \
-	echo "+ pytest -v tests/unit"; $(VENV)/bin/pytest -v tests/unit || status=1; \
+	echo "+ pytest -v tests/unit -m 'not tools'"; $(VENV)/bin/pytest -v tests/unit -m "not tools" || status=1; \
 	exit $$status
 
 bench: setup

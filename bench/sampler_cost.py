@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from agent.process.inject import inject  # noqa: E402
 from agent.process.sampler import SamplerControl, build_sampler  # noqa: E402
-from tests.integration.sampler_support import sample_trace  # noqa: E402
+from tests.support.sampler_probes import sample_trace  # noqa: E402
 
 CONFIGS = ("native", "loaded", "armed 512KiB", "armed 512KiB + uprobe", "armed 4KiB + uprobe")
 

@@ -56,7 +56,7 @@ from agent.process.procinfo import (
     resident_bytes,
     start_time,
 )
-from agent.store.writer import sweep_ended
+from agent.store.retention import sweep_ended
 
 # Without the tracepoints, how often /proc is scanned instead.
 POLL_INTERVAL = 2.0

@@ -9,23 +9,23 @@ it as a heap profile:
 - the leaf location first; inlined calls are several lines of one location, innermost first;
 - mapping[0] is the main executable; mappings carry GNU build ids, so a consumer can find the binaries again.
 
-The message classes are built here at import, from this module's own declaration of the fields it writes
+The message classes are built at first use (protobuf is imported then: the commands that write no pprof start
+without it), from this module's own declaration of the fields it writes
 (field numbers as pprof's proto/profile.proto defines them): no copy of that file and no code generated from it.
 protobuf encodes; nothing here reads the target or the disk. Pure: model objects in, bytes out.
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-
+from agent.model.maps import Mapping as MemoryMapping
 from agent.model.profile import Frame, SiteCounts, Stack, ip_groups
-from agent.symbols.symbolizer import Mapping as MemoryMapping
 
 SAMPLE_TYPES: tuple[tuple[str, str], ...] = (
     ("alloc_objects", "count"),
@@ -39,86 +39,89 @@ PERIOD_TYPE = ("space", "bytes")
 # ---- the message classes ----------------------------------------------------------------------------------
 
 _PACKAGE = "perftools.profiles"
-_T = descriptor_pb2.FieldDescriptorProto
 
 # (message, [(field, number, type, repeated, message type)]). Only the fields heapscope writes.
-_MESSAGES: tuple[tuple[str, tuple[tuple[str, int, int, bool, str], ...]], ...] = (
+_MESSAGES: tuple[tuple[str, tuple[tuple[str, int, str, bool, str], ...]], ...] = (
     (
         "Profile",
         (
-            ("sample_type", 1, _T.TYPE_MESSAGE, True, "ValueType"),
-            ("sample", 2, _T.TYPE_MESSAGE, True, "Sample"),
-            ("mapping", 3, _T.TYPE_MESSAGE, True, "Mapping"),
-            ("location", 4, _T.TYPE_MESSAGE, True, "Location"),
-            ("function", 5, _T.TYPE_MESSAGE, True, "Function"),
-            ("string_table", 6, _T.TYPE_STRING, True, ""),
-            ("time_nanos", 9, _T.TYPE_INT64, False, ""),
-            ("duration_nanos", 10, _T.TYPE_INT64, False, ""),
-            ("period_type", 11, _T.TYPE_MESSAGE, False, "ValueType"),
-            ("period", 12, _T.TYPE_INT64, False, ""),
-            ("comment", 13, _T.TYPE_INT64, True, ""),
-            ("default_sample_type", 14, _T.TYPE_INT64, False, ""),
+            ("sample_type", 1, "TYPE_MESSAGE", True, "ValueType"),
+            ("sample", 2, "TYPE_MESSAGE", True, "Sample"),
+            ("mapping", 3, "TYPE_MESSAGE", True, "Mapping"),
+            ("location", 4, "TYPE_MESSAGE", True, "Location"),
+            ("function", 5, "TYPE_MESSAGE", True, "Function"),
+            ("string_table", 6, "TYPE_STRING", True, ""),
+            ("time_nanos", 9, "TYPE_INT64", False, ""),
+            ("duration_nanos", 10, "TYPE_INT64", False, ""),
+            ("period_type", 11, "TYPE_MESSAGE", False, "ValueType"),
+            ("period", 12, "TYPE_INT64", False, ""),
+            ("comment", 13, "TYPE_INT64", True, ""),
+            ("default_sample_type", 14, "TYPE_INT64", False, ""),
         ),
     ),
-    ("ValueType", (("type", 1, _T.TYPE_INT64, False, ""), ("unit", 2, _T.TYPE_INT64, False, ""))),
+    ("ValueType", (("type", 1, "TYPE_INT64", False, ""), ("unit", 2, "TYPE_INT64", False, ""))),
     (
         "Sample",
         (
-            ("location_id", 1, _T.TYPE_UINT64, True, ""),
-            ("value", 2, _T.TYPE_INT64, True, ""),
-            ("label", 3, _T.TYPE_MESSAGE, True, "Label"),
+            ("location_id", 1, "TYPE_UINT64", True, ""),
+            ("value", 2, "TYPE_INT64", True, ""),
+            ("label", 3, "TYPE_MESSAGE", True, "Label"),
         ),
     ),
     (
         "Label",
         (
-            ("key", 1, _T.TYPE_INT64, False, ""),
-            ("str", 2, _T.TYPE_INT64, False, ""),
-            ("num", 3, _T.TYPE_INT64, False, ""),
-            ("num_unit", 4, _T.TYPE_INT64, False, ""),
+            ("key", 1, "TYPE_INT64", False, ""),
+            ("str", 2, "TYPE_INT64", False, ""),
+            ("num", 3, "TYPE_INT64", False, ""),
+            ("num_unit", 4, "TYPE_INT64", False, ""),
         ),
     ),
     (
         "Mapping",
         (
-            ("id", 1, _T.TYPE_UINT64, False, ""),
-            ("memory_start", 2, _T.TYPE_UINT64, False, ""),
-            ("memory_limit", 3, _T.TYPE_UINT64, False, ""),
-            ("file_offset", 4, _T.TYPE_UINT64, False, ""),
-            ("filename", 5, _T.TYPE_INT64, False, ""),
-            ("build_id", 6, _T.TYPE_INT64, False, ""),
-            ("has_functions", 7, _T.TYPE_BOOL, False, ""),
-            ("has_filenames", 8, _T.TYPE_BOOL, False, ""),
-            ("has_line_numbers", 9, _T.TYPE_BOOL, False, ""),
-            ("has_inline_frames", 10, _T.TYPE_BOOL, False, ""),
+            ("id", 1, "TYPE_UINT64", False, ""),
+            ("memory_start", 2, "TYPE_UINT64", False, ""),
+            ("memory_limit", 3, "TYPE_UINT64", False, ""),
+            ("file_offset", 4, "TYPE_UINT64", False, ""),
+            ("filename", 5, "TYPE_INT64", False, ""),
+            ("build_id", 6, "TYPE_INT64", False, ""),
+            ("has_functions", 7, "TYPE_BOOL", False, ""),
+            ("has_filenames", 8, "TYPE_BOOL", False, ""),
+            ("has_line_numbers", 9, "TYPE_BOOL", False, ""),
+            ("has_inline_frames", 10, "TYPE_BOOL", False, ""),
         ),
     ),
     (
         "Location",
         (
-            ("id", 1, _T.TYPE_UINT64, False, ""),
-            ("mapping_id", 2, _T.TYPE_UINT64, False, ""),
-            ("address", 3, _T.TYPE_UINT64, False, ""),
-            ("line", 4, _T.TYPE_MESSAGE, True, "Line"),
+            ("id", 1, "TYPE_UINT64", False, ""),
+            ("mapping_id", 2, "TYPE_UINT64", False, ""),
+            ("address", 3, "TYPE_UINT64", False, ""),
+            ("line", 4, "TYPE_MESSAGE", True, "Line"),
         ),
     ),
-    ("Line", (("function_id", 1, _T.TYPE_UINT64, False, ""), ("line", 2, _T.TYPE_INT64, False, ""))),
+    ("Line", (("function_id", 1, "TYPE_UINT64", False, ""), ("line", 2, "TYPE_INT64", False, ""))),
     (
         "Function",
         (
-            ("id", 1, _T.TYPE_UINT64, False, ""),
-            ("name", 2, _T.TYPE_INT64, False, ""),
-            ("system_name", 3, _T.TYPE_INT64, False, ""),
-            ("filename", 4, _T.TYPE_INT64, False, ""),
-            ("start_line", 5, _T.TYPE_INT64, False, ""),
+            ("id", 1, "TYPE_UINT64", False, ""),
+            ("name", 2, "TYPE_INT64", False, ""),
+            ("system_name", 3, "TYPE_INT64", False, ""),
+            ("filename", 4, "TYPE_INT64", False, ""),
+            ("start_line", 5, "TYPE_INT64", False, ""),
         ),
     ),
 )
 
 
+@functools.cache
 def _message_classes() -> dict[str, Any]:
     """Message classes for the declaration above, in a pool of their own (proto3: repeated numbers are packed,
     as Go writes them)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    t = descriptor_pb2.FieldDescriptorProto
     file = descriptor_pb2.FileDescriptorProto(name="heapscope/pprof_profile.proto", package=_PACKAGE, syntax="proto3")
     for name, fields in _MESSAGES:
         msg = file.message_type.add(name=name)
@@ -126,8 +129,8 @@ def _message_classes() -> dict[str, Any]:
             f = msg.field.add(
                 name=field_name,
                 number=number,
-                type=ftype,  # type: ignore[arg-type]
-                label=_T.LABEL_REPEATED if repeated else _T.LABEL_OPTIONAL,
+                type=getattr(t, ftype),
+                label=t.LABEL_REPEATED if repeated else t.LABEL_OPTIONAL,
             )
             if type_name:
                 f.type_name = f".{_PACKAGE}.{type_name}"
@@ -137,9 +140,6 @@ def _message_classes() -> dict[str, Any]:
         name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_PACKAGE}.{name}")) for name, _ in _MESSAGES
     }
 
-
-_CLASSES = _message_classes()
-ProfileMessage: Any = _CLASSES["Profile"]
 
 
 # ---- scaling --------------------------------------------------------------------------------------------
@@ -241,9 +241,9 @@ def render_pprof(
         raise ValueError(f"sample_rate must be at least 1, got {sample_rate}")
     if default_sample_type not in {name for name, _ in SAMPLE_TYPES}:
         raise ValueError(f"unknown sample type {default_sample_type!r}")
-    c = _CLASSES
+    c = _message_classes()
     strings = _Strings()
-    prof = ProfileMessage()
+    prof = c["Profile"]()
     for name, unit in SAMPLE_TYPES:
         prof.sample_type.append(c["ValueType"](type=strings(name), unit=strings(unit)))
     prof.period_type.type, prof.period_type.unit = strings(PERIOD_TYPE[0]), strings(PERIOD_TYPE[1])
@@ -355,6 +355,6 @@ def parse_pprof(data: bytes) -> Any:
     """A profile written by render_pprof (gzipped or not) as a message, for tests and tools."""
     if data[:2] == b"\x1f\x8b":
         data = gzip.decompress(data)
-    prof = ProfileMessage()
+    prof = _message_classes()["Profile"]()
     prof.ParseFromString(data)
     return prof

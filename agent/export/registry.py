@@ -12,10 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from agent.export.malt import MaltProfile, SiteResolver, write_malt
+from agent.export.malt import SiteResolver, write_malt
 from agent.export.massif import write_massif
 from agent.export.pprof import DEFAULT_SAMPLE_TYPE, SAMPLE_TYPES, PprofContext, render_pprof
 from agent.export.xtree import write_xtree
+from agent.model.malt import MaltProfile
 from agent.model.options import MassifOptions
 from agent.model.profile import SiteCounts, Snapshot, Stack
 from agent.model.target import ProfileHeader

@@ -5,7 +5,8 @@ root.
     heapscope diff STORE [--pid N] --from T1 --to T2 [--json] [--threshold P]
     heapscope growth STORE [--pid N] [--since T] [--window SECONDS] [--top N] [--format text|json]
 
-cli.py registers them (`register`) and hands their namespace to `run`.
+One class a command (Report, Diff, Growth): agent.cli lists them in its table of commands; each adds its parser
+(`add_parser`) and runs on the namespace parsed (`run`).
 """
 
 from __future__ import annotations
@@ -13,67 +14,133 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import re
 import sys
 import time
-from typing import TextIO
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
 
 from agent.argtypes import int_at_least, percent
 from agent.errors import HeapscopeError, NotInHistory, UsageError
 from agent.export.massif import write_massif
 from agent.export.xtree import write_xtree
 from agent.offline import growth, history
-from agent.offline.timespec import iso, parse_duration, parse_moment
+from agent.offline.timespec import RELATIVE_TIME, iso, parse_duration, parse_moment, time_range
 from agent.store import SnapshotUnavailable, StoreReader
 
-COMMANDS = ("report", "diff", "growth")
+TIMES = (
+    "Times: ISO 8601 (2026-11-23T08:00, local time unless a zone is given), a time of day (09:00: on the day "
+    "of the other end, or today), `now`, or a time before now (-30m, -24h, -7d)."
+)
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add the offline subcommands to heapscope's parser."""
-    times = (
-        "Times: ISO 8601 (2026-11-23T08:00, local time unless a zone is given), a time of day (09:00: on the day "
-        "of the other end, or today), `now`, or a time before now (-30m, -24h, -7d)."
-    )
-    rep = sub.add_parser(
-        "report", help="write a profile of a stored history (massif.out, xtree or JSON)", epilog=times
-    )
-    _common(rep)
-    rep.add_argument("--format", choices=("massif", "xtree", "json"), default="massif")
-    rep.add_argument("-o", "--output", metavar="FILE", help="write there instead of standard output")
-    rep.add_argument("--max-snapshots", type=int_at_least(10), default=None,
-                     help="Massif's culling, applied to the range (default: the profile's, else 100)")
-    rep.add_argument("--detailed-freq", type=int_at_least(1), default=None,
-                     help="every Nth snapshot is detailed (default: the profile's, else 10)")
-    rep.add_argument("--threshold", type=percent, default=None,
-                     help="Massif's threshold, percent (default: the profile's, else 1.0)")
-    d = sub.add_parser("diff", help="what grew and what shrank between two stored moments", epilog=times)
-    _common(d, required=True)
-    d.add_argument("--json", action="store_true", help="print JSON instead of text")
-    d.add_argument("--threshold", type=percent, default=1.0,
-                   help="nodes below this percent of the growth (or shrinkage) are merged into one line (1.0)")
-    g = sub.add_parser(
-        "growth", help="what is growing: sites ranked by steady growth over a window, leak suspects first",
-        epilog=times + " Verdicts: leak suspect (steady growth of bytes that stay), grew then stopped (a cache that "
-        "filled), growing, churn (rises and falls), shrinking, flat, too few samples (sampled mode); "
-        "agent/model/growth.py says how each is decided.",
-    )
-    _store_args(g)
-    g.add_argument("--since", metavar="T", help="start of the window (default: --window before the last snapshot)")
-    g.add_argument("--window", metavar="SECONDS", type=window_seconds, default=None,
-                   help="length of the window: 20, 90s, 10m, 1h, 2d (default: from --since, else the whole run)")
-    g.add_argument("--top", type=int_at_least(0), default=growth.TOP,
-                   help=f"sites listed, ranked (0: all; every site is judged and counted) ({growth.TOP})")
-    g.add_argument("--format", choices=("text", "json"), default="text")
+@dataclass
+class _Streams:
+    """Where a command writes; None: standard output (and error) as it is when the command runs."""
+
+    out: TextIO | None = None
+    err: TextIO | None = None
+
+    def streams(self) -> tuple[TextIO, TextIO]:
+        return self.out or sys.stdout, self.err or sys.stderr
 
 
-# `--from -24h`: argparse takes a word that starts with '-' for an option unless it looks like a negative
-# number; these commands have no option that looks like one, so relative times are let through as values.
-_RELATIVE_TIME = re.compile(r"^-\d+(?:\.\d+)?[smhdw]?$")
+class Report(_Streams):
+    """`heapscope report`: a profile of a stored range, as massif.out, xtree or JSON."""
+
+    name = "report"
+
+    def add_parser(self, sub: Any) -> None:
+        rep = sub.add_parser(
+            self.name, help="write a profile of a stored history (massif.out, xtree or JSON)", epilog=TIMES
+        )
+        _common(rep)
+        rep.add_argument("--format", choices=("massif", "xtree", "json"), default="massif")
+        rep.add_argument("-o", "--output", metavar="FILE", help="write there instead of standard output")
+        rep.add_argument("--max-snapshots", type=int_at_least(10), default=None,
+                         help="Massif's culling, applied to the range (default: the profile's, else 100)")
+        rep.add_argument("--detailed-freq", type=int_at_least(1), default=None,
+                         help="every Nth snapshot is detailed (default: the profile's, else 10)")
+        rep.add_argument("--threshold", type=percent, default=None,
+                         help="Massif's threshold, percent (default: the profile's, else 1.0)")
+
+    def run(self, ns: argparse.Namespace, words: Sequence[str] = ()) -> int:
+        out, err = self.streams()
+        start, end = time_range(ns.start, ns.end)
+        with history.open_target(ns.store, ns.pid) as reader:
+            text, notes = render_report(reader, start, end, ns.format, max_snapshots=ns.max_snapshots,
+                                        detailed_freq=ns.detailed_freq, threshold=ns.threshold)
+            for note in notes:
+                err.write(f"heapscope: {note}\n")
+            _emit(text, ns.output, out)
+            _say_skipped(reader, err)
+        return 0
+
+
+class Diff(_Streams):
+    """`heapscope diff`: what grew and what shrank between two stored moments."""
+
+    name = "diff"
+
+    def add_parser(self, sub: Any) -> None:
+        d = sub.add_parser(self.name, help="what grew and what shrank between two stored moments", epilog=TIMES)
+        _common(d, required=True)
+        d.add_argument("--json", action="store_true", help="print JSON instead of text")
+        d.add_argument("--threshold", type=percent, default=1.0,
+                       help="nodes below this percent of the growth (or shrinkage) are merged into one line (1.0)")
+
+    def run(self, ns: argparse.Namespace, words: Sequence[str] = ()) -> int:
+        out, err = self.streams()
+        start, end = time_range(ns.start, ns.end)
+        assert start is not None and end is not None  # the parser requires both
+        with history.open_target(ns.store, ns.pid) as reader:
+            d = diff_between(reader, start, end)
+            meta = reader.meta
+            if ns.json:
+                out.write(json.dumps(diff_json(d, ns.threshold), indent=1) + "\n")
+            else:
+                out.write(diff_text(d, meta.pid, meta.cmd, ns.threshold))
+            _say_skipped(reader, err)
+        return 0
+
+
+class Growth(_Streams):
+    """`heapscope growth`: the sites ranked by steady growth over a window, leak suspects first."""
+
+    name = "growth"
+
+    def add_parser(self, sub: Any) -> None:
+        g = sub.add_parser(
+            self.name, help="what is growing: sites ranked by steady growth over a window, leak suspects first",
+            epilog=TIMES + " Verdicts: leak suspect (steady growth of bytes that stay), grew then stopped (a cache "
+            "that filled), growing, churn (rises and falls), shrinking, flat, too few samples (sampled mode); "
+            "agent/model/growth.py says how each is decided.",
+        )
+        _store_args(g)
+        g.add_argument("--since", metavar="T",
+                       help="start of the window (default: --window before the last snapshot)")
+        g.add_argument("--window", metavar="SECONDS", type=window_seconds, default=None,
+                       help="length of the window: 20, 90s, 10m, 1h, 2d (default: from --since, else the whole run)")
+        g.add_argument("--top", type=int_at_least(0), default=growth.TOP,
+                       help=f"sites listed, ranked (0: all; every site is judged and counted) ({growth.TOP})")
+        g.add_argument("--format", choices=("text", "json"), default="text")
+
+    def run(self, ns: argparse.Namespace, words: Sequence[str] = ()) -> int:
+        out, err = self.streams()
+        since = parse_moment(ns.since, time.time_ns()) if ns.since else None
+        with history.open_target(ns.store, ns.pid) as reader:
+            rep = growth.report(reader, since_ns=since, window_s=ns.window, top=ns.top)
+        if ns.format == "json":
+            out.write(json.dumps(rep.to_json(), indent=1) + "\n")
+        else:
+            out.write(growth.text(rep))
+        for note in rep.notes:
+            err.write(f"heapscope: {note}\n")
+        return 0
 
 
 def _store_args(p: argparse.ArgumentParser) -> None:
-    p._negative_number_matcher = _RELATIVE_TIME  # type: ignore[attr-defined]
+    p._negative_number_matcher = RELATIVE_TIME  # type: ignore[attr-defined]
     p.add_argument("store", metavar="STORE", help="the store directory (as given to --store), or one process's")
     p.add_argument("--pid", type=int_at_least(1), default=None, help="the process (when the store holds several)")
 
@@ -95,49 +162,15 @@ def window_seconds(text: str) -> float:
     return seconds
 
 
-def run(ns: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    out = out or sys.stdout
-    err = err or sys.stderr
-    now = time.time_ns()
-    if ns.command == "growth":
-        since = parse_moment(ns.since, now) if ns.since else None
-        with history.open_target(ns.store, ns.pid) as reader:
-            rep = growth.report(reader, since_ns=since, window_s=ns.window, top=ns.top)
-        if ns.format == "json":
-            out.write(json.dumps(rep.to_json(), indent=1) + "\n")
-        else:
-            out.write(growth.text(rep))
-        for note in rep.notes:
-            err.write(f"heapscope: {note}\n")
-        return 0
-    start = parse_moment(ns.start, now) if ns.start else None
-    end = parse_moment(ns.end, now, base_ns=start) if ns.end else None
-    if start is not None and end is not None and end < start:
-        raise UsageError(f"--to ({iso(end)}) is before --from ({iso(start)})")
-    with history.open_target(ns.store, ns.pid) as reader:
-        if ns.command == "report":
-            code = _report(ns, reader, start, end, out, err)
-        else:
-            code = _diff(ns, reader, start, end, out)
-        for s in reader.skipped:
-            err.write(f"heapscope: {s}\n")
-    return code
+def _say_skipped(reader: StoreReader, err: TextIO) -> None:
+    for s in reader.skipped:
+        err.write(f"heapscope: {s}\n")
 
 
 def _option(reader: StoreReader, name: str, given: object, default: object) -> object:
     if given is not None:
         return given
     return reader.meta.options.get(name, default)
-
-
-def _report(ns: argparse.Namespace, reader: StoreReader, start: int | None, end: int | None,
-            out: TextIO, err: TextIO) -> int:
-    text, notes = render_report(reader, start, end, ns.format, max_snapshots=ns.max_snapshots,
-                                detailed_freq=ns.detailed_freq, threshold=ns.threshold)
-    for note in notes:
-        err.write(f"heapscope: {note}\n")
-    _emit(text, ns.output, out)
-    return 0
 
 
 def render_report(
@@ -226,17 +259,6 @@ def _report_json(reader: StoreReader, sel: history.Selection) -> dict[str, objec
         "notes": sel.notes,
         "skipped": [str(s) for s in reader.skipped],
     }
-
-
-def _diff(ns: argparse.Namespace, reader: StoreReader, start: int | None, end: int | None, out: TextIO) -> int:
-    assert start is not None and end is not None
-    d = diff_between(reader, start, end)
-    meta = reader.meta
-    if ns.json:
-        out.write(json.dumps(diff_json(d, ns.threshold), indent=1) + "\n")
-    else:
-        out.write(diff_text(d, meta.pid, meta.cmd, ns.threshold))
-    return 0
 
 
 def diff_between(reader: StoreReader, start: int, end: int) -> history.Diff:

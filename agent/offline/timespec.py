@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import re
 from datetime import datetime, time
+from time import time_ns
 
 from agent.errors import UsageError
 from agent.store import ThinRule
@@ -96,3 +97,19 @@ def parse_thin_rules(text: str) -> tuple[ThinRule, ...]:
     if any(r.keep_every_s <= 0 for r in rules):
         raise UsageError(f"a thinning interval must be positive: {text!r}")
     return tuple(rules)
+
+
+# `--from -24h`: argparse takes a word that starts with '-' for an option unless it looks like a negative number;
+# the commands that take times have no option that looks like one, so relative times are let through as values.
+RELATIVE_TIME = re.compile(r"^-\d+(?:\.\d+)?[smhdw]?$")
+
+
+def time_range(start: str | None, end: str | None) -> tuple[int | None, int | None]:
+    """--from and --to (None: open) in ns since the epoch, --to read from --from's day; --to before --from is
+    refused."""
+    now = time_ns()
+    first = parse_moment(start, now) if start else None
+    last = parse_moment(end, now, base_ns=first) if end else None
+    if first is not None and last is not None and last < first:
+        raise UsageError(f"--to ({iso(last)}) is before --from ({iso(first)})")
+    return first, last

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,25 +33,10 @@ from agent.export.webpage import render_page
 from agent.model.massif_file import MassifFile, parse_massif
 from agent.model.memline import MemoryPoint
 from agent.offline import history
-from agent.offline.timespec import iso, parse_moment
+from agent.offline.timespec import RELATIVE_TIME, iso, time_range
 
 FILE_KEY = 0  # the page's "target" key for the one profile of a file
 DIFF_ENTRIES = 2000  # sites and stacks kept per snapshot for the page's diffs; the smaller ones are counted
-# `--from -24h`: a relative time, not an option (as `heapscope report` takes it)
-_RELATIVE_TIME = re.compile(r"^-\d+(?:\.\d+)?[smhdw]?$")
-
-
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("view", help="write the web page of a massif.out, or of a stored history, as one HTML file")
-    p._negative_number_matcher = _RELATIVE_TIME
-    p.add_argument("file", metavar="FILE|STORE",
-                   help="a massif.out file (from heapscope or Valgrind's Massif), or a store directory (--store)")
-    p.add_argument("-o", "--output", default=None, metavar="OUT.html",
-                   help="where to write the page (default: the file's name + .html, in the current directory)")
-    g = p.add_argument_group("a store's range (times as `heapscope report` takes them)")
-    g.add_argument("--pid", type=int, default=None, help="the process, when the store holds several")
-    g.add_argument("--from", dest="start", metavar="T", default=None, help="start of the range (default: its start)")
-    g.add_argument("--to", dest="end", metavar="T", default=None, help="end of the range (default: its end)")
 
 
 def _top(entries: dict[Any, int], limit: int) -> tuple[list[list[Any]], int]:
@@ -100,11 +83,7 @@ def _from_file(src: Path) -> tuple[dict[str, Any], str, int]:
 
 
 def _from_store(ns: argparse.Namespace, say: Callable[[str], None]) -> tuple[dict[str, Any], str, int]:
-    now = time.time_ns()
-    start = parse_moment(ns.start, now) if ns.start else None
-    end = parse_moment(ns.end, now, base_ns=start) if ns.end else None
-    if start is not None and end is not None and end < start:
-        raise UsageError(f"--to ({iso(end)}) is before --from ({iso(start)})")
+    start, end = time_range(ns.start, ns.end)
     with history.open_target(ns.file, ns.pid) as reader:
         sel = history.select(reader, start, end)
         if not sel.refs:
@@ -129,21 +108,42 @@ def _int_option(options: Mapping[str, object], name: str, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
-def run(ns: argparse.Namespace, say: Callable[[str], None] = print) -> int:
-    src = Path(ns.file)
-    if src.is_dir():
-        data, default, n = _from_store(ns, say)
-    elif ns.pid is not None or ns.start is not None or ns.end is not None:
-        raise UsageError("--pid, --from and --to choose a range of a store: give a store directory")
-    else:
-        data, default, n = _from_file(src)
-    out = Path(ns.output) if ns.output else Path(default)
-    html = render_page(data)
-    try:
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(html, encoding="utf-8")
-        os.replace(tmp, out)
-    except OSError as exc:
-        raise UsageError(f"cannot write {out}: {exc.strerror}") from None
-    say(f"heapscope: wrote {out} ({len(html.encode()):,} bytes, {n} snapshots)")
-    return 0
+@dataclasses.dataclass
+class View:
+    """`heapscope view`: the page of a massif.out or of a store's range, as one HTML file."""
+
+    say: Callable[[str], None] = print
+    name = "view"
+
+    def add_parser(self, sub: Any) -> None:
+        p = sub.add_parser(self.name,
+                           help="write the web page of a massif.out, or of a stored history, as one HTML file")
+        p._negative_number_matcher = RELATIVE_TIME
+        p.add_argument("file", metavar="FILE|STORE",
+                       help="a massif.out file (from heapscope or Valgrind's Massif), or a store directory (--store)")
+        p.add_argument("-o", "--output", default=None, metavar="OUT.html",
+                       help="where to write the page (default: the file's name + .html, in the current directory)")
+        g = p.add_argument_group("a store's range (times as `heapscope report` takes them)")
+        g.add_argument("--pid", type=int, default=None, help="the process, when the store holds several")
+        g.add_argument("--from", dest="start", metavar="T", default=None,
+                       help="start of the range (default: its start)")
+        g.add_argument("--to", dest="end", metavar="T", default=None, help="end of the range (default: its end)")
+
+    def run(self, ns: argparse.Namespace, words: Sequence[str] = ()) -> int:
+        src = Path(ns.file)
+        if src.is_dir():
+            data, default, n = _from_store(ns, self.say)
+        elif ns.pid is not None or ns.start is not None or ns.end is not None:
+            raise UsageError("--pid, --from and --to choose a range of a store: give a store directory")
+        else:
+            data, default, n = _from_file(src)
+        out = Path(ns.output) if ns.output else Path(default)
+        html = render_page(data)
+        try:
+            tmp = out.with_name(out.name + ".tmp")
+            tmp.write_text(html, encoding="utf-8")
+            os.replace(tmp, out)
+        except OSError as exc:
+            raise UsageError(f"cannot write {out}: {exc.strerror}") from None
+        self.say(f"heapscope: wrote {out} ({len(html.encode()):,} bytes, {n} snapshots)")
+        return 0

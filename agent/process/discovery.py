@@ -21,11 +21,11 @@ from elftools.elf.segments import InterpSegment
 
 from agent.errors import TargetError
 from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS
+from agent.model.maps import Mapping, parse_maps
 from agent.process.view import ProcessView
 from agent.symbols.elf import ElfError, ElfObject, FileCache, open_elf
 from agent.symbols.elf import forget_gone_processes as forget_gone_objects
 from agent.symbols.placement import Placement, choose_offset
-from agent.symbols.symbolizer import Mapping, parse_maps
 
 # Not allocation functions: `run` stops the target at exit() to record its mappings before they go, and
 # the loader calls its debugger hook after every change to the loaded objects (new unwind tables).

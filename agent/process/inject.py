@@ -54,11 +54,11 @@ from typing import TypeVar
 from elftools.elf.elffile import ELFFile
 
 from agent.errors import EnvironmentProblem, NoSafePoint, SamplingRefused, TargetError
+from agent.model.maps import MapsEntry
 from agent.process.discovery import allocator_of_process, is_libc_name
 from agent.process.procinfo import thread_limit
 from agent.process.safepoint import RuleLookup, UnsafeRanges, Verdict, examine
 from agent.process.sampler import (
-    MapLine,
     build_sampler,
     build_stub,
     libc_of_process,
@@ -67,8 +67,8 @@ from agent.process.sampler import (
     symbol_value,
 )
 from agent.process.view import ProcessView
+from agent.symbols.debugfiles import DEFAULT_DEBUG_ROOTS, find_debug_file
 from agent.symbols.elf import ElfObject, open_elf
-from agent.symbols.symbolizer import DEFAULT_DEBUG_ROOTS, find_debug_file
 from agent.symbols.unwind import Rule, UnwindTable, load_table, lookup
 
 T = TypeVar("T")
@@ -240,7 +240,7 @@ def _status_fields(pid: int) -> dict[str, str]:
         raise TargetError(f"no process with PID {pid}") from exc
 
 
-def _libc_mapping(maps: Iterable[MapLine]) -> MapLine | None:
+def _libc_mapping(maps: Iterable[MapsEntry]) -> MapsEntry | None:
     for m in maps:
         if m.offset == 0 and is_libc_name(os.path.basename(m.path)):
             return m
@@ -347,7 +347,7 @@ def unsafe_ranges(pid: int, proc_root: str = "/proc") -> UnsafeRanges:
     allocator_real = os.path.realpath(allocator.path)
     out: list[tuple[int, int, str]] = []
     view = ProcessView.of(pid, proc_root)  # read once: every mapped object goes through it
-    by_path: dict[str, list[MapLine]] = {}
+    by_path: dict[str, list[MapsEntry]] = {}
     for m in maps:
         if m.path.startswith("/"):
             by_path.setdefault(m.path, []).append(m)
@@ -382,7 +382,7 @@ class _FrameRules:
     """The unwind row for any address of the target: its mapping's object, through the on-disk table cache
     (the tables the kernel's walker uses). Tables are read on demand: only objects on the threads' chains."""
 
-    def __init__(self, pid: int, maps: list[MapLine], proc_root: str) -> None:
+    def __init__(self, pid: int, maps: list[MapsEntry], proc_root: str) -> None:
         self.maps = sorted((m for m in maps if "x" in m.perms and m.path.startswith("/")), key=lambda m: m.start)
         self._starts = [m.start for m in self.maps]
         self._objects: dict[str, tuple[UnwindTable, ElfObject] | None] = {}
@@ -643,7 +643,7 @@ def _tgkill(pid: int, tid: int, sig: int) -> None:
     _libc.syscall(234, pid, tid, sig)  # SYS_tgkill on x86_64
 
 
-def _verdict(t: _Thread, ranges: UnsafeRanges, maps: list[MapLine], rules: RuleLookup) -> Verdict:
+def _verdict(t: _Thread, ranges: UnsafeRanges, maps: list[MapsEntry], rules: RuleLookup) -> Verdict:
     regs = t.regs()
     rsp = regs[REG["rsp"]]
     stack = next((m for m in maps if m.start <= rsp < m.end), None)

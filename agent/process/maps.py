@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from agent.model.maps import Mapping, parse_maps
 from agent.model.pages import parse_start_stack
 from agent.process.view import ProcessView
-from agent.symbols.symbolizer import Mapping, parse_maps
 
 
 class MapsRecorder:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from agent.errors import EnvironmentProblem, TargetError, UsageError
 from agent.model.callcounts import ThreadCalls, total
+from agent.model.maps import MapsEntry, parse_maps_full
 from agent.process.discovery import ProbePoint, elf_facts
 from agent.process.procinfo import thread_limit
 from agent.symbols.elf import open_elf
@@ -170,21 +171,7 @@ def _build(directory: Path | None, cc: str, source: str, stem: str, suffix: str,
 # ---- finding it in a target ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class MapLine:
-    """One line of /proc/PID/maps, with the device and inode (which symbolizer.Mapping leaves out)."""
-
-    start: int
-    end: int
-    perms: str
-    offset: int
-    dev_major: int
-    dev_minor: int
-    inode: int
-    path: str
-
-
-def read_map_lines(pid: int) -> list[MapLine]:
+def read_map_lines(pid: int) -> list[MapsEntry]:
     try:
         with open(f"/proc/{pid}/maps") as f:
             text = f.read()
@@ -192,29 +179,17 @@ def read_map_lines(pid: int) -> list[MapLine]:
         raise TargetError(f"process {pid} exited") from exc
     except PermissionError as exc:
         raise TargetError(f"no permission to read /proc/{pid}/maps (heapscope needs root)", 4) from exc
-    lines = []
-    for line in text.splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) < 5:
-            continue
-        lo, hi = parts[0].split("-")
-        major, minor = parts[3].split(":")
-        path = parts[5] if len(parts) == 6 else ""
-        lines.append(
-            MapLine(int(lo, 16), int(hi, 16), parts[1], int(parts[2], 16), int(major, 16), int(minor, 16),
-                    int(parts[4]), path)
-        )  # fmt: skip
-    return lines
+    return parse_maps_full(text)
 
 
-def _library_lines(pid: int, library: Path) -> list[MapLine]:
+def _library_lines(pid: int, library: Path) -> list[MapsEntry]:
     """The mappings of `library` in process `pid`: by device and inode (a path seen differently from inside a
     container still matches), or by the name of the memfd it was handed over in (agent.process.inject)."""
     st = os.stat(library)
     wanted = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
     memfd = f"/memfd:{library.name}"
     return [m for m in read_map_lines(pid)
-            if (m.dev_major, m.dev_minor, m.inode) == wanted or m.path in (memfd, memfd + " (deleted)")]
+            if (*m.device, m.inode) == wanted or m.path in (memfd, memfd + " (deleted)")]
 
 
 def mapped_base(pid: int, library: Path) -> int | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from agent.symbols.symbolizer import Mapping
+from agent.model.maps import Mapping
 
 
 @dataclass(frozen=True)

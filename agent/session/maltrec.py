@@ -3,7 +3,7 @@ kernel's statistics (agent.kernel.probes, HS_MALT) when it is asked for.
 
 The kernel keeps everything exact that is per call (per-stack counts, sizes, lifetimes, sizeMap,
 reallocJump, per-thread counts and time, log2 histograms); only the timelines are sampled, at the session's
-sampling interval, and binned the way MALT bins them (agent.export.malt.TimelineBinner).
+sampling interval, and binned the way MALT bins them (agent.model.malt.TimelineBinner).
 
 Sampled mode: the kernel's figures are the samples' weighted estimates, by the allocation function the
 sampler named; the per-thread call counts are the sampler's own exact counts instead (`exact_calls`), and the
@@ -20,7 +20,11 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from agent.export.malt import (
+from agent.kernel.probes import FN_KINDS, LOG2_BINS, HeapProbes
+from agent.model.callcounts import ThreadCalls, merge_by_thread
+from agent.model.counters import Counters
+from agent.model.functions import BY_SYMBOL, malt_name_of_kind
+from agent.model.malt import (
     BANDWIDTH_FIELDS,
     MEMORY_FIELDS,
     SYSTEM_FIELDS,
@@ -39,10 +43,6 @@ from agent.export.malt import (
     ThreadFunctionStats,
     TimelineBinner,
 )
-from agent.kernel.probes import FN_KINDS, LOG2_BINS, HeapProbes
-from agent.model.callcounts import ThreadCalls, merge_by_thread
-from agent.model.counters import Counters
-from agent.model.functions import BY_SYMBOL, malt_name_of_kind
 from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint
 from agent.symbols.globalvars import global_variables

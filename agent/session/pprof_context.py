@@ -7,10 +7,10 @@ import time
 from collections.abc import Iterable
 
 from agent.export.pprof import PprofContext
+from agent.model.maps import Mapping
 from agent.model.sampling import ProfileMode
 from agent.session.session import Session
 from agent.symbols.elf import ElfError, open_elf
-from agent.symbols.symbolizer import Mapping
 
 
 def build_ids(mappings: Iterable[Mapping]) -> dict[str, str]:

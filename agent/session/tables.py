@@ -3,15 +3,24 @@ to the kernel as the target maps new objects (--unwind=cfi)."""
 
 from __future__ import annotations
 
-import os
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 
 from agent.kernel.probes import UnwindMapping
+from agent.model.maps import Mapping
 from agent.model.summary import UnwindSummary
 from agent.symbols.elf import ElfError, open_elf
-from agent.symbols.symbolizer import Mapping
 from agent.symbols.unwind import UnwindTable
+
+
+def rows_key(table: UnwindTable) -> str:
+    """The identity an object's rows are shared under (agent.kernel.probes SharedRows): its build id, else a digest
+    of the rows themselves. Not its path: each container reaches one image's file by a path of its own
+    (/proc/PID/root/...), and an object without a build id would be written once a container."""
+    if table.build_id:
+        return table.build_id
+    return "rows:" + hashlib.blake2b(table.rows, digest_size=16).hexdigest()
 
 
 class UnwindTables:
@@ -19,6 +28,7 @@ class UnwindTables:
         self._load = load  # object path -> its table (agent.symbols.unwind.load_table: cached on disk)
         self._tables: dict[str, UnwindTable | None] = {}
         self._seconds: dict[str, float] = {}  # object path -> time to build or load its table
+        self._keys: dict[str, str] = {}  # object path -> the identity its rows are shared under in the kernel
         self.problems: dict[str, str] = {}  # objects whose table could not be built, and why
 
     def entries(self, mappings: Sequence[Mapping]) -> list[UnwindMapping]:
@@ -39,7 +49,9 @@ class UnwindTables:
         vaddr = obj.file_offset_to_vaddr(m.offset)
         if table is None or vaddr is None:
             return None
-        key = table.build_id or f"{m.path}:{os.stat(m.path).st_mtime_ns}"
+        key = self._keys.get(m.path)
+        if key is None:
+            key = self._keys[m.path] = rows_key(table)
         return UnwindMapping(m.start, m.end, m.start - vaddr, key, table.rows, table.n_rows)
 
     def summary(self, rows_used: int, rows_dropped: int, rows_shared: int = 0) -> UnwindSummary:

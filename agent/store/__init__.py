@@ -5,8 +5,9 @@ The byte layout is specified in docs/store-format.md.
 """
 
 from agent.store.reader import SegmentReader, Skipped, SnapshotRef, SnapshotUnavailable, StoredSnapshot, StoreReader
+from agent.store.retention import Retention, ThinRule
 from agent.store.sample import PeakState, StoreMeta, StoreSample
-from agent.store.writer import Retention, StoreWriteError, StoreWriter, SyncPolicy, ThinRule
+from agent.store.writer import StoreWriteError, StoreWriter, SyncPolicy
 
 __all__ = [
     "PeakState",

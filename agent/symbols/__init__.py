@@ -1,2 +1,2 @@
-"""Symbols and unwinding: ELF objects, DWARF names and lines with Valgrind's naming rules, separate debug files,
-and the unwind tables compiled from .eh_frame for the kernel's stack walker."""
+"""Symbols and unwinding: ELF objects, function names by Valgrind's rules, DWARF lines and inlined calls, separate
+debug files, the frames they make, and the unwind tables compiled from .eh_frame for the kernel's stack walker."""

@@ -11,10 +11,10 @@ Reads files only, through agent.symbols.elf (symbols decoded in bulk) and pyelft
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from agent.model.malt import GlobalVariable
 from agent.symbols.elf import ElfError, ElfSymbol, open_elf
-from agent.symbols.symbolizer import demangle
+from agent.symbols.names import demangle
 
 # st_info types (ELF gABI).
 STT_OBJECT = 1
@@ -23,20 +23,6 @@ STT_TLS = 6
 # The sections whose objects MALT counts as global variables (its memStats.globalVariables).
 GLOBAL_SECTIONS: frozenset[str] = frozenset({".data", ".bss", ".tdata", ".tbss"})
 TLS_SECTIONS: frozenset[str] = frozenset({".tdata", ".tbss"})
-
-
-@dataclass(frozen=True)
-class GlobalVariable:
-    """One global or thread-local variable of an ELF object."""
-
-    name: str  # demangled, without `@VERSION`
-    size: int  # bytes (one copy; a TLS variable has one per thread)
-    tls: bool
-    section: str  # .data, .bss, .tdata or .tbss
-    symbol: str  # the symbol name as stored
-    offset: int  # st_value: the link-time address (for TLS: the offset in the TLS block)
-    section_offset: int  # sh_offset of the section in the file (MALT 1.6's `secOffset`)
-    binary: str  # path of the ELF object
 
 
 def _section_table(path: str) -> list[tuple[str, int]]:

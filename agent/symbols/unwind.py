@@ -53,8 +53,9 @@ from elftools.dwarf.structs import DWARFStructs
 from elftools.elf.elffile import ELFFile
 
 from agent.contract import HEAP_H
+from agent.symbols.debugfiles import DEFAULT_DEBUG_ROOTS, find_debug_file
 from agent.symbols.elf import ElfObject, open_elf
-from agent.symbols.symbolizer import DEFAULT_DEBUG_ROOTS, find_debug_file, is_below_main
+from agent.symbols.names import is_below_main
 
 log = logging.getLogger(__name__)
 

@@ -1,15 +1,13 @@
 """Fixtures for the integration tests: compile the C/C++ programs, run them under real Valgrind Massif and
 under heapscope, and hand the outputs to the real readers (ms_print, callgrind_annotate).
 
-These tests need root, BPF with uprobes and kernel headers. They skip through the same capability probe the
-product uses (`agent.process.capability.check_environment`), except in CI (CI=true), where a missing capability is a
-failure: a CI run that silently skips every integration test would prove nothing.
+These tests need root, BPF with uprobes and kernel headers: the fixtures that ask for them (`bpf_ready`,
+`valgrind_tools`) are in tests/conftest.py, with every other capability skip.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -29,20 +27,7 @@ from tests.integration.harness import (  # noqa: E402
     REPO,
     RUN_TIMEOUT,
     Completed,
-    unavailable,
 )
-
-
-@pytest.fixture(scope="session")
-def bpf_ready() -> None:
-    """Root, BPF, uprobes and headers, asked through the product's own probe."""
-    if os.geteuid() != 0:
-        unavailable("integration tests need root (BPF uprobes)")
-    from agent.process.capability import check_environment
-
-    problems = check_environment()
-    if problems:
-        unavailable("; ".join(problems))
 
 
 @pytest.fixture(scope="session")
@@ -58,13 +43,6 @@ def cli_cmd() -> list[str]:
 def heapscope_cmd(bpf_ready: None, cli_cmd: list[str]) -> list[str]:
     """The CLI, on a machine where it can attach probes."""
     return cli_cmd
-
-
-@pytest.fixture(scope="session")
-def valgrind_tools() -> None:
-    for tool in ("valgrind", "ms_print", "callgrind_annotate", "gcc", "g++"):
-        if shutil.which(tool) is None:
-            unavailable(f"{tool} is not installed")
 
 
 @pytest.fixture(scope="session")

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 PROGRAMS = Path(__file__).resolve().parent / "programs"
-IN_CI = os.environ.get("CI", "").lower() == "true"
 
 # Massif's options for a comparable run. --time-unit=B makes time deterministic; --threshold=0.0 keeps every
 # site in the tree; --peak-inaccuracy=0.0 makes Massif record a peak on every free that beats the last one;
@@ -30,13 +26,6 @@ OPTIMIZED_FLAGS: tuple[str, ...] = ("-g", "-O2", "-fomit-frame-pointer")
 
 # Generous: Valgrind on a small program takes about a second; BPF compilation a few tenths.
 RUN_TIMEOUT = 120
-
-
-def unavailable(reason: str) -> None:
-    """Skip locally, fail in CI."""
-    if IN_CI:
-        pytest.fail(f"integration environment unusable in CI: {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 @dataclass

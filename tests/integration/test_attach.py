@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import PROGRAMS
 from tests.support.massif_reader import parse_massif, paths
+from tests.support.sources import source_line
 
 pytestmark = pytest.mark.integration
 
-SOURCE = PROGRAMS / "attach_target.c"
 TIMEOUT = 60
 # The known allocations after the release, by allocating function: (bytes per call, calls, freed at once).
 LOOP_BYTES = 4 * 1111
@@ -34,16 +33,8 @@ FREED_BYTES = 3333
 UNTRACKED_FREES = 2  # free(before[0]), free(before[1])
 
 
-def source_line(text: str) -> int:
-    """The line of attach_target.c holding `text` (so the expected labels follow the source)."""
-    for n, line in enumerate(SOURCE.read_text().splitlines(), 1):
-        if text in line:
-            return n
-    raise AssertionError(f"{text!r} not in {SOURCE}")
-
-
 def label(fn: str, text: str) -> str:
-    return f"{fn} (attach_target.c:{source_line(text)})"
+    return f"{fn} (attach_target.c:{source_line('attach_target.c', text)})"
 
 
 def expected_paths(with_freed: bool) -> dict[tuple[str, ...], int]:

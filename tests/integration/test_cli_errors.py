@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -187,11 +186,10 @@ def test_run_target_that_exits_at_once(
     assert printed.returncode == 0, printed.stderr
 
 
+@pytest.mark.needs("setpriv")
 def test_without_capabilities(heapscope_cmd: list[str], tmp_path: Path) -> None:
     """Root with every capability dropped cannot load BPF programs: a clear error, not a traceback.
     (An unprivileged user cannot run this venv's interpreter here: it lives under /root.)"""
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is not installed")
     target = subprocess.Popen(["sleep", "30"])
     try:
         prefix = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--"]

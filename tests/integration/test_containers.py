@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import unavailable
+from tests.support.annotate import annotate_inclusive
+from tests.support.armed import sampler_state
+from tests.support.capability import unavailable
 from tests.support.containers import (
     Container,
     Unavailable,
@@ -37,9 +39,10 @@ from tests.support.containers import (
     remove_cgroups,
     wait_redis,
 )
-from tests.support.daemon import free_port, start_daemon, stop_daemon, wait_for
+from tests.support.daemon import free_port, start_daemon, stop_daemon
 from tests.support.massif_reader import paths, read_massif
-from tests.support.sampled_sites import SCALE, SITES, check_estimates, sampling_rate, tree_sites
+from tests.support.sampled_sites import SCALE, SITES, check_estimates, sampling_rate
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -115,8 +118,7 @@ def exact_tree(cli: list[str], pid: int, stdin: object, stdout: object, tmp: Pat
     out = tmp / f"massif.out.{pid}"
     prof = Profile(cli, pid, tmp, "--mode=exact", f"--massif-out-file={out}")
     prof.wait_for("probes attached")
-    drive(stdin, stdout)
-    time.sleep(0.3)  # the last sample
+    drive(stdin, stdout)  # every call made: the profile's end reads them all (Session.finish)
     log = prof.end()
     last = read_massif(out).last_detailed
     assert last is not None and last.tree is not None
@@ -194,7 +196,7 @@ def test_sampled_mode_gets_into_a_containers_redis_through_a_memfd_and_leaves_no
         again.wait_for("sampler armed")
         assert any("already loaded" in line for line in again.lines)  # the memfd's library, reused
         again.end(signal.SIGKILL)
-        time.sleep(1.5)  # the sampler goes inert within a second of its controller's end
+        wait_for(lambda: sampler_state(box.pid) != "armed", 5, "the sampler to go inert after its controller's end")
         benchmark(port)
         assert box.proc.poll() is None
         assert snapshot_of(root) == before  # nothing written into the container's filesystem
@@ -228,7 +230,6 @@ def test_a_chrooted_process_is_profiled_in_both_modes(
         prof = Profile(heapscope_cmd, pid, tmp_path, f"--mode={mode}", *rate, f"--massif-out-file={out}")
         prof.wait_for("sampler armed" if mode == "sampled" else "probes attached")
         drive(proc.stdin, proc.stdout)
-        time.sleep(0.3)
         log = prof.end()
         assert "cannot read" not in log and "no table for" not in log, log
         peak = read_massif(out).peak
@@ -267,7 +268,6 @@ def test_a_musl_program_in_a_musl_root_is_profiled_in_both_modes(
         prof = Profile(heapscope_cmd, box.pid, tmp_path, f"--mode={mode}", *rate, f"--massif-out-file={out}")
         prof.wait_for("sampler armed" if mode == "sampled" else "probes attached")
         drive(box.proc.stdin, box.proc.stdout)
-        time.sleep(0.3)
         log = prof.end()
     finally:
         box.stop()
@@ -381,17 +381,18 @@ def test_sampled_estimates_in_a_container_are_within_10_percent_of_the_truth(
         inside = put(root, build("modes_sites.c"))
     rate = sampling_rate(SCALE)
     out = tmp_path / "sampled.out"
+    xtree = tmp_path / "sampled.kcg"
     box = Container(runner, root, [inside, str(SCALE), "wait"])
     try:
         assert box.proc.stdin is not None and box.proc.stdout is not None
         assert box.proc.stdout.readline().strip() == b"ready"
         prof = Profile(heapscope_cmd, box.pid, tmp_path, f"--sample-rate={rate}", "--time-unit=B", "--threshold=0.0",
-                       "--detailed-freq=1", f"--massif-out-file={out}")
+                       "--detailed-freq=1", f"--massif-out-file={out}", "--xtree-memory=allocs",
+                       f"--xtree-memory-file={xtree}")
         prof.wait_for("sampler armed")
         box.proc.stdin.write(b"go\n")
         box.proc.stdin.flush()
         assert box.proc.stdout.readline().strip() == b"allocated"
-        time.sleep(0.3)
         log = prof.end()
         box.proc.stdin.write(b"go\n")
         box.proc.stdin.flush()
@@ -400,9 +401,10 @@ def test_sampled_estimates_in_a_container_are_within_10_percent_of_the_truth(
     finally:
         box.stop()
     assert set(truth) == set(SITES) and "handed over in a memfd" in log, (truth, log)
-    last = read_massif(out).snapshots[-1]
-    assert last.tree is not None
-    check_estimates(tree_sites(paths(last.tree)), truth, rate)
+    assert read_massif(out).last_detailed is not None
+    # The end state (a massif.out ends at its last snapshot, as Massif's): the xtree report's live bytes.
+    end = {fn: v[0] for (src, fn), v in annotate_inclusive(xtree).items() if src == "modes_sites.c"}
+    check_estimates(end, truth, rate)
 
 
 def test_a_daemon_in_its_own_container_profiles_host_and_container_processes_in_sampled_mode(

@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from tests.integration.harness import PROGRAMS
-from tests.support.daemon import Daemon, start_daemon, stop_daemon, wait_for
+from tests.support.daemon import Daemon, start_daemon, stop_daemon
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -70,15 +71,19 @@ class Services:
         except (OSError, ValueError):
             return -1
 
-    def running(self, pid: int) -> bool:
-        """Alive, not stopped, and its loop advances."""
+    def running(self, pid: int, within: float = 10.0) -> bool:
+        """Alive, not stopped, and its loop advances within `within` seconds; else the wait fails, saying so."""
         before = self.tick(pid)
-        time.sleep(0.3)
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        except OSError:
-            return False
-        return state in ("R", "S") and self.tick(pid) > before >= 0
+
+        def advanced() -> bool:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+            except OSError:
+                return False
+            return state in ("R", "S") and self.tick(pid) > before >= 0
+
+        return wait_for(advanced, within, f"process {pid} to run on (alive, not stopped, its loop advancing)",
+                        interval=0.05)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -279,7 +284,7 @@ def test_a_prefork_parent_and_its_children_through_exit_restart_and_exec(
         wait_for(lambda: targets(d)[third]["state"] != "profiling", 30, "the profile ended at the exec")
         wait_for(lambda: targets(d)[third]["origin"]["end_reason"] == "exec", 10, "marked as ended by an exec")
         assert Path(f"/proc/{third}/comm").read_text().strip() == "sleep"
-        time.sleep(2)  # nothing re-attaches it
+        time.sleep(2)  # a span to observe, not a wait: nothing re-attaches it in that time
         assert targets(d)[third]["state"] == "detached"
         for pid in (parent.pid, second):
             assert services.running(pid)

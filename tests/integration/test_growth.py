@@ -27,11 +27,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.test_modes import Attach
-from tests.integration.test_store_live import source_line
-from tests.integration.test_webpage import _by, retry, wait_until
-from tests.support.browser import chromium, outside, requested_urls, screenshot
-from tests.support.daemon import answers, free_port, wait_for
+from tests.support.attach import Attach
+from tests.support.browser import by_css, chromium, outside, requested_urls, retry, screenshot, wait_until
+from tests.support.daemon import answers, free_port
+from tests.support.sources import source_line
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -250,22 +250,22 @@ def test_the_page_shows_what_is_growing_and_opens_the_leaks_stack(
             assert len(rows[0]["points"].split()) >= 20  # its line over the window, one point per stored sample
             by_site = {r["site"]: r for r in rows}
             assert by_site[CACHE]["suspect"] == "false" and by_site[SAW]["suspect"] == "false"
-            assert "What is growing" in driver.find_element(*_by("#growth-title")).text
-            assert "1 leak suspect among" in driver.find_element(*_by("#growth-info")).text
+            assert "What is growing" in driver.find_element(*by_css("#growth-title")).text
+            assert "1 leak suspect among" in driver.find_element(*by_css("#growth-info")).text
             screenshot(driver, "growth-panel")
-            retry(lambda: driver.find_element(*_by("#growth-table tr.growth-row")).click())
-            wait_until(driver, lambda: driver.find_elements(*_by("#growth-table tr.growth-stack li")), "the stack")
+            retry(lambda: driver.find_element(*by_css("#growth-table tr.growth-row")).click())
+            wait_until(driver, lambda: driver.find_elements(*by_css("#growth-table tr.growth-stack li")), "the stack")
             frames = driver.execute_script(
                 "return [...document.querySelectorAll('#growth-table tr.growth-stack li')].map((li) => li.textContent)")
             assert frames[0] == LEAK and frames[-1].startswith("main (growth_service.c:"), frames
-            assert driver.find_element(*_by(f'#growth-table tr.growth-row[data-site="{LEAK}"]')).get_attribute(
+            assert driver.find_element(*by_css(f'#growth-table tr.growth-row[data-site="{LEAK}"]')).get_attribute(
                 "aria-expanded") == "true"
             screenshot(driver, "growth-stack")
             # the keyboard closes it again
             from selenium.webdriver.common.keys import Keys
 
-            retry(lambda: driver.find_element(*_by("#growth-table tr.growth-row")).send_keys(Keys.ENTER))
-            wait_until(driver, lambda: not driver.find_elements(*_by("#growth-table tr.growth-stack")),
+            retry(lambda: driver.find_element(*by_css("#growth-table tr.growth-row")).send_keys(Keys.ENTER))
+            wait_until(driver, lambda: not driver.find_elements(*by_css("#growth-table tr.growth-stack")),
                        "the stack to close")
             urls = requested_urls(driver)
             assert any(f"/targets/{pid}/growth" in u for u in urls), urls

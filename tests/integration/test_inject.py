@@ -16,16 +16,16 @@ import pytest
 from agent.errors import TargetError
 from agent.process.inject import call_function, inject
 from agent.process.sampler import SamplerControl, build_sampler, mapped_base
-from tests.integration.sampler_support import Conversation
-from tests.integration.test_sampler import check_sites, run_sites
+from tests.support.capability import require
+from tests.support.conversation import Conversation
+from tests.support.sampler_sites import check_sites, run_sites
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="session")
 def sampler_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if os.geteuid() != 0:
-        pytest.skip("injection needs root (ptrace)")
+    require("root")  # ptrace
     directory = tmp_path_factory.mktemp("sampler-cache")
     os.chmod(directory, 0o755)
     return build_sampler(directory)
@@ -204,8 +204,7 @@ def test_controller_killed_in_the_middle_of_the_injected_call(
     """heapscope lets the thread go before the call runs; the stub puts the thread back by itself. Killing
     the injecting process while dlopen is still inside a 1.5 s constructor leaves the program running
     correctly, and the call completes."""
-    if os.geteuid() != 0:
-        pytest.skip("injection needs root (ptrace)")
+    require("root")  # ptrace
     program = build("sampler_stress.c", flags=("-g", "-O2"))
     plugin = build("plugin.c", shared=True)
     slow = build("slow_init.c", shared=True)

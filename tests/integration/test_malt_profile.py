@@ -12,12 +12,12 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import jsonschema
 import pytest
 
 from tests.integration.harness import PROGRAMS, Completed
+from tests.support.malt_reader import Profile
 from tests.support.massif_reader import parse_massif
 
 pytestmark = pytest.mark.integration
@@ -32,45 +32,6 @@ def marked_line(marker: str) -> int:
         if re.search(rf"/\* {marker}\b", text):
             return number
     raise AssertionError(f"no line marked {marker} in {SOURCE}")
-
-
-class Profile:
-    """A MALT JSON document with its stacks resolved to (function, file, line) of their call site."""
-
-    def __init__(self, doc: dict[str, Any]) -> None:
-        self.doc = doc
-        sites = doc["sites"]
-        self.strings: list[str] = sites["strings"]
-        self.instr: dict[str, dict[str, int]] = sites["instr"]
-
-    def location(self, address: str) -> tuple[str, str, int] | None:
-        entry = self.instr.get(address)
-        if not entry or "file" not in entry:
-            return None
-        return self.strings[entry["function"]], self.strings[entry["file"]].rsplit("/", 1)[-1], entry["line"]
-
-    def function_of(self, stack: dict[str, Any]) -> str:
-        """The allocation function a stack called: its leaf frame is that function (as in MALT's files)."""
-        return self.strings[self.instr[stack["stack"][0]]["function"]]
-
-    def stacks_at(self, line: int, function: str) -> list[dict[str, Any]]:
-        """Stacks calling `function` whose call site in the program (first frame in malt_known.c) is `line`."""
-        out = []
-        for stack in self.doc["stacks"]["stats"]:
-            if self.function_of(stack) != function:
-                continue
-            for address in stack["stack"]:
-                loc = self.location(address)
-                if loc and loc[1] == "malt_known.c":
-                    if loc[2] == line:
-                        out.append(stack)
-                    break
-        return out
-
-    def one_stack(self, line: int, function: str = "malloc") -> dict[str, Any]:
-        found = self.stacks_at(line, function)
-        assert len(found) == 1, f"expected one {function} stack at malt_known.c:{line}, found {len(found)}"
-        return found[0]["infos"]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +27,12 @@ import pytest
 
 from agent.export.pprof import render_pprof
 from agent.model.profile import Frame, SiteCounts
-from tests.integration.harness import PROGRAMS, Completed, unavailable
+from tests.integration.harness import PROGRAMS, Completed
 from tests.support.annotate import annotate_inclusive
+from tests.support.capability import unavailable
 from tests.support.daemon import Daemon, Target, start_daemon, stop_daemon
 from tests.support.massif_reader import parse_massif
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -348,10 +349,7 @@ def test_diff_base_shows_the_known_growth_and_shrinkage(
         target.end()
     # --pprof-out-file: the daemon writes the target's final profile under its output directory when it exits
     written = daemon.out_dir / f"heap.{target.pid}.pb.gz"
-    deadline = time.monotonic() + 60
-    while f"wrote {written}" not in daemon.stderr() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert f"wrote {written}" in daemon.stderr(), daemon.stderr()
+    wait_for(lambda: f"wrote {written}" in daemon.stderr(), 60, f"the daemon to write {written}")
     final = top(go_env, "inuse_space", str(written))
     assert final["site_big"] == (growth["site_big"],) * 2 and "site_small" not in final
 

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 
 from agent.kernel.probes import HeapProbes, ProbeSettings, UnwindMapping
-from agent.process.discovery import ProbePoint
-from agent.process.sampler import PROBE_FUNCTIONS, SamplerControl, build_sampler, read_map_lines
+from agent.process.sampler import SamplerControl, build_sampler, read_map_lines
 from agent.symbols.elf import open_elf
-from agent.symbols.placement import choose_offset
 from agent.symbols.unwind import load_table
-from tests.integration.sampler_support import Conversation
-from tests.integration.test_sampler import EXPECTED_SITE_BYTES, site_rate
+from tests.support.conversation import Conversation
+from tests.support.sampler_probes import sampler_points
+from tests.support.sampler_sites import EXPECTED_SITE_BYTES, site_rate
 
 pytestmark = pytest.mark.integration
 
@@ -32,19 +31,6 @@ def sampler_lib(tmp_path_factory: pytest.TempPathFactory, bpf_ready: None) -> Pa
     directory = tmp_path_factory.mktemp("sampler-cache")
     os.chmod(directory, 0o755)
     return build_sampler(directory)
-
-
-def sampler_points(lib: Path) -> list[ProbePoint]:
-    obj = open_elf(str(lib))
-    points = []
-    for name, kind, regs in zip(PROBE_FUNCTIONS, ("sample_alloc", "sample_free"), (("rdi", "rsi", "rdx"), ("rdi",)),
-                                strict=True):
-        found = obj.find_symbol(name)
-        assert found is not None
-        placement = choose_offset(obj.code_bytes(found[0], 16), regs)
-        assert placement.offset == 0  # the 5-byte nop itself
-        points.append(ProbePoint(name, kind, str(lib), found[0], obj.vaddr_to_file_offset(found[0]), placement))
-    return points
 
 
 def site_of(stack: tuple[int, ...], ranges: dict[int, tuple[int, int]]) -> int | None:

@@ -5,9 +5,7 @@ sampler's probe functions, in a private trace instance."""
 
 from __future__ import annotations
 
-import collections
 import os
-import struct
 import subprocess
 import time
 from collections import Counter
@@ -15,12 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from elftools.elf.elffile import ELFFile
-from elftools.elf.relocation import RelocationSection
 
 from agent.contract import HEAP_H
 from agent.model.callcounts import total
-from agent.model.sampling import sample_probability, weight_hint
+from agent.model.sampling import weight_hint
 from agent.process.sampler import (
     CONTROL_FIELDS,
     CONTROL_SIZE,
@@ -31,20 +27,20 @@ from agent.process.sampler import (
     PROBE_FUNCTIONS,
     SamplerControl,
     build_sampler,
-    read_map_lines,
 )
 from agent.symbols.elf import open_elf
-from tests.integration.sampler_support import Conversation, sample_trace
+from tests.support.capability import require
+from tests.support.conversation import Conversation
+from tests.support.sampler_probes import sample_trace
+from tests.support.sampler_sites import check_sites, run_sites
+from tests.support.target_memory import got_slot, libc_function, read_word
 
 pytestmark = pytest.mark.integration
-
-Z = 4.0  # standard errors
 
 
 @pytest.fixture(scope="session")
 def sampler_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if os.geteuid() != 0:
-        pytest.skip("the sampler tests need root (ptrace, /proc/PID/mem, tracefs)")
+    require("root")  # ptrace, /proc/PID/mem, tracefs
     directory = tmp_path_factory.mktemp("sampler-cache")
     os.chmod(directory, 0o755)
     return build_sampler(directory)
@@ -96,155 +92,6 @@ def test_control_layout_and_weights_match_python(sampler_lib: Path, build: Calla
     assert fns and all(hs_fn[name] == value for name, value in fns.items()), (fns, hs_fn)
     for size in sizes:
         assert abs(weights[size] - weight_hint(size, rate)) <= 1, size  # C's exp/log vs Python's: one byte
-
-
-def got_slot(pid: int, exe: Path, symbol: str) -> int:
-    """Address of the executable's GOT slot for `symbol` in process `pid`."""
-    base = next(m.start for m in read_map_lines(pid) if m.offset == 0 and os.path.samefile(m.path, exe))
-    with open(exe, "rb") as f:
-        elf = ELFFile(f)
-        pie = elf.header["e_type"] == "ET_DYN"
-        for section in elf.iter_sections():
-            if not isinstance(section, RelocationSection):
-                continue
-            symtab = elf.get_section(section["sh_link"])
-            for rel in section.iter_relocations():
-                if rel["r_info_sym"] and symtab.get_symbol(rel["r_info_sym"]).name == symbol:
-                    return (base if pie else 0) + rel["r_offset"]
-    raise AssertionError(f"{exe} has no relocation for {symbol}")
-
-
-def read_word(pid: int, address: int) -> int:
-    with open(f"/proc/{pid}/mem", "rb") as f:
-        f.seek(address)
-        return struct.unpack("<Q", f.read(8))[0]
-
-
-def libc_function(pid: int, name: str) -> int:
-    libc = next(m for m in read_map_lines(pid) if os.path.basename(m.path).startswith("libc.so") and m.offset == 0)
-    found = open_elf(f"/proc/{pid}/root{libc.path}").find_symbol(name)
-    assert found is not None
-    return libc.start + found[0]
-
-
-def site_rate(log_bytes: dict[int, int], min_samples: int) -> int:
-    """The largest power-of-two rate that gives every site holding >= 10% of the heap `min_samples`
-    expected samples (its blocks are small beside the rate, so about bytes / rate samples)."""
-    total = sum(log_bytes.values())
-    smallest = min(b for b in log_bytes.values() if b >= total / 10)
-    rate = 1
-    while smallest / (rate * 2) >= min_samples:
-        rate *= 2
-    return rate
-
-
-# The sites program's expected bytes per site (from its generator's shares: 80% of calls of 16..127 bytes,
-# 1.5% of 2048..8191, 0.2% of 16384..32767, 18.3% calloc of 24..223) for 400,000 calls.
-EXPECTED_SITE_BYTES = {
-    0: 400_000 * 0.800 * (16 + 127) / 2,
-    1: 400_000 * 0.015 * (2048 + 8191) / 2,
-    2: 400_000 * 0.002 * (16384 + 32767) / 2,
-    3: 400_000 * 0.183 * (24 + 223) / 2,
-}
-
-
-def run_sites(
-    program: Path, lib: Path, tmp_path: Path, control: Callable[[int], SamplerControl], load_itself: bool = True
-) -> dict:
-    """Run the sites program armed at a rate giving each big site >= 1600 expected samples (so that 10% is
-    4 standard errors: the issue asks for >= 400), free site 0, disarm; returns what was seen. With
-    load_itself the program dlopens the sampler; else `control` must bring it in."""
-    rate = site_rate({k: int(v) for k, v in EXPECTED_SITE_BYTES.items()}, 1600)
-    log = tmp_path / "blocks.bin"
-    conv = Conversation([str(program), str(log)] + ([str(lib)] if load_itself else []))
-    seen: dict = {"rate": rate, "pid": conv.pid}
-    try:
-        conv.expect("ready")
-        ctl = control(conv.pid)
-        malloc_slot = got_slot(conv.pid, program, "malloc")
-        libc_malloc = libc_function(conv.pid, "malloc")
-        lib_maps = [m for m in read_map_lines(conv.pid) if m.inode == os.stat(lib).st_ino]
-        lib_lo, lib_hi = min(m.start for m in lib_maps), max(m.end for m in lib_maps)
-        with sample_trace(lib) as read:
-            armed = ctl.arm(rate)
-            seen["armed"] = armed
-            seen["slot_armed"] = read_word(conv.pid, malloc_slot)
-            seen["counts_armed"] = ctl.counts()
-            conv.say("go")
-            conv.expect("allocated")
-            seen["counts_allocated"] = ctl.counts()
-            conv.say("free")
-            conv.expect("freed")
-            seen["counts_freed"] = ctl.counts()
-            seen["samples"] = read()
-            disarmed = ctl.disarm()
-            seen["disarmed"] = disarmed
-            seen["slot_disarmed"] = read_word(conv.pid, malloc_slot)
-            seen["samples_after"] = read()
-        seen.update(libc_malloc=libc_malloc, lib_range=(lib_lo, lib_hi))
-        conv.say("exit")
-        assert conv.finish() == 0
-    finally:
-        if conv.proc.poll() is None:
-            conv.proc.kill()
-            conv.proc.wait()
-    blocks = {}
-    truth: collections.Counter[int] = collections.Counter()
-    for ptr, site, size in struct.iter_unpack("<QII", log.read_bytes()):
-        blocks[ptr] = (site, size)
-        truth[site] += size
-    seen["blocks"], seen["truth"] = blocks, truth
-    return seen
-
-
-def check_sites(seen: dict) -> None:
-    rate, blocks, truth = seen["rate"], seen["blocks"], seen["truth"]
-    samples = seen["samples"]
-    assert samples.lost == 0
-    estimate: collections.Counter[int] = collections.Counter()
-    count: collections.Counter[int] = collections.Counter()
-    for ptr, size, weight in samples.allocs:
-        if ptr not in blocks:
-            continue  # the program's own stdio buffers and thread stacks' TLS blocks
-        site, true_size = blocks[ptr]
-        assert size == true_size  # the sampler reports the requested size
-        assert weight == weight_hint(size, rate) or abs(weight - weight_hint(size, rate)) <= 1
-        estimate[site] += weight
-        count[site] += 1
-    total = sum(truth.values())
-    for site, true_bytes in truth.items():
-        if true_bytes < total / 10:
-            continue
-        assert count[site] >= 400, (site, count[site])
-        assert abs(estimate[site] / true_bytes - 1) <= 0.10, (site, estimate[site], true_bytes, count[site])
-    # Always-sampled blocks (>= rate) are all there, at their size.
-    big = [p for p, (_, s) in blocks.items() if s >= rate]
-    sampled = {p for p, _, _ in samples.allocs}
-    assert big and all(p in sampled for p in big)
-    # Frees: exactly the sampled blocks of site 0 (the program frees all of site 0), each once.
-    site0_sampled = {p for p, _, _ in samples.allocs if blocks.get(p, (None,))[0] == 0}
-    freed_known = [p for p in samples.frees if p in blocks]
-    assert sorted(freed_known) == sorted(site0_sampled)
-    # Unsampled blocks never reach a probe: samples are about bytes/rate, not one per call.
-    expected = sum(sample_probability(s, rate) for _, s in blocks.values())
-    known = sum(1 for p, _, _ in samples.allocs if p in blocks)
-    assert abs(known - expected) <= Z * expected**0.5
-    # Exact counts: the free phase frees exactly the site-0 blocks and allocates nothing; the allocation phase
-    # makes at least the logged calls and bytes.
-    before, allocated, freed = seen["counts_armed"], seen["counts_allocated"], seen["counts_freed"]
-    site0_blocks = sum(1 for site, _ in blocks.values() if site == 0)
-    assert freed["frees"] - allocated["frees"] == site0_blocks
-    assert freed["allocs"] == allocated["allocs"]
-    assert allocated["allocs"] - before["allocs"] >= len(blocks)
-    assert allocated["alloc_bytes"] - before["alloc_bytes"] >= sum(truth.values())
-    # The executable's malloc slot went to the hook while armed and back to libc's malloc after.
-    lo, hi = seen["lib_range"]
-    assert lo <= seen["slot_armed"] < hi
-    assert seen["slot_disarmed"] == seen["libc_malloc"]
-    assert seen["disarmed"]["slots_patched"] == 0
-    assert seen["disarmed"].disarm_reason == "requested"
-    # Nothing is sampled once disarmed.
-    assert len(seen["samples_after"].allocs) == len(samples.allocs)
 
 
 def test_sampled_bytes_per_site_via_dlopen(

@@ -25,10 +25,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.harness import unavailable
 from tests.support.armed import sampler, sampler_state
-from tests.support.daemon import AUTH, Daemon, start_daemon, stop_daemon, wait_for
+from tests.support.capability import unavailable
+from tests.support.daemon import AUTH, Daemon, start_daemon, stop_daemon
 from tests.support.services import SERVICES, Nginx, Postgres, Service
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -28,7 +28,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.daemon import free_port, wait_for
+from tests.support.daemon import free_port
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.integration
 

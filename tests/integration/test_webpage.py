@@ -22,49 +22,25 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.harness import PROGRAMS
-from tests.support.browser import chromium, outside, requested_urls, screenshot
-from tests.support.daemon import answers, free_port, wait_for
+from tests.support.browser import by_css, chromium, outside, requested_urls, retry, screenshot, wait_until
+from tests.support.daemon import answers, free_port
 from tests.support.massif_reader import parse_massif
+from tests.support.sources import source_line
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.integration
 
-SOURCE = PROGRAMS / "web_growth.c"
 GROWTH = 40 * 25000
 KEPT = 8 * 2000
 
 
-def source_line(text: str) -> int:
-    for n, line in enumerate(SOURCE.read_text().splitlines(), 1):
-        if text in line:
-            return n
-    raise AssertionError(f"{text!r} not in {SOURCE}")
-
-
-GROW_SITE = f"grow_site (web_growth.c:{source_line('grown[i] = malloc(25000)')})"
-KEEP_SITE = f"keep_site (web_growth.c:{source_line('kept[i] = malloc(2000)')})"
+GROW_SITE = f"grow_site (web_growth.c:{source_line('web_growth.c', 'grown[i] = malloc(25000)')})"
+KEEP_SITE = f"keep_site (web_growth.c:{source_line('web_growth.c', 'kept[i] = malloc(2000)')})"
 
 
 @pytest.fixture(scope="module")
 def program(build: Callable[..., Path]) -> Path:
     return build("web_growth.c")
-
-
-def _by(css: str):  # type: ignore[no-untyped-def]
-    from selenium.webdriver.common.by import By
-
-    return (By.CSS_SELECTOR, css)
-
-
-def wait_until(driver, check: Callable[[], object], what: str, timeout: float = 30.0):  # type: ignore[no-untyped-def]
-    from selenium.common.exceptions import TimeoutException
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.2).until(lambda _: check())
-    except TimeoutException:
-        status = driver.execute_script("return document.getElementById('status').textContent")
-        raise AssertionError(f"timed out waiting for {what} (the page says: {status!r})") from None
 
 
 # The live page redraws itself every second: the DOM is read in one script (never through element handles,
@@ -81,18 +57,6 @@ def legend(driver) -> list[str]:  # type: ignore[no-untyped-def]
         "return [...document.querySelectorAll('#legend span')].map((s) => s.textContent)")
 
 
-def retry(action: Callable[[], None]) -> None:
-    from selenium.common.exceptions import StaleElementReferenceException
-
-    for _ in range(10):
-        try:
-            action()
-            return
-        except StaleElementReferenceException:
-            time.sleep(0.05)
-    action()
-
-
 def mark_point(driver, sid: str) -> None:  # type: ignore[no-untyped-def]
     """Shift-click the point `sid` until the page has it marked (a redraw between finding the point and the
     click can move the point from under the pointer)."""
@@ -107,16 +71,16 @@ def mark_point(driver, sid: str) -> None:  # type: ignore[no-untyped-def]
             return
 
         def act() -> None:
-            point = driver.find_element(*_by(f'#timeline circle.point[data-id="{sid}"]'))
+            point = driver.find_element(*by_css(f'#timeline circle.point[data-id="{sid}"]'))
             ActionChains(driver).key_down(Keys.SHIFT).click(point).key_up(Keys.SHIFT).perform()
 
         retry(act)
         time.sleep(0.2)
-    assert marked(), f"{sid} not marked: " + driver.find_element(*_by("#status")).text
+    assert marked(), f"{sid} not marked: " + driver.find_element(*by_css("#status")).text
 
 
 def click_point(driver, sid: str) -> None:  # type: ignore[no-untyped-def]
-    retry(lambda: driver.find_element(*_by(f'#timeline circle.point[data-id="{sid}"]')).click())
+    retry(lambda: driver.find_element(*by_css(f'#timeline circle.point[data-id="{sid}"]')).click())
 
 
 def tree_cells(driver) -> dict[str, int]:  # type: ignore[no-untyped-def]
@@ -159,21 +123,21 @@ def check_diff(driver, a: str, b: str, before: int, after: int) -> None:  # type
     # A live redraw can rescale the timeline between finding a point and the click, so a click may land on
     # (and mark) another point: start again from no marks until exactly a and b are marked.
     for _ in range(5):
-        retry(lambda: driver.find_element(*_by("#clear-marks")).click())
+        retry(lambda: driver.find_element(*by_css("#clear-marks")).click())
         mark_point(driver, a)
         mark_point(driver, b)
         if marks() == {a, b}:
             break
     assert marks() == {a, b}, marks()
-    wait_until(driver, lambda: driver.find_element(*_by("#compare")).is_enabled(), "the compare button")
-    driver.find_element(*_by("#compare")).click()
-    wait_until(driver, lambda: driver.find_elements(*_by("#diff table.diff-grew tr[data-name]")), "the diff")
+    wait_until(driver, lambda: driver.find_element(*by_css("#compare")).is_enabled(), "the compare button")
+    driver.find_element(*by_css("#compare")).click()
+    wait_until(driver, lambda: driver.find_elements(*by_css("#diff table.diff-grew tr[data-name]")), "the diff")
     rows = {name: int(delta) for name, delta in driver.execute_script(
         "return [...document.querySelectorAll('#diff table.diff-grew tr[data-name]')]"
         ".map((r) => [r.dataset.name, r.dataset.delta])")}
     assert rows.get(GROW_SITE) == after - before, rows
     assert KEEP_SITE not in rows  # it did not change
-    assert "grow_site" in driver.find_element(*_by("#diff-panel")).text
+    assert "grow_site" in driver.find_element(*by_css("#diff-panel")).text
 
 
 def test_live_page_of_a_running_program(heapscope_cmd: list[str], program: Path, tmp_path: Path) -> None:
@@ -196,9 +160,9 @@ def test_live_page_of_a_running_program(heapscope_cmd: list[str], program: Path,
             # The target and its sites.
             (listed,) = httpx.get(f"{url}/targets", timeout=30).json()
             pid = listed["pid"]  # the program's, which heapscope launched
-            wait_until(driver, lambda: driver.find_elements(*_by(f'#targets button[data-pid="{pid}"]')),
+            wait_until(driver, lambda: driver.find_elements(*by_css(f'#targets button[data-pid="{pid}"]')),
                        "the target in the list")
-            assert "profiling" in driver.find_element(*_by("#targets")).text
+            assert "profiling" in driver.find_element(*by_css("#targets")).text
             wait_until(driver, lambda: KEEP_SITE in legend(driver), f"{KEEP_SITE} in the legend")
             before = point_ids(driver)
             tree_before = point_ids(driver, "#timeline circle.tree")
@@ -208,8 +172,15 @@ def test_live_page_of_a_running_program(heapscope_cmd: list[str], program: Path,
             proc.stdin.flush()
             assert proc.stdout.readline() == b"grown\n"
             wait_until(driver, lambda: GROW_SITE in legend(driver), f"{GROW_SITE} in the legend (live update)")
-            time.sleep(1.0)  # a few more snapshots after the growth
-            wait_until(driver, lambda: len(point_ids(driver)) > len(before) + 2, "more points")
+
+            def growth_drawn() -> bool:  # the page's last point is a snapshot of the whole growth
+                drawn = point_ids(driver)
+                snaps = parse_massif(httpx.get(f"{url}/all_snapshots", timeout=30).text).snapshots
+                last = snaps[len(drawn) - 1] if 0 < len(drawn) <= len(snaps) else None
+                return (len(drawn) > len(before) + 2 and last is not None and last.tree is not None
+                        and site_bytes(last.tree).get(GROW_SITE) == GROWTH)
+
+            wait_until(driver, growth_drawn, "a point of the whole growth drawn")
             # One point per snapshot: what the page drew is the profile's list of snapshots as it was then
             # (the same times in the same order, none missing, none extra; none culled: --max-snapshots=1000).
             ids = point_ids(driver)
@@ -228,7 +199,7 @@ def test_live_page_of_a_running_program(heapscope_cmd: list[str], program: Path,
             snap = profile.snapshots[len(ids) - 1]
             assert snap.tree is not None
             click_point(driver, last)
-            wait_until(driver, lambda: f"#{len(ids) - 1} " in driver.find_element(*_by("#tree-title")).text,
+            wait_until(driver, lambda: f"#{len(ids) - 1} " in driver.find_element(*by_css("#tree-title")).text,
                        "the tree of the clicked point")
             cells = tree_cells(driver)
             expected = site_bytes(snap.tree)
@@ -282,7 +253,7 @@ def test_view_of_a_valgrind_massif_out(cli_cmd: list[str], program: Path, tmp_pa
         # The last tree, as Valgrind wrote it (Massif marks a peak only once something is freed after it).
         peak = max(i for i, s in enumerate(profile.snapshots) if s.tree is not None)
         click_point(driver, ids[peak])
-        wait_until(driver, lambda: f"#{peak} " in driver.find_element(*_by("#tree-title")).text, "the last tree")
+        wait_until(driver, lambda: f"#{peak} " in driver.find_element(*by_css("#tree-title")).text, "the last tree")
         cells = tree_cells(driver)
         tree = profile.snapshots[peak].tree
         assert tree is not None
@@ -299,16 +270,16 @@ def test_view_of_a_valgrind_massif_out(cli_cmd: list[str], program: Path, tmp_pa
 
         driver.execute_script("document.querySelector('#timeline svg').focus()")
         driver.switch_to.active_element.send_keys(Keys.HOME)
-        assert driver.find_element(*_by("#cursor-info")).text.startswith("#0 ")
+        assert driver.find_element(*by_css("#cursor-info")).text.startswith("#0 ")
         driver.switch_to.active_element.send_keys(Keys.END)
         driver.switch_to.active_element.send_keys(Keys.ENTER)
         last = len(ids) - 1
-        wait_until(driver, lambda: f"#{last} " in driver.find_element(*_by("#tree-title")).text, "the tree by keys")
+        wait_until(driver, lambda: f"#{last} " in driver.find_element(*by_css("#tree-title")).text, "the tree by keys")
         driver.execute_script("document.querySelector('#tree svg').focus()")
         driver.switch_to.active_element.send_keys(Keys.ARROW_DOWN)
-        wait_until(driver, lambda: driver.find_element(*_by("#node-info")).text.startswith(GROW_SITE),
+        wait_until(driver, lambda: driver.find_element(*by_css("#node-info")).text.startswith(GROW_SITE),
                    "grow_site focused by the arrow keys")
-        assert f"{GROWTH:,} B" in driver.find_element(*_by("#node-info")).text
+        assert f"{GROWTH:,} B" in driver.find_element(*by_css("#node-info")).text
         urls = requested_urls(driver)
         assert outside(urls, None) == [], outside(urls, None)
         assert not [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]

@@ -10,7 +10,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -96,3 +97,35 @@ def screenshot(driver: object, name: str) -> Path:
     driver.save_screenshot(str(path))  # type: ignore[attr-defined]
     print(f"screenshot: {path}")
     return path
+
+
+def by_css(css: str):  # type: ignore[no-untyped-def]
+    """A CSS selector as selenium's find_element takes it."""
+    from selenium.webdriver.common.by import By
+
+    return (By.CSS_SELECTOR, css)
+
+
+def wait_until(driver, check: Callable[[], object], what: str, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    """`check()`'s first true value, polled; a timeout fails with `what` and the page's status line."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.2).until(lambda _: check())
+    except TimeoutException:
+        status = driver.execute_script("return document.getElementById('status').textContent")
+        raise AssertionError(f"timed out waiting for {what} (the page says: {status!r})") from None
+
+
+def retry(action: Callable[[], None]) -> None:
+    """Do `action` again while the element it acts on goes stale (the live page redraws itself every second)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(10):
+        try:
+            action()
+            return
+        except StaleElementReferenceException:
+            time.sleep(0.05)
+    action()

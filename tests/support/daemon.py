@@ -1,6 +1,5 @@
 """The daemon in tests: `heapscope serve` started on a free loopback port with a token, its log in a file, stopped
-with SIGTERM (no traceback allowed in its log); daemon_target.c driven line by line; and small waits on a
-condition (never a fixed sleep)."""
+with SIGTERM (no traceback allowed in its log); daemon_target.c driven line by line."""
 
 from __future__ import annotations
 
@@ -9,11 +8,12 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from tests.support.wait import wait_for as wait_for  # a name some tests still import from here
 
 TOKEN = "integration-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -121,15 +121,6 @@ def run_tool(args: list[str], text: str, tmp: Path, name: str) -> str:
     done = subprocess.run([*args, str(f)], capture_output=True, text=True, check=False, timeout=60)
     assert done.returncode == 0, f"{args[0]} failed on {name}:\n{done.stderr}\n--- input:\n{text}"
     return done.stdout
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def answers(url: str) -> bool:

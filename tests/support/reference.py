@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from agent.export.malt import MaltLeak, StackKey
-from agent.model.pages import VSYSCALL, parse_maps_full
+from agent.model.malt import MaltLeak, StackKey
+from agent.model.maps import VSYSCALL, parse_maps_full
 from agent.symbols.unwind import CFA_PLT, CFA_RBP, CFA_RSP, FLAG_RBP_SAVED, UnwindTable, lookup
 
 

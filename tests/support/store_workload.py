@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
 
 import numpy as np
 
 from agent.model.profile import Frame, SiteCounts, Stack
+from agent.store import StoreMeta, StoreWriter, SyncPolicy
 from agent.store.sample import PeakState, StoreSample
 
 EXTRA_PER_BLOCK = 8
+S = 1_000_000_000
 
 
 def site_stack(i: int, depth: int = 6) -> Stack:
@@ -98,3 +102,22 @@ class Workload:
             expected = {stacks[i]: replace(c) for i, c in sites.items()}
             yield sample, expected
             active = min(n, active + self.new_sites_per_step)
+
+
+# A stored history for the offline commands' tests (report, diff, view).
+
+META = StoreMeta(pid=4242, cmd="./app --serve", desc=("--threshold=0.5",),
+                 options={"depth": 30, "threshold": 0.5, "max_snapshots": 100, "detailed_freq": 10})
+
+
+def make_store(root: Path, steps: int = 400, n_sites: int = 200) -> Workload:
+    """A store of process 4242 under `root` holding `steps` samples of the workload; the workload."""
+    wl = Workload(n_sites=n_sites, start_ns=1_800_000_000 * S)
+    with StoreWriter(root / "4242", META, sync=SyncPolicy("never"), checkpoint_every=50) as w:
+        for sample, _ in wl.samples(steps):
+            w.append(sample)
+    return wl
+
+
+def iso_of(ns: int) -> str:
+    return datetime.fromtimestamp(ns / S).astimezone().isoformat(timespec="seconds")

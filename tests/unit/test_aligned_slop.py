@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from agent.model.options import MassifOptions, massif_slop, slop_uncertainty, valgrind_alignment
-from tests.unit.test_model import needs_valgrind, run_massif
+from tests.support.valgrind import run_massif
 
 ALIGNMENTS = (24, 32, 64, 128, 256, 1024)
 REUSE_GRANULE = 16
@@ -46,7 +46,7 @@ def test_valgrind_alignment() -> None:
     assert [valgrind_alignment(a) for a in (1, 8, 16, 17, 24, 48, 64, 4096)] == [16, 16, 16, 32, 32, 64, 64, 4096]
 
 
-@needs_valgrind
+@pytest.mark.needs("valgrind", "gcc")
 def test_aligned_slop_within_the_uncertainty_of_massif(tmp_path: Path) -> None:
     out = run_massif(
         tmp_path,

@@ -4,7 +4,6 @@ lifespan. The real daemon against real programs is tests/integration/test_daemon
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -333,7 +332,7 @@ def test_openapi_documents_both_formats(one: tuple[TestClient, FakeTarget, FakeM
     assert "XtreeOut" in schema["components"]["schemas"]
 
 
-@pytest.mark.skipif(shutil.which("ms_print") is None, reason="needs ms_print")
+@pytest.mark.needs("ms_print")
 def test_ms_print_reads_the_bodies(one: tuple[TestClient, FakeTarget, FakeManager], tmp_path: Path) -> None:
     client, _, _ = one
     for path in ("/detailed_snapshot", "/all_snapshots"):

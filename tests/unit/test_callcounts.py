@@ -3,9 +3,9 @@ them in sampled mode (agent.session.maltrec)."""
 
 from __future__ import annotations
 
-from agent.export.malt import MALT_FUNCTIONS, MaltThread, ThreadFunctionStats
 from agent.model.callcounts import COUNTED_KINDS, ThreadCalls, merge_by_thread, total
 from agent.model.functions import malt_name_of_kind
+from agent.model.malt import MALT_FUNCTIONS, MaltThread, ThreadFunctionStats
 from agent.process.sampler import COUNT_FIELDS
 from agent.session.maltrec import _exact_thread_counts
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,7 +78,7 @@ def test_check_mode_reports_a_stale_file(tmp_path: Path, monkeypatch: pytest.Mon
     assert GEN.main(["--check"]) == 1
 
 
-@pytest.mark.skipif(shutil.which("man") is None, reason="man is not installed (Debian: man-db)")
+@pytest.mark.needs("man")
 def test_man_renders_the_page_without_warnings() -> None:
     env = {**os.environ, "MANPAGER": "cat", "PAGER": "cat", "MANWIDTH": "80", "LC_ALL": "C.UTF-8"}
     done = subprocess.run(["man", "--warnings=all", "-l", str(GEN.MAN_PAGE)], capture_output=True, text=True,

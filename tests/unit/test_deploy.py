@@ -95,7 +95,7 @@ def test_the_command_lines_parse(tmp_path: Path) -> None:
     assert ns.command == "serve" and ns.http.startswith("127.0.0.1:")
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (Debian: prometheus)")
+@pytest.mark.needs("promtool")
 def test_prometheus_config_is_valid(tmp_path: Path) -> None:
     token = tmp_path / "heapscope.token"
     token.write_text("t0ken\n")
@@ -110,7 +110,7 @@ def test_prometheus_config_is_valid(tmp_path: Path) -> None:
     assert "SUCCESS: 2 rules found" in done.stdout, done.stdout
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (Debian: prometheus)")
+@pytest.mark.needs("promtool")
 def test_growth_alerts_pass_promtool_and_fire(tmp_path: Path) -> None:
     """`promtool check rules`, then `promtool test rules`: made-up series of a target with a leak suspect from
     minute 2 on, a site adding 50,000 B/s, and the other sites' sum (never alerted on), evaluated by Prometheus's
@@ -165,7 +165,7 @@ def test_growth_alerts_pass_promtool_and_fire(tmp_path: Path) -> None:
     assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+@pytest.mark.needs("systemd-analyze")
 def test_systemd_unit_verifies(tmp_path: Path) -> None:
     exe = REPO / ".venv" / "bin" / "heapscope"
     if not exe.exists():

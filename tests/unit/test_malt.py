@@ -1,4 +1,5 @@
-"""MALT profile model and JSON writer (agent.export.malt) and global variables (agent.symbols.globalvars).
+"""MALT profile model (agent.model.malt), its JSON writer (agent.export.malt) and global variables
+(agent.symbols.globalvars).
 
 Judges: the JSON schema written from MALT's documented format (tests/malt_schema.json), the format document's own
 examples field by field, and for global variables a compiled C program read back with `nm -S` and `readelf`.
@@ -10,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +19,14 @@ from typing import Any
 import jsonschema
 import pytest
 
-from agent.export.malt import (
+from agent.export.malt import profile_to_json, write_malt
+from agent.model.malt import (
     BANDWIDTH_FIELDS,
     MALT_FUNCTIONS,
     MEMORY_FIELDS,
     SYSTEM_FIELDS,
     CountMinMaxSum,
+    GlobalVariable,
     MaltGlobals,
     MaltLeak,
     MaltProfile,
@@ -40,23 +42,18 @@ from agent.export.malt import (
     TimelineBinner,
     check_consistency,
     log2_bin,
-    profile_to_json,
-    symbolizer_resolver,
-    write_malt,
 )
+from agent.model.maps import Mapping
 from agent.model.profile import Frame
 from agent.symbols.elf import open_elf
-from agent.symbols.globalvars import GlobalVariable, global_variables, variables_of
-from agent.symbols.symbolizer import Mapping, Symbolizer
+from agent.symbols.globalvars import global_variables, variables_of
+from agent.symbols.symbolizer import Symbolizer
+from tests.support.capability import require
 from tests.support.reference import group_leaks
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "malt_schema.json").read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 
-needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
-needs_binutils = pytest.mark.skipif(
-    not all(shutil.which(t) for t in ("nm", "readelf", "strip")), reason="needs binutils"
-)
 
 # ----------------------------------------------------------------------------------------------------------
 # A synthetic run: the events of a small program, replayed through MALT's rules to fill the model.
@@ -663,8 +660,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def globals_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("gcc") is None:
-        pytest.skip("needs gcc")
+    require("gcc")
     d = tmp_path_factory.mktemp("globals")
     (d / "globals.c").write_text(GLOBALS_C)
     exe = d / "globals"
@@ -701,8 +697,8 @@ def readelf_sections(path: Path) -> dict[str, str]:
     return out
 
 
-@needs_gcc
-@needs_binutils
+@pytest.mark.needs("gcc")
+@pytest.mark.needs("nm", "readelf", "strip")
 def test_global_variables_of_a_compiled_program(globals_exe: Path) -> None:
     found = {v.name: v for v in variables_of(str(globals_exe))}
     sizes = nm_sizes(globals_exe)
@@ -721,8 +717,8 @@ def test_global_variables_of_a_compiled_program(globals_exe: Path) -> None:
     assert found["initialised"].offset == elf.find_symbol("initialised")[0]  # type: ignore[index]
 
 
-@needs_gcc
-@needs_binutils
+@pytest.mark.needs("gcc")
+@pytest.mark.needs("nm", "readelf", "strip")
 def test_global_variables_of_a_stripped_program_come_from_dynsym(globals_exe: Path, tmp_path: Path) -> None:
     stripped = tmp_path / "globals.stripped"
     subprocess.run(["strip", "-o", str(stripped), str(globals_exe)], check=True)
@@ -735,7 +731,7 @@ def test_global_variables_of_a_stripped_program_come_from_dynsym(globals_exe: Pa
     assert "local_buffer" not in found  # a static symbol is gone with .symtab
 
 
-@needs_gcc
+@pytest.mark.needs("gcc")
 def test_global_variables_skip_unreadable_objects(globals_exe: Path, tmp_path: Path) -> None:
     text = tmp_path / "not-elf"
     text.write_text("hello")
@@ -748,7 +744,7 @@ def test_global_variables_skip_unreadable_objects(globals_exe: Path, tmp_path: P
     assert written["tls_counter"]["usedSize"] == 0
 
 
-@needs_gcc
+@pytest.mark.needs("gcc")
 def test_sites_through_the_symbolizer(globals_exe: Path) -> None:
     elf = open_elf(str(globals_exe))
     seg = next(s for s in elf.segments if s.executable)
@@ -761,7 +757,7 @@ def test_sites_through_the_symbolizer(globals_exe: Path) -> None:
     p.totals = MaltTotals()
     p.size_map = {}
     with Symbolizer() as sym:
-        doc = dump(p, resolve=symbolizer_resolver(sym, [mapping]))
+        doc = dump(p, resolve=sym.resolver([mapping]))
     entry = doc["sites"]["instr"][f"0x{ret:x}"]
     strings = doc["sites"]["strings"]
     assert strings[entry["function"]] == "use"
@@ -777,5 +773,5 @@ def test_empty_profile_validates_in_both_formats() -> None:
 
 
 def test_model_and_writer_do_not_import_bcc() -> None:
-    code = "import sys, agent.export.malt, agent.symbols.globalvars; sys.exit('bcc' in sys.modules)"
+    code = "import sys, agent.model.malt, agent.export.malt, agent.symbols.globalvars; sys.exit('bcc' in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

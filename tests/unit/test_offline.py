@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import subprocess
 import sys
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -19,27 +17,9 @@ from agent.model.profile import Frame, SiteCounts
 from agent.offline.timespec import parse_duration, parse_moment, parse_thin_rules
 from agent.store import PeakState, SegmentReader, StoreMeta, StoreSample, StoreWriter, SyncPolicy, ThinRule
 from tests.support.massif_reader import read_massif
-from tests.support.store_workload import Workload
+from tests.support.store_workload import S, iso_of, make_store
 
 ROOT = Path(__file__).resolve().parents[2]
-S = 1_000_000_000
-needs_ms_print = pytest.mark.skipif(shutil.which("ms_print") is None, reason="needs ms_print")
-needs_annotate = pytest.mark.skipif(shutil.which("callgrind_annotate") is None, reason="needs callgrind_annotate")
-
-META = StoreMeta(pid=4242, cmd="./app --serve", desc=("--threshold=0.5",),
-                 options={"depth": 30, "threshold": 0.5, "max_snapshots": 100, "detailed_freq": 10})
-
-
-def make_store(root: Path, steps: int = 400, n_sites: int = 200) -> Workload:
-    wl = Workload(n_sites=n_sites, start_ns=1_800_000_000 * S)
-    with StoreWriter(root / "4242", META, sync=SyncPolicy("never"), checkpoint_every=50) as w:
-        for sample, _ in wl.samples(steps):
-            w.append(sample)
-    return wl
-
-
-def iso_of(ns: int) -> str:
-    return datetime.fromtimestamp(ns / S).astimezone().isoformat(timespec="seconds")
 
 
 def heapscope(*args: str) -> subprocess.CompletedProcess[str]:
@@ -47,7 +27,7 @@ def heapscope(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=300)
 
 
-@needs_ms_print
+@pytest.mark.needs("ms_print")
 def test_report_massif_is_read_by_ms_print_and_culled(tmp_path: Path) -> None:
     wl = make_store(tmp_path)
     out = tmp_path / "m.out"
@@ -70,7 +50,7 @@ def test_report_massif_is_read_by_ms_print_and_culled(tmp_path: Path) -> None:
     assert prof.cmd == "./app --serve"
 
 
-@needs_annotate
+@pytest.mark.needs("callgrind_annotate")
 def test_report_xtree_is_read_by_callgrind_annotate(tmp_path: Path) -> None:
     make_store(tmp_path, steps=30)
     out = tmp_path / "x.kcg"
@@ -87,7 +67,7 @@ def test_report_json_lists_every_snapshot_of_the_range(tmp_path: Path) -> None:
 
     ns = commands_namespace(["report", str(tmp_path), "--format=json", "--from", iso_of(wl.start_ns + 10 * S),
                              "--to", iso_of(wl.start_ns + 19 * S)])
-    assert commands.run(ns, out=buf) == 0
+    assert commands.Report(out=buf).run(ns) == 0
     doc = json.loads(buf.getvalue())
     assert [s["time"] for s in doc["snapshots"]] == [k * 1000 for k in range(10, 20)]
     truth = list(wl.samples(20))[19][0]
@@ -127,7 +107,7 @@ def test_diff_gives_exactly_the_growth_that_was_made(tmp_path: Path) -> None:
 
     ns = commands_namespace(["diff", str(tmp_path), "--from", iso_of(start + 10 * S), "--to",
                              iso_of(start + 40 * S), "--json", "--threshold", "0"])
-    assert commands.run(ns, out=buf) == 0
+    assert commands.Diff(out=buf).run(ns) == 0
     doc = json.loads(buf.getvalue())
     assert doc["grew"]["bytes"] == 30 * 64_000 and doc["grew"]["blocks"] == 30 * 1000
     (site,) = doc["grew"]["children"]  # malloc is trimmed as Massif trims it: the site is grow()
@@ -139,7 +119,7 @@ def test_diff_gives_exactly_the_growth_that_was_made(tmp_path: Path) -> None:
     text = io.StringIO()
     ns = commands_namespace(["diff", str(tmp_path), "--from", iso_of(start + 10 * S), "--to",
                              iso_of(start + 40 * S)])
-    assert commands.run(ns, out=text) == 0
+    assert commands.Diff(out=text).run(ns) == 0
     assert "+1,920,000  " + GROW[0].label in text.getvalue()
     assert "-1,228,800  " + SHRINK[0].label in text.getvalue()
     assert "keep" not in text.getvalue()  # unchanged: not in the diff

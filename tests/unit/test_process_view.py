@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from agent.model.maps import Mapping
 from agent.process.view import ProcessView
-from agent.symbols.symbolizer import Mapping
 
 
 def fake_proc(tmp_path: Path, root: str, their_ns: str, our_ns: str = "mnt:[4026531841]") -> str:
@@ -60,7 +60,7 @@ def test_a_memfd_is_opened_through_map_files(tmp_path: Path) -> None:
 def test_a_containers_debug_files_are_looked_for_inside_it_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """A debug file by build id under the container's /usr/lib/debug wins over the host's roots; the host's is
     the fallback (tests/unit/test_symbols.py builds real objects with separate debug files)."""
-    from agent.symbols import symbolizer
+    from agent.symbols import debugfiles
 
     seen: list[str] = []
 
@@ -72,8 +72,8 @@ def test_a_containers_debug_files_are_looked_for_inside_it_first(monkeypatch: py
     def try_open(path: str) -> None:
         seen.append(path)
 
-    monkeypatch.setattr(symbolizer, "_try_open", try_open)
-    assert symbolizer.find_debug_file(Obj(), ("/usr/lib/debug",)) is None  # type: ignore[arg-type]
+    monkeypatch.setattr(debugfiles, "_try_open", try_open)
+    assert debugfiles.find_debug_file(Obj(), ("/usr/lib/debug",)) is None  # type: ignore[arg-type]
     assert seen[:2] == ["/proc/42/root/usr/lib/debug/.build-id/ab/cdef0123.debug",
                         "/usr/lib/debug/.build-id/ab/cdef0123.debug"]
     assert seen[2:4] == ["/proc/42/root/usr/lib/x86_64-linux-gnu/libfoo.so.1.debug",

@@ -18,11 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.cli import build_parser, main, settings_from
 from agent.errors import UsageError
-from agent.export.malt import MaltConfig, MaltGlobals, MaltProfile, MaltRun, write_malt
+from agent.export.malt import write_malt
 from agent.export.massif import write_massif
 from agent.export.metrics import HeapscopeCollector
 from agent.export.xtree import write_xtree
 from agent.model.counters import Counters
+from agent.model.malt import MaltConfig, MaltGlobals, MaltProfile, MaltRun
 from agent.model.profile import SiteCounts, Snapshot, SnapshotKind
 from agent.model.sampling import DEFAULT_SAMPLE_RATE, ProfileMode
 from agent.model.summary import ProfileSummary, SamplingSummary
@@ -30,7 +31,7 @@ from api.app import create_app
 from api.models import profile_mode
 from api.settings import ApiSettings
 from tests.support.fake_daemon import FakeManager, FakeTarget, frame
-from tests.unit.test_view import embedded
+from tests.support.page_reader import embedded
 
 
 def test_the_mode_value() -> None:

@@ -21,6 +21,7 @@ from agent.store import (
     StoreWriter,
     SyncPolicy,
     ThinRule,
+    retention,
 )
 from agent.store import format as fmt
 from agent.store import writer as writer_mod
@@ -439,21 +440,21 @@ def test_a_sweep_deletes_the_old_history_of_processes_no_writer_holds(tmp_path: 
     other.mkdir()
     _aged(other, 9 * day, now)
 
-    swept = writer_mod.sweep_ended(tmp_path, 7 * day, busy={"300"}, now=now)
+    swept = retention.sweep_ended(tmp_path, 7 * day, busy={"300"}, now=now)
 
     assert (swept.segments_deleted, swept.directories_removed, swept.errors) == (3, 2, [])
     assert not gone.exists() and not old_empty.exists()
     assert [p.name for p in writer_mod.segment_paths(partly)] == ["seg-00000002.hss"]
     assert len(writer_mod.segment_paths(held)) == 1
     assert fresh_empty.is_dir() and other.is_dir()
-    again = writer_mod.sweep_ended(tmp_path, 7 * day, busy={"300"}, now=now)
+    again = retention.sweep_ended(tmp_path, 7 * day, busy={"300"}, now=now)
     assert (again.segments_deleted, again.directories_removed) == (0, 0)
 
 
 def test_a_sweep_without_an_age_or_a_store_does_nothing(tmp_path: Path) -> None:
     now = time.time()
     d = _history(tmp_path, "100", [400 * 86400.0], now)
-    assert writer_mod.sweep_ended(tmp_path, None, busy=set(), now=now).segments_deleted == 0
+    assert retention.sweep_ended(tmp_path, None, busy=set(), now=now).segments_deleted == 0
     assert len(writer_mod.segment_paths(d)) == 1
-    missing = writer_mod.sweep_ended(tmp_path / "none", 1.0, busy=set(), now=now)
+    missing = retention.sweep_ended(tmp_path / "none", 1.0, busy=set(), now=now)
     assert (missing.segments_deleted, missing.errors) == (0, [])

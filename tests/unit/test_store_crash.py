@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,8 +17,8 @@ from agent.store import StoreMeta, StoreReader, StoreWriter, SyncPolicy
 from agent.store import format as fmt
 from agent.store.reader import SegmentReader, SnapshotUnavailable
 from agent.store.writer import segment_paths
+from tests.support import store_spec_reader
 from tests.support.store_workload import Workload
-from tests.unit import store_spec_reader
 
 ROOT = Path(__file__).resolve().parents[2]
 META = StoreMeta(pid=9, cmd="./victim")
@@ -209,7 +208,7 @@ def test_a_full_disk_is_one_clear_error_and_the_store_stays_readable(tmp_path: P
     assert [reader.load(r).sites() for r in reader.snapshots()] == truth
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="mounting a tmpfs needs root")
+@pytest.mark.needs("root", "mount")  # mounting a tmpfs
 def test_a_real_full_tmpfs(tmp_path: Path) -> None:
     mnt = tmp_path / "small"
     mnt.mkdir()

@@ -10,8 +10,8 @@ from agent.model.profile import Frame, SiteCounts
 from agent.store import Retention, StoreMeta, StoreReader, StoreSample, StoreWriter, SyncPolicy
 from agent.store import format as fmt
 from agent.store.writer import segment_paths
+from tests.support import store_spec_reader
 from tests.support.store_workload import Workload, site_stack
-from tests.unit import store_spec_reader
 
 FIELDS = ("tot_blocks", "tot_bytes", "freed_blocks", "freed_bytes", "cur_blocks", "cur_bytes", "cur_extra",
           "peak_bytes", "peak_extra")

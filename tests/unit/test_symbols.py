@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import shutil
 import subprocess
 import time
 import weakref
@@ -19,28 +18,15 @@ from pathlib import Path
 
 import pytest
 
+from agent.model.maps import Mapping, parse_maps
 from agent.model.profile import Frame
+from agent.symbols.debugfiles import find_debug_file
 from agent.symbols.elf import ElfObject, ElfSymbol, open_elf
-from agent.symbols.symbolizer import (
-    BELOW_MAIN,
-    Mapping,
-    Symbolizer,
-    SymbolTable,
-    demangle,
-    display_function_name,
-    find_debug_file,
-    parse_maps,
-)
+from agent.symbols.names import BELOW_MAIN, SymbolTable, demangle, display_function_name
+from agent.symbols.symbolizer import Symbolizer
 
 PROGRAMS = Path(__file__).parent / "programs"
 LIBC = "/lib/x86_64-linux-gnu/libc.so.6"
-
-needs_gcc = pytest.mark.skipif(not (shutil.which("gcc") and shutil.which("g++")), reason="needs gcc and g++")
-needs_binutils = pytest.mark.skipif(
-    not all(shutil.which(t) for t in ("addr2line", "objdump", "nm", "readelf", "objcopy", "strip")),
-    reason="needs binutils",
-)
-needs_valgrind = pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
 
 
 def run(*cmd: str | Path, cwd: Path | None = None) -> str:
@@ -243,6 +229,7 @@ def test_symbol_table_truncates_overlaps() -> None:
     assert table.lookup(0x33F) == "long"
 
 
+@pytest.mark.needs("c++filt")
 def test_demangle_matches_cxxfilt() -> None:
     names = [
         "_ZNSt6vectorIiSaIiEE9push_backEOi",
@@ -250,10 +237,7 @@ def test_demangle_matches_cxxfilt() -> None:
         "_ZN2ns6WidgetC2Ev",
         "_Znwm",
     ]
-    if shutil.which("c++filt"):
-        expected = run("c++filt", *names).splitlines()
-    else:
-        pytest.skip("needs c++filt")
+    expected = run("c++filt", *names).splitlines()
     assert [demangle(n) for n in names] == expected
     assert demangle("main") == "main"
     assert demangle("_ZNotMangled@@GLIBCXX_3.4") == "_ZNotMangled@@GLIBCXX_3.4"
@@ -271,8 +255,8 @@ def test_below_main_names() -> None:
 # ELF objects
 
 
-@needs_gcc
-@needs_binutils
+@pytest.mark.needs("gcc", "g++")
+@pytest.mark.needs("binutils")
 @pytest.mark.parametrize("name,pie", [("c_O2", True), ("c_O2_nopie", False)])
 def test_elf_object_against_binutils(tools: Toolbox, name: str, pie: bool) -> None:
     exe = str(tools.build(name))
@@ -307,6 +291,7 @@ def test_elf_object_against_binutils(tools: Toolbox, name: str, pie: bool) -> No
         assert fh.read(8) == obj.code_bytes(value, 8)
 
 
+@pytest.mark.needs("nm")
 def test_elf_object_libc() -> None:
     obj = open_elf(LIBC)
     assert obj.is_pie_or_shared
@@ -326,8 +311,8 @@ def test_elf_object_libc() -> None:
 MASSIF_CASES = ["c_O0", "c_O2", "c_O2_nopie", "cpp_O0", "cpp_O2", "c_O2_dwarf4", "cpp_O2_dwarf4", "uses_lib"]
 
 
-@needs_gcc
-@needs_valgrind
+@pytest.mark.needs("gcc", "g++")
+@pytest.mark.needs("valgrind")
 @pytest.mark.parametrize("name", MASSIF_CASES)
 def test_labels_match_massif(tools: Toolbox, symbolizer: Symbolizer, name: str) -> None:
     text, maps = tools.massif(name)
@@ -396,8 +381,8 @@ def _addr2line(exe: str, vaddr: int) -> list[tuple[str, str, int]]:
     return out
 
 
-@needs_gcc
-@needs_binutils
+@pytest.mark.needs("gcc", "g++")
+@pytest.mark.needs("binutils")
 @pytest.mark.parametrize("name", ["c_O0", "c_O2", "cpp_O0", "cpp_O2", "c_O2_dwarf4", "cpp_O2_dwarf4"])
 def test_inline_levels_match_addr2line(tools: Toolbox, symbolizer: Symbolizer, name: str) -> None:
     exe = str(tools.build(name))
@@ -421,8 +406,8 @@ def test_inline_levels_match_addr2line(tools: Toolbox, symbolizer: Symbolizer, n
 # Native runs: real load addresses of PIE, non-PIE and shared objects
 
 
-@needs_gcc
-@needs_binutils
+@pytest.mark.needs("gcc", "g++")
+@pytest.mark.needs("binutils")
 @pytest.mark.parametrize("name", ["c_O2", "c_O2_nopie"])
 def test_native_return_addresses(tools: Toolbox, symbolizer: Symbolizer, name: str) -> None:
     exe = str(tools.build(name))
@@ -437,8 +422,8 @@ def test_native_return_addresses(tools: Toolbox, symbolizer: Symbolizer, name: s
         assert frames[0].obj == exe
 
 
-@needs_gcc
-@needs_binutils
+@pytest.mark.needs("gcc", "g++")
+@pytest.mark.needs("binutils")
 def test_native_shared_library_without_debug_info(tools: Toolbox, symbolizer: Symbolizer) -> None:
     maps, rec = tools.native("uses_lib")
     lib = str(tools.lib())
@@ -470,8 +455,8 @@ def _expected_from_debug(dbg: Path, ra: int) -> list[tuple[str, str, int]]:
     return _addr2line(str(dbg), ra - 1)
 
 
-@needs_gcc
-@needs_binutils
+@pytest.mark.needs("gcc", "g++")
+@pytest.mark.needs("binutils")
 @pytest.mark.parametrize("where", ["same_dir", "dot_debug"])
 def test_gnu_debuglink(tmp_path: Path, where: str) -> None:
     exe, dbg, ra = _split_debug(tmp_path, build_id=False)
@@ -489,8 +474,8 @@ def test_gnu_debuglink(tmp_path: Path, where: str) -> None:
     assert [(f.function, f.file, f.line) for f in frames] == judge
 
 
-@needs_gcc
-@needs_binutils
+@pytest.mark.needs("gcc", "g++")
+@pytest.mark.needs("binutils")
 def test_build_id_debug_root(tmp_path: Path) -> None:
     exe, dbg, ra = _split_debug(tmp_path, build_id=True)
     obj = open_elf(str(exe))
@@ -523,7 +508,7 @@ def _libc_strdup_malloc_return(obj: ElfObject) -> int:
     raise AssertionError("strdup does not call malloc@plt")
 
 
-@needs_binutils
+@pytest.mark.needs("binutils")
 def test_libc_separate_debug_info_and_speed() -> None:
     obj = open_elf(LIBC)
     if obj.build_id is None or not os.path.exists(
@@ -551,6 +536,7 @@ def test_libc_separate_debug_info_and_speed() -> None:
     assert t2 - t1 < 0.005
 
 
+@pytest.mark.needs("objdump")
 def test_symbolizers_share_a_builds_dwarf_and_close_it_with_the_last(tmp_path: Path) -> None:
     """A daemon has a symbolizer per target, and every target maps the same libc: its DWARF (some 16 MiB once read)
     is read once for them all, and closed when the last symbolizer that holds it is gone."""
@@ -598,7 +584,7 @@ def test_unknown_address_and_missing_file(tmp_path: Path) -> None:
         assert sym.symbolize(maps, 0x1801, is_return_address=False) == [Frame(0x1801, obj=gone)]
 
 
-@needs_gcc
+@pytest.mark.needs("gcc", "g++")
 def test_recorded_build_id_mismatch_is_not_trusted(tools: Toolbox) -> None:
     exe = str(tools.build("c_O0"))
     obj = open_elf(exe)

@@ -42,11 +42,8 @@ from agent.symbols.unwind import (
     lookup,
     serialize,
 )
+from tests.support.capability import require
 from tests.support.reference import unwind_python
-
-needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
-needs_readelf = pytest.mark.skipif(shutil.which("readelf") is None, reason="needs readelf (binutils)")
-needs_gdb = pytest.mark.skipif(shutil.which("gdb") is None, reason="needs gdb")
 
 SYSTEM_LIBS = {
     "libc": "/lib/x86_64-linux-gnu/libc.so.6",
@@ -583,8 +580,7 @@ CRAFTED_REASONS = {
 @pytest.fixture(scope="module")
 def crafted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The crafted CFI as .eh_frame, as .debug_frame with CIE version 1, and with CIE version 4."""
-    if shutil.which("gcc") is None:
-        pytest.skip("needs gcc")
+    require("gcc")
     root = tmp_path_factory.mktemp("crafted")
     out: dict[str, Path] = {}
     variants = {
@@ -606,8 +602,7 @@ def crafted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    if shutil.which("gcc") is None or shutil.which("g++") is None:
-        pytest.skip("needs gcc and g++")
+    require("gcc", "g++")
     root = tmp_path_factory.mktemp("programs")
     (root / "chain.c").write_text(CHAIN_C)
     (root / "containers.cpp").write_text(CONTAINERS_CPP)
@@ -632,7 +627,7 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # Crafted CFI: each rule kind
 
 
-@needs_gcc
+@pytest.mark.needs("gcc")
 @pytest.mark.parametrize("variant", ["eh_frame", "debug_frame_v1", "debug_frame_v4"])
 def test_crafted_rules(crafted: dict[str, Path], variant: str) -> None:
     lib = crafted[variant]
@@ -653,14 +648,14 @@ def test_crafted_rules(crafted: dict[str, Path], variant: str) -> None:
     assert table.unsupported == sum(CRAFTED_REASONS.values())
 
 
-@needs_gcc
-@needs_readelf
+@pytest.mark.needs("gcc")
+@pytest.mark.needs("readelf")
 @pytest.mark.parametrize("variant", ["eh_frame", "debug_frame_v1", "debug_frame_v4"])
 def test_crafted_rules_agree_with_readelf(crafted: dict[str, Path], variant: str) -> None:
     compare_with_readelf(crafted[variant])
 
 
-@needs_gcc
+@pytest.mark.needs("gcc")
 def test_rows_are_sorted_merged_and_end_each_fde(crafted: dict[str, Path]) -> None:
     table = build_table(str(crafted["eh_frame"]))
     assert len(table.rows) == table.n_rows * ROW.size
@@ -678,7 +673,7 @@ def test_rows_are_sorted_merged_and_end_each_fde(crafted: dict[str, Path]) -> No
 # Every row, against readelf
 
 
-@needs_readelf
+@pytest.mark.needs("readelf")
 @pytest.mark.parametrize("lib", sorted(SYSTEM_LIBS))
 def test_system_library_rows_agree_with_readelf(lib: str) -> None:
     path = SYSTEM_LIBS[lib]
@@ -690,7 +685,7 @@ def test_system_library_rows_agree_with_readelf(lib: str) -> None:
     assert table.build_id == open_elf(path).build_id
 
 
-@needs_readelf
+@pytest.mark.needs("readelf")
 @pytest.mark.parametrize("name", ["chain", "chain_debug_frame", "chain_nopie", "containers"])
 def test_program_rows_agree_with_readelf(programs: dict[str, Path], name: str) -> None:
     table, _checked = compare_with_readelf(programs[name])
@@ -702,7 +697,7 @@ def test_program_rows_agree_with_readelf(programs: dict[str, Path], name: str) -
     assert lookup(table, main[0]) == Rule(lookup(table, main[0]).pc, CFA_RSP, 0, 8, 0)  # entry: CFA = rsp + 8
 
 
-@needs_gcc
+@pytest.mark.needs("gcc")
 def test_code_above_4gib_is_skipped_and_counted(crafted: dict[str, Path]) -> None:
     exe = crafted["high"]
     assert all(s.vaddr >= 1 << 32 for s in open_elf(str(exe)).segments if s.executable)
@@ -713,7 +708,7 @@ def test_code_above_4gib_is_skipped_and_counted(crafted: dict[str, Path]) -> Non
     assert plain is not None and lookup(table, plain[0]).cfa_type == CFA_NONE
 
 
-@needs_readelf
+@pytest.mark.needs("readelf")
 def test_gnu_args_size_is_present_and_followed(programs: dict[str, Path]) -> None:
     """pyelftools' own get_decoded() rejects DW_CFA_GNU_args_size; C++ code with exceptions has it."""
     path = SYSTEM_LIBS["libstdc++"]
@@ -728,7 +723,7 @@ def test_gnu_args_size_is_present_and_followed(programs: dict[str, Path]) -> Non
 # The cache
 
 
-@needs_gcc
+@pytest.mark.needs("gcc")
 def test_cache_round_trip_and_reuse(programs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     exe = str(programs["chain"])
     first = load_table(exe, str(tmp_path))
@@ -753,7 +748,7 @@ def test_cache_round_trip_and_reuse(programs: dict[str, Path], tmp_path: Path, m
     assert again == first
 
 
-@needs_gcc
+@pytest.mark.needs("gcc")
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])
 def test_corrupt_cache_is_rebuilt(programs: dict[str, Path], tmp_path: Path, damage: str) -> None:
     exe = str(programs["chain"])
@@ -775,7 +770,7 @@ def test_corrupt_cache_is_rebuilt(programs: dict[str, Path], tmp_path: Path, dam
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
 
 
-@needs_gcc
+@pytest.mark.needs("gcc")
 def test_objects_without_build_id_key_on_path_size_mtime(programs: dict[str, Path], tmp_path: Path) -> None:
     exe = tmp_path / "nobid"
     shutil.copy2(programs["chain_no_build_id"], exe)
@@ -798,7 +793,7 @@ def test_cache_dir_default_and_override(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert default_cache_dir() == str(tmp_path / "unwind")
 
 
-@needs_gcc
+@pytest.mark.needs("gcc")
 def test_cache_dir_from_environment_is_used(
     programs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -807,7 +802,7 @@ def test_cache_dir_from_environment_is_used(
     assert (tmp_path / "unwind" / cache_key(str(programs["chain"]), table.build_id)).exists()
 
 
-@needs_gcc
+@pytest.mark.needs("gcc")
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write a read-only directory")
 def test_unwritable_cache_still_gives_the_table(programs: dict[str, Path], tmp_path: Path) -> None:
     ro = tmp_path / "ro"
@@ -914,7 +909,7 @@ def frames_text(stop: GdbStop, ours: list[int]) -> str:
     return "gdb:  " + " ".join(f"{pc:x}:{fn}" for pc, fn in stop.frames) + "\nours: " + " ".join(map(hex, ours))
 
 
-@needs_gdb
+@pytest.mark.needs("gdb")
 @pytest.mark.parametrize("build", ["chain", "chain_debug_frame", "chain_nopie"])
 @pytest.mark.parametrize(
     "breaks",
@@ -944,7 +939,7 @@ def test_unwind_matches_gdb(programs: dict[str, Path], tmp_path: Path, build: st
     assert ours == expected, frames_text(stop, ours)
 
 
-@needs_gdb
+@pytest.mark.needs("gdb")
 def test_frame_pointer_walk_would_be_wrong_here(programs: dict[str, Path], tmp_path: Path) -> None:
     """The premise of this module: following rbp from the same stop does not give gdb's frames."""
     stop = gdb_stop(programs["chain"], ["leaf", "malloc"], tmp_path)

@@ -3,7 +3,6 @@ one line and an exit code. The page in a real browser: tests/integration/test_we
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -13,18 +12,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.cli import main
-from tests.unit.test_massif_file import written
-
-
-def embedded(html: str) -> dict:  # type: ignore[type-arg]
-    m = re.search(r'<script type="application/json" id="heapscope-data">(.*?)</script>', html, re.S)
-    assert m is not None
-    return json.loads(m.group(1))  # type: ignore[no-any-return]
+from tests.support.massif_sample import sample_massif_out
+from tests.support.page_reader import embedded
 
 
 def test_view_writes_one_page_with_the_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "massif.out.123"
-    src.write_text(written())
+    src.write_text(sample_massif_out())
     out = tmp_path / "page.html"
     assert main(["view", str(src), "-o", str(out)]) == 0
     assert f"wrote {out}" in capsys.readouterr().out
@@ -42,7 +36,7 @@ def test_view_writes_one_page_with_the_profile(tmp_path: Path, capsys: pytest.Ca
 def test_view_writes_to_the_current_directory_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "in" / "massif.out.9"
     src.parent.mkdir()
-    src.write_text(written())
+    src.write_text(sample_massif_out())
     monkeypatch.chdir(tmp_path)
     assert main(["view", str(src)]) == 0
     assert (tmp_path / "massif.out.9.html").exists()
@@ -64,7 +58,7 @@ def test_names_from_the_profile_cannot_end_the_script(tmp_path: Path) -> None:
     """A function name is the target's data: embedded, it must not close the <script> that holds it (the page
     itself only ever sets names as text, never as HTML)."""
     evil = "f</script><script>alert(1)</script><!--"
-    text = written().replace("fn29 (prog.c:129)", f"{evil} (prog.c:129)")
+    text = sample_massif_out().replace("fn29 (prog.c:129)", f"{evil} (prog.c:129)")
     assert evil in text
     src = tmp_path / "massif.out.evil"
     src.write_text(text)
@@ -82,7 +76,7 @@ def test_view_of_a_store_range_has_the_report_s_snapshots_and_the_memory_lines(t
     """A stored history's range gives the page exactly the snapshots `heapscope report --format=massif` writes
     for it (the same culling), with the mapped total and RSS the store kept."""
     from tests.support.massif_reader import read_massif
-    from tests.unit.test_offline import S, iso_of, make_store
+    from tests.support.store_workload import S, iso_of, make_store
 
     wl = make_store(tmp_path / "store", steps=120, n_sites=50)
     start, end = iso_of(wl.start_ns + 10 * S), iso_of(wl.start_ns + 100 * S)
@@ -104,6 +98,6 @@ def test_view_of_a_store_range_has_the_report_s_snapshots_and_the_memory_lines(t
 
 def test_range_options_want_a_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "massif.out.1"
-    src.write_text(written())
+    src.write_text(sample_massif_out())
     assert main(["view", str(src), "--from", "-1h"]) == 2
     assert "store directory" in capsys.readouterr().err

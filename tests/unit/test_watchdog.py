@@ -69,7 +69,7 @@ def test_dismissed_watchdog_sends_nothing(stopped_sleeper: int) -> None:
     assert done.returncode == 0, done.stderr
     watchdog = int(done.stdout.split()[0])
     assert process_state(watchdog) in ("", "Z")  # it has ended (reaped by dismiss)
-    time.sleep(0.3)
+    time.sleep(0.3)  # a span to observe, not a wait: no signal comes in that time
     assert process_state(stopped_sleeper) == "T"  # an orderly end lets the target go itself: no signal here
 
 

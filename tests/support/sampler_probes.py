@@ -1,19 +1,21 @@
-"""Helpers for the sampler's integration tests: a uprobe on the sampler's probe functions through tracefs (in
-a private trace instance, so other users of the machine's tracing are not disturbed), and a driver for the
-programs that talk over stdin/stdout."""
+"""The sampler's probe functions seen from outside: their probe points for heapscope's kernel probes
+(sampler_points), and a uprobe through tracefs that records their calls (sample_trace), in a private trace instance
+so that other users of the machine's tracing are not disturbed."""
 
 from __future__ import annotations
 
 import os
 import re
 import secrets
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.process.discovery import ProbePoint
+from agent.process.sampler import PROBE_FUNCTIONS
 from agent.symbols.elf import open_elf
+from agent.symbols.placement import choose_offset
 
 TRACEFS = Path("/sys/kernel/tracing")
 _LINE = re.compile(r"\s(alloc|free): \(0x[0-9a-f]+\) ptr=0x([0-9a-f]+)(?: size=(\d+) weight=(\d+) fn=(\d+))?")
@@ -89,30 +91,14 @@ def sample_trace(library: Path) -> Iterator[callable]:  # type: ignore[valid-typ
             _append(TRACEFS / "uprobe_events", f"-:{tag}/{ev}")
 
 
-class Conversation:
-    """A program that prints a word when it reaches a step and waits for a word to go on."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def expect(self, word: str) -> None:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()
-        assert line == word, f"expected {word!r} from the program, got {line!r} (exit {self.proc.poll()})"
-
-    def say(self, word: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(word + "\n")
-        self.proc.stdin.flush()
-
-    def finish(self, timeout: float = 30) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+def sampler_points(lib: Path) -> list[ProbePoint]:
+    obj = open_elf(str(lib))
+    points = []
+    for name, kind, regs in zip(PROBE_FUNCTIONS, ("sample_alloc", "sample_free"), (("rdi", "rsi", "rdx"), ("rdi",)),
+                                strict=True):
+        found = obj.find_symbol(name)
+        assert found is not None
+        placement = choose_offset(obj.code_bytes(found[0], 16), regs)
+        assert placement.offset == 0  # the 5-byte nop itself
+        points.append(ProbePoint(name, kind, str(lib), found[0], obj.vaddr_to_file_offset(found[0]), placement))
+    return points

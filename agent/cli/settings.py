@@ -1,59 +1,27 @@
-"""heapscope's command line: wires discovery, the probes, the session and the exporters together.
-
-    heapscope run [options] -- PROG [ARGS]    launch PROG held until the probes are attached
-    heapscope attach PID [options]            profile a running process until Ctrl-C, SIGTERM or its exit
-    heapscope serve [--pid PID]... [options]  the daemon: targets, monitor commands and metrics over HTTP
-    heapscope report / diff / growth STORE    read a stored history (agent.offline.commands)
-    (run and attach take --http HOST:PORT to serve their one profile over HTTP while it runs)
-
-Every error the user can act on is a HeapscopeError: main() prints it as one line and exits with its code.
-"""
+"""The options that profile (`run`, `attach`, `serve`): adding them to a parser, and the pipeline's settings made
+from them (Massif's options, the mode, the output files, the history store)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import signal
-import sys
-import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
-from agent import __version__
 from agent.argtypes import byte_size, int_at_least, int_between, percent, positive_seconds, yes_no
-from agent.daemon.fleetopts import add_fleet_options, fleet_config_from
-from agent.errors import EnvironmentProblem, HeapscopeError, UnsafePath, UsageError
+from agent.errors import EnvironmentProblem, UnsafePath, UsageError
 from agent.export.registry import FORMATS
-from agent.log import LOG, PROG
 from agent.model.options import MassifOptions
 from agent.model.sampling import DEFAULT_CAPACITY, DEFAULT_SAMPLE_RATE, MAX_SAMPLE_RATE, MODES, Mode, ProfileMode
-from agent.model.summary import ProfileSummary
-from agent.offline import commands as offline_commands
-from agent.offline import view
 from agent.offline.timespec import parse_duration, parse_thin_rules
 from agent.store import Retention, SyncPolicy
 
 if TYPE_CHECKING:  # imported where used: `report`, `diff`, `growth` and `view` need none of the profiling side
-    from agent.process.target import TargetProcess
-    from agent.session.pipeline import Profile, ProfileSettings
+    from agent.session.pipeline import ProfileSettings
     from agent.session.storerec import StoreSettings
 
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports errors as a HeapscopeError (one line, exit 2), not a usage dump."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
-        """An @FILE line is one argument; blank lines and lines starting with # are left out."""
-        line = arg_line.strip()
-        return [] if not line or line.startswith("#") else [line]
 
 
 # Massif's options: (name, argparse keyword arguments). Their text as given goes into desc:. The two file
@@ -62,14 +30,19 @@ _MASSIF_OPTIONS: list[tuple[str, dict]] = [  # type: ignore[type-arg]
     ("--heap", {"type": yes_no, "default": True, "metavar": "yes|no", "help": "profile the heap (default yes)"}),
     (
         "--heap-admin",
-        {"type": int_at_least(0), "default": 8, "help": "admin bytes per block, in mem_heap_extra_B (default 8)"},
+        {
+            "type": int_between(0, 1024),
+            "default": 8,
+            "help": "admin bytes per block, in mem_heap_extra_B, 0 to 1024 (default 8)",
+        },
     ),
     (
         "--alignment",
         {
-            "type": int_at_least(8),
+            "type": int_between(16, 4096),
             "default": 16,
-            "help": "minimum alignment of blocks, a power of two: the slop in mem_heap_extra_B (default 16)",
+            "help": "minimum alignment of blocks, a power of two from 16 to 4096: the slop in mem_heap_extra_B "
+            "(default 16)",
         },
     ),
     (
@@ -87,7 +60,11 @@ _MASSIF_OPTIONS: list[tuple[str, dict]] = [  # type: ignore[type-arg]
     ),
     (
         "--depth",
-        {"type": int_at_least(1), "default": 30, "help": "frames kept below the allocation functions (default 30)"},
+        {
+            "type": int_between(1, 200),
+            "default": 30,
+            "help": "frames kept below the allocation functions, 1 to 200 (default 30)",
+        },
     ),
     (
         "--alloc-fn",
@@ -122,7 +99,8 @@ _MASSIF_OPTIONS: list[tuple[str, dict]] = [  # type: ignore[type-arg]
         {
             "type": percent,
             "default": 1.0,
-            "help": "accepted for compatibility: heapscope's peak is always exact (default 1.0)",
+            "help": "percent above the last peak snapshot's total a free must come down from to take a peak "
+            "snapshot (default 1.0)",
         },
     ),
     (
@@ -136,14 +114,14 @@ _MASSIF_OPTIONS: list[tuple[str, dict]] = [  # type: ignore[type-arg]
     ),
     (
         "--detailed-freq",
-        {"type": int_at_least(1), "default": 10, "help": "every Nth snapshot is detailed (default 10)"},
+        {"type": int_between(1, 1000000), "default": 10, "help": "every Nth snapshot is detailed (default 10)"},
     ),
     (
         "--max-snapshots",
         {
-            "type": int_at_least(10),
+            "type": int_between(10, 1000),
             "default": 100,
-            "help": "snapshots kept; culled to between N/2 and N (default 100)",
+            "help": "snapshots kept, 10 to 1000; culled to between N/2 and N (default 100)",
         },
     ),
     (
@@ -177,7 +155,7 @@ def _add_mode_options(p: argparse.ArgumentParser, default: Mode) -> None:
     )
 
 
-def _add_profile_options(p: argparse.ArgumentParser, mode: Mode = "exact") -> None:
+def add_profile_options(p: argparse.ArgumentParser, mode: Mode = "exact") -> None:
     _add_mode_options(p, mode)
     g = p.add_argument_group("Massif options (Valgrind's names, defaults and meanings)")
     for name, kwargs in _MASSIF_OPTIONS:
@@ -237,45 +215,7 @@ def _add_profile_options(p: argparse.ArgumentParser, mode: Mode = "exact") -> No
                    "reallocs, snapshots and cullings (Valgrind's --stats; default no)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    # @FILE reads arguments from FILE, one a line (a Kubernetes ConfigMap's selectors and limits, deploy/).
-    parser = _Parser(
-        prog=PROG,
-        description="Heap profiling of running processes with eBPF, Massif-compatible.",
-        fromfile_prefix_chars="@",
-    )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    run = sub.add_parser(
-        "run",
-        help="launch a program and profile it from its first instruction",
-        usage=f"{PROG} run [options] -- PROG [ARGS]",
-    )
-    _add_profile_options(run)
-    _add_store_options(run, serve=False)
-    attach = sub.add_parser("attach", help="profile a running process until Ctrl-C, SIGTERM or its exit")
-    attach.add_argument("pid", type=int_at_least(1), help="the process to profile")
-    _add_profile_options(attach, "sampled")
-    _add_store_options(attach, serve=False)
-    _add_http_options(run, serve=False)
-    _add_http_options(attach, serve=False)
-    serve = sub.add_parser(
-        "serve",
-        help="the daemon: profile processes attached over HTTP (POST /targets) or with --pid, until SIGTERM",
-    )
-    serve.add_argument(
-        "--pid", type=int_at_least(1), action="append", default=[], dest="pids", help="attach to PID at start"
-    )
-    _add_profile_options(serve, "sampled")
-    _add_store_options(serve, serve=True)
-    _add_http_options(serve, serve=True)
-    add_fleet_options(serve)
-    offline_commands.register(sub)
-    view.add_parser(sub)
-    return parser
-
-
-def _add_http_options(p: argparse.ArgumentParser, serve: bool) -> None:
+def add_http_options(p: argparse.ArgumentParser, serve: bool) -> None:
     """The daemon's HTTP options. Left unset, they come from HEAPSCOPE_* variables (api.settings)."""
     g = p.add_argument_group("HTTP daemon (Massif's monitor commands, targets and Prometheus metrics over HTTP)")
     g.add_argument(
@@ -311,7 +251,7 @@ def _add_http_options(p: argparse.ArgumentParser, serve: bool) -> None:
 DEFAULT_STORE = "store"  # serve's store, under --output-dir
 
 
-def _add_store_options(p: argparse.ArgumentParser, serve: bool) -> None:
+def add_store_options(p: argparse.ArgumentParser, serve: bool) -> None:
     """The history store: every sample on disk, read back with `heapscope report` and `heapscope diff`."""
     g = p.add_argument_group("history store (every sample kept on disk, for heapscope report and diff)")
     if serve:
@@ -383,38 +323,6 @@ def _under_output_dir(output_dir: Path, name: str) -> Path:
     return path
 
 
-def _split_program(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """`run`'s own options, and the program with its arguments (after `--`, or from the first non-option)."""
-    if "--" in argv:
-        i = list(argv).index("--")
-        return list(argv[:i]), list(argv[i + 1 :])
-    for i, arg in enumerate(argv):
-        if not arg.startswith("-") and (i == 0 or not _takes_value(argv[i - 1])):
-            return list(argv[:i]), list(argv[i:])
-    return list(argv), []
-
-
-def _value_options() -> frozenset[str]:
-    """The options written as `--name VALUE` (rather than `--name=VALUE`), as the parser declares them."""
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return frozenset(
-        name
-        for parser in sub.choices.values()
-        for action in parser._actions
-        if action.nargs != 0
-        for name in action.option_strings
-    )
-
-
-_VALUE_OPTIONS: frozenset[str] | None = None
-
-
-def _takes_value(arg: str) -> bool:
-    global _VALUE_OPTIONS
-    if _VALUE_OPTIONS is None:
-        _VALUE_OPTIONS = _value_options()
-    return arg in _VALUE_OPTIONS
-
 
 def options_from(ns: argparse.Namespace) -> MassifOptions:
     opts = MassifOptions(
@@ -435,9 +343,12 @@ def options_from(ns: argparse.Namespace) -> MassifOptions:
     )
     if opts.stacks and opts.pages_as_heap:
         raise UsageError("--stacks=yes cannot be combined with --pages-as-heap=yes (as in Massif)")
-    if not opts.heap and not opts.pages_as_heap:
-        # Stack depths are sampled at the allocator's probes: without them there is nothing to sample.
-        raise UsageError("--heap=no needs --pages-as-heap=yes: heapscope samples stack depths at allocator calls")
+    if not opts.heap:
+        # Massif then records no blocks, pages included, and profiles the stacks alone or nothing; heapscope's
+        # snapshots and stack samples come from the allocator's calls and the page syscalls it would not count.
+        raise UsageError("--heap=no: Massif then profiles only the stacks (--stacks=yes) or nothing, not even "
+                         "pages; heapscope takes its snapshots at the allocator's calls and page syscalls, so it "
+                         "always profiles the heap, or the pages with --pages-as-heap=yes: leave --heap=no out")
     if opts.time_unit == "i":
         raise UsageError(
             "--time-unit=i needs hardware instruction counters, which heapscope does not read yet "
@@ -449,12 +360,12 @@ def options_from(ns: argparse.Namespace) -> MassifOptions:
 
 
 def massif_desc(argv: Sequence[str]) -> list[str]:
-    """Massif's desc: the Massif options as the user wrote them."""
+    """Massif's desc: the Massif options as the user wrote them (each takes a value, as Valgrind's do)."""
     out = []
     for i, arg in enumerate(argv):
         name = arg.split("=", 1)[0]
         if name in _MASSIF_NAMES:
-            if "=" not in arg and _takes_value(arg) and i + 1 < len(argv):
+            if "=" not in arg and i + 1 < len(argv):
                 arg = f"{arg}={argv[i + 1]}"
             out.append(arg)
     return out
@@ -512,257 +423,6 @@ def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> 
         max_stacks=ns.max_stacks,
         malt=ns.malt == "yes" if daemon else "malt" in files,
         mode=mode_from(ns),
-        store=store_settings(ns) if ns.command != "serve" else None,  # serve's is under --output-dir: cmd_daemon
+        store=store_settings(ns) if ns.command != "serve" else None,  # serve's is under --output-dir (profiling._serve)
     )
 
-
-# ---- running a profile --------------------------------------------------------------------------------
-
-
-@dataclass
-class _Ctx:
-    settings: ProfileSettings
-    ns: argparse.Namespace
-
-    def say(self, line: str) -> None:
-        if not self.ns.quiet:
-            LOG.say(line)  # a log that fails (a closed pipe) is counted, never the profile's end
-
-
-def _stderr_of_our_own() -> None:
-    """A daemon's lines go to a duplicate of fd 2, not to fd 2 itself: compiling a target's program points fd 2 at
-    a file for seconds (agent.kernel.probes captures clang's messages there), and every line the other threads
-    said meanwhile went into that file, not to the log."""
-    sys.stderr.flush()
-    sys.stderr = open(os.dup(2), "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")  # noqa: SIM115
-
-
-def _require_environment() -> None:
-    from agent.process.capability import check_environment
-
-    problems = check_environment()
-    if problems:
-        raise EnvironmentProblem("; ".join(problems))
-
-
-def _profile(ctx: _Ctx, process: TargetProcess, stop: threading.Event) -> Profile:
-    """`run` and `attach` without --http: the pipeline in this thread, then the files and the summary."""
-    from agent.session.pipeline import Profile
-
-    profile = Profile(ctx.settings, process, ctx.say)
-    profile.run(stop)
-    profile.write_outputs(Path("."), expand_filename, strict=True)
-    summary = profile.summary()
-    for line in summary.lines():
-        ctx.say(line)
-    if ctx.ns.stats:
-        for line in summary.massif_stats():
-            ctx.say(line)
-    _write_summary(ctx, summary, process.pid, Path("."))
-    return profile
-
-
-def _write_summary(ctx: _Ctx, summary: ProfileSummary, pid: int, output_dir: Path) -> None:
-    if ctx.ns.summary_file is None:
-        return
-    path = output_dir / expand_filename(ctx.ns.summary_file, pid)
-    try:
-        path.write_text(json.dumps(summary.to_json(), indent=1) + "\n")
-    except OSError as exc:
-        raise HeapscopeError(f"cannot write the summary: {exc}") from exc
-
-
-def _stop_on_signals(stop: threading.Event, forward: Callable[[int], None] | None = None) -> None:
-    def handler(signum: int, frame: FrameType | None) -> None:
-        if forward is not None:
-            forward(signum)
-        stop.set()
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-
-
-def _forward_sigterm(process: TargetProcess) -> Callable[[int], None]:
-    """Ctrl-C reaches a launched child through the terminal already; SIGTERM to us is passed on."""
-
-    def forward(signum: int) -> None:
-        if process.child is not None and signum == signal.SIGTERM:
-            process.child.forward(signum)
-
-    return forward
-
-
-def cmd_run(ctx: _Ctx, program: list[str]) -> int:
-    from agent.process.launch import HeldChild
-
-    if not program:
-        raise UsageError("no program given: heapscope run [options] -- PROG [ARGS]")
-    _require_environment()
-    process = ctx.settings.launch(program)
-    _stop_on_signals(threading.Event(), _forward_sigterm(process))  # the run ends when the child does
-    _profile(ctx, process, threading.Event())
-    assert process.child is not None
-    return HeldChild.exit_code(process.child.wait())
-
-
-def cmd_attach(ctx: _Ctx) -> int:
-    from agent.process.discovery import read_process
-    from agent.process.target import attach_to
-
-    pid = ctx.ns.pid
-    if pid == os.getpid():
-        raise UsageError("heapscope cannot profile itself")
-    read_process(pid)  # a missing PID is said before anything else
-    _require_environment()
-    process = attach_to(pid)
-    ctx.settings.preflight(pid)
-    stop = threading.Event()
-    _stop_on_signals(stop)
-    ctx.say(f"attaching to {pid} ({process.cmdline}); Ctrl-C or SIGTERM ends the profile")
-    _profile(ctx, process, stop)
-    if not process.alive():
-        ctx.say(f"process {pid} exited; the profile holds its final state")
-    return 0
-
-
-# ---- the daemon: serve, and run/attach --http ----------------------------------------------------------
-
-
-def _api_settings(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from pydantic import ValidationError
-
-    from api.server import parse_listen
-    from api.settings import ApiSettings, check_exposure
-
-    given: dict[str, object] = {}
-    if ns.http is not None:
-        given["host"], given["port"] = parse_listen(ns.http)
-    if ns.token is not None:
-        given["token"] = ns.token
-    if ns.output_dir is not None:
-        given["output_dir"] = ns.output_dir
-    if ns.metrics_top_stacks is not None:
-        given["metrics_top_stacks"] = ns.metrics_top_stacks
-    try:
-        settings = ApiSettings(**given)  # type: ignore[arg-type]
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise UsageError(f"bad setting {'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
-    check_exposure(settings)
-    return settings
-
-
-def _try_lines(host: str, port: int, token: bool, pid: int | None) -> list[str]:
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    base = f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
-    auth = ' -H "Authorization: Bearer $HEAPSCOPE_TOKEN"' if token else ""
-    q = f"?pid={pid}" if pid is not None else ""
-    return [
-        f"  curl -s{auth} {base}/targets",
-        f"  curl -s{auth} {base}/snapshot{q}",
-        f"  curl -s{auth} '{base}/detailed_snapshot{q}' -o ds.out && ms_print ds.out",
-        f"  curl -s{auth} '{base}/all_snapshots{q}' -o massif.out && ms_print massif.out",
-        f"  curl -s{auth} '{base}/xtmemory{q}' -o xt.kcg && callgrind_annotate --inclusive=yes xt.kcg",
-        f"  curl -s{auth} '{base}/detailed_snapshot{q}{'&' if q else '?'}format=json'",
-        f"  curl -s{auth} {base}/monitor -H 'Content-Type: application/json' -d '{{\"command\": \"help\"}}'",
-        f"  curl -s{auth} {base}/metrics",
-    ]
-
-
-def cmd_daemon(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | None = None) -> int:
-    """`serve` (until SIGTERM), or `run`/`attach` with --http (until the target ends, as without --http)."""
-    from agent.daemon.fleet import FleetManager
-    from agent.daemon.manager import DaemonConfig
-    from agent.process.launch import HeldChild
-    from api.app import create_app
-    from api.server import bind, serve
-
-    settings = _api_settings(ctx.ns)
-    fleet = fleet_config_from(ctx.ns)  # a bad selector is said before anything starts
-    _stderr_of_our_own()
-    if ctx.ns.command == "serve":
-        ctx.settings = replace(ctx.settings, store=store_settings(ctx.ns, settings.output_dir))
-    _require_environment()
-    sock = bind(settings.host, settings.port)  # first: a bad address fails before anything is attached
-    host, port = sock.getsockname()[:2]
-    config = DaemonConfig(
-        profile=ctx.settings,
-        output_dir=settings.output_dir,
-        expand=expand_filename,
-        say=ctx.say,
-        summary_file=ctx.ns.summary_file,
-    )
-    manager = FleetManager(config, fleet)
-    app = create_app(settings, manager)
-    until = None
-    child = None
-    try:
-        manager.start()
-        if program is not None:
-            target = manager.launch(program)
-            child = target.process.child
-            until = target.done
-        for pid in pids:
-            target = manager.attach(pid)
-            if ctx.ns.command == "attach":
-                until = target.done
-    except BaseException:
-        sock.close()
-        manager.shutdown()
-        raise
-    shown_pid = child.pid if child is not None else (pids[0] if len(pids) == 1 else None)
-    ctx.say(f"serving http://{host}:{port}" + ("" if until is None else " while the target runs"))
-    ctx.say("try:")
-    for line in _try_lines(host, port, settings.token is not None, shown_pid):
-        ctx.say(line)
-
-    def on_signal(signum: int) -> None:
-        # As `run` without --http: SIGTERM is passed on (Ctrl-C reaches the child through the terminal).
-        if child is not None and signum == signal.SIGTERM:
-            child.forward(signum)
-
-    serve(app, sock, until=until, on_signal=on_signal)  # the app's shutdown writes every target's files
-    if child is not None:
-        return HeldChild.exit_code(child.wait())
-    return 0
-
-
-def _command(ns: argparse.Namespace, own_args: Sequence[str], daemon: bool) -> _Ctx:
-    return _Ctx(settings_from(ns, massif_desc(own_args), daemon=daemon), ns)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        parser = build_parser()
-        if args and args[0] == "run":
-            own, program = _split_program(args[1:])
-            ns = parser.parse_args(["run", *own])
-            ctx = _command(ns, own, daemon=ns.http is not None)
-            if ns.http is not None:
-                return cmd_daemon(ctx, program=program)
-            return cmd_run(ctx, program)
-        ns = parser.parse_args(args)
-        if ns.command in offline_commands.COMMANDS:
-            return offline_commands.run(ns)
-        if ns.command == "view":
-            return view.run(ns)
-        if ns.command == "serve":
-            return cmd_daemon(_command(ns, args[1:], daemon=True), pids=ns.pids)
-        ctx = _command(ns, args[2:], daemon=ns.http is not None)
-        if ns.http is not None:
-            return cmd_daemon(ctx, pids=[ns.pid])
-        return cmd_attach(ctx)
-    except HeapscopeError as exc:
-        LOG.say(str(exc))
-        return exc.exit_code
-    except KeyboardInterrupt:
-        LOG.say("interrupted")
-        return 130
-    except Exception as exc:  # a bug of ours: one line, and the probes were detached on the way out
-        LOG.say(f"internal error: {type(exc).__name__}: {exc}")
-        return 70
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,94 @@
+"""/proc/PID/maps: the one parser of its lines, for every reader (the page map, the symbolizer's recorded
+mappings, the sampler's lookups of its library).
+
+Pure: it parses text; the callers read the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VSYSCALL = "[vsyscall]"
+ANON = "[anon]"
+_DELETED = " (deleted)"
+
+
+@dataclass(frozen=True)
+class MapsEntry:
+    """One line of /proc/PID/maps. `path` is the file, a kernel name ([heap], [stack], [vdso]...), or [anon]."""
+
+    start: int
+    end: int
+    perms: str
+    offset: int
+    dev: str  # "major:minor", in hex
+    inode: int
+    path: str
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def is_file(self) -> bool:
+        return self.path.startswith("/")
+
+    @property
+    def device(self) -> tuple[int, int]:
+        """(major, minor) of the file's device, as os.major and os.minor give them."""
+        major, _, minor = self.dev.partition(":")
+        return int(major, 16), int(minor or "0", 16)
+
+
+def parse_maps_full(text: str) -> list[MapsEntry]:
+    """Every well-formed line of /proc/PID/maps text, in file order. A blank path becomes `[anon]`."""
+    out: list[MapsEntry] = []
+    for raw in text.splitlines():
+        parts = raw.split(None, 5)
+        if len(parts) < 5:
+            continue
+        try:
+            lo, hi = parts[0].split("-", 1)
+            start, end = int(lo, 16), int(hi, 16)
+            offset, inode = int(parts[2], 16), int(parts[4])
+        except ValueError:
+            continue
+        if end <= start:
+            continue
+        path = parts[5].strip() if len(parts) == 6 else ""
+        out.append(MapsEntry(start, end, parts[1], offset, parts[3], inode, path or ANON))
+    return out
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """A mapping of a file, as the symbolizer looks addresses up in it."""
+
+    start: int
+    end: int
+    offset: int
+    path: str
+    perms: str = "r-xp"
+    build_id: str | None = None  # when recorded, a file on disk with another build-id is not trusted
+    shown: str | None = None  # the path as the process names it, where `path` is where we open it (a container)
+
+    @property
+    def name(self) -> str:
+        """The object's path as the outputs show it."""
+        return self.shown or self.path
+
+    def contains(self, address: int) -> bool:
+        return self.start <= address < self.end
+
+
+def parse_maps(text: str) -> list[Mapping]:
+    """File-backed mappings of /proc/PID/maps text, in file order.
+
+    Anonymous memory, [heap], [stack], [vdso] and the like are left out: they have no file to symbolize
+    from. A `(deleted)` suffix is dropped from the path (the file may still be found under that name).
+    """
+    return [
+        Mapping(e.start, e.end, e.offset, e.path.removesuffix(_DELETED), e.perms)
+        for e in parse_maps_full(text)
+        if e.is_file
+    ]
