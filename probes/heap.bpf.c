@@ -47,6 +47,10 @@ BPF_F_TABLE("hash", u32, struct hs_pending, pending, HS_MAX_PENDING, BPF_F_NO_PR
 BPF_ARRAY(globals, struct hs_global, 1);
 /* control: enum hs_control -> u64, written by user space (kept apart so its writes never race counters) */
 BPF_ARRAY(control, u64, HS_CTL_COUNT);
+#if HS_IGNORE
+/* site_flags: site id -> enum hs_site_flag, written by user space as it symbolizes sites (--ignore-fn) */
+BPF_ARRAY(site_flags, u8, HS_MAX_STACKS);
+#endif
 /* MALT (HS_MALT): size_map: request size -> count; realloc_jump: struct hs_jump -> count;
  * thread_stats: tid << 8 | enum hs_fn -> struct hs_thread_stat */
 BPF_F_TABLE("hash", u64, u64, size_map, HS_MAX_SIZES, BPF_F_NO_PREALLOC);
@@ -74,6 +78,9 @@ BPF_PERCPU_ARRAY(walk_arg, struct hs_page_call, 1);
 BPF_PERF_OUTPUT(events);
 /* sched_points: struct hs_sched_point, the snapshot schedule's points in time order; drained by user space */
 BPF_RINGBUF_OUTPUT(sched_points, HS_SCHED_RING_PAGES);
+/* snap_log: struct hs_snap_record, a site's value before its first change after a point (site_touch); drained
+ * by user space, which rebuilds the tree at each detailed point from it */
+BPF_RINGBUF_OUTPUT(snap_log, HS_SNAP_RING_PAGES);
 /* scratch: 0 -> the stack being walked (too big for the BPF stack) */
 BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
 
@@ -572,15 +579,49 @@ static __always_inline struct hs_site *get_site(u64 id, struct hs_global *g)
     return s;
 }
 
-/* Before a site's live bytes change, keep its value at the last peak: a lazy copy, so the peak tree is exact
- * without copying every site at the moment of the peak (docs/usage.md: "Snapshots: Massif's schedule", the exact peak). */
-static __always_inline void site_touch(struct hs_site *s, struct hs_global *g)
+/* The snapshot log's record of site `id` (struct hs_snap_record), submitted before the change it precedes: user
+ * space reads the sites first and the log after, so every change its read saw has its record in the ring. The
+ * record that fills the ring to half (and to three quarters) wakes user space, as page_exit does. */
+static __always_inline void snap_log_site(void *ctx, struct hs_global *g, struct hs_site *s, u64 id, u64 epoch)
+{
+    struct hs_snap_record *r = snap_log.ringbuf_reserve(sizeof(struct hs_snap_record));
+    if (!r) {
+        __sync_fetch_and_add(&g->snap_lost, 1);
+        return;
+    }
+    r->site = id;
+    r->epoch = epoch;
+    r->bytes = HS_ONCE(s->cur_bytes);
+    r->extra = HS_ONCE(s->cur_extra);
+    r->allocs = HS_ONCE(s->tot_blocks);
+    snap_log.ringbuf_submit(r, BPF_RB_NO_WAKEUP);
+    u64 sent = __sync_fetch_and_add(&g->snap_records, 1) + 1;
+    u32 idx = HS_CTL_SNAP_DRAINED;
+    u64 *drained = control.lookup(&idx);
+    u64 held = sent - (drained ? HS_ONCE(*drained) : 0);
+    u64 room = (u64)HS_SNAP_RING_PAGES * 4096 / ((sizeof(struct hs_snap_record) + 8 + 7) & ~7ULL);
+    if (held == room / 2 || held == room / 2 + room / 4) {
+        u64 event = HS_EV_SNAP_LOG;
+        events.perf_submit(ctx, &event, sizeof(event));
+    }
+}
+
+/* Before the live bytes of site `id` change: keep its value at the last peak (a lazy copy, so the exact peak's
+ * tree needs no copy of every site at the peak); and at its first change after a schedule point, log its value
+ * (snap_log_site), so the tree at every point can be rebuilt, each detailed snapshot's at its own instant
+ * (docs/usage.md: "Snapshots: Massif's schedule"). One compare each when the site was touched since. */
+static __always_inline void site_touch(void *ctx, struct hs_site *s, u64 id, struct hs_global *g)
 {
     u64 gen = g->peak_gen;
     if (s->peak_gen != gen) {
         s->peak_bytes = s->cur_bytes;
         s->peak_extra = s->cur_extra;
         s->peak_gen = gen;
+    }
+    u64 epoch = HS_ONCE(g->sched_points);
+    if (s->snap_epoch != epoch) {
+        s->snap_epoch = epoch;
+        snap_log_site(ctx, g, s, id, epoch);
     }
 }
 
@@ -590,12 +631,20 @@ static __always_inline void site_touch(struct hs_site *s, struct hs_global *g)
  * returns the first A-aligned payload at least 32 bytes in, whose usable size is round16(size) + A - d,
  * with d in [0, A - 16] set by where the arena had put the larger block (its address modulo A), which
  * depends on the whole history of Valgrind's own arena. d is taken at the middle of that range: the slop
- * is then within (A - 16) / 2 of Massif's (see agent/model/options.py, massif_slop). */
+ * is then within (A - 16) / 2 of Massif's (see agent/model/options.py, massif_slop).
+ * At alignment 16, a block that with its 64 bytes of headers (the superblock's and its own) needs more than
+ * the client arena's 4 MiB superblock gets a superblock of its own, whole pages, all of it usable by the block:
+ * its slop runs to the page end. One that fills a 4 MiB superblock but for 16 bytes gets those 16 too (too few
+ * to split off). */
 static __always_inline u64 massif_slop(u64 size, u64 align)
 {
     u64 slop = ((size + 15) & ~15ULL) - size;
     if (align > 16)
-        slop += (align + 16) / 2;
+        return slop + (align + 16) / 2;
+    if (size + slop + 64 > 4194304)
+        return ((size + 64 + 4095) & ~4095ULL) - 64 - size;
+    if (size + slop + 64 == 4194304 - 16)
+        slop += 16;
     return slop;
 }
 
@@ -653,8 +702,9 @@ static __always_inline void send_point(struct hs_global *g, u64 t, u64 heap, u64
     p->heap = heap;
     p->extra = extra;
     p->kind = kind;
+    /* Numbered before it is submitted: a site changed from here on logs its value at this point (site_touch). */
+    p->epoch = __sync_fetch_and_add(&g->sched_points, 1);
     sched_points.ringbuf_submit(p, BPF_RB_NO_WAKEUP);
-    __sync_fetch_and_add(&g->sched_points, 1);
 }
 
 /* (Inlined, as every function here: bcc loads each program alone, without BPF-to-BPF calls.)
@@ -1014,17 +1064,38 @@ static __always_inline int block_take(struct hs_global *g, u64 addr, struct hs_b
 
 /* ---- Massif's accounting ----------------------------------------------------------------------------- */
 
+/* HS_IGNORE: what user space says site `id` is (enum hs_site_flag); without --ignore-fn every site counts. */
+static __always_inline u64 site_flag(u64 id)
+{
+#if HS_IGNORE
+    if (id == HS_STACK_OVERFLOW) /* no stack: nothing to ignore it by */
+        return HS_SITE_COUNTED;
+    u32 idx = id;
+    u8 *flag = site_flags.lookup(&idx);
+    return flag ? *flag : HS_SITE_UNKNOWN;
+#else
+    return HS_SITE_COUNTED;
+#endif
+}
+
 /* `now` (HS_MALT): bpf_ktime_get_ns() of the probe, read once per event and shared. */
 static __always_inline void record_alloc(void *ctx, struct hs_global *g, u64 addr, u64 size, u64 align, u64 stack,
                                          u64 now)
 {
     struct hs_block blk = {.size = size, .slop = massif_slop(size, align), .stack = stack, .alloc_ns = now};
+    if (HS_IGNORE && site_flag(stack) == HS_SITE_IGNORED) {
+        /* --ignore-fn: tracked, so that its free and reallocs are known as ignored, and counted nowhere: not
+         * in the totals, the time, the peak or the schedule, as Massif (user space leaves its site out) */
+        blk.stack |= HS_BLOCK_IGNORED;
+        block_put(g, addr, &blk);
+        return;
+    }
     if (block_put(g, addr, &blk))
         return;
     u64 extra = blk.slop + HS_HEAP_ADMIN;
     struct hs_site *s = get_site(stack, g);
     if (s) {
-        site_touch(s, g);
+        site_touch(ctx, s, stack, g);
         __sync_fetch_and_add(&s->cur_bytes, size);
         __sync_fetch_and_add(&s->cur_extra, extra);
         __sync_fetch_and_add(&s->cur_blocks, 1);
@@ -1063,7 +1134,7 @@ static __always_inline void account_free(void *ctx, struct hs_global *g, struct 
     u64 extra = blk.slop + HS_HEAP_ADMIN;
     struct hs_site *s = get_site(blk.stack, g);
     if (s) {
-        site_touch(s, g);
+        site_touch(ctx, s, blk.stack, g);
         __sync_fetch_and_add(&s->cur_bytes, -blk.size);
         __sync_fetch_and_add(&s->cur_extra, -extra);
         __sync_fetch_and_add(&s->cur_blocks, -1);
@@ -1087,6 +1158,8 @@ static __always_inline u64 record_free(void *ctx, struct hs_global *g, u64 addr,
         __sync_fetch_and_add(&g->untracked_frees, 1);
         return 0;
     }
+    if (HS_IGNORE && (blk.stack & HS_BLOCK_IGNORED)) /* an ignored block: its free is ignored */
+        return blk.size;
     account_free(ctx, g, &blk, free_stack, now);
     return blk.size;
 }
@@ -1103,6 +1176,14 @@ static __always_inline void record_realloc(void *ctx, struct hs_global *g, u64 o
         record_alloc(ctx, g, addr, size, HS_ALIGNMENT, stack, now);
         return;
     }
+    /* --ignore-fn, as Massif 3.19's realloc_block: the realloc of an ignored block is ignored, and the block stays
+     * ignored. So is a realloc made in an ignored function: the block becomes an ignored one, and its old bytes
+     * stay counted at their site, for good (Massif never takes them back, not even at the block's free). */
+    if (HS_IGNORE && ((ob.stack & HS_BLOCK_IGNORED) || site_flag(stack) == HS_SITE_IGNORED)) {
+        struct hs_block ib = {.size = size, .stack = stack | HS_BLOCK_IGNORED, .alloc_ns = now};
+        block_put(g, addr, &ib);
+        return;
+    }
     struct hs_block nb = {.size = size, .stack = stack, .alloc_ns = now};
     nb.slop = size <= ob.size + ob.slop ? ob.slop + ob.size - size : massif_slop(size, HS_ALIGNMENT);
     if (block_put(g, addr, &nb)) { /* the new block cannot be tracked (counted): the old one is gone */
@@ -1110,9 +1191,11 @@ static __always_inline void record_realloc(void *ctx, struct hs_global *g, u64 o
         return;
     }
 
+    if (size < ob.size) /* Massif looks for a peak before a realloc that shrinks the block: before any change */
+        schedule_peak_check(ctx, g, now);
     struct hs_site *os = get_site(ob.stack, g);
     if (os) {
-        site_touch(os, g);
+        site_touch(ctx, os, ob.stack, g);
         __sync_fetch_and_add(&os->cur_bytes, -ob.size);
         __sync_fetch_and_add(&os->cur_extra, -(ob.slop + HS_HEAP_ADMIN));
         __sync_fetch_and_add(&os->cur_blocks, -1);
@@ -1120,7 +1203,7 @@ static __always_inline void record_realloc(void *ctx, struct hs_global *g, u64 o
     charge_freed(g, os, stack, ob.size);
     struct hs_site *ns = get_site(stack, g);
     if (ns) {
-        site_touch(ns, g);
+        site_touch(ctx, ns, stack, g);
         __sync_fetch_and_add(&ns->cur_bytes, size);
         __sync_fetch_and_add(&ns->cur_extra, nb.slop + HS_HEAP_ADMIN);
         __sync_fetch_and_add(&ns->cur_blocks, 1);
@@ -1129,8 +1212,6 @@ static __always_inline void record_realloc(void *ctx, struct hs_global *g, u64 o
     }
     s64 dheap = (s64)size - (s64)ob.size;
     s64 dextra = (s64)nb.slop - (s64)ob.slop;
-    if (dheap < 0) /* Massif looks for a peak before a realloc that shrinks the block */
-        schedule_peak_check(ctx, g, now);
     __sync_fetch_and_add(&g->heap, dheap);
     __sync_fetch_and_add(&g->extra, dextra);
     __sync_fetch_and_add(&g->n_reallocs, 1);
@@ -1213,6 +1294,17 @@ static __always_inline void release_pending(u32 tid, struct hs_pending *p, struc
 
 /* ---- entry probes ---------------------------------------------------------------------------------- */
 
+/* HS_IGNORE with HS_STOP_EVENTS (run): a call from a site with no flag yet stops the target before the call runs,
+ * until user space has flagged the sites: its return needs to know (record_alloc, record_realloc). */
+static __always_inline void wait_for_flags(void *ctx)
+{
+    u64 event = HS_EV_SITES;
+    u32 stop_idx = HS_CTL_STOPPED;
+    control.update(&stop_idx, &event);
+    bpf_send_signal(19 /* SIGSTOP */);
+    events.perf_submit(ctx, &event, sizeof(event));
+}
+
 static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
 {
     struct hs_global *g = get_globals();
@@ -1255,6 +1347,8 @@ static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
     if (HS_MALT)
         call.entry_ns = bpf_ktime_get_ns();
     store_pending(tid, &call, g);
+    if (HS_IGNORE && HS_STOP_EVENTS && site_flag(call.stack) == HS_SITE_UNKNOWN)
+        wait_for_flags(ctx);
     return 0;
 }
 
@@ -1631,6 +1725,12 @@ static __always_inline int page_exit(void *ctx, u32 kind, long ret)
         return 0;
     }
     struct hs_page_event *e = page_events.ringbuf_reserve(sizeof(struct hs_page_event));
+    /* Linux 6.15+ takes the ring's lock with a resilient spinlock, which can fail while the ring has room: try
+     * again, twice */
+    if (!e)
+        e = page_events.ringbuf_reserve(sizeof(struct hs_page_event));
+    if (!e)
+        e = page_events.ringbuf_reserve(sizeof(struct hs_page_event));
     if (!e) {
         page_count(HS_PGC_LOST);
         return 0;
@@ -1682,6 +1782,14 @@ static __always_inline int page_exit(void *ctx, u32 kind, long ret)
         if (held == room / 2 || held == room / 2 + room / 4) {
             u64 event = HS_EV_PAGES;
             events.perf_submit(ctx, &event, sizeof(event));
+        }
+        /* `run`: from three quarters full on, the target waits until user space has drained the ring, so no
+         * call is lost however fast it makes them (sampled mode never stops a target). */
+        if (HS_STOP_EVENTS && !HS_SAMPLED && held >= room / 2 + room / 4) {
+            u64 event = HS_EV_PAGES;
+            u32 stop_idx = HS_CTL_STOPPED;
+            control.update(&stop_idx, &event);
+            bpf_send_signal(19 /* SIGSTOP */);
         }
     }
     return 0;

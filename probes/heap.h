@@ -66,6 +66,10 @@
 #ifndef HS_STACKS
 #define HS_STACKS 0              /* 1: keep each thread's stack extent (--stacks=yes) */
 #endif
+#ifndef HS_IGNORE
+#define HS_IGNORE 0              /* 1: --ignore-fn given: blocks of ignored sites, and reallocs of them, are not
+                                  * counted, as Massif, by the sites' flags user space writes (site_flags) */
+#endif
 #define HS_FN_PAGES 15           /* hs_site.fn of a stack that made a page syscall (not an allocation function) */
 
 #ifndef HS_ARM_ON_EXEC
@@ -88,6 +92,9 @@
 #endif
 #ifndef HS_SCHED_RING_PAGES
 #define HS_SCHED_RING_PAGES 16   /* sched_points ring buffer: pages of 4 KiB (a power of two) */
+#endif
+#ifndef HS_SNAP_RING_PAGES
+#define HS_SNAP_RING_PAGES 64    /* snap_log ring buffer: pages of 4 KiB (a power of two) */
 #endif
 
 /* The kind of allocation call a pending call is: decides how its arguments are read (request_size in
@@ -174,6 +181,7 @@ struct hs_site {
     __u64 life_sum;
     __u64 realloc_count;
     __s64 realloc_delta; /* sum of new size - old size over this stack's reallocs */
+    __u64 snap_epoch;  /* hs_global.sched_points at the site's last change (the snapshot log: site_touch) */
 };
 
 /* One allocation stack's return addresses (innermost first, zero-terminated when shorter than HS_MAX_DEPTH),
@@ -288,7 +296,8 @@ enum hs_control {
     HS_CTL_SCHED_PEAK_PPM = 12, /* --peak-inaccuracy, in millionths */
     HS_CTL_SCHED_JIFFY_NS = 13, /* HS_SCHED_NS: nanoseconds a jiffy (0: unknown, the clock is read always) */
     HS_CTL_PAGES_DRAINED = 14, /* page events user space has taken from their ring so far (its wake-up) */
-    HS_CTL_COUNT = 15,
+    HS_CTL_SNAP_DRAINED = 15,  /* snapshot log records user space has taken from their ring so far */
+    HS_CTL_COUNT = 16,
 };
 
 /* Events sent to user space (perf buffer `events`), and the reasons the target is stopped. */
@@ -298,7 +307,20 @@ enum hs_event {
     HS_EV_EXIT = 3,       /* the target called exit(): its mappings are about to go */
     HS_EV_SCHEDULE = 4,   /* the point count reached HS_CTL_SCHED_CULL_AT: user space should drain the points
                            * and say the interval after its culling (stops the target only with time in B) */
-    HS_EV_PAGES = 5,      /* the page events' ring is half full: user space should drain it (never stops) */
+    HS_EV_PAGES = 5,      /* the page events' ring is half full: user space should drain it (with
+                           * HS_STOP_EVENTS the target stops from three quarters on, until it has) */
+    HS_EV_SNAP_LOG = 6,   /* the snapshot log's ring is half full: user space should drain it (never stops) */
+    HS_EV_SITES = 7,      /* HS_IGNORE: an allocation call from a site user space has not flagged yet: flag the
+                           * sites (stops the target with HS_STOP_EVENTS, before the call runs) */
+};
+
+/* HS_IGNORE: site_flags[site id], written by user space once it has symbolized the site. A block allocated at an
+ * ignored site, or made ignored by a realloc, carries HS_BLOCK_IGNORED in its site id (ids stay below it). */
+#define HS_BLOCK_IGNORED (1ULL << 31)
+enum hs_site_flag {
+    HS_SITE_UNKNOWN = 0,
+    HS_SITE_COUNTED = 1,
+    HS_SITE_IGNORED = 2,  /* its trimmed stack starts in an --ignore-fn function */
 };
 
 /* One point of the snapshot schedule (ring buffer sched_points): the first allocator event at or after the
@@ -313,6 +335,17 @@ struct hs_sched_point {
     __u64 heap;
     __u64 extra;
     __u64 kind;   /* enum hs_sched_kind */
+    __u64 epoch;  /* the point's number: hs_global.sched_points before it (the snapshot log's epochs) */
+};
+
+/* One record of the snapshot log (ring buffer snap_log): a site's live bytes right before its first change after
+ * the points numbered below `epoch`, so the tree at any point can be rebuilt (heap.bpf.c site_touch). */
+struct hs_snap_record {
+    __u64 site;
+    __u64 epoch;  /* hs_global.sched_points at the change: the record holds the site at points epoch-1 and before */
+    __s64 bytes;  /* cur_bytes before the change */
+    __s64 extra;  /* cur_extra before the change */
+    __u64 allocs; /* tot_blocks before the change: 0 while the site has not allocated (not in Massif's tree yet) */
 };
 
 /* One row of an unwind table: agent/symbols/unwind.py's ROW ("<IBBhhH"). It covers [pc, next row's pc). */
@@ -438,9 +471,11 @@ struct hs_global {
     __u64 walks_interrupted;  /* a walk another program run overtook on its CPU (a preemptible kernel): its
                                * per-CPU buffers may hold the other's stack, so its call goes to site 0 */
     /* the snapshot schedule */
-    __u64 sched_points;       /* points sent to sched_points */
+    __u64 sched_points;       /* points sent to sched_points (each numbered before it is submitted) */
     __u64 sched_lost;         /* points the ring buffer could not take (user space did not drain it in time) */
     __u64 sched_signalled;    /* the HS_CTL_SCHED_CULL_AT for which HS_EV_SCHEDULE was sent */
+    __u64 snap_records;       /* records sent to snap_log */
+    __u64 snap_lost;          /* records snap_log could not take: the trees of the points before them are inexact */
 };
 
 #endif

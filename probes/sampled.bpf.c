@@ -77,7 +77,7 @@ int sample_alloc_enter(struct pt_regs *ctx)
     if (s) {
         if (s->fn != fn && stack != HS_STACK_OVERFLOW)
             s->fn = fn;
-        site_touch(s, g);
+        site_touch(ctx, s, stack, g);
         __sync_fetch_and_add(&s->cur_bytes, b.bytes);
         __sync_fetch_and_add(&s->cur_extra, b.extra);
         __sync_fetch_and_add(&s->cur_blocks, b.blocks);
@@ -120,7 +120,7 @@ int sample_free_enter(struct pt_regs *ctx)
     schedule_peak_check(ctx, g, now);
     struct hs_site *s = get_site(b.stack, g);
     if (s) {
-        site_touch(s, g);
+        site_touch(ctx, s, b.stack, g);
         __sync_fetch_and_add(&s->cur_bytes, -b.bytes);
         __sync_fetch_and_add(&s->cur_extra, -b.extra);
         __sync_fetch_and_add(&s->cur_blocks, -b.blocks);

@@ -109,6 +109,7 @@ _DROPS = (
     ("threads", "dropped_pending"),
     ("malt_sizes", "dropped_sizes"),  # MALT's request sizes and realloc jumps
     ("malt_threads", "dropped_threads"),  # MALT's per-thread statistics
+    ("snapshot_log", "snap_lost"),  # the snapshot log's ring: trees of earlier points not of their own instant
 )
 
 

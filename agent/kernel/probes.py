@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from importlib import resources
@@ -46,12 +46,17 @@ CTL_UMAPS = _CONTROL["HS_CTL_UMAPS"]
 CTL_STACK_EPOCH = _CONTROL["HS_CTL_STACK_EPOCH"]
 CTL_STACK_END = _CONTROL["HS_CTL_STACK_END"]
 CTL_PAGES_DRAINED = _CONTROL["HS_CTL_PAGES_DRAINED"]
+CTL_SNAP_DRAINED = _CONTROL["HS_CTL_SNAP_DRAINED"]
 # Events, and why a `run` target is stopped (enum hs_event).
 _EVENTS = HEAP_H.enum("hs_event")
 EV_EXEC = _EVENTS["HS_EV_EXEC"]
 EV_LOADER = _EVENTS["HS_EV_LOADER"]
 EV_EXIT = _EVENTS["HS_EV_EXIT"]
 EV_PAGES = _EVENTS["HS_EV_PAGES"]  # the page events' ring is half full
+EV_SNAP_LOG = _EVENTS["HS_EV_SNAP_LOG"]  # the snapshot log's ring is half full
+EV_SITES = _EVENTS["HS_EV_SITES"]  # --ignore-fn: a realloc waits for its sites' flags
+SITE_COUNTED = HEAP_H.enum("hs_site_flag")["HS_SITE_COUNTED"]
+SITE_IGNORED = HEAP_H.enum("hs_site_flag")["HS_SITE_IGNORED"]
 MAX_UMAPS = HEAP_H.value("HS_MAX_UMAPS")
 # control[CTL_UMAPS] = generation << UMAPS_GEN_SHIFT | first index << 32 | count
 UMAPS_GEN_SHIFT = HEAP_H.value("HS_UMAPS_GEN_SHIFT")
@@ -77,8 +82,15 @@ CTL_SCHED_PEAK_PPM = _CONTROL["HS_CTL_SCHED_PEAK_PPM"]
 CTL_SCHED_JIFFY_NS = _CONTROL["HS_CTL_SCHED_JIFFY_NS"]
 EV_SCHEDULE = _EVENTS["HS_EV_SCHEDULE"]
 SCHED_PEAK = HEAP_H.enum("hs_sched_kind")["HS_SCHED_PEAK"]  # a point of Massif's peak snapshots
-_SCHED_POINT = struct.Struct("<4Q")  # struct hs_sched_point: time, heap, extra, kind
-SCHED_RING_BYTES = 64 << 10  # the points' ring buffer (HS_SCHED_RING_PAGES): 2,000 points between two drains
+_SCHED_POINT = struct.Struct("<5Q")  # struct hs_sched_point: time, heap, extra, kind, epoch
+SCHED_RING_BYTES = 64 << 10  # the points' ring buffer (HS_SCHED_RING_PAGES): 1,300 points between two drains
+_SNAP_RECORD = struct.Struct("<2Q2qQ")  # struct hs_snap_record: site, epoch, bytes, extra, allocs
+# The snapshot log's ring buffer (HS_SNAP_RING_PAGES): 21,000 records, a site's first change after each point;
+# the kernel wakes user space at half full. Sampled mode changes sites at its samples only (~2 a MiB allocated at
+# the default rate): 1,300 records, as its daemon holds one ring per target.
+SNAP_RING_BYTES = 1 << 20
+SAMPLED_SNAP_RING_BYTES = 64 << 10
+SNAP_DRAIN_TRIES = 100  # a record another CPU has reserved and not yet submitted: wait for it, 0.1 ms at a time
 
 
 # struct hs_page_event (probes/heap.h): time_ns, site, addr, length, new_addr, new_length, flags, prot, ret,
@@ -159,6 +171,10 @@ class _RingReader:
         """The producer position: it moves with every record the kernel reserves."""
         return int(self._U64.unpack_from(self._producer, 0)[0])
 
+    def consumed(self) -> int:
+        """The consumer position: how far drain() has read (it stops at a record not yet submitted)."""
+        return int(self._U64.unpack_from(self._consumer, 0)[0])
+
     def close(self) -> None:
         self._data.release()
         self._producer.close()
@@ -227,6 +243,7 @@ class ProbeSettings:
     schedule_ns: bool = False  # the snapshot schedule's points are timed in ns (--time-unit=ms), else in B
     sample_rate: int = 524288  # sampled: the sampler's mean bytes between samples (its weights' rate)
     page_ring_bytes: int = PAGE_RING_BYTES  # the page events' ring buffer (pages): a power of two of pages
+    ignore: bool = False  # --ignore-fn: reallocs follow Massif's rule by the sites' flags (set_site_flags)
 
 
 def table_sizes(s: ProbeSettings) -> dict[str, int]:
@@ -689,6 +706,7 @@ class HeapProbes(SiteReader):
         self._shared_rows: SharedRows | None = None
         self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count) in the shared rows
         self._sched_ring: _RingReader | None = None
+        self._snap_ring: _RingReader | None = None
         self._umap_half = 0
         self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
@@ -725,8 +743,10 @@ class HeapProbes(SiteReader):
             f"-DHS_STACKS={int(s.stacks)}",
             f"-DHS_SCHED_NS={int(s.schedule_ns)}",
             f"-DHS_SCHED_RING_PAGES={SCHED_RING_BYTES // mmap.PAGESIZE}",
+            f"-DHS_SNAP_RING_PAGES={self._snap_ring_bytes() // mmap.PAGESIZE}",
             f"-DHS_SAMPLE_RATE={s.sample_rate}ULL",
             f"-DHS_SAMPLED={int(s.sampled)}",
+            f"-DHS_IGNORE={int(s.ignore)}",
         ]
         with BCC_LOCK, _captured_stderr() as messages:
             try:
@@ -757,6 +777,7 @@ class HeapProbes(SiteReader):
             if s.pages:
                 self._page_ring = _RingReader(bpf["page_events"].map_fd, s.page_ring_bytes, _PAGE_EVENT)
             self._sched_ring = _RingReader(bpf["sched_points"].map_fd, SCHED_RING_BYTES, _SCHED_POINT)
+            self._snap_ring = _RingReader(bpf["snap_log"].map_fd, self._snap_ring_bytes(), _SNAP_RECORD)
             self._release_compiler()
             self._open_globals()
         except BaseException:
@@ -820,10 +841,10 @@ class HeapProbes(SiteReader):
             self.resume()  # never leave the target held at an event, whatever went wrong
         self.detach()
         self._unmap()
-        for ring in (self._page_ring, self._sched_ring):
+        for ring in (self._page_ring, self._sched_ring, self._snap_ring):
             if ring is not None:
                 ring.close()
-        self._page_ring = self._sched_ring = None
+        self._page_ring = self._sched_ring = self._snap_ring = None
         self._globals_size = 0  # its descriptor is closed below
         if self._bpf is not None:
             _unload(self._bpf)
@@ -945,12 +966,35 @@ class HeapProbes(SiteReader):
             self._set_control(CTL_PAGES_DRAINED, self._page_ring.taken)
         return out
 
-    def schedule_points(self) -> list[tuple[int, int, int, int]]:
-        """The snapshot schedule's points (time, heap, extra, kind) sent since the last call, in time order; time
-        is in B, or bpf_ktime_get_ns with settings.schedule_ns; kind is SCHED_PEAK for a peak point, else 0."""
+    def schedule_points(self) -> list[tuple[int, int, int, int, int]]:
+        """The snapshot schedule's points (time, heap, extra, kind, epoch) sent since the last call, in time
+        order; time is in B, or bpf_ktime_get_ns with settings.schedule_ns; kind is SCHED_PEAK for a peak point,
+        else 0; epoch numbers the points from 0 (the snapshot log's epochs)."""
         if self._sched_ring is None:
             return []
-        return cast(list[tuple[int, int, int, int]], self._sched_ring.drain())
+        return cast(list[tuple[int, int, int, int, int]], self._sched_ring.drain())
+
+    def snapshot_log(self) -> list[tuple[int, int, int, int, int]]:
+        """The snapshot log's records (site, epoch, bytes, extra, allocs) sent since the last call, in the order
+        they were reserved: each a site's live bytes, extra bytes and allocations so far right before its first
+        change once `epoch` points had been sent (probes/heap.bpf.c site_touch). Read the sites before: every
+        change that read saw has its record here, also one another CPU was still submitting (waited for, a
+        little; agent.model.schedule.SiteLog)."""
+        ring = self._snap_ring
+        if ring is None:
+            return []
+        target = ring.produced()
+        out = ring.drain()
+        for _ in range(SNAP_DRAIN_TRIES):
+            if ring.consumed() >= target:
+                break
+            time.sleep(0.0001)
+            out += ring.drain()
+        self._set_control(CTL_SNAP_DRAINED, ring.taken)
+        return cast(list[tuple[int, int, int, int, int]], out)
+
+    def _snap_ring_bytes(self) -> int:
+        return SAMPLED_SNAP_RING_BYTES if self.settings.sampled else SNAP_RING_BYTES
 
     def set_schedule(self, interval: int, cull_at: int, due: int | None) -> None:
         """The series' minimum interval between snapshots (B or ms), the point count at which it culls next, and
@@ -1035,6 +1079,15 @@ class HeapProbes(SiteReader):
     def set_stack_end(self, end: int) -> None:
         """Where the main thread's stack ends for the stack walk (above argc): it reads no further."""
         self._set_control(CTL_STACK_END, end)
+
+    def set_site_flags(self, flags: Mapping[int, bool]) -> None:
+        """--ignore-fn: whether each site is ignored (its trimmed stack starts in an ignored function), for the
+        kernel's realloc (probes/heap.bpf.c record_realloc). A site is flagged once."""
+        if self._bpf is None or not self.settings.ignore:
+            return
+        table = self._bpf["site_flags"]
+        for site, ignored in flags.items():
+            table[ctypes.c_int(site)] = ctypes.c_uint8(SITE_IGNORED if ignored else SITE_COUNTED)
 
     def stopped(self) -> int:
         """The event the target is stopped at (stop_events), or 0."""

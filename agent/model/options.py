@@ -80,6 +80,13 @@ class MassifOptions:
 
 # Valgrind's smallest alignment of a heap block on amd64 (VG_MIN_MALLOC_SZB).
 MIN_MALLOC_ALIGNMENT = 16
+# Valgrind's client arena (m_mallocfree.c): superblocks of 4 MiB; a bigger one holds one block, unsplit.
+CLIENT_SUPERBLOCK = 4 << 20
+# A superblock's header and its block's, on amd64 under Massif: a block's usable size is its superblock's less 64.
+SUPERBLOCK_OVERHEAD = 64
+PAGE = 4096
+# The largest request that fits a 4 MiB superblock: bigger ones get a superblock of their own.
+LARGEST_SPLIT_BLOCK = CLIENT_SUPERBLOCK - SUPERBLOCK_OVERHEAD
 
 
 def valgrind_alignment(requested: int) -> int:
@@ -101,10 +108,20 @@ def massif_slop(request: int, alignment: int) -> int:
     a run without Valgrind never has. d is taken at the middle of its range, so each block's slop is within
     slop_uncertainty(A) of Massif's. (Any block, aligned or not, also gets 16 bytes more in Massif when the
     arena gives it a free block one 16-byte granule larger than it needs, the rest too small to split off.)
+
+    At the minimum alignment, a request above LARGEST_SPLIT_BLOCK does not fit the client arena's 4 MiB
+    superblocks: VG_(arena_malloc) maps a superblock of its own for it, whole pages, which it does not split, so
+    the block's usable size is the superblock's less SUPERBLOCK_OVERHEAD and its slop runs to the page end (up
+    to 4,095 bytes; exact, whatever the arena's history). A request that fills a fresh 4 MiB superblock but for
+    one granule gets that granule too. Aligned blocks never get a superblock of their own.
     """
     slop = -request % MIN_MALLOC_ALIGNMENT
     if alignment > MIN_MALLOC_ALIGNMENT:
-        slop += (alignment + MIN_MALLOC_ALIGNMENT) // 2
+        return slop + (alignment + MIN_MALLOC_ALIGNMENT) // 2
+    if request + slop > LARGEST_SPLIT_BLOCK:
+        return -(request + SUPERBLOCK_OVERHEAD) % PAGE
+    if request + slop == LARGEST_SPLIT_BLOCK - MIN_MALLOC_ALIGNMENT:
+        slop += MIN_MALLOC_ALIGNMENT
     return slop
 
 

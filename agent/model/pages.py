@@ -15,12 +15,18 @@ coregrind/m_syswrap/syswrap-generic.c that calls it), where they agree with the 
   called mremap, not to the one that first mapped them, and so is any growth.
 - brk (`ms_new_mem_brk`/`ms_die_mem_brk`): the pages between the old and the new page-rounded break.
 
-Where Massif departs from the kernel we follow the kernel, so the total agrees with /proc/PID/maps:
+Where Massif departs from the kernel, a map made with `massif=True` (--pages-as-heap=yes: the profile is Massif's)
+follows Massif; the others (the mapped total beside the heap) follow the kernel, so their total agrees with
+/proc/PID/maps:
 - mmap(MAP_FIXED) over live pages: the core only calls `new_mem_mmap`, and Massif's block table
-  (`VG_(HT_add_node)`, "no duplicate key detection") then holds each overlapped page twice. Here the
-  overlapped pages are unmapped first, then charged to the new site.
-- brk: 3.19's `ms_new_mem_brk` records from `PGROUNDDN(old_brk)`, which counts a page twice when the old
-  break was not page aligned. Here the break region is exactly [base, PAGE_ALIGN(brk)), as the kernel maps it.
+  (`VG_(HT_add_node)`, "no duplicate key detection") then holds each overlapped page twice; an unmapping drops
+  the latest record of a page (`VG_(HT_remove)` finds the newest), so the older one is found next time. Massif's
+  map keeps the pages mapped over in layers below the live ones; the kernel's unmaps them first.
+- brk: 3.19's `ms_new_mem_brk` and `ms_die_mem_brk` record and unrecord from the page holding the lower break as
+  many pages as the page-rounded break moved, which counts a page twice (or takes back one still mapped) when
+  that break was not page aligned. The kernel's break region is exactly [base, PAGE_ALIGN(brk)).
+- mremap that moves: `ms_copy_mem_remap` of the old size, then the growth as a new mapping (two ranges, two
+  chances of a snapshot); the kernel's total is the same.
 
 Mappings that exist when we attach are charged to `PRE_EXISTING_SITE`, never to a real stack.
 """
@@ -30,9 +36,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from agent.model.maps import VSYSCALL, MapsEntry
 from agent.model.profile import SiteCounts
+
+if TYPE_CHECKING:
+    from agent.model.pageschedule import PageSchedule
 
 PAGE_SIZE = 4096
 PRE_EXISTING_SITE = -1
@@ -48,6 +58,8 @@ MREMAP_FIXED = 2
 MREMAP_DONTUNMAP = 4
 
 KINDS = frozenset({"mmap", "munmap", "mremap", "brk"})
+# The vDSO's mappings: the kernel's, in every process but one under Valgrind, which gives its programs none.
+KERNEL_PAGES = frozenset({"[vdso]", "[vvar]", "[vvar_vclock]"})
 
 _ADDR_LIMIT = 1 << 64
 
@@ -72,54 +84,6 @@ class PageEvent(NamedTuple):
     flags: int = 0  # mmap/mremap flags (MAP_FIXED, MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP...)
     prot: int = 0
     failed: bool = False  # the syscall returned an error (then nothing changed)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# /proc/PID/maps, every line (agent.symbols.symbolizer.parse_maps keeps file mappings only)
-
-VSYSCALL = "[vsyscall]"
-ANON = "[anon]"
-
-
-@dataclass(frozen=True)
-class MapsEntry:
-    """One line of /proc/PID/maps. `path` is the file, a kernel name ([heap], [stack], [vdso]...), or [anon]."""
-
-    start: int
-    end: int
-    perms: str
-    offset: int
-    dev: str
-    inode: int
-    path: str
-
-    @property
-    def size(self) -> int:
-        return self.end - self.start
-
-    @property
-    def is_file(self) -> bool:
-        return self.path.startswith("/")
-
-
-def parse_maps_full(text: str) -> list[MapsEntry]:
-    """Every well-formed line of /proc/PID/maps text, in file order. A blank path becomes `[anon]`."""
-    out: list[MapsEntry] = []
-    for raw in text.splitlines():
-        parts = raw.split(None, 5)
-        if len(parts) < 5:
-            continue
-        try:
-            lo, hi = parts[0].split("-", 1)
-            start, end = int(lo, 16), int(hi, 16)
-            offset, inode = int(parts[2], 16), int(parts[4])
-        except ValueError:
-            continue
-        if end <= start:
-            continue
-        path = parts[5] if len(parts) == 6 and parts[5].strip() else ANON
-        out.append(MapsEntry(start, end, parts[1], offset, parts[3], inode, path))
-    return out
 
 
 def _stat_field(stat_text: str, number: int) -> int | None:
@@ -168,6 +132,8 @@ class PageStats:
     brk_refused: int = 0  # brk(addr) that left the break elsewhere (the kernel's way of failing)
     brk_unknown_base: int = 0  # a brk change seen before the break was known: not charged
     brk_resync: int = 0  # brk(0) showed another break than the one tracked: taken as is, not charged
+    # Massif's counting: bytes of pages still counted under others mapped over them (MAP_FIXED), now.
+    mapped_over_bytes: int = 0
 
 
 @dataclass
@@ -189,10 +155,14 @@ class PageMap:
     afterwards (the scheme the design notes give for the kernel side).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, massif: bool = False) -> None:
+        # massif: Massif's own counting (--pages-as-heap=yes): a page mapped over is kept, and the break moves by
+        # Massif's arithmetic; otherwise the kernel's (the mapped total beside the heap).
+        self.massif = massif
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._sites: list[int] = []
+        self._below: list[tuple[list[int], list[int], list[int]]] = []  # massif: earlier records of pages, by depth
         self._live: dict[int, int] = {}
         self._mapped_ever: dict[int, int] = {}  # bytes each site ever mapped (xtree's totB)
         self._unmapped: dict[int, int] = {}  # bytes of each site's pages unmapped since (totFdB)
@@ -201,31 +171,35 @@ class PageMap:
         self._last_time: int | None = None
         self.brk_base: int | None = None  # start of the break region, when known
         self.brk_top: int | None = None  # PAGE_ALIGN(current break), when known
+        self.brk: int | None = None  # the break itself, when known (massif: its arithmetic needs it)
         self.stats = PageStats()
 
     # -- seeding ---------------------------------------------------------------------------------------
 
     @classmethod
-    def from_maps(cls, mappings: Iterable[MapsEntry], *, start_brk: int | None = None) -> PageMap:
+    def from_maps(
+        cls, mappings: Iterable[MapsEntry], *, start_brk: int | None = None, massif: bool = False
+    ) -> PageMap:
         """A map holding the mappings that existed at attach time, all charged to PRE_EXISTING_SITE.
 
         `start_brk` (see `parse_start_brk`) gives the break region's base when the process has no [heap]
         line yet; with a [heap] line, its end is the page-rounded break. [vsyscall] is left out (see
-        `mapped_total`), so `total` starts equal to `mapped_total` of the same text.
+        `mapped_total`), so `total` starts equal to `mapped_total` of the same text. `massif` (Massif's
+        counting) also leaves out the vDSO's pages: a program under Valgrind has none.
         """
-        pm = cls()
+        pm = cls(massif=massif)
         heap: MapsEntry | None = None
         for m in mappings:
-            if m.path == VSYSCALL:
+            if m.path == VSYSCALL or (massif and m.path in KERNEL_PAGES):
                 continue
             pm._place(m.start, m.end, PRE_EXISTING_SITE, replace_ok=False)
             if m.path == "[heap]":
                 heap = m
         if heap is not None:
             pm.brk_base = start_brk if start_brk is not None else heap.start
-            pm.brk_top = heap.end
+            pm.brk_top = pm.brk = heap.end  # the break itself is not in the maps: its page end is
         elif start_brk is not None:
-            pm.brk_base = start_brk
+            pm.brk_base = pm.brk = start_brk
             pm.brk_top = page_up(start_brk)
         pm._peak = _Peak(total=pm._total)
         return pm
@@ -283,6 +257,16 @@ class PageMap:
 
     def apply(self, ev: PageEvent) -> None:
         """Account one syscall. Never raises on odd input: it is counted in `stats` instead."""
+        ops = self.plan(ev)
+        if ops is not None:
+            for op in ops:
+                self.do(op)
+        self.close(ev.time_ns, ops is not None)
+
+    def plan(self, ev: PageEvent) -> list[PageOp] | None:
+        """The ranges the syscall maps and unmaps, in order, as Valgrind's core reports them to Massif; None when it
+        changes nothing (counted in `stats`). The break's position moves on here; apply the ops with `do`, then
+        `close` the event."""
         st = self.stats
         st.events += 1
         if self._last_time is not None and ev.time_ns < self._last_time:
@@ -290,41 +274,54 @@ class PageMap:
         self._last_time = ev.time_ns if self._last_time is None else max(self._last_time, ev.time_ns)
         if ev.kind not in KINDS:
             st.unknown_kind += 1
-            return
+            return None
         if ev.failed:
             st.failed += 1
-            return
+            return None
+        ops: list[PageOp] = []
         if ev.kind == "mmap":
-            ok = self._mmap(ev)
+            ok = self._mmap(ev, ops)
         elif ev.kind == "munmap":
-            ok = self._munmap(ev)
+            ok = self._munmap(ev, ops)
         elif ev.kind == "mremap":
-            ok = self._mremap(ev)
+            ok = self._mremap(ev, ops)
         else:
-            ok = self._brk(ev)
+            ok = self._brk(ev, ops)
         if not ok:
             st.invalid += 1
-            return
-        st.applied += 1
-        if self._total > self._peak.total:
-            self._peak = _Peak(total=self._total, time_ns=ev.time_ns)
+            return None
+        return ops
 
-    def _mmap(self, ev: PageEvent) -> bool:
+    def do(self, op: PageOp) -> None:
+        """Apply one range of a planned event."""
+        if op.site is None:
+            self._unmap_counting(op.start, op.end)
+        else:
+            self._place(op.start, op.end, op.site, replace_ok=op.replace_ok)
+
+    def close(self, time_ns: int, applied: bool) -> None:
+        """After a planned event's ranges: count it, and move the peak."""
+        if applied:
+            self.stats.applied += 1
+            if self._total > self._peak.total:
+                self._peak = _Peak(total=self._total, time_ns=time_ns)
+
+    def _mmap(self, ev: PageEvent, ops: list[PageOp]) -> bool:
         start, end = ev.addr, ev.addr + page_up(ev.length)
         if not _valid_range(start, ev.length, end):
             return False
         # A successful mmap owns [start, end): anything there before was replaced (MAP_FIXED).
-        self._place(start, end, ev.site, replace_ok=bool(ev.flags & MAP_FIXED))
+        ops.append(PageOp(start, end, ev.site, bool(ev.flags & MAP_FIXED)))
         return True
 
-    def _munmap(self, ev: PageEvent) -> bool:
+    def _munmap(self, ev: PageEvent, ops: list[PageOp]) -> bool:
         start, end = ev.addr, ev.addr + page_up(ev.length)
         if not _valid_range(start, ev.length, end):
             return False
-        self._unmap_counting(start, end)
+        ops.append(PageOp(start, end))
         return True
 
-    def _mremap(self, ev: PageEvent) -> bool:
+    def _mremap(self, ev: PageEvent, ops: list[PageOp]) -> bool:
         old, old_len = ev.addr, page_up(ev.length)
         new, new_len = ev.new_addr, page_up(ev.new_length)
         if ev.length < 0 or not _valid_range(new, ev.new_length, new + new_len) or old % PAGE_SIZE:
@@ -335,21 +332,27 @@ class PageMap:
         if old_len == 0 or ev.flags & MREMAP_DONTUNMAP:
             # old_size 0 duplicates a shared mapping; DONTUNMAP leaves the old range mapped. Either way
             # only the new range is added.
-            self._place(new, new + new_len, ev.site, replace_ok=fixed)
+            ops.append(PageOp(new, new + new_len, ev.site, fixed))
         elif new == old:
             if new_len < old_len:
-                self._unmap_counting(old + new_len, old + old_len)
+                ops.append(PageOp(old + new_len, old + old_len))
             elif new_len > old_len:
                 # Grown in place: only the tail is new (Massif's new_mem_mmap on the tail).
-                self._place(old + old_len, old + new_len, ev.site, replace_ok=False)
+                ops.append(PageOp(old + old_len, old + new_len, ev.site))
         else:
-            # Moved: Massif's ms_copy_mem_remap unrecords the old pages and records the new range,
-            # growth included, with the stack of the mremap caller.
-            self._unmap_counting(old, old + old_len)
-            self._place(new, new + new_len, ev.site, replace_ok=fixed)
+            # Moved: Valgrind's core reports it as ms_copy_mem_remap, which unrecords the old pages and records
+            # them at the new address with the stack of the mremap caller, then any growth as a new mapping of
+            # the same caller (shrinking first, in place).
+            kept = min(old_len, new_len)
+            if new_len < old_len:
+                ops.append(PageOp(old + new_len, old + old_len))
+            ops.append(PageOp(old, old + kept))
+            ops.append(PageOp(new, new + kept, ev.site, fixed))
+            if new_len > old_len:
+                ops.append(PageOp(new + old_len, new + new_len, ev.site, fixed))
         return True
 
-    def _brk(self, ev: PageEvent) -> bool:
+    def _brk(self, ev: PageEvent, ops: list[PageOp]) -> bool:
         result = ev.new_addr
         if result <= 0 or result >= _ADDR_LIMIT:
             return False
@@ -357,7 +360,9 @@ class PageMap:
         if ev.addr != 0 and ev.addr != result:
             self.stats.brk_refused += 1
         top = self.brk_top
+        old_brk = self.brk if self.brk is not None else top
         if top is None:
+            self.brk = result
             # First sight of the break: a brk(0) query (the loader's, or glibc's first sbrk) gives the base
             # of an empty region; any other change cannot be charged without the old break.
             if ev.addr == 0 and self.brk_base is None:
@@ -368,80 +373,75 @@ class PageMap:
             return True
         if self.brk_base is not None and result < self.brk_base:
             return False
+        self.brk = result
         if new_top == top:
             return True
         if ev.addr == 0:
             self.stats.brk_resync += 1
+        elif self.massif and old_brk is not None:
+            ops.extend(_massif_brk(old_brk, result, ev.site))
         elif new_top > top:
-            self._place(top, new_top, ev.site, replace_ok=False)
+            ops.append(PageOp(top, new_top, ev.site))
         else:
-            self._unmap_counting(new_top, top)
+            ops.append(PageOp(new_top, top))
         self.brk_top = new_top
         return True
 
     # -- interval store --------------------------------------------------------------------------------
 
     def _unmap_counting(self, start: int, end: int) -> None:
-        removed = self._splice(start, end, None)
+        removed = 0
+        for s, e, site in _splice(self._starts, self._ends, self._sites, start, end, None):
+            self._charge(site, s - e)
+            removed += e - s
         self.stats.unknown_unmapped_bytes += (end - start) - removed
+        if self._below:
+            self._rise(start, end)
 
     def _place(self, start: int, end: int, site: int, *, replace_ok: bool) -> None:
-        """Map [start, end) to `site`, replacing whatever was there."""
-        replaced = self._splice(start, end, site)
+        """Map [start, end) to `site`, over whatever was there."""
+        if start >= end:
+            return
+        pieces = _splice(self._starts, self._ends, self._sites, start, end, site)
+        self._charge(site, end - start)
+        if self.massif:
+            # Massif's block table keeps a page once per record (VG_(HT_add_node) does not look for the key): the
+            # pages mapped over stay counted, under the new ones.
+            self._sink(pieces)
+            return
+        replaced = 0
+        for s, e, old in pieces:
+            self._charge(old, s - e)
+            replaced += e - s
         if replaced and not replace_ok:
             self.stats.replaced_without_fixed_bytes += replaced
 
-    def _splice(self, start: int, end: int, site: int | None) -> int:
-        """Make [start, end) belong to `site` (None: unmapped); return the bytes that were mapped there.
+    def _sink(self, pieces: list[tuple[int, int, int]]) -> None:
+        """Massif: pages recorded again push their earlier records one layer down."""
+        self.stats.mapped_over_bytes += sum(e - s for s, e, _ in pieces)
+        depth = 0
+        while pieces:
+            if depth == len(self._below):
+                self._below.append(([], [], []))
+            layer = self._below[depth]
+            pieces = [p for s, e, site in pieces for p in _splice(*layer, s, e, site)]
+            depth += 1
 
-        One slice assignment per list: replacing one interval by one moves nothing, and an insertion or a
-        removal moves the tail of the lists once, not once per step.
-        """
-        if start >= end:
-            return 0
-        starts, ends, sites = self._starts, self._ends, self._sites
-        lo = bisect.bisect_right(starts, start) - 1
-        if lo < 0 or ends[lo] <= start:
-            lo += 1
-        hi = bisect.bisect_left(starts, end)  # intervals [lo, hi) overlap [start, end)
-        new_s: list[int] = []
-        new_e: list[int] = []
-        new_site: list[int] = []
-        removed = 0
-        for k in range(lo, hi):
-            cut = min(ends[k], end) - max(starts[k], start)
-            removed += cut
-            self._charge(sites[k], -cut)
-        if lo < hi and starts[lo] < start:  # the head of the first interval survives
-            new_s.append(starts[lo])
-            new_e.append(start)
-            new_site.append(sites[lo])
-        if site is not None:
-            self._charge(site, end - start)
-            if new_s and new_site[-1] == site:
-                new_e[-1] = end
-            else:
-                new_s.append(start)
-                new_e.append(end)
-                new_site.append(site)
-        if lo < hi and ends[hi - 1] > end:  # the tail of the last interval survives
-            if new_s and new_e[-1] == end and new_site[-1] == sites[hi - 1]:
-                new_e[-1] = ends[hi - 1]
-            else:
-                new_s.append(end)
-                new_e.append(ends[hi - 1])
-                new_site.append(sites[hi - 1])
-        # Keep neighbours of one site merged: absorb an adjoining outside interval of the same site.
-        if new_s and lo > 0 and ends[lo - 1] == new_s[0] and sites[lo - 1] == new_site[0]:
-            lo -= 1
-            new_s[0] = starts[lo]
-        if new_s and hi < len(starts) and starts[hi] == new_e[-1] and sites[hi] == new_site[-1]:
-            new_e[-1] = ends[hi]
-            hi += 1
-        starts[lo:hi] = new_s
-        ends[lo:hi] = new_e
-        sites[lo:hi] = new_site
-        return removed
+    def _rise(self, start: int, end: int) -> None:
+        """Massif: unrecording a page removes its latest record (VG_(HT_remove) finds the newest): the record
+        below it, if any, is found next time. No byte changes hands."""
+        upper = (self._starts, self._ends, self._sites)
+        for depth, layer in enumerate(self._below):
+            rising = _splice(*layer, start, end, None)
+            if not rising:
+                break
+            if not depth:
+                self.stats.mapped_over_bytes -= sum(e - s for s, e, _ in rising)
+            for s, e, site in rising:
+                _splice(*upper, s, e, site)
+            upper = layer
+        while self._below and not self._below[-1][0]:
+            self._below.pop()
 
     def _charge(self, site: int, delta: int) -> None:
         live = self._live
@@ -459,6 +459,80 @@ class PageMap:
         else:
             live.pop(site, None)
         self._total += delta
+
+
+class PageOp(NamedTuple):
+    """One range of a page syscall, as Valgrind's core reports it to Massif: recorded for `site` (a new mapping,
+    over anything there when `replace_ok`: MAP_FIXED), or unrecorded (site None)."""
+
+    start: int
+    end: int
+    site: int | None = None
+    replace_ok: bool = False
+
+
+def _massif_brk(old: int, new: int, site: int) -> list[PageOp]:
+    """The pages Massif 3.19 records or unrecords when the break moves from `old` to `new` (ms_new_mem_brk,
+    ms_die_mem_brk): from the page holding the lower break, as many pages as the page-rounded break moved. With
+    an unaligned lower break that is one page lower than the kernel's pages, so Massif keeps a page twice, or
+    takes back one still mapped."""
+    lo, hi = min(old, new), max(old, new)
+    pages = (hi - 1) // PAGE_SIZE - (lo - 1) // PAGE_SIZE
+    if not pages:
+        return []
+    start = lo // PAGE_SIZE * PAGE_SIZE
+    end = start + pages * PAGE_SIZE
+    return [PageOp(start, end, site)] if new > old else [PageOp(start, end)]
+
+
+def _splice(
+    starts: list[int], ends: list[int], sites: list[int], start: int, end: int, site: int | None
+) -> list[tuple[int, int, int]]:
+    """Make [start, end) belong to `site` (None: unmapped) in one layer of sorted disjoint intervals; return the
+    pieces (start, end, site) that were there.
+
+    One slice assignment per list: replacing one interval by one moves nothing, and an insertion or a removal
+    moves the tail of the lists once, not once per step.
+    """
+    if start >= end:
+        return []
+    lo = bisect.bisect_right(starts, start) - 1
+    if lo < 0 or ends[lo] <= start:
+        lo += 1
+    hi = bisect.bisect_left(starts, end)  # intervals [lo, hi) overlap [start, end)
+    pieces = [(max(starts[k], start), min(ends[k], end), sites[k]) for k in range(lo, hi)]
+    new_s: list[int] = []
+    new_e: list[int] = []
+    new_site: list[int] = []
+    if lo < hi and starts[lo] < start:  # the head of the first interval survives
+        new_s.append(starts[lo])
+        new_e.append(start)
+        new_site.append(sites[lo])
+    if site is not None:
+        if new_s and new_site[-1] == site:
+            new_e[-1] = end
+        else:
+            new_s.append(start)
+            new_e.append(end)
+            new_site.append(site)
+    if lo < hi and ends[hi - 1] > end:  # the tail of the last interval survives
+        if new_s and new_e[-1] == end and new_site[-1] == sites[hi - 1]:
+            new_e[-1] = ends[hi - 1]
+        else:
+            new_s.append(end)
+            new_e.append(ends[hi - 1])
+            new_site.append(sites[hi - 1])
+    # Keep neighbours of one site merged: absorb an adjoining outside interval of the same site.
+    if new_s and lo > 0 and ends[lo - 1] == new_s[0] and sites[lo - 1] == new_site[0]:
+        lo -= 1
+        new_s[0] = starts[lo]
+    if new_s and hi < len(starts) and starts[hi] == new_e[-1] and sites[hi] == new_site[-1]:
+        new_e[-1] = ends[hi]
+        hi += 1
+    starts[lo:hi] = new_s
+    ends[lo:hi] = new_e
+    sites[lo:hi] = new_site
+    return pieces
 
 
 def _valid_range(start: int, length: int, end: int) -> bool:
@@ -489,7 +563,7 @@ class PageAccount:
     unmapped. In heap mode `total` is the mapped memory next to the heap, and `calls` feeds MALT.
     """
 
-    def __init__(self, pages: PageMap) -> None:
+    def __init__(self, pages: PageMap, schedule: PageSchedule | None = None) -> None:
         self.map = pages
         self.time_b = 0  # bytes mapped plus bytes unmapped so far (Massif's --time-unit=B)
         self.peak_time_b = 0
@@ -497,13 +571,19 @@ class PageAccount:
         # (site, "mmap" | "munmap") -> [count, min, max, sum] of the lengths of the calls made there (MALT's
         # per-stack mmap/munmap infos); mremap and brk have no place there.
         self.calls: dict[tuple[int, str], list[int]] = {}
+        self.schedule = schedule  # --pages-as-heap=yes: Massif's snapshots, taken at the events
 
     def apply(self, events: Iterable[PageEvent]) -> None:
         pm = self.map
         calls = self.calls
+        schedule = self.schedule
         for ev in events:
             before, peak_before = pm.total, pm.peak_total
-            pm.apply(ev)
+            if schedule is None:
+                pm.apply(ev)
+                self.time_b += abs(pm.total - before)
+            else:
+                self._apply_scheduled(ev, schedule)
             if (ev.kind == "mmap" or ev.kind == "munmap") and not ev.failed:
                 c = calls.get((ev.site, ev.kind))
                 if c is None:
@@ -513,10 +593,36 @@ class PageAccount:
                     c[1] = min(c[1], ev.length)
                     c[2] = max(c[2], ev.length)
                     c[3] += ev.length
-            self.time_b += abs(pm.total - before)
             if pm.peak_total > peak_before:
                 self.peak_time_b = self.time_b
                 self.peak_gen += 1
+
+    def _apply_scheduled(self, ev: PageEvent, schedule: PageSchedule) -> None:
+        """One event, range by range, offering the states Massif would snapshot: after each range recorded; for
+        a range unrecorded, before it (a peak) and after its first page only (Massif snapshots no page after it),
+        and not at all when its first page was not mapped (Massif's block lookup fails there first)."""
+        pm = self.map
+        ops = pm.plan(ev)
+        for op in ops or ():
+            before = pm.total
+            if op.site is not None:
+                pm.do(op)
+                self.time_b += abs(pm.total - before)
+                schedule.after(self.time_b, ev.time_ns, pm.total, pm.live_by_site)
+                continue
+            if pm.site_at(op.start) is None:
+                pm.do(op)
+                self.time_b += before - pm.total
+                continue
+            schedule.before_free(self.time_b, ev.time_ns, before, pm.live_by_site)
+            first = PageOp(op.start, op.start + PAGE_SIZE)
+            pm.do(first)
+            self.time_b += PAGE_SIZE
+            schedule.after(self.time_b, ev.time_ns, pm.total, pm.live_by_site)
+            rest = pm.total
+            pm.do(PageOp(first.end, op.end))
+            self.time_b += rest - pm.total
+        pm.close(ev.time_ns, ops is not None)
 
     @property
     def total(self) -> int:

@@ -301,9 +301,11 @@ class StackIndex:
             self.n_stacks += 1
         return node.stack
 
-    def tree(self, values: Sequence[int]) -> IndexedTree:
-        """The tree with values[i] bytes for stack number i (negative values, from racy reads, count as 0)."""
-        if len(values) != self.n_stacks:
+    def tree(self, values: Sequence[int], present: Sequence[bool] | None = None) -> IndexedTree:
+        """The tree with values[i] bytes for stack number i (negative values, from racy reads, count as 0). With
+        `present`, only the stacks it marks are in the tree (a tree of an earlier instant: Massif's tree holds
+        the stacks allocated from by then, 0-byte ones too, and no others)."""
+        if len(values) != self.n_stacks or (present is not None and len(present) != self.n_stacks):
             raise ValueError(f"{len(values)} values for {self.n_stacks} stacks")
         numbering = self._numbering
         if numbering is None or numbering.n_stacks != self.n_stacks:
@@ -312,7 +314,10 @@ class StackIndex:
         if values and min(values) < 0:
             by_slot = (v if v > 0 else 0 for v in by_slot)
         prefix = array.array("q", itertools.accumulate(by_slot, initial=0))
-        return IndexedTree(self.root_label, self._root, numbering, prefix)
+        counts = None
+        if present is not None and not all(present):
+            counts = array.array("q", itertools.accumulate(map(present.__getitem__, numbering.order), initial=0))
+        return IndexedTree(self.root_label, self._root, numbering, prefix, counts)
 
     def _number(self) -> _Numbering:
         n_nodes = self._n_nodes
@@ -353,15 +358,31 @@ class IndexedNode:
 class IndexedTree:
     """A tree taken from a StackIndex: read like a HeapTree (total, children, node bytes), not modified."""
 
-    __slots__ = ("_numbering", "_prefix", "_root", "n_stacks", "root_label", "total")
+    __slots__ = ("_counts", "_numbering", "_prefix", "_root", "n_stacks", "root_label", "total")
 
-    def __init__(self, root_label: str, root: _IndexNode, numbering: _Numbering, prefix: array.array[int]) -> None:
+    def __init__(
+        self,
+        root_label: str,
+        root: _IndexNode,
+        numbering: _Numbering,
+        prefix: array.array[int],
+        counts: array.array[int] | None = None,
+    ) -> None:
         self.root_label = root_label
         self._root = root
         self._numbering = numbering
         self._prefix = prefix
+        # Prefix sums of the stacks present, by slot (None: all are): a node without one is not in the tree.
+        self._counts = counts
         self.total = prefix[-1]
         self.n_stacks = numbering.n_stacks
+
+    def _present(self, node: _IndexNode) -> bool:
+        counts = self._counts
+        if counts is None:
+            return True
+        n = self._numbering
+        return counts[n.hi[node.number]] > counts[n.lo[node.number]]
 
     @property
     def children(self) -> dict[str, IndexedNode]:
@@ -376,7 +397,7 @@ class IndexedTree:
         limit = self._numbering.n_nodes
         out = {}
         for kid in node.kids:
-            if kid.number < limit:
+            if kid.number < limit and self._present(kid):
                 view = IndexedNode(kid, self)
                 out[view.frame.label] = view
         return out
@@ -387,16 +408,18 @@ class IndexedTree:
         out: dict[Stack, int] = {}
         work: list[tuple[_IndexNode, Stack]] = [(kid, ()) for kid in self._root.kids]
         limit = self._numbering.n_nodes
+        counts = self._counts
         while work:
             node, above = work.pop()
-            if node.number >= limit:
+            if node.number >= limit or not self._present(node):
                 continue
             assert node.frame is not None
             stack = (*above, node.frame)
             if node.stack >= 0 and node.stack < self.n_stacks:
                 n = self._numbering
                 slot = n.lo[node.number]  # a node's own stack comes first in its run
-                out[stack] = self._prefix[slot + 1] - self._prefix[slot]
+                if counts is None or counts[slot + 1] > counts[slot]:
+                    out[stack] = self._prefix[slot + 1] - self._prefix[slot]
             work.extend((kid, stack) for kid in node.kids)
         return out
 
@@ -480,8 +503,10 @@ class Snapshot:
     tree: Tree | None
     kind: SnapshotKind
     # The time the schedule counts this snapshot at, when not `time`: a tick's state that took a point's place
-    # (SnapshotSeries.give_tree) keeps the point's time for the culling and the next due time.
+    # (SnapshotSeries.tree_missed) keeps the point's time for the culling and the next due time.
     schedule_time: int | None = field(default=None, compare=False, repr=False)
+    # A point's tree is still to come (SnapshotSeries.give_tree or tree_missed).
+    tree_pending: bool = field(default=False, compare=False, repr=False)
 
     @property
     def scheduled_at(self) -> int:
@@ -508,15 +533,16 @@ class SnapshotSeries:
     kind (detailed ones are not protected). The first, the last and the peak snapshot are never culled.
     The smallest gap left becomes the new minimum interval, so snapshots get sparser as the run goes on.
 
-    The peak is given out of band (`set_peak`): heapscope knows the exact peak, so it is inserted in time
-    order and replaces the previous peak when higher. It does not count in the detailed frequency.
+    Sampled at ticks (--pages-as-heap=yes, the stored history), the peak is given out of band (`set_peak`):
+    inserted in time order, it replaces the previous peak when higher, and does not count in the detailed
+    frequency; `finish` adds the final state.
 
-    Samples with exact totals but no tree (the kernel's points, taken at the instants Massif would take them)
-    go through `add_point`. When the detailed frequency falls on one of them, it is recorded as normal and its
-    tree is owed: `give_tree` pays it with a later state, which takes the place of the latest snapshot.
-    `add_peak_point` records Massif's own peak snapshots (a free coming down from a new high, taken whatever
-    the interval): they hold places and move the schedule as in Massif; `set_peak` replaces the latest with
-    the exact peak at the end.
+    The kernel's points (exact totals at the events where Massif takes its snapshots) go through `add_point`
+    and `add_peak_point` (Massif's peak snapshots: a free coming down from a new high, taken whatever the
+    interval; the previous peak turns detailed, keeping its tree, and the next snapshot is due an interval
+    after it). A point the detailed frequency falls on, and every peak point, is recorded with its tree to
+    come: `give_tree` sets the tree of the point's own instant (rebuilt from the kernel's snapshot log), or
+    `tree_missed` says it cannot be had. `close` ends such a series as Massif's ends, at its last snapshot.
     """
 
     def __init__(self, *, detailed_freq: int = 10, max_snapshots: int = 100) -> None:
@@ -533,8 +559,6 @@ class SnapshotSeries:
         self._since_detailed = 0
         self._last_time: int | None = None
         self._finished = False
-        self._payable: Snapshot | None = None  # the latest point recorded while a tree is owed
-        self._tree_owed = False
         self.n_cullings = 0
         self.n_skipped = 0
         self.n_taken = 0  # snapshots recorded by add, add_point and add_peak_point (Massif's "real snapshots")
@@ -567,24 +591,23 @@ class SnapshotSeries:
 
     @property
     def last_time(self) -> int | None:
-        """The time of the latest snapshot offered to add/add_point/give_tree/finish (None before any): later
-        samples may not be earlier."""
+        """The time of the latest snapshot offered to add/add_point/finish (None before any): later samples may
+        not be earlier."""
         return self._last_time
 
     @property
     def latest_time(self) -> int | None:
         """The latest snapshot's own time (None before any): no later snapshot may be earlier, as Massif's file
-        is in time order. A paid tree (give_tree) can be later than last_time, the point it replaced, from which
-        the schedule goes on."""
+        is in time order. A tick's state that took a point's place (tree_missed) can be later than last_time, the
+        point's, from which the schedule goes on."""
         if not self._snapshots:
             return self._last_time
         t = self._snapshots[-1].time
         return t if self._last_time is None else max(t, self._last_time)
 
-    @property
-    def tree_owed(self) -> bool:
-        """The detailed frequency fell on a point (add_point), which had no tree: give_tree can pay it."""
-        return self._tree_owed
+    def holds(self, snap: Snapshot) -> bool:
+        """`snap` itself (not an equal one) is in the series: not culled."""
+        return any(x is snap for x in self._snapshots)
 
     def next_kind(self, time: int) -> SnapshotKind | None:
         """What a sample at `time` would be recorded as, or None if it would be skipped. No side effect."""
@@ -618,9 +641,9 @@ class SnapshotSeries:
         return self._record(Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, kind))
 
     def add_point(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int) -> Snapshot | None:
-        """Offer a sample that has no tree. Returns the recorded (normal) snapshot, or None when it is skipped.
-        When the detailed frequency wants this one detailed, the tree is owed (tree_owed) until give_tree: the
-        frequency's count does not move on meanwhile, so a point that cannot be paid for never shifts it."""
+        """Offer a point, a sample with exact totals and no tree yet. Returns the recorded snapshot, or None when
+        it is skipped. When the detailed frequency falls on it, it is DETAILED with its tree to come (give_tree,
+        or tree_missed)."""
         if self._finished:
             raise ValueError("the series is finished")
         self._check_time(time)
@@ -629,34 +652,31 @@ class SnapshotSeries:
             self.n_skipped += 1
             return None
         if kind is SnapshotKind.DETAILED:
-            self._tree_owed = True
+            self._tree_given()
         else:
             self._since_detailed += 1
-        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, None, SnapshotKind.NORMAL)
-        if self._tree_owed:
-            self._payable = snap
-        return self._record(snap)
+        pending = kind is SnapshotKind.DETAILED
+        return self._record(Snapshot(time, heap_B, heap_extra_B, stacks_B, None, kind, tree_pending=pending))
 
     def add_peak_point(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int) -> Snapshot:
-        """Record one of Massif's peak snapshots (no tree): taken whatever the interval, it becomes the peak
-        (the previous one turns normal, as in Massif), counts as detailed for the frequency, and the next
-        snapshot is due an interval after it."""
+        """Record one of Massif's peak snapshots, its tree to come: taken whatever the interval, it becomes the
+        peak, counts as detailed for the frequency, and the next snapshot is due an interval after it. The
+        previous peak turns into the detailed snapshot it is in Massif's file (its kind goes, its tree stays)."""
         if self._finished:
             raise ValueError("the series is finished")
         self._check_time(time)
         for old in self._snapshots:
             if old.kind is SnapshotKind.PEAK:
-                old.kind = SnapshotKind.DETAILED if old.tree is not None else SnapshotKind.NORMAL
+                has_tree = old.tree is not None or old.tree_pending
+                old.kind = SnapshotKind.DETAILED if has_tree else SnapshotKind.NORMAL
         self.n_peaks_taken += 1
         self._tree_given()
-        return self._record(Snapshot(time, heap_B, heap_extra_B, stacks_B, None, SnapshotKind.PEAK))
+        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, None, SnapshotKind.PEAK, tree_pending=True)
+        return self._record(snap)
 
     def _tree_given(self) -> None:
-        """A detailed snapshot (or a peak, which counts as one) was taken: the frequency's count starts again and
-        no tree is owed."""
+        """A detailed snapshot (or a peak, which counts as one) was taken: the frequency's count starts again."""
         self._since_detailed = 0
-        self._tree_owed = False
-        self._payable = None
 
     def _record(self, snap: Snapshot) -> Snapshot:
         """Append a taken snapshot, cull if the series is full, and set when the next one is due."""
@@ -667,24 +687,29 @@ class SnapshotSeries:
         self._earliest_next = snap.time + self._min_interval
         return snap
 
-    def give_tree(
-        self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: Tree
+    def give_tree(self, snap: Snapshot, tree: Tree, ignored_heap_B: int = 0, ignored_extra_B: int = 0) -> None:
+        """The tree of a point at its own instant. Its totals lose what the tree leaves out (--ignore-fn)."""
+        snap.tree = tree
+        snap.tree_pending = False
+        snap.heap_B -= ignored_heap_B
+        snap.heap_extra_B -= ignored_extra_B
+
+    def tree_missed(
+        self, snap: Snapshot, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: Tree
     ) -> Snapshot | None:
-        """Pay an owed tree with the state at `time`: that state, with its tree, replaces the latest snapshot when
-        it is a point recorded while the tree was owed (not the first snapshot, nor the peak). The caller makes
-        sure that no later point is pending (none may fall before `time`). The schedule goes on from the
-        point's time, as if the point had been kept, so the snapshots after it are Massif's. Returns the new
-        detailed snapshot, or None when nothing is owed or payable."""
-        if self._finished or not self._tree_owed:
-            return None
+        """The tree of a point's instant cannot be had: the state at `time` with its tree takes the point's
+        place when the point is the latest snapshot (not the first), and the schedule goes on from the point's
+        time, as if it had been kept; else the point stays without a tree, a normal snapshot (a peak stays the
+        peak). Returns the snapshot put in its place, if any."""
+        snap.tree_pending = False
         snaps = self._snapshots
-        last = self._last_time
-        if len(snaps) < 2 or snaps[-1] is not self._payable or last is None or time < last:
-            return None
-        snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, SnapshotKind.DETAILED, schedule_time=last)
-        snaps[-1] = snap
-        self._tree_given()
-        return snap
+        if len(snaps) >= 2 and snaps[-1] is snap and time >= snap.time:
+            new = Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, snap.kind, schedule_time=snap.time)
+            snaps[-1] = new
+            return new
+        if snap.kind is SnapshotKind.DETAILED:
+            snap.kind = SnapshotKind.NORMAL
+        return None
 
     def set_peak(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int, tree: Tree) -> Snapshot | None:
         """Record the state at the peak, if higher (useful + extra + stacks) than the current peak, or if the
@@ -729,6 +754,10 @@ class SnapshotSeries:
         self._cull_if_full()
         self._finished = True
         return snap
+
+    def close(self) -> None:
+        """End the series where it stands, as Massif's ends at exit: with its last snapshot, none added."""
+        self._finished = True
 
     # -- internals
 

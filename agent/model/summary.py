@@ -42,6 +42,8 @@ class ScheduleSummary:
     cullings: int
     kept: int
     late: int = 0  # points that reached user space after a tick's later state: not kept, the file in time order
+    trees: int = 0  # detailed and peak snapshots given the tree of their own instant (the snapshot log)
+    trees_missed: int = 0  # the log had lost records: a later tick's tree in the latest one's place, else none
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,12 @@ class ProfileSummary:
                 f"NOT COUNTED: {c.sched_lost} of the snapshot schedule's points (their ring buffer was full): "
                 "the graph has fewer snapshots than Massif's"
             )
+        if self.schedule is not None and (c.snap_lost or self.schedule.trees_missed):
+            lines.append(
+                f"NOT EXACT: {self.schedule.trees_missed} detailed snapshots' trees, not of their own instant: the "
+                f"snapshot log's ring buffer was full ({c.snap_lost} records lost); the latest took a later "
+                "state's tree, the others have none"
+            )
         if c.walks_interrupted:
             lines.append(
                 f"{c.walks_interrupted} stack walks overtaken by another thread's on the same CPU (a preemptible "
@@ -149,6 +157,8 @@ def _page_lines(p: PageSummary) -> list[str]:
     lines = [
         f"pages: {st.applied} mmap/munmap/mremap/brk calls applied ({st.failed} failed); mapped "
         f"{p.mapped} B at the end, {p.peak_mapped} B at the peak"
+        + (f" (at the end, {st.mapped_over_bytes} B of pages mapped over with MAP_FIXED, which Massif still "
+           "counts)" if st.mapped_over_bytes else "")
     ]
     if kc.dropped:
         lines.append(

@@ -20,12 +20,12 @@ from pathlib import Path
 import psutil
 
 from agent.errors import HeapscopeError, TargetConflict
-from agent.export.malt import check_consistency, symbolizer_resolver
 from agent.export.pprof import PprofContext
 from agent.export.registry import BY_NAME, FORMATS, MaltDocument, OutputFormat
 from agent.kernel.frozen import FrozenProbes
 from agent.kernel.probes import PAGE_RING_BYTES, SAMPLED_PAGE_RING_BYTES, HeapProbes, ProbeSettings
 from agent.model.counters import Counters
+from agent.model.malt import check_consistency
 from agent.model.memline import MemoryLine, MemoryPoint
 from agent.model.options import MAX_WALKED_FRAMES, MassifOptions
 from agent.model.pages import PageTotals
@@ -88,6 +88,7 @@ class ProfileSettings:
             page_ring_bytes=SAMPLED_PAGE_RING_BYTES if self.mode.sampled else PAGE_RING_BYTES,
             stacks=o.stacks,
             schedule_ns=o.time_unit == "ms",  # the snapshot schedule's clock
+            ignore=bool(o.ignore_fns) and not self.mode.sampled,  # exact mode's reallocs of ignored blocks
         )
 
     def outputs(self) -> list[tuple[OutputFormat, str]]:
@@ -238,7 +239,7 @@ class Profile:
                     if session.recorder is not None:  # built while the maps are open: readable after the end
                         self._malt_final = MaltDocument(
                             session.malt_profile(alloc_points, p.allocator.path),
-                            symbolizer_resolver(session.symbolizer, session.maps.mappings),
+                            session.symbolizer.resolver(session.maps.mappings),
                         )
                         for problem in check_consistency(self._malt_final.profile):
                             self.say(f"MALT profile inconsistent (concurrent updates in the kernel?): {problem}")
@@ -428,7 +429,7 @@ class Profile:
         points = s.live.points if s.live is not None else ()
         with self.lock:
             profile = s.malt_profile(points, self.process.allocator.path)
-        return MaltDocument(profile, symbolizer_resolver(s.symbolizer, s.maps.mappings))
+        return MaltDocument(profile, s.symbolizer.resolver(s.maps.mappings))
 
     def summary(self) -> ProfileSummary:
         s = self._session()

@@ -18,8 +18,19 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from agent.kernel.probes import EV_EXEC, EV_EXIT, EV_PAGES, EV_SCHEDULE, SCHED_PEAK, HeapProbes, SiteReader
+from agent.kernel.probes import (
+    EV_EXEC,
+    EV_EXIT,
+    EV_PAGES,
+    EV_SCHEDULE,
+    EV_SITES,
+    EV_SNAP_LOG,
+    SCHED_PEAK,
+    HeapProbes,
+    SiteReader,
+)
 from agent.model.counters import Counters
+from agent.model.maps import parse_maps_full
 from agent.model.options import MassifOptions
 from agent.model.pages import (
     PAGE_SIZE,
@@ -28,9 +39,9 @@ from agent.model.pages import (
     PageAccount,
     PageMap,
     PageTotals,
-    parse_maps_full,
     parse_start_brk,
 )
+from agent.model.pageschedule import PageSchedule
 from agent.model.profile import (
     HEAP_ROOT_LABEL,
     PAGES_ROOT_LABEL,
@@ -42,7 +53,7 @@ from agent.model.profile import (
     SnapshotSeries,
     Stack,
 )
-from agent.model.schedule import PointFeed
+from agent.model.schedule import PointFeed, SiteLog, SiteValues
 from agent.model.summary import PageSummary, ProfileSummary, ScheduleSummary
 from agent.process.maps import MapsRecorder
 from agent.session.sites import Ignored, SiteTrees
@@ -52,7 +63,7 @@ from agent.store.format import COUNTER_FIELDS
 from agent.symbols.symbolizer import Symbolizer
 
 if TYPE_CHECKING:
-    from agent.export.malt import MaltProfile
+    from agent.model.malt import MaltProfile
     from agent.process.discovery import ProbePoint
     from agent.symbols.unwind import UnwindTable
 
@@ -136,6 +147,8 @@ class Session:
         self.time_offset_b = 0  # --time-unit=B: where this session's clock starts (a profile continued)
         self._ended_ns: int | None = None  # when run() stopped sampling
         self.end_counters: Counters | None = None
+        self._end_ignored: tuple[Ignored, Ignored] | None = None  # --ignore-fn: left out at the peak, at the end
+        self.final: Snapshot | None = None  # the state at the end, with its tree (finish)
         self._sites_seen = 0  # the kernel's n_sites when the sites were last symbolized
         self._sites_frozen = -1  # the kernel's n_sites when the long-lived objects were last frozen (gc.freeze)
         self.pages: PageAccount | None = None  # the page map, when the probes trace page syscalls
@@ -146,6 +159,12 @@ class Session:
         # (agent.model.schedule). With --pages-as-heap=yes the heap is the page map's, and the ticks sample it.
         self.points: PointFeed | None = None
         self._steered_cullings = 0  # the series' cullings when the kernel was last given a due time
+        # The kernel's snapshot log, read so far, and what became of the trees it was read for.
+        self.log = SiteLog()
+        self._log_lost = 0  # the kernel's snap_lost when last read
+        self._lost_before = 0  # the points numbered below this may miss records the log lost
+        self.trees_at_instant = 0  # detailed and peak snapshots given the tree of their own instant
+        self.trees_missed = 0  # of which the log had lost records: a later tick's tree, or none
         if not opts.pages_as_heap:
             self.points = PointFeed(self.series, self._point_time, peak_kind=SCHED_PEAK)
             probes.start_schedule(self.start_ns, opts.max_snapshots, opts.peak_inaccuracy)
@@ -272,7 +291,19 @@ class Session:
                     start_brk = parse_start_brk(f.read())
             except OSError:  # the target is gone: nothing to seed
                 return
-            self.pages = PageAccount(PageMap.from_maps(parse_maps_full(maps_text), start_brk=start_brk))
+            massif = self.opts.pages_as_heap  # the profile is of pages: Massif's own counting of them
+            pm = PageMap.from_maps(parse_maps_full(maps_text), start_brk=start_brk, massif=massif)
+            self.pages = PageAccount(pm)
+            if massif:
+                # Massif's snapshots at the events, its clock counting the mappings there at the start as its
+                # startup records; the first snapshot is their state.
+                b_unit = self.opts.time_unit == "B"
+                schedule = PageSchedule(
+                    self.series, self.opts.peak_inaccuracy, lambda b, ns: b if b_unit else self._point_time(ns)
+                )
+                self.pages.schedule = schedule
+                self.pages.time_b = self.pages.peak_time_b = pm.total
+                schedule.after(pm.total, time.monotonic_ns(), pm.total, pm.live_by_site)
 
     # ---- sampling ---------------------------------------------------------------------------------
 
@@ -284,8 +315,58 @@ class Session:
             self._steer()
 
     def _take_points(self) -> None:
+        """Record the points sent so far, and give each detailed one (and each peak) the tree of its instant."""
         if self.points is not None and self.live is not None and not self.series.finished:
             self.points.feed(self.live.schedule_points(), self.stack_bytes)
+            self._give_trees()
+
+    def take_log(self) -> None:
+        """Read the kernel's snapshot log into memory (its ring is half full), keeping only what points still to
+        be read can need."""
+        with self._lock:
+            if self.live is not None:
+                self.log.add(self.live.snapshot_log())
+                if self.points is not None:
+                    self.log.forget(self.points.next_epoch)
+
+    def _give_trees(self) -> None:
+        """The trees owed to the points just recorded, each rebuilt at its point's instant from the sites read now
+        and the snapshot log read after them (agent.model.schedule.SiteLog). Should the log have lost records
+        meanwhile, the trees cannot be had: the latest point takes the state now with its tree instead, as a
+        tick's sample would, and the others stay without one (counted)."""
+        assert self.points is not None and self.live is not None
+        owed = self.points.take_owed()
+        p = self.probes
+        n = p.site_count() if owed else 0
+        now = SiteValues(
+            p.site_column("cur_bytes", n, signed=True),
+            p.site_column("cur_extra", n, signed=True),
+            p.site_column("tot_blocks", n),
+        )
+        self.log.add(self.live.snapshot_log())  # after the sites: every change they show has its record
+        c = p.counters()
+        if c.snap_lost != self._log_lost:  # a record lost now is of a change after a point numbered below this
+            self._log_lost, self._lost_before = c.snap_lost, c.sched_points
+        missed = [snap for snap, epoch in owed if epoch < self._lost_before]
+        if missed:
+            self._miss_trees(missed)
+            owed = [(snap, epoch) for snap, epoch in owed if epoch >= self._lost_before]
+        if owed:
+            values = self.log.values_at([epoch for _, epoch in owed], now)
+            for snap, epoch in owed:
+                at = values[epoch]
+                tree, ign = self.sites.site_tree(p, n, at.bytes, at.extra.copy, allocated=at.allocs)
+                self.series.give_tree(snap, tree, ign.heap, ign.extra)
+            self.trees_at_instant += len(owed)
+        self.log.forget(self.points.next_epoch)
+
+    def _miss_trees(self, snaps: Sequence[Snapshot]) -> None:
+        c = self.counters()
+        tree, ign = self.live_tree()
+        t = max(self.now(c), self.series.latest_time or 0)
+        for snap in snaps:
+            self.series.tree_missed(snap, t, c.heap - ign.heap, c.extra - ign.extra, self.stack_bytes, tree)
+        self.trees_missed += len(snaps)
 
     def _steer(self, c: Counters | None = None) -> None:
         """Tell the kernel the series' interval and its next culling; after a culling, also when the next point
@@ -305,25 +386,34 @@ class Session:
         self.live.set_schedule(k.interval, k.cull_at, due)
 
     def sample(self) -> None:
-        """One tick: record the kernel's schedule points, then what the tick itself adds: the first snapshot, an
-        owed tree (see SnapshotSeries.give_tree); with --pages-as-heap=yes, a snapshot if the schedule wants
-        one."""
+        """One tick: record the kernel's schedule points (and their trees), then what the tick itself adds: the
+        first snapshot; with --pages-as-heap=yes, a snapshot if the schedule wants one."""
         with self._lock:
-            self._take_points()  # before the counters: the tick's state is then no earlier than any point
-            # The tick's time is the clock before the counters are read, not after the work below: a point sent
-            # meanwhile is then later than the tick (and not counted in c, so no tree is paid over it).
-            read_ns = time.monotonic_ns()
-            c = self.counters()
+            # The stacks' deepest since the last tick, when the points read now were sent.
             if self.opts.stacks and self.live is not None:
                 self.stack_bytes = self.live.stack_bytes()
+            self._take_points()  # before the counters: the tick's state is then no earlier than any point
+            # The tick's time is the clock before the counters are read, not after the work below: a point sent
+            # meanwhile is then later than the tick (and not counted in c).
+            read_ns = time.monotonic_ns()
+            c = self.counters()
             if self.recorder is not None:
                 self.recorder.sample(c, mapped=self.pages.total if self.pages is not None else None)
             t = self.now(c, read_ns)
             if self.series.finished or (self.series.snapshots and t < self.series.snapshots[-1].time):
                 return
-            # With the kernel's schedule a tick only takes the first snapshot and pays owed trees.
-            kernel_scheduled = self.points is not None and len(self.series) > 0
-            built = self._pay_tree(c, t) if kernel_scheduled else self._tick_snapshot(c, t)
+            # With the kernel's schedule a tick only takes the first snapshot; with the page events' (or before
+            # the page map is seeded at the exec), not even that.
+            if (
+                (self.points is not None and len(self.series) > 0)
+                or self._page_scheduled()
+                or (self.opts.pages_as_heap and self.pages is None)
+            ):
+                self._give_page_trees()
+                built = False
+                self._symbolize_sites(c)
+            else:
+                built = self._tick_snapshot(c, t)
             self._steer(c)
             new_sites = built and c.n_sites != self._sites_frozen
             if new_sites:
@@ -352,19 +442,6 @@ class Session:
         self.series.add(t, c.heap - ignored.heap, c.extra - ignored.extra, self.stack_bytes, tree)
         return True
 
-    def _pay_tree(self, c: Counters, t: int) -> bool:
-        """Kernel schedule, at a tick: when the detailed frequency fell on a point, the state now with its tree
-        takes the place of the latest point; else new stacks are only symbolized. True when a tree was built.
-        Only when the kernel has sent no point since they were read: the state now is then less than an interval
-        after the latest point (else the kernel would have sent one), and no point is left behind it."""
-        assert self.points is not None
-        if not self.series.tree_owed or c.sched_points != self.points.n_points:
-            self._symbolize_sites(c)
-            return False
-        tree, ignored = self.live_tree()
-        self.series.give_tree(t, c.heap - ignored.heap, c.extra - ignored.extra, self.stack_bytes, tree)
-        return True
-
     def _symbolize_sites(self, c: Counters) -> None:
         # Stacks are symbolized as they appear, while the target's mappings are readable; the sites are looked
         # at only when the kernel has handed out new site ids since the last look.
@@ -390,9 +467,17 @@ class Session:
             stopped = live.stopped()
             if EV_SCHEDULE in events or stopped == EV_SCHEDULE:
                 self.take_points()  # the series culls: the kernel waits for its new interval
-            if EV_PAGES in events:
-                self.update_pages()  # the page events' ring is half full: drain it before it overflows
-            if any(e not in (EV_SCHEDULE, EV_PAGES) for e in events) or stopped not in (0, EV_SCHEDULE):
+            if EV_PAGES in events or stopped:
+                # the page events' ring is half full; or the target waits (`run`: from 3/4 full, the kernel stops
+                # it; its stop word may name another reason since): drain before it goes on
+                self.update_pages()
+            if EV_SNAP_LOG in events:
+                self.take_log()  # so is the snapshot log's
+            if EV_SITES in events or stopped:
+                # --ignore-fn: a call from a new stack waits for its site's flag (its stop word may name another
+                # reason since); the target goes on below
+                self.flag_sites()
+            if any(e not in (EV_SCHEDULE, EV_PAGES, EV_SNAP_LOG) for e in events) or stopped not in (0, EV_SCHEDULE):
                 self._catch_up(live, events)
             elif stopped == EV_SCHEDULE:
                 live.resume()
@@ -411,6 +496,7 @@ class Session:
                     mapped_at = calls
                     self.sync_mappings()
                 self.sample()
+                self.flag_sites()
         self._ended_ns = time.monotonic_ns()  # the final snapshot's time: not after the detach's seconds
 
     def exec_ended(self) -> bool:
@@ -442,7 +528,10 @@ class Session:
             self.live.publish_unwind(self.tables.entries(self.maps.current))
 
     def finish(self) -> None:
-        """The target exited or the profile ends: add the peak and the final state."""
+        """The target exited or the profile ends. On the kernel's schedule the series ends as Massif's does, at its
+        last snapshot (Massif adds none at exit, nor an exact peak); sampled at ticks, the exact peak and the final
+        state are added. Either way the final state, with its tree, is kept (`final`: the monitor commands'
+        snapshot of an ended profile, the summary's end)."""
         with self._lock:
             if self.series.finished:
                 return
@@ -451,16 +540,26 @@ class Session:
             self.end_counters = c
             if self.recorder is not None:  # the timelines end with the final state
                 self.recorder.sample(c, mapped=self.pages.total if self.pages is not None else None)
-            if c.peak_total > 0:
+            self._give_page_trees()
+            # No earlier than any snapshot: the peak just set, or a tick's later state, may be after the clock
+            # stopped (a sampled target allocates on until its sampler is disarmed).
+            if self.points is None and c.peak_total > 0 and not self._page_scheduled():
                 peak_tree, ign = self.peak_tree(c.peak_gen)
                 self.series.set_peak(
                     self.peak_time(c), c.peak_heap - ign.heap, c.peak_extra - ign.extra, self.stack_bytes, peak_tree
                 )
-            # No earlier than any snapshot: the peak just set, or a paid tree's later time, may be after the clock
-            # stopped (a sampled target allocates on until its sampler is disarmed).
             t_end = max(self.now(c), self.series.latest_time or 0)
             tree, ign = self.live_tree()
-            self.series.finish(t_end, c.heap - ign.heap, c.extra - ign.extra, self.stack_bytes, tree)
+            self.final = Snapshot(
+                t_end, c.heap - ign.heap, c.extra - ign.extra, self.stack_bytes, tree, SnapshotKind.DETAILED
+            )
+            if self.points is None and not self._page_scheduled():
+                self.series.finish(t_end, c.heap - ign.heap, c.extra - ign.extra, self.stack_bytes, tree)
+            else:
+                self.series.close()
+            if self.opts.ignore_fns:  # the summary leaves them out too
+                peak_ign = self.peak_tree(c.peak_gen)[1] if c.peak_total > 0 else Ignored()
+                self._end_ignored = (peak_ign, ign)
 
     def freeze(self, copy: SiteReader) -> None:
         """The probes are about to be unloaded: read `copy` of their maps from now on."""
@@ -470,8 +569,45 @@ class Session:
 
     # ---- what the profile says --------------------------------------------------------------------
 
+    def _page_scheduled(self) -> bool:
+        """--pages-as-heap=yes: the page events take Massif's snapshots (agent.model.pageschedule)."""
+        return self.pages is not None and self.pages.schedule is not None
+
+    def _give_page_trees(self) -> None:
+        """--pages-as-heap=yes: the trees of the snapshots the page events took, each of its own instant (under the
+        session lock)."""
+        if self.pages is None or self.pages.schedule is None:
+            return
+        with self._pages_lock:
+            owed = self.pages.schedule.take_owed()
+        for snap, live in owed:
+            sites = {site: SiteCounts(cur_bytes=b, tot_blocks=1) for site, b in live.items()}
+            tree, ign = self.sites.page_tree(self.probes, sites, at_peak=False)
+            with self._pages_lock:
+                self.series.give_tree(snap, tree, ign.heap)
+
+    def flag_sites(self) -> None:
+        """--ignore-fn: tell the kernel which of the new sites are ignored (their blocks, and reallocs of them,
+        are not counted: probes/heap.bpf.c record_alloc, record_realloc)."""
+        if self.live is None or not self.live.settings.ignore:
+            return
+        with self._lock:
+            flags = self.sites.new_flags(self.probes)
+        self.live.set_site_flags(flags)
+
     def summary(self) -> ProfileSummary:
         c = self.end_counters or self.counters()
+        if self._end_ignored is not None:  # the profile's figures: --ignore-fn's blocks left out
+            at_peak, at_end = self._end_ignored
+            c = replace(
+                c,
+                heap=c.heap - at_end.heap,
+                extra=c.extra - at_end.extra,
+                blocks=c.blocks - at_end.blocks,
+                peak_heap=c.peak_heap - at_peak.heap,
+                peak_extra=c.peak_extra - at_peak.extra,
+                peak_total=c.peak_total - at_peak.heap - at_peak.extra,
+            )
         pages = None
         if self.pages is not None:
             pm = self.pages.map
@@ -482,7 +618,10 @@ class Session:
         schedule = None
         if self.points is not None:
             st = self.series
-            schedule = ScheduleSummary(st.n_taken, st.n_peaks_taken, st.n_cullings, len(st), self.points.n_late)
+            schedule = ScheduleSummary(
+                st.n_taken, st.n_peaks_taken, st.n_cullings, len(st), self.points.n_late, self.trees_at_instant,
+                self.trees_missed,
+            )
         return ProfileSummary(c, pages, unwind, schedule)
 
     def page_totals(self) -> PageTotals | None:
@@ -502,8 +641,8 @@ class Session:
         """A snapshot taken now (Massif's monitor commands `snapshot` and `detailed_snapshot`); once the profile
         has ended, its final state. Its tree stays valid: it is read without the lock."""
         with self._lock:
-            if self.series.finished:
-                last = self.series.snapshots[-1]
+            if self.final is not None:
+                last = self.final
                 if detailed:
                     return last
                 return Snapshot(last.time, last.heap_B, last.heap_extra_B, last.stacks_B, None, SnapshotKind.NORMAL)

@@ -29,10 +29,11 @@ _COUNTER_NAMES = ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_b
 
 @dataclass
 class Ignored:
-    """Bytes of --ignore-fn allocations, taken off the snapshot totals."""
+    """Bytes of --ignore-fn allocations, taken off the snapshot totals (and their live blocks, when read)."""
 
     heap: int = 0
     extra: int = 0
+    blocks: int = 0
 
 
 class SiteTrees:
@@ -65,6 +66,9 @@ class SiteTrees:
         # --pages-as-heap=yes: the page map's sites (a dict, with PRE_EXISTING_SITE) have an index of their own
         self._page_index = StackIndex(root_label)
         self._page_stack: dict[int, int] = {}  # page site -> its stack's number in _page_index, or _IGNORED/_NO_FRAME
+        # --ignore-fn: the kernel's flags (new_flags): ids from 1 up are flagged below this, but those waiting
+        self._flag_next = 1
+        self._flag_waiting: list[int] = []  # ids handed out whose stack the kernel had not stored yet
 
     # ---- symbols ----------------------------------------------------------------------------------
 
@@ -102,6 +106,21 @@ class SiteTrees:
     def _ignored(self, stack: Stack) -> bool:
         """--ignore-fn: the allocation was made directly in an ignored function."""
         return bool(stack) and stack[0].function in self._ignore_fns if self._ignore_fns else False
+
+    def new_flags(self, probes: SiteReader) -> dict[int, bool]:
+        """--ignore-fn: whether each site not flagged yet is ignored, for the kernel's reallocs (Massif's rule
+        needs it at the call: probes/heap.bpf.c record_realloc). A site whose stack the kernel has not stored yet
+        (another thread is still walking it) waits for the next call."""
+        n = probes.site_count()
+        candidates = self._flag_waiting + list(range(self._flag_next, n))
+        self._flag_next = max(self._flag_next, n)
+        if not candidates:
+            return {}
+        raw = probes.stacks(candidates)
+        ready = [k for k in candidates if raw.get(k)]
+        self._flag_waiting = [k for k in candidates if not raw.get(k)]
+        self.symbolize_new(probes, ready)
+        return {k: self._ignored(self.trimmed(k)) for k in ready}
 
     # ---- the heap tree ----------------------------------------------------------------------------
 
@@ -145,21 +164,37 @@ class SiteTrees:
         return index.add(stack)
 
     def site_tree(
-        self, probes: SiteReader, count: int, nbytes: list[int], extra: Callable[[], list[int]]
+        self,
+        probes: SiteReader,
+        count: int,
+        nbytes: list[int],
+        extra: Callable[[], list[int]],
+        blocks: Callable[[], list[int]] | None = None,
+        allocated: list[int] | None = None,
     ) -> tuple[IndexedTree, Ignored]:
         """The heap tree of `nbytes` per site (sites whose trimmed stacks are equal add up), and what
-        --ignore-fn left out of it (`extra` gives the sites' extra bytes)."""
+        --ignore-fn left out of it (`extra` gives the sites' extra bytes, `blocks` their live blocks).
+        `allocated`: the sites' allocation counts at the tree's instant, for a tree of an earlier one: the stacks
+        no site had allocated from by then are left out (else every site taken so far has)."""
         self._take_sites(probes, count)
         # Mostly one site per stack: a C-speed gather, then the few sites that share a stack.
         per_stack = list(map(nbytes.__getitem__, self._first_keys))
         for key, number in self._more_keys:
             per_stack[number] += nbytes[key]
+        present = None
+        if allocated is not None:
+            present = [allocated[k] != 0 for k in self._first_keys]
+            for key, number in self._more_keys:
+                present[number] = present[number] or allocated[key] != 0
         ignored = Ignored()
         if self._ignored_keys:
             extras = extra()
             ignored.heap = sum(nbytes[k] for k in self._ignored_keys)
             ignored.extra = sum(extras[k] for k in self._ignored_keys)
-        return self._index.tree(per_stack), ignored
+            if blocks is not None:
+                live = blocks()
+                ignored.blocks = sum(live[k] for k in self._ignored_keys)
+        return self._index.tree(per_stack, present), ignored
 
     # The trees read byte counts as signed: a count seen below zero by a racy read counts as 0, as in HeapTree.
 
@@ -171,6 +206,7 @@ class SiteTrees:
             n,
             probes.site_column("cur_bytes", n, signed=True),
             lambda: probes.site_column("cur_extra", n, signed=True),
+            lambda: probes.site_column("cur_blocks", n, signed=True),
         )
 
     def peak_tree(self, probes: SiteReader, peak_gen: int) -> tuple[IndexedTree, Ignored]:

@@ -29,7 +29,7 @@ from agent.kernel.probes import SCHED_PEAK, HeapProbes, ProbeSettings
 from agent.model.options import MAX_WALKED_FRAMES
 from agent.process.discovery import allocator_of_process
 from agent.process.sampler import build_sampler
-from tests.integration.test_sampled_probes import sampler_points
+from tests.support.sampler_probes import sampler_points
 
 pytestmark = pytest.mark.integration
 
@@ -130,7 +130,8 @@ def test_every_program_loads_and_counts(
     normal = [p for p in sched if p[3] != SCHED_PEAK]
     peaks = [p for p in sched if p[3] == SCHED_PEAK]
     assert len(normal) == ALLOCS + TRACKED_FREES
-    assert [heap for _, heap, _, _ in normal][-1] == SITE_BYTES
+    assert [heap for _, heap, _, _, _ in normal][-1] == SITE_BYTES
     assert len(peaks) == 1 and peaks[0][1] == SITE_BYTES + 3333  # before the target's one tracked free
-    times = [t for t, _, _, _ in sched]
+    times = [t for t, _, _, _, _ in sched]
     assert times == sorted(times)
+    assert [epoch for *_, epoch in sched] == list(range(len(sched)))  # numbered from 0: the snapshot log's epochs

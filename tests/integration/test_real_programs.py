@@ -13,7 +13,8 @@ its own (Debian's wrapper: LD_LIBRARY_PATH=/usr/lib/debug, GLIBCXX_FORCE_NEW, GL
 LD_PRELOAD, PWD): the native run gets the same names, with the same values but LD_PRELOAD's (empty there),
 since a program that copies its environment (python3's os.environ) allocates by their number.
 
-The peak tree and the final tree are compared as bytes per path of `function (file:line)` labels
+The peak tree, the final tree and every detailed tree both files kept (kept_by_both: both tools cull these
+programs' thousands of calls, each its own set) are compared as bytes per path of `function (file:line)` labels
 (tests/integration/test_oracle.py), strictly, with one rewriting of Massif's side, named and bounded here:
 
 Valgrind's unwinder, once past a process's entry point (the loader's start code, or `_start` in the executable,
@@ -26,6 +27,7 @@ frame they follow must be in the executable or the loader.
 
 from __future__ import annotations
 
+import bisect
 import os
 import subprocess
 from collections.abc import Callable
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import ORACLE_OPTIONS, RUN_TIMEOUT, Completed, unavailable
+from tests.integration.harness import ORACLE_OPTIONS, RUN_TIMEOUT, Completed
 from tests.integration.test_oracle import (
     NO_CULL,
     Paths,
@@ -45,6 +47,7 @@ from tests.integration.test_oracle import (
     reference_peak,
 )
 from tests.integration.test_schedule_massif import counts_line, heapscope_schedule, massif_schedule, near
+from tests.support.capability import unavailable
 from tests.support.massif_reader import parse_massif
 
 pytestmark = pytest.mark.integration
@@ -182,6 +185,69 @@ def test_peak_tree(outcome: Runs) -> None:
     assert got == ref, "peak trees differ (bytes per path):\n" + _diff(ref, got)
     assert got_peak.heap_B == ref_peak.heap_B
     assert len(got) > 20, "a real program's peak should have more to compare than this"
+
+
+def kept_by_both(ref: list[Snap], got: list[Snap]) -> list[tuple[int, Snap, Snap]]:
+    """The snapshots both files kept, paired (with Massif's index). Both series are taken at the same calls, but
+    a real program calls the allocator thousands of times, so both tools cull, and the B clocks drift apart
+    (Valgrind's allocator pads some reused blocks more than the size model says): each file keeps a set of its
+    own. A call's state has the same useful bytes and kind in both, at times that differ by the drift, which
+    moves one way only (Valgrind's slop is never below the model's, or never above).
+
+    So: anchors first, states whose useful bytes no other snapshot of either file has within 2% of their time,
+    kept as the longest chain that runs forward in both files with the drift moving one way; then each of
+    Massif's snapshots is paired with heapscope's that has its useful bytes and kind within the drift of the
+    anchors around it, when exactly one does (else it is left out, counted by the caller)."""
+    by_key: tuple[dict[tuple[int, str], list[int]], dict[tuple[int, str], list[int]]] = ({}, {})
+    for table, snaps in zip(by_key, (ref, got), strict=True):
+        for k, x in enumerate(snaps):
+            table.setdefault((x.heap_B, x.kind), []).append(k)
+
+    def within(snaps: list[Snap], table: dict[tuple[int, str], list[int]], r: Snap, lo: int, hi: int) -> list[int]:
+        return [k for k in table.get((r.heap_B, r.kind), []) if lo <= snaps[k].time <= hi]
+
+    anchors = []
+    for i, r in enumerate(ref):
+        w = r.time // 50 + 4096
+        gs = within(got, by_key[1], r, r.time - w, r.time + w)
+        if len(gs) == 1 and len(within(ref, by_key[0], r, r.time - 2 * w, r.time + 2 * w)) == 1:
+            anchors.append((i, gs[0], got[gs[0]].time - r.time))
+    chain: list[tuple[int, int, int]] = []
+    for sign in (1, -1):
+        length, prev = [1] * len(anchors), [-1] * len(anchors)
+        for b, (_, jb, ob) in enumerate(anchors):
+            for a in range(b):
+                _, ja, oa = anchors[a]
+                if ja < jb and sign * (ob - oa) >= 0 and length[a] + 1 > length[b]:
+                    length[b], prev[b] = length[a] + 1, a
+        b = max(range(len(anchors)), key=length.__getitem__, default=-1)
+        run = []
+        while b >= 0:
+            run.append(anchors[b])
+            b = prev[b]
+        if len(run) > len(chain):
+            chain = run[::-1]
+    at = [ref[i].time for i, _, _ in chain]
+    pairs = []
+    for i, r in enumerate(ref):
+        p = bisect.bisect_right(at, r.time)
+        lo, hi = sorted((chain[max(p - 1, 0)][2], chain[min(p, len(chain) - 1)][2]))
+        gs = within(got, by_key[1], r, r.time + lo - 64, r.time + hi + 64)
+        if len(gs) == 1:
+            pairs.append((i, r, got[gs[0]]))
+    return pairs
+
+
+def test_every_detailed_tree(outcome: Runs) -> None:
+    """Every detailed snapshot both tools kept (--detailed-freq=1: all of them), each at its own instant: the same
+    tree, strictly (see kept_by_both for which ones both kept)."""
+    pairs = kept_by_both(outcome.ref, outcome.got)
+    # Most are paired: the others were culled from one file, or share their useful bytes with a neighbour.
+    assert len(pairs) > len(outcome.ref) // 2, f"{len(pairs)} paired of {len(outcome.ref)} and {len(outcome.got)}"
+    for i, r, g in pairs:
+        where = f"Massif's snapshot {i} (time {r.time}; heapscope's {g.time})"
+        rt, gt = without_walk_past_entry(r.tree), without_walk_past_entry(g.tree)
+        assert gt == rt, f"{where}: trees differ (bytes per path):\n" + _diff(rt, gt)
 
 
 def test_final_tree(outcome: Runs) -> None:

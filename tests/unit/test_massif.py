@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +21,6 @@ from tests.support.massif_reader import (
     paths,
     read_massif,
     stacks_from_tree,
-)
-
-needs_ms_print = pytest.mark.skipif(shutil.which("ms_print") is None, reason="needs ms_print")
-needs_valgrind = pytest.mark.skipif(
-    shutil.which("valgrind") is None or shutil.which("gcc") is None, reason="needs valgrind and gcc"
 )
 
 MAIN20 = Frame(0x10918A, "main", "ex.c", 20)
@@ -163,20 +157,28 @@ def test_reader_rejects_what_the_visualizer_rejects() -> None:
     parse_massif(good.replace("cmd: ", "cmd:  ", 1), strict=False)  # ms_print itself tolerates that one
 
 
-def test_node_never_exceeds_total_even_from_an_inconsistent_tree(tmp_path: Path) -> None:
+def inconsistent_tree() -> tuple[HeapTree, str]:
+    """A corrupted tree (a child far bigger than the root) after a snapshot of negative sizes, and its file."""
     tree = HeapTree.from_stacks(PEAK_STACKS)
-    tree.children[G5.label].bytes = 10**9  # a corrupted tree: a child far bigger than the root
+    tree.children[G5.label].bytes = 10**9
     snap = Snapshot(1, -5, -3, 0, None, SnapshotKind.NORMAL)
-    text = write([snap, Snapshot(2, 1, 0, 0, tree, SnapshotKind.DETAILED)], threshold=0.0)
+    return tree, write([snap, Snapshot(2, 1, 0, 0, tree, SnapshotKind.DETAILED)], threshold=0.0)
+
+
+def test_node_never_exceeds_total_even_from_an_inconsistent_tree() -> None:
+    tree, text = inconsistent_tree()
     parsed = parse_massif(text)  # strict: checks node <= total
     assert parsed.snapshots[0].heap_B == 0 and parsed.snapshots[0].heap_extra_B == 0
     detailed = parsed.snapshots[1]
     assert detailed.tree is not None and detailed.heap_B == tree.total
     assert max(n.bytes for n in detailed.tree.walk()) == tree.total
-    if shutil.which("ms_print"):
-        path = tmp_path / "m.out"
-        path.write_text(text)
-        ms_print(path)
+
+
+@pytest.mark.needs("ms_print")
+def test_ms_print_reads_the_file_of_an_inconsistent_tree(tmp_path: Path) -> None:
+    path = tmp_path / "m.out"
+    path.write_text(inconsistent_tree()[1])
+    ms_print(path)
 
 
 def test_render_snapshot_is_a_whole_file() -> None:
@@ -193,7 +195,7 @@ def test_render_snapshot_is_a_whole_file() -> None:
     assert parse_massif(plain).snapshots[0].heap_tree == "empty"
 
 
-@needs_ms_print
+@pytest.mark.needs("ms_print")
 def test_ms_print_reads_it_and_reports_the_sites(tmp_path: Path) -> None:
     path = tmp_path / "massif.out"
     path.write_text(write(example_series(), threshold=1.0))
@@ -209,7 +211,7 @@ def test_ms_print_reads_it_and_reports_the_sites(tmp_path: Path) -> None:
     assert "in 1+ places, all below ms_print's threshold (01.00%)" in out
 
 
-@needs_ms_print
+@pytest.mark.needs("ms_print")
 @pytest.mark.parametrize(("unit", "column"), [("i", "time(i)"), ("ms", "time(ms)"), ("B", "time(B)")])
 def test_ms_print_time_units(tmp_path: Path, unit: str, column: str) -> None:
     path = tmp_path / "massif.out"
@@ -217,7 +219,7 @@ def test_ms_print_time_units(tmp_path: Path, unit: str, column: str) -> None:
     assert column in ms_print(path)
 
 
-@needs_ms_print
+@pytest.mark.needs("ms_print")
 def test_ms_print_threshold_aggregation_line(tmp_path: Path) -> None:
     main = Frame(0x99, "main", "t.c", 1)
     stacks: dict[Stack, int] = {(Frame(0x10 + i, f"s{i}", "t.c", i + 2), main): b for i, b in enumerate([9000, 80, 60])}
@@ -230,7 +232,7 @@ def test_ms_print_threshold_aggregation_line(tmp_path: Path) -> None:
     assert "->90.00% (9,000B) 0x10: s0 (t.c:2)" in out
 
 
-@needs_valgrind
+@pytest.mark.needs("valgrind", "gcc")
 def test_reader_accepts_valgrinds_own_file(tmp_path: Path) -> None:
     src = tmp_path / "p.c"
     src.write_text(

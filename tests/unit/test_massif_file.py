@@ -4,7 +4,6 @@ parentheses, objects without debug info, the threshold aggregates) parse, and ba
 
 from __future__ import annotations
 
-import io
 import sys
 from pathlib import Path
 
@@ -13,27 +12,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.errors import UsageError
-from agent.export.massif import write_massif
 from agent.model.massif_file import MassifFileError, parse_label, parse_massif
-from agent.model.profile import Frame, HeapTree, Snapshot, SnapshotKind, Tree
+from agent.model.profile import Frame, SnapshotKind, Tree
 from tests.support import massif_reader
-
-MAIN = Frame(0x400100, "main", "prog.c", 50)
-
-
-def written() -> str:
-    stacks = {(Frame(0x401000 + 16 * i, f"fn{i}", "prog.c", 100 + i), MAIN): 100 * (i + 1) ** 2 for i in range(30)}
-    t1 = HeapTree.from_stacks(stacks)
-    t2 = HeapTree.from_stacks({k: v * 2 for k, v in stacks.items()})
-    snaps = [
-        Snapshot(0, 0, 0, 0, None, SnapshotKind.NORMAL),
-        Snapshot(10, t1.total, 240, 0, t1, SnapshotKind.DETAILED),
-        Snapshot(20, t2.total, 480, 0, t2, SnapshotKind.PEAK),
-        Snapshot(30, 77, 16, 0, None, SnapshotKind.NORMAL),
-    ]
-    out = io.StringIO()
-    write_massif(out, snaps, desc=["--threshold=1.0"], cmd="./prog a b", time_unit="ms", threshold=1.0)
-    return out.getvalue()
+from tests.support.massif_sample import sample_massif_out
 
 
 def label_paths(tree: Tree) -> dict[tuple[str, ...], int]:
@@ -52,7 +34,7 @@ def label_paths(tree: Tree) -> dict[tuple[str, ...], int]:
 
 
 def test_heapscope_files_read_back_to_the_same_snapshots_and_trees() -> None:
-    text = written()
+    text = sample_massif_out()
     mine = parse_massif(text)
     theirs = massif_reader.parse_massif(text)
     assert (mine.desc, mine.cmd, mine.time_unit) == ("--threshold=1.0", "./prog a b", "ms")

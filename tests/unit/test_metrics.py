@@ -3,7 +3,6 @@ bounded site cardinality, and a fresh build at every scrape."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from agent.export.metrics import HeapscopeCollector
 from agent.model.profile import SiteCounts
 from tests.support.fake_daemon import FakeManager, FakeTarget, frame, sample_sites
-
-needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (Debian: prometheus)")
 
 
 def scrape(manager: FakeManager, top: int = 10) -> str:
@@ -110,7 +107,7 @@ def test_no_targets() -> None:
     assert value(text, "heapscope_targets") == 0
 
 
-@needs_promtool
+@pytest.mark.needs("promtool")
 def test_promtool_accepts_the_exposition() -> None:
     odd = {(frame(0x401000, 'op"er\\ator new\n', 3),): SiteCounts(cur_bytes=5, cur_blocks=1)}
     text = scrape(FakeManager([FakeTarget(pid=10), FakeTarget(pid=11, command="we ird\"", sites=odd)]))

@@ -7,7 +7,6 @@ them.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,33 +35,13 @@ from agent.model.profile import (
     trim_stack,
 )
 from tests.support.massif_reader import parse_massif, read_massif, stacks_from_tree
-
-needs_valgrind = pytest.mark.skipif(
-    shutil.which("valgrind") is None or shutil.which("gcc") is None, reason="needs valgrind and gcc"
-)
+from tests.support.valgrind import run_massif
 
 ALLOC = frozenset(MassifOptions().all_alloc_fns)
 
 
 def fr(addr: int, fn: str | None, file: str | None = None, line: int | None = None, inlined: bool = False) -> Frame:
     return Frame(addr, fn, file, line, inlined=inlined)
-
-
-def run_massif(tmp: Path, source: str, *options: str, name: str = "prog") -> Path:
-    """Compile `source` and run it under Massif; returns the massif.out path."""
-    exe = tmp / name
-    src = tmp / f"{name}.c"
-    src.write_text(source)
-    subprocess.run(["gcc", "-g", "-O0", "-o", str(exe), str(src)], check=True, capture_output=True)
-    out = tmp / f"{name}.massif.{abs(hash(options))}.out"
-    subprocess.run(
-        ["valgrind", "--tool=massif", f"--massif-out-file={out}", *options, str(exe)],
-        check=True,
-        capture_output=True,
-        cwd=tmp,
-        timeout=120,
-    )
-    return out
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -308,7 +287,7 @@ int main(void)
 """
 
 
-@needs_valgrind
+@pytest.mark.needs("valgrind", "gcc")
 @pytest.mark.parametrize("threshold", ["1.0", "5.0", "0.5"])
 def test_thresholded_trees_match_massif(tmp_path: Path, threshold: str) -> None:
     """Massif run twice on the same program: with --threshold=0 (the full trees, inverted into stacks) and
@@ -459,7 +438,7 @@ def _growth_sizes() -> list[int]:
     return [base[(i * 7) % len(base)] + (i % 5) for i in range(230)]
 
 
-@needs_valgrind
+@pytest.mark.needs("valgrind", "gcc")
 @pytest.mark.parametrize(
     ("freq", "max_snapshots", "admin", "alignment"),
     # Only --alignment=16 (the default) is modelled: with another alignment Valgrind's arena pads each block
@@ -507,7 +486,7 @@ def test_series_and_extra_heap_match_massif(
     assert got == want
 
 
-@needs_valgrind
+@pytest.mark.needs("valgrind", "gcc")
 def test_peak_snapshot_matches_massif_peak(tmp_path: Path) -> None:
     """The peak snapshot of the example program, given to the series and written out, gives Massif's peak
     record: same time, counters and tree."""

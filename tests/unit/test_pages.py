@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +20,8 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from agent.model.pages import (
-    ANON as ANON_PATH,
-)
+from agent.model.maps import ANON as ANON_PATH
+from agent.model.maps import MapsEntry, parse_maps_full
 from agent.model.pages import (
     MAP_FIXED,
     MREMAP_DONTUNMAP,
@@ -31,11 +29,9 @@ from agent.model.pages import (
     MREMAP_MAYMOVE,
     PAGE_SIZE,
     PRE_EXISTING_SITE,
-    MapsEntry,
     PageEvent,
     PageMap,
     page_up,
-    parse_maps_full,
     parse_start_brk,
     parse_start_stack,
 )
@@ -665,7 +661,7 @@ def _events_from_strace(lines: list[str]) -> list[PageEvent]:
     return out
 
 
-@pytest.mark.skipif(shutil.which("strace") is None or shutil.which("gcc") is None, reason="needs strace and gcc")
+@pytest.mark.needs("strace", "gcc")
 def test_replay_of_a_real_process_gives_its_proc_maps_page_by_page(tmp_path: Path) -> None:
     (tmp_path / "replay.c").write_text(REPLAY_C)
     exe = tmp_path / "replay"

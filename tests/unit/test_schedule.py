@@ -1,4 +1,5 @@
-"""The snapshot schedule's user-space side: SnapshotSeries' points, owed trees and peak points, and PointFeed.
+"""The snapshot schedule's user-space side: SnapshotSeries' points, their trees and peak points, PointFeed, and
+SiteLog, which rebuilds every site's value at any point from the kernel's snapshot log.
 
 The kernel's side (probes/heap.bpf.c schedule_check, schedule_peak_check) is modelled here by `KernelModel`, line
 for line in B: the due time, the peak level, the guess after a culling and the wake-up. The reference is Massif's
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.export.massif import write_massif
 from agent.model.profile import HeapTree, Snapshot, SnapshotKind, SnapshotSeries
-from agent.model.schedule import PointFeed
+from agent.model.schedule import PointFeed, SiteLog, SiteValues
 
 PEAK = 1  # the kind of a peak point (probes/heap.h HS_SCHED_PEAK)
 ADMIN = 8
@@ -96,7 +97,7 @@ class KernelModel:
     n_points: int = 0
     signalled: int = 0
     woken: bool = False
-    pending: list[tuple[int, int, int, int]] = field(default_factory=list)
+    pending: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.cull_at = self.max_snapshots - 1  # HeapProbes.start_schedule
@@ -110,7 +111,7 @@ class KernelModel:
         return max(self.interval, t // self.max_snapshots)
 
     def _send(self, point: tuple[int, int, int, int]) -> None:
-        self.pending.append(point)
+        self.pending.append((*point, self.n_points))  # numbered from 0 (its epoch)
         self.n_points += 1
 
     def event(self, e: Event) -> None:
@@ -124,7 +125,7 @@ class KernelModel:
             self.due = e.t_after + self._interval(e.t_after)
             self._send((e.t_after, e.heap_after, e.extra_after, 0))
 
-    def drain(self) -> list[tuple[int, int, int, int]]:
+    def drain(self) -> list[tuple[int, int, int, int, int]]:
         out, self.pending = self.pending, []
         return out
 
@@ -192,51 +193,76 @@ def test_points_drained_late_stay_close_and_exact(drain_every: int) -> None:
         assert (x.time, x.heap_B, x.heap_extra_B) in states
 
 
-def test_add_point_owes_the_tree_and_give_tree_pays_it_without_moving_the_schedule() -> None:
+def test_a_point_the_frequency_falls_on_is_detailed_with_its_tree_to_come() -> None:
+    """Massif's count: every detailed_freq-th snapshot is detailed, and the count starts again there. The point's
+    tree comes later (give_tree), the point's own time and totals stay; the tree's left-out bytes (--ignore-fn)
+    come off its totals."""
     s = SnapshotSeries(detailed_freq=3, max_snapshots=100)
     s.add(0, 0, 0, 0)
-    assert s.add_point(10, 1, 8, 0) is not None
-    assert not s.tree_owed
-    p = s.add_point(20, 2, 8, 0)  # the third: the frequency wants a tree, a point has none
-    assert p is not None and p.kind is SnapshotKind.NORMAL and p.tree is None
-    assert s.tree_owed and s.next_kind(30) is SnapshotKind.DETAILED
-    q = s.add_point(30, 3, 8, 0)  # still owed: the count does not move on
-    assert q is not None and s.tree_owed
-    paid = s.give_tree(35, 4, 8, 0, tree())
-    assert paid is not None and paid.kind is SnapshotKind.DETAILED and s.snapshots[-1] is paid
-    assert [x.time for x in s.snapshots] == [0, 10, 20, 35]  # the point at 30 gave its place
-    assert paid.scheduled_at == 30 and s.last_time == 30  # the schedule goes on from the point
-    assert not s.tree_owed and s.give_tree(36, 4, 8, 0, tree()) is None
-    with pytest.raises(ValueError, match="backwards"):
-        s.add_point(31, 5, 8, 0)  # after the replaced point, before the tree's time: the file would go back
-    assert s.latest_time == 35 and s.add_point(35, 5, 8, 0) is not None
+    a = s.add_point(10, 1, 8, 0)
+    assert a is not None and a.kind is SnapshotKind.NORMAL and not a.tree_pending
+    p = s.add_point(20, 2, 8, 0)  # the third
+    assert p is not None and p.kind is SnapshotKind.DETAILED and p.tree is None and p.tree_pending
+    q = s.add_point(30, 3, 8, 0)  # the count started again
+    assert q is not None and q.kind is SnapshotKind.NORMAL
+    s.give_tree(p, tree(), ignored_heap_B=1, ignored_extra_B=8)
+    assert p.tree is not None and not p.tree_pending and (p.time, p.heap_B, p.heap_extra_B) == (20, 1, 0)
+    assert [x.time for x in s.snapshots] == [0, 10, 20, 30]
+    r = s.add_point(40, 4, 8, 0)
+    assert r is not None and r.kind is SnapshotKind.NORMAL
+    assert s.add_point(50, 5, 8, 0) is not None and s.snapshots[-1].kind is SnapshotKind.DETAILED
 
 
-def test_a_point_read_after_a_paid_tree_with_a_later_state_is_counted_late_and_the_file_stays_in_order() -> None:
-    """The target's thread took a point's time in the kernel while the tick read the counters, and put the point
-    in the ring after the tick had paid the owed tree with its own, later, state."""
-    s = SnapshotSeries(detailed_freq=2, max_snapshots=100)
-    feed = PointFeed(s, to_time=lambda ns: ns // 1_000_000, peak_kind=PEAK)
+def test_a_missed_tree_takes_a_later_state_in_the_latest_points_place_and_is_dropped_elsewhere() -> None:
+    """The snapshot log lost records: the latest point gives its place to the state of the tick, with its tree,
+    and the schedule goes on from the point's time; an earlier one stays a normal snapshot; a peak stays the
+    peak."""
+    s = SnapshotSeries(detailed_freq=1, max_snapshots=100)
     s.add(0, 0, 0, 0, tree())
-    assert feed.feed([(10_000_000, 1, 8, 0), (20_000_000, 2, 8, 0)], 0) == 2 and s.tree_owed
-    assert s.give_tree(30, 3, 8, 0, tree()) is not None
-    assert feed.feed([(25_000_000, 9, 8, 0), (31_000_000, 4, 8, 0)], 0) == 1 and feed.n_late == 1
+    p = s.add_point(10, 1, 8, 0)
+    peak = s.add_peak_point(12, 2, 8, 0)
+    q = s.add_point(20, 1, 8, 0)
+    assert p is not None and q is not None and p.tree_pending and peak.tree_pending and q.tree_pending
+    assert s.tree_missed(p, 25, 3, 8, 0, tree()) is None
+    assert p.kind is SnapshotKind.NORMAL and p.tree is None and not p.tree_pending
+    assert s.tree_missed(peak, 25, 3, 8, 0, tree()) is None and peak.kind is SnapshotKind.PEAK
+    new = s.tree_missed(q, 25, 3, 8, 0, tree())
+    assert new is not None and new.kind is SnapshotKind.DETAILED and s.snapshots[-1] is new
+    assert (new.time, new.scheduled_at, s.last_time, s.latest_time) == (25, 20, 20, 25)
+    with pytest.raises(ValueError, match="backwards"):
+        s.add_point(21, 5, 8, 0)  # after the replaced point, before the tick's time: the file would go back
+    assert s.add_point(25, 5, 8, 0) is not None
+
+
+def test_a_point_read_after_a_missed_trees_later_state_is_counted_late_and_the_file_stays_in_order() -> None:
+    """The target's thread took a point's time in the kernel while the tick read the counters, and put the point
+    in the ring after a missed tree had been replaced by the tick's own, later, state."""
+    s = SnapshotSeries(detailed_freq=3, max_snapshots=100)
+    feed = PointFeed(s, to_time=lambda ns: ns // 1_000_000, peak_kind=PEAK)
+    s.add(0, 0, 0, 0)
+    assert feed.feed([(10_000_000, 1, 8, 0, 0), (20_000_000, 2, 8, 0, 1)], 0) == 2
+    [(owed, epoch)] = feed.take_owed()
+    assert owed.time == 20 and epoch == 1
+    assert s.tree_missed(owed, 30, 3, 8, 0, tree()) is not None
+    assert feed.feed([(25_000_000, 9, 8, 0, 2), (31_000_000, 4, 8, 0, 3)], 0) == 1 and feed.n_late == 1
     assert [x.time for x in s.snapshots] == [0, 10, 30, 31]
     out = io.StringIO()
     write_massif(out, s.snapshots, desc=[], cmd="t", time_unit="ms", threshold=1.0)  # raises if out of order
     assert out.getvalue().count("snapshot=") == 4
 
 
-def test_give_tree_pays_only_a_point_taken_while_owed() -> None:
-    s = SnapshotSeries(detailed_freq=1, max_snapshots=100)
-    assert s.give_tree(5, 1, 0, 0, tree()) is None  # nothing owed
-    s.add(0, 0, 0, 0, tree())
-    s.add_point(10, 1, 8, 0)
-    assert s.tree_owed
-    assert s.give_tree(9, 1, 8, 0, tree()) is None  # before the latest snapshot
-    s.add_peak_point(12, 2, 8, 0)  # a peak counts as detailed (Massif) and is not replaced
-    assert not s.tree_owed and s.give_tree(13, 2, 8, 0, tree()) is None
-
+def test_feed_owes_the_trees_of_detailed_and_peak_points_with_their_epochs() -> None:
+    s = SnapshotSeries(detailed_freq=2, max_snapshots=10)
+    feed = PointFeed(s, peak_kind=PEAK)
+    s.add(0, 0, 0, 0)
+    assert feed.feed([(10, 1, 0, 0, 0), (20, 2, 0, PEAK, 1), (30, 1, 0, 0, 2), (40, 2, 0, 0, 3)], 0) == 4
+    assert [(x.time, e) for x, e in feed.take_owed()] == [(10, 0), (20, 1), (40, 3)]
+    assert feed.take_owed() == [] and feed.next_epoch == 4
+    for t in range(5, 10):  # the 10th snapshot culls: owed snapshots culled meanwhile are not owed any more
+        feed.feed([(t * 10, t, 0, 0, t - 1)], 0)
+    owed = feed.take_owed()
+    assert s.n_cullings == 1 and all(s.holds(x) for x, _ in owed)
+    assert len(owed) < 3 and feed.next_epoch == 9
 
 def test_peak_points_follow_massif() -> None:
     """A peak point is taken whatever the interval, is the one uncullable peak (the previous turns normal),
@@ -252,7 +278,7 @@ def test_peak_points_follow_massif() -> None:
     assert interval > 0
     assert s.add_point(80 + interval - 1, 1, 0, 0) is None  # too soon after the peak
     second = s.add_peak_point(80 + interval - 1, 10, 0, 0)  # a peak is taken anyway
-    assert s.peak is second and first.kind is SnapshotKind.NORMAL
+    assert s.peak is second and first.kind is SnapshotKind.DETAILED  # Massif's old peak keeps its tree
     assert s.next_kind(10**6) is SnapshotKind.NORMAL  # the peak counted as the detailed one
     assert s.n_peaks_taken == 2
 
@@ -284,14 +310,79 @@ def test_feed_converts_times_counts_late_points_and_steers() -> None:
     s.add(0, 0, 0, 0)
     k = feed.kernel_schedule()
     assert (k.interval, k.cull_at, k.due) == (0, 9, 0)
-    assert feed.feed([(1_500_000, 1, 0, 0), (2_000_000, 2, 0, PEAK), (3_000_000, 3, 0, 0)], 7) == 3
+    assert feed.feed([(1_500_000, 1, 0, 0, 0), (2_000_000, 2, 0, PEAK, 1), (3_000_000, 3, 0, 0, 2)], 7) == 3
     assert [(x.time, x.stacks_B) for x in s.snapshots] == [(0, 0), (1, 7), (2, 7), (3, 7)]
     assert s.peak is not None and s.peak.time == 2
     s.add_point(5, 4, 0, 0)
-    assert feed.feed([(4_000_000, 9, 0, 0)], 0) == 0 and feed.n_late == 1  # before the latest snapshot
+    assert feed.feed([(4_000_000, 9, 0, 0, 3)], 0) == 0 and feed.n_late == 1  # before the latest snapshot
     assert feed.n_points == 4
     k = feed.kernel_schedule()
     assert k.cull_at == 4 + (10 - len(s)) and k.due == 5 + s.min_time_interval
+
+
+def test_site_log_gives_every_sites_values_at_every_point() -> None:
+    """probes/heap.bpf.c site_touch, modelled: before a site changes, if it has not changed since the latest
+    point, a record of its values; a point bumps the epoch. Reading the sites and then the log at random moments,
+    the values at every point read since are the values the sites had at that point, new sites (0 before their
+    first allocation) and a racing CPU's second record in one epoch (the first one counts) included."""
+    rng = random.Random(11)
+    values: list[list[int]] = []  # per site: bytes, extra, allocs
+    stamps: list[int] = []
+    ring: list[tuple[int, int, int, int, int]] = []
+    truth: dict[int, SiteValues] = {}
+    epoch = 0
+    log = SiteLog()
+    owed: list[int] = []
+    checked = 0
+    for _ in range(20000):
+        r = rng.random()
+        if r < 0.02 or not values:
+            values.append([0, 0, 0])
+            stamps.append(0)
+        elif r < 0.1:  # a point
+            truth[epoch] = SiteValues(*(list(col) for col in zip(*values, strict=True)))
+            owed.append(epoch)
+            epoch += 1
+        elif r < 0.12:  # user space: the sites, then the log
+            now = SiteValues(*(list(col) for col in zip(*values, strict=True)))
+            log.add(ring)
+            ring = []
+            got = log.values_at(owed, now)
+            for k in owed:
+                n = len(truth[k].bytes)
+                assert got[k].bytes[:n] == truth[k].bytes and got[k].allocs[:n] == truth[k].allocs
+                assert got[k].extra[:n] == truth[k].extra
+                assert not any(got[k].allocs[n:])  # sites made after the point: not allocated then
+                checked += 1
+            owed = []
+            log.forget(epoch)
+        else:  # an allocation or a free at one site
+            site = rng.randrange(len(values))
+            v = values[site]
+            if stamps[site] != epoch:
+                stamps[site] = epoch
+                ring.append((site, epoch, *v))
+                if rng.random() < 0.05:  # another CPU's change raced the stamp: its record comes second
+                    ring.append((site, epoch, v[0] + 7, v[1], v[2] + 1))
+            size = rng.randrange(1, 100)
+            if v[0] >= size and rng.random() < 0.4:
+                v[0] -= size
+                v[1] -= 8
+            else:
+                v[0] += size
+                v[1] += 8
+                v[2] += 1
+    assert checked > 1000 and len(log) < 200
+
+
+def test_site_log_leaves_out_sites_beyond_the_read_and_keeps_what_later_points_need() -> None:
+    log = SiteLog()
+    log.add([(0, 1, 5, 8, 1), (3, 1, 0, 0, 0), (0, 2, 9, 16, 2)])
+    now = SiteValues([12, 0], [24, 0], [3, 0])
+    got = log.values_at([0, 1, 2], now)
+    assert got[0].bytes == [5, 0] and got[1].bytes == [9, 0] and got[2].bytes == [12, 0]
+    log.forget(1)  # points from 1 on are read yet: the record of epoch 1 serves only point 0
+    assert len(log) == 1 and log.values_at([1], now)[1].allocs == [2, 0]
 
 
 def massif_cull(snaps: list[Snapshot], max_snapshots: int) -> list[Snapshot]:
@@ -330,8 +421,8 @@ def test_culling_removes_what_massifs_scan_removes() -> None:
                 s.add_peak_point(x.time, 0, 0, 0)
             else:
                 s.add_point(x.time, 0, 0, 0)
-        kept = [(x.time, x.kind) for x in s.snapshots]
-        assert kept == [(x.time, x.kind) for x in massif_cull(snaps, m)]
+        kept = [(x.time, x.kind is SnapshotKind.PEAK) for x in s.snapshots]
+        assert kept == [(x.time, x.kind is SnapshotKind.PEAK) for x in massif_cull(snaps, m)]
 
 
 def test_jiffy_length_from_two_readings_of_timer_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.export.xtree import UNKNOWN_FILE, UNKNOWN_FN, write_xtree
 from agent.model.profile import Frame, SiteCounts, Stack
-
-needs_valgrind = pytest.mark.skipif(
-    shutil.which("valgrind") is None or shutil.which("gcc") is None, reason="needs valgrind and gcc"
-)
-needs_annotate = pytest.mark.skipif(shutil.which("callgrind_annotate") is None, reason="needs callgrind_annotate")
 
 FULL_NAMES = ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks")
 
@@ -135,7 +129,7 @@ def valgrind_xtree(tmp: Path, mode: str) -> str:
     return out.read_text()
 
 
-@needs_valgrind
+@pytest.mark.needs("valgrind", "gcc")
 @pytest.mark.parametrize("mode", ["full", "allocs"])
 def test_same_sites_give_valgrinds_file(tmp_path: Path, mode: str) -> None:
     ref = valgrind_xtree(tmp_path, mode)
@@ -219,7 +213,7 @@ def test_nothing_to_report_still_has_totals() -> None:
     assert buf.getvalue().endswith("events: curB  curBk  totB  totBk  totFdB  totFdBk \ntotals: 0 0 0 0 0 0\n")
 
 
-@needs_annotate
+@pytest.mark.needs("callgrind_annotate")
 def test_callgrind_annotate_reads_it(tmp_path: Path) -> None:
     path = tmp_path / "xtmemory.kcg"
     with path.open("w") as out:

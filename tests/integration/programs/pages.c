@@ -1,17 +1,20 @@
-/* pages.c: page syscalls at known call sites, for --pages-as-heap=yes (tests/integration/test_pages.py).
+/* pages.c: page syscalls at known call sites, for --pages-as-heap=yes (tests/integration/test_page_memory.py).
  *
  * Each phase is a noinline function named after what it does; the test finds it in the trees. No malloc is
  * called (output goes through write() from a static buffer), so the only page syscalls are these, the
- * loader's and libc's start-up. Expected bytes at each site, at the end (the peak is right after big_map):
+ * loader's and libc's start-up. Expected bytes at each site, at the end, by Massif's rules (the peak is right
+ * after big_map):
  *   grow_base 1 MiB (2 MiB mapped, the upper 1 MiB unmapped again)   grow_in_place 1 MiB (the new tail)
- *   move_base 0 (1 MiB + 1 page mapped: guard_page maps over the last page with MAP_FIXED, so the first
- *   1 MiB cannot grow in place, and move_grow moves it away)   guard_page 4 KiB
- *   move_grow 3 MiB (the moved range, growth included)
- *   brk_up 3 pages (5 up, 2 down by brk_down)   fixed_base 1 MiB - 128 KiB   fixed_over 128 KiB
+ *   move_base 1 page (1 MiB + 1 page mapped: guard_page maps over the last page with MAP_FIXED, so the first
+ *   1 MiB cannot grow in place, and move_grow moves it away; Massif keeps the page mapped over)
+ *   guard_page 4 KiB   move_grow 3 MiB (the moved range, growth included)
+ *   brk_up 3 pages (5 up, 2 down by brk_down)   fixed_base 1 MiB (Massif keeps the 128 KiB fixed_over maps over)
+ *   fixed_over 128 KiB
  *   big_map 64 MiB at the peak, 32 MiB at the end (big_unmap unmaps its upper half)
- * Before exiting it prints "mapped <bytes> stack <bytes> uprobes <bytes>": its mapped total as /proc/self/maps
- * gives it (all lines but [vsyscall]), the size of its [stack] mapping, which grows without a system call,
- * and of the [uprobes] page, which the kernel maps for the probes themselves.
+ * Before exiting it prints "mapped <bytes> stack <bytes> uprobes <bytes> vdso <bytes>": its mapped total as
+ * /proc/self/maps gives it (all lines but [vsyscall]), the size of its [stack] mapping, which grows without a
+ * system call, of the [uprobes] page, which the kernel maps for the probes themselves, and of the vDSO's
+ * mappings, which Massif never counts (a program under Valgrind has none).
  * With an argument it first maps 2 MiB in before_attach(), then waits for a byte on stdin (the test attaches
  * meanwhile) before the phases.
  */
@@ -54,8 +57,9 @@ __attribute__((noinline)) void *fixed_over(void *at) { return anon(at, 128 * 102
 __attribute__((noinline)) void *big_map(void) { return anon(NULL, 64 * MiB, 0); }
 __attribute__((noinline)) int big_unmap(void *p) { return munmap((char *)p + 32 * MiB, 32 * MiB); }
 
-/* Sum of the /proc/self/maps ranges but [vsyscall], and the [stack] range; read without malloc. */
-static void mapped(unsigned long *total, unsigned long *stack, unsigned long *uprobes)
+/* Sum of the /proc/self/maps ranges but [vsyscall], and the [stack], [uprobes] and vDSO ranges; read without
+ * malloc. */
+static void mapped(unsigned long *total, unsigned long *stack, unsigned long *uprobes, unsigned long *vdso)
 {
     int fd = open("/proc/self/maps", O_RDONLY);
     size_t len = 0;
@@ -66,7 +70,7 @@ static void mapped(unsigned long *total, unsigned long *stack, unsigned long *up
         len += n;
     close(fd);
     buf[len] = 0;
-    *total = *stack = *uprobes = 0;
+    *total = *stack = *uprobes = *vdso = 0;
     for (char *line = buf; line && *line; ) {
         char *end = strchr(line, '\n');
         if (end)
@@ -78,6 +82,8 @@ static void mapped(unsigned long *total, unsigned long *stack, unsigned long *up
                 *stack += hi - lo;
             if (strstr(line, "[uprobes]"))
                 *uprobes += hi - lo;
+            if (strstr(line, "[vdso]") || strstr(line, "[vvar"))
+                *vdso += hi - lo;
         }
         line = end ? end + 1 : NULL;
     }
@@ -118,9 +124,9 @@ int main(int argc, char **argv)
     if (!big || big_unmap(big))
         fail("big");
 
-    unsigned long total, stack, uprobes;
-    mapped(&total, &stack, &uprobes);
-    int n = snprintf(buf, sizeof buf, "mapped %lu stack %lu uprobes %lu\n", total, stack, uprobes);
+    unsigned long total, stack, uprobes, vdso;
+    mapped(&total, &stack, &uprobes, &vdso);
+    int n = snprintf(buf, sizeof buf, "mapped %lu stack %lu uprobes %lu vdso %lu\n", total, stack, uprobes, vdso);
     write(1, buf, n);
     return 0;
 }
