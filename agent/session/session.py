@@ -144,6 +144,7 @@ class Session:
         self.before_exit: Callable[[], None] | None = None
         self.series = SnapshotSeries(detailed_freq=opts.detailed_freq, max_snapshots=opts.max_snapshots)
         self.start_ns = time.monotonic_ns()  # the same clock as bpf_ktime_get_ns
+        self._created_ns = self.start_ns  # start_ns is the earlier profile's when this one continues it
         self.time_offset_b = 0  # --time-unit=B: where this session's clock starts (a profile continued)
         self._ended_ns: int | None = None  # when run() stopped sampling
         self.end_counters: Counters | None = None
@@ -427,6 +428,19 @@ class Session:
             gc.collect()
             gc.freeze()
 
+    def _first_snapshot(self) -> None:
+        """Massif's first snapshot, at time 0 with nothing allocated yet: on the kernel's schedule, taken before
+        any point is read (an attached target may call the allocator before the first tick)."""
+        with self._lock:
+            if self.points is None or len(self.series) or self.series.finished:
+                return
+            t = self.now(Counters(), read_ns=self._created_ns)
+            tree = None
+            if self.series.next_kind(t) is SnapshotKind.DETAILED:
+                n = self.probes.site_count()
+                tree, _ = self.sites.site_tree(self.probes, n, [0] * n, lambda: [0] * n, allocated=[0] * n)
+            self.series.add(t, 0, 0, self.stack_bytes, tree)
+
     def _tick_snapshot(self, c: Counters, t: int) -> bool:
         """A snapshot of the tick's state if Massif's schedule wants one; True when a tree was built."""
         kind = self.series.next_kind(t)
@@ -458,9 +472,10 @@ class Session:
             self.seed_pages()  # attach: the mappings of now; run seeds at the target's exec (_catch_up)
         mapped_at = live.mapping_calls()  # before the maps are read: a mapping made meanwhile moves it again
         self.sync_mappings()
+        token = live.activity()  # before the first look: calls made while it reads are seen at the next tick
+        self._first_snapshot()
         self.sample()
         pace = IdlePace(interval)
-        token = live.activity()
         next_sample = time.monotonic() + interval
         while alive() and not stop.is_set() and not self.exec_ended():
             events = live.wait_events(max(0.001, next_sample - time.monotonic()))

@@ -187,6 +187,9 @@ def test_peak_tree(outcome: Runs) -> None:
     assert len(got) > 20, "a real program's peak should have more to compare than this"
 
 
+DRIFT_SPAN = 32  # B: less than two calls move the clock
+
+
 def kept_by_both(ref: list[Snap], got: list[Snap]) -> list[tuple[int, Snap, Snap]]:
     """The snapshots both files kept, paired (with Massif's index). Both series are taken at the same calls, but
     a real program calls the allocator thousands of times, so both tools cull, and the B clocks drift apart
@@ -195,9 +198,12 @@ def kept_by_both(ref: list[Snap], got: list[Snap]) -> list[tuple[int, Snap, Snap
     moves one way only (Valgrind's slop is never below the model's, or never above).
 
     So: anchors first, states whose useful bytes no other snapshot of either file has within 2% of their time,
-    kept as the longest chain that runs forward in both files with the drift moving one way; then each of
-    Massif's snapshots is paired with heapscope's that has its useful bytes and kind within the drift of the
-    anchors around it, when exactly one does (else it is left out, counted by the caller)."""
+    kept as the longest chain that runs forward in both files with the drift moving one way. Between two anchors
+    whose drifts differ by DRIFT_SPAN or less, a call's state is then in heapscope's file at Massif's time plus a
+    drift in that span: each of Massif's snapshots there is paired with heapscope's that has its useful bytes and
+    kind at such a time, when exactly one does and no other of Massif's does. Two calls' states with equal useful
+    bytes are further apart than that (each call moves the clock by 24 B at least: 1 B, 15 B of slop, 8 B of
+    admin), so a pair is one call's state in both files."""
     by_key: tuple[dict[tuple[int, str], list[int]], dict[tuple[int, str], list[int]]] = ({}, {})
     for table, snaps in zip(by_key, (ref, got), strict=True):
         for k, x in enumerate(snaps):
@@ -232,8 +238,10 @@ def kept_by_both(ref: list[Snap], got: list[Snap]) -> list[tuple[int, Snap, Snap
     for i, r in enumerate(ref):
         p = bisect.bisect_right(at, r.time)
         lo, hi = sorted((chain[max(p - 1, 0)][2], chain[min(p, len(chain) - 1)][2]))
-        gs = within(got, by_key[1], r, r.time + lo - 64, r.time + hi + 64)
-        if len(gs) == 1:
+        if hi - lo > DRIFT_SPAN:
+            continue
+        gs = within(got, by_key[1], r, r.time + lo, r.time + hi)
+        if len(gs) == 1 and len(within(ref, by_key[0], r, r.time - (hi - lo), r.time + (hi - lo))) == 1:
             pairs.append((i, r, got[gs[0]]))
     return pairs
 
