@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,6 +38,17 @@ def cpu_seconds(pid: int) -> float:
     """utime + stime of the process, in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def wait_idle(pid: int, limit: float = 30.0) -> None:
+    """Until heapscope uses under 5% of a CPU over half a second: its one-time work after the attach (symbolizing
+    the stacks it meets first) is done, and what follows is its steady cost."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        before = cpu_seconds(pid)
+        time.sleep(0.5)
+        if cpu_seconds(pid) - before < 0.025:
+            return
 
 
 def rss_mib(pid: int) -> float:

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchproc import cpu_seconds
+from benchproc import cpu_seconds, wait_idle
 
 REPO = Path(__file__).resolve().parents[1]
 HEAPSCOPE = REPO / ".venv" / "bin" / "heapscope"
@@ -113,16 +113,6 @@ class Result:
     rps: float
     p99_ms: float
 
-
-def wait_idle(pid: int, limit: float = 30.0) -> None:
-    """Until heapscope uses under 5% of a CPU over half a second: its one-time work (symbolizing the stacks
-    it meets first: libc's and the program's DWARF) is done, and what follows is its steady cost."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        before = cpu_seconds(pid)
-        time.sleep(0.5)
-        if cpu_seconds(pid) - before < 0.025:
-            return
 
 
 def run_benchmark(port: int, test: str, pipeline: int, requests: int) -> Result:

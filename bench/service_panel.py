@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchproc import cpu_seconds, free_port, heapscope_cmd
+from benchproc import cpu_seconds, free_port, heapscope_cmd, wait_idle
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -116,16 +116,6 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait()
 
-
-def wait_idle(pid: int, limit: float = 30.0) -> None:
-    """Until heapscope uses under 5% of a CPU over half a second: its one-time work after the attach (the first
-    stacks symbolized) is done, and what follows is its steady cost."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        before = cpu_seconds(pid)
-        time.sleep(0.5)
-        if cpu_seconds(pid) - before < 0.025:
-            return
 
 
 def attach(daemon: Daemon, svc: Service, timeout: float, row: Row) -> None:
