@@ -56,7 +56,7 @@ from elftools.elf.elffile import ELFFile
 from agent.errors import EnvironmentProblem, NoSafePoint, SamplingRefused, TargetError
 from agent.model.maps import MapsEntry
 from agent.process.discovery import allocator_of_process, is_libc_name
-from agent.process.procinfo import thread_limit
+from agent.process.procinfo import status_fields, thread_limit
 from agent.process.safepoint import RuleLookup, UnsafeRanges, Verdict, examine
 from agent.process.sampler import (
     build_sampler,
@@ -234,8 +234,7 @@ def _resume_context(saved: list[int]) -> list[int]:
 
 def _status_fields(pid: int) -> dict[str, str]:
     try:
-        with open(f"/proc/{pid}/status") as f:
-            return dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+        return status_fields(pid)
     except FileNotFoundError as exc:
         raise TargetError(f"no process with PID {pid}") from exc
 

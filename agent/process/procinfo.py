@@ -92,11 +92,16 @@ def is_thread_group_leader(pid: int, proc: str = "/proc") -> bool:
     return False
 
 
-def _status_fields(pid: int, proc: str) -> dict[str, str]:
+def status_fields(pid: int, proc: str = "/proc") -> dict[str, str]:
+    """/proc/PID/status by field name (values as written, after the tab); OSError where it cannot be read."""
+    with open(f"{proc}/{pid}/status") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
+def _status_or_none(pid: int, proc: str) -> dict[str, str]:
     try:
-        with open(f"{proc}/{pid}/status") as f:
-            return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
-    except OSError:
+        return status_fields(pid, proc)
+    except OSError:  # gone meanwhile
         return {}
 
 
@@ -104,7 +109,7 @@ def thread_limit(pid: int, proc: str = "/proc") -> str | None:
     """Why `pid` can start no thread, if its RLIMIT_NPROC says so (a server that drops to a user of its own and sets
     it, as haproxy's workers do), else None. The kernel counts every task of the process's real user against that
     limit, and exempts root."""
-    uid = _status_fields(pid, proc).get("Uid", "").split()[:1]
+    uid = _status_or_none(pid, proc).get("Uid", "").split()[:1]
     try:
         with open(f"{proc}/{pid}/limits") as f:
             soft = next((line.split()[2] for line in f if line.startswith("Max processes")), "unlimited")
@@ -114,7 +119,7 @@ def thread_limit(pid: int, proc: str = "/proc") -> str | None:
         return None
     tasks = 0
     for other in process_ids(proc):
-        status = _status_fields(other, proc)
+        status = _status_or_none(other, proc)
         if status.get("Uid", "").split()[:1] == uid:
             tasks += int(status.get("Threads", "1"))
     if tasks < int(soft):
