@@ -42,7 +42,7 @@ test: setup
 	echo "+ ruff check"; $(VENV)/bin/ruff check || status=1; \
 	echo "+ mypy agent api"; $(VENV)/bin/mypy agent api || status=1; \
 	echo "+ lint-imports"; $(VENV)/bin/lint-imports || status=1; \
-	echo "+ pytest -v tests"; $(VENV)/bin/pytest -v tests || status=1; \
+	echo "+ pytest -v tests"; $(VENV)/bin/pytest -v --durations=30 tests || status=1; \
 	exit $$status
 
 # The checks that need no root and no external tools: the virtualenv only (no Debian packages), then the linters

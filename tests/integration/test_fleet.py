@@ -257,8 +257,9 @@ def test_a_prefork_parent_and_its_children_through_exit_restart_and_exec(
 
         # One worker exits; the parent forks a new one (a restart): the old one is marked, the new one followed.
         os.kill(first, signal.SIGUSR1)
-        wait_for(lambda: len(set(children(parent.pid)) - {second}) == 1, 10, "a new worker")
-        [third] = set(children(parent.pid)) - {second}
+        # The old worker counts as a child until the parent reaps it: a new one is a child that is neither.
+        wait_for(lambda: len(set(children(parent.pid)) - {first, second}) == 1, 10, "a new worker")
+        [third] = set(children(parent.pid)) - {first, second}
         wait_for(lambda: targets(d)[first]["state"] == "exited", 30, "the old worker marked exited")
         wait_for(profiling(d, third, heap), FOUND_WITHIN, "the new worker profiled")
         assert targets(d)[third]["origin"]["parent"] == parent.pid
