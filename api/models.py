@@ -12,9 +12,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agent.errors import UsageError
 from agent.export.xtree import ALLOCS_EVENTS, FULL_EVENTS
-from agent.model.profile import MassifNode, SiteCounts, Snapshot, SnapshotKind, Stack, massif_tree
+from agent.model.massif_tree import MassifNode, massif_tree
 from agent.model.sampling import DEFAULT_SAMPLE_RATE, MAX_SAMPLE_RATE, ProfileMode
 from agent.model.selector import MAX_PATTERN
+from agent.model.snapshot import Snapshot, SnapshotKind
+from agent.model.stack import SiteCounts, Stack
 from agent.model.target import PID_MAX, MonitorResult, ProfileHeader, TargetStatus
 from api.fleetmodels import OriginOut, origin_out
 

@@ -12,8 +12,9 @@ from agent.model.fleet import FleetStatus, SelectorStatus, TargetOrigin
 from agent.model.growth import GrowthReport
 from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
-from agent.model.profile import SiteCounts, Snapshot, Stack
 from agent.model.sampling import ProfileMode
+from agent.model.snapshot import Snapshot
+from agent.model.stack import SiteCounts, Stack
 from agent.model.stored import StoredDiff, StoredSeries, StoreStatus
 from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus
 

@@ -239,7 +239,7 @@ def main() -> int:
                 print(f"  ... {t:,} snapshots, {fmt_bytes(w.stats.bytes_written)}", flush=True)
         stats = w.stats
     # append() with SiteCounts objects, as a session holding dicts would call it (on a copy of the store)
-    from agent.model.profile import SiteCounts
+    from agent.model.stack import SiteCounts
 
     obj_dir = root / "objects"
     shutil.rmtree(obj_dir, ignore_errors=True)

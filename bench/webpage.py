@@ -34,7 +34,9 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
 from agent.export.massif import write_massif  # noqa: E402
-from agent.model.profile import Frame, HeapTree, Snapshot, SnapshotKind  # noqa: E402
+from agent.model.snapshot import Snapshot, SnapshotKind  # noqa: E402
+from agent.model.stack import Frame  # noqa: E402
+from agent.model.tree import HeapTree  # noqa: E402
 from tests.support.browser import chromium  # noqa: E402
 
 MAIN = Frame(0x400000, "main", "big.c", 1)

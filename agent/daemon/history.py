@@ -18,8 +18,9 @@ from pathlib import Path
 
 from agent.errors import NotInHistory, UsageError
 from agent.model.growth import GrowthReport
-from agent.model.profile import HEAP_ROOT_LABEL, Snapshot, SnapshotKind
+from agent.model.snapshot import Snapshot, SnapshotKind
 from agent.model.stored import StoredDiff, StoredSeries, StoreStatus
+from agent.model.tree import HEAP_ROOT_LABEL
 from agent.offline import growth as offline_growth
 from agent.offline import history
 from agent.offline.commands import diff_between, diff_json, diff_text

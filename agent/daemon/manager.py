@@ -26,8 +26,8 @@ from agent.export.massif import render_snapshot
 from agent.kernel.probes import SharedRows, limit_malloc_arenas
 from agent.model.fleet import TargetOrigin
 from agent.model.growth import GrowthReport
-from agent.model.profile import Snapshot
 from agent.model.sampling import ProfileMode
+from agent.model.snapshot import Snapshot
 from agent.model.stored import StoredDiff, StoredSeries, StoreStatus
 from agent.model.target import PID_MAX, MonitorResult, TargetStatus
 from agent.process.target import TargetProcess, attach_to

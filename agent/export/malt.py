@@ -33,7 +33,7 @@ from agent.model.malt import (
     ThreadFunctionStats,
     TimelineSeries,
 )
-from agent.model.profile import Frame, ip_groups
+from agent.model.stack import Frame, ip_groups
 
 # ----------------------------------------------------------------------------------------------------------
 # Sites

@@ -15,7 +15,8 @@ import io
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
-from agent.model.profile import TIME_UNITS, MassifNode, Snapshot, SnapshotKind, massif_tree
+from agent.model.massif_tree import MassifNode, massif_tree
+from agent.model.snapshot import TIME_UNITS, Snapshot, SnapshotKind
 
 SNAPSHOT_RULE = "#-----------"
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.model.maps import Mapping as MemoryMapping
-from agent.model.profile import Frame, SiteCounts, Stack, ip_groups
+from agent.model.stack import Frame, SiteCounts, Stack, ip_groups
 
 SAMPLE_TYPES: tuple[tuple[str, str], ...] = (
     ("alloc_objects", "count"),

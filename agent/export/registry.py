@@ -18,7 +18,8 @@ from agent.export.pprof import DEFAULT_SAMPLE_TYPE, SAMPLE_TYPES, PprofContext, 
 from agent.export.xtree import write_xtree
 from agent.model.malt import MaltProfile
 from agent.model.options import MassifOptions
-from agent.model.profile import SiteCounts, Snapshot, Stack
+from agent.model.snapshot import Snapshot
+from agent.model.stack import SiteCounts, Stack
 from agent.model.target import ProfileHeader
 
 

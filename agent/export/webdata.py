@@ -18,7 +18,9 @@ from typing import Any, Literal
 
 from agent.errors import UsageError
 from agent.model.memline import MemoryPoint, point_at
-from agent.model.profile import Frame, Snapshot, SnapshotKind, Tree, TreeNode
+from agent.model.snapshot import Snapshot, SnapshotKind
+from agent.model.stack import Frame
+from agent.model.tree import Tree, TreeNode
 
 TOP_SITES = 12  # sites stacked in the timeline; the rest are one band
 TREE_NODES = 1000  # nodes of a tree sent to the page

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TextIO
 
-from agent.model.profile import SiteCounts, Stack, ip_groups
+from agent.model.stack import SiteCounts, Stack, ip_groups
 
 UNKNOWN_FILE = "UnknownFile???"
 UNKNOWN_FN = "UnknownFn???"

@@ -1,7 +1,7 @@
 """The BPF layer: the only module that imports bcc.
 
 It compiles probes/heap.bpf.c with the settings as -D defines, attaches the uprobes chosen by discovery,
-reads the maps, and detaches, all behind a context manager. It hands out plain values (agent.model.profile types and
+reads the maps, and detaches, all behind a context manager. It hands out plain values (agent.model types and
 the dataclasses below), never bcc objects.
 """
 
@@ -35,7 +35,7 @@ from agent.errors import EnvironmentProblem, HeapscopeError
 from agent.kernel.rowspace import RowSpace
 from agent.model.counters import Counters, PageCounters
 from agent.model.pages import PageEvent
-from agent.model.profile import SiteCounts
+from agent.model.stack import SiteCounts
 from agent.process.discovery import ProbePoint
 
 # Every value shared with heap.bpf.c comes from probes/heap.h (agent.contract).

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from agent import __version__
 from agent.model.maps import Mapping as ProcMapping
-from agent.model.profile import Stack
+from agent.model.stack import Stack
 
 FormatVersion = Literal["1.1", "1.6"]
 FORMAT_VERSIONS: tuple[str, ...] = ("1.1", "1.6")

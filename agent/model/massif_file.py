@@ -13,7 +13,9 @@ import re
 from dataclasses import dataclass
 
 from agent.errors import UsageError
-from agent.model.profile import Frame, HeapNode, HeapTree, Snapshot, SnapshotKind
+from agent.model.snapshot import Snapshot, SnapshotKind
+from agent.model.stack import Frame
+from agent.model.tree import HeapNode, HeapTree
 
 _FILE_LINE = re.compile(r"^0x([0-9A-Fa-f]+): (.*) \(([^()]*):(\d+)\)$")
 _IN_OBJ = re.compile(r"^0x([0-9A-Fa-f]+): (.*) \(in (.*)\)$")

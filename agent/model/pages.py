@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from agent.model.maps import VSYSCALL, MapsEntry
-from agent.model.profile import SiteCounts
+from agent.model.stack import SiteCounts
 
 if TYPE_CHECKING:
     from agent.model.pageschedule import PageSchedule

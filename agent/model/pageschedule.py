@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agent.model.profile import Snapshot, SnapshotSeries
+from agent.model.snapshot import Snapshot, SnapshotSeries
 
 # The sites' bytes at an instant, read only when a snapshot takes a tree.
 LiveBytes = Callable[[], dict[int, int]]

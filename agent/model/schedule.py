@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from agent.model.profile import Snapshot, SnapshotSeries
+from agent.model.snapshot import Snapshot, SnapshotSeries
 
 
 @dataclass(frozen=True)

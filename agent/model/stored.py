@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from agent.model.profile import Snapshot
+from agent.model.snapshot import Snapshot
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Literal
 from agent.model.counters import Counters
 from agent.model.fleet import TargetOrigin
 from agent.model.pages import PageTotals
-from agent.model.profile import SiteCounts, Stack
+from agent.model.stack import SiteCounts, Stack
 
 # waiting: for a safe point, tried again; refused: chosen by a selector and refused (the fleet's, with why)
 TargetState = Literal["profiling", "exited", "detached", "waiting", "refused"]

@@ -24,7 +24,7 @@ import numpy as np
 from agent.errors import NotInHistory, UsageError
 from agent.model import growth as model
 from agent.model.growth import GrowthReport, Sampling, SiteGrowth
-from agent.model.profile import Stack
+from agent.model.stack import Stack
 from agent.model.target import site_name
 from agent.offline import history
 from agent.offline.timespec import iso

@@ -12,20 +12,9 @@ import numpy as np
 
 from agent.errors import UsageError
 from agent.model.options import DEFAULT_ALLOC_FNS, MassifOptions
-from agent.model.profile import (
-    HEAP_ROOT_LABEL,
-    Frame,
-    IndexedTree,
-    SiteCounts,
-    Snapshot,
-    SnapshotKind,
-    SnapshotSeries,
-    Stack,
-    StackIndex,
-    Tree,
-    TreeNode,
-    trim_stack,
-)
+from agent.model.snapshot import Snapshot, SnapshotKind, SnapshotSeries
+from agent.model.stack import Frame, SiteCounts, Stack, trim_stack
+from agent.model.tree import HEAP_ROOT_LABEL, IndexedTree, StackIndex, Tree, TreeNode
 from agent.store import SnapshotRef, SnapshotUnavailable, StoredSnapshot, StoreReader
 from agent.store.writer import segment_paths
 

@@ -29,8 +29,9 @@ from agent.model.malt import check_consistency
 from agent.model.memline import MemoryLine, MemoryPoint
 from agent.model.options import MAX_WALKED_FRAMES, MassifOptions
 from agent.model.pages import PageTotals
-from agent.model.profile import SiteCounts, Snapshot, SnapshotKind, Stack
 from agent.model.sampling import ProfileMode
+from agent.model.snapshot import Snapshot, SnapshotKind
+from agent.model.stack import SiteCounts, Stack
 from agent.model.stored import StoreStatus
 from agent.model.summary import ProfileSummary, SamplingSummary
 from agent.model.target import ProfileHeader, SiteTotal, TargetState, top_sites

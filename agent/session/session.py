@@ -1,7 +1,7 @@
 """A profiling session: turns the kernel's counters into Massif snapshots.
 
 The kernel aggregates (agent.kernel.probes); this module samples it on a schedule and keeps the snapshot series
-(agent.model.profile) that the exporters write. Its parts: the sites and their trees (agent.session.sites), the
+(agent.model.snapshot) that the exporters write. Its parts: the sites and their trees (agent.session.sites), the
 target's mappings (agent.process.maps), the unwind tables handed to the stack walk (agent.session.tables) and the
 page map (agent.model.pages). It does not know how the target was started: the pipeline hands it a probe set
 and a way to tell whether the target still runs.
@@ -42,19 +42,11 @@ from agent.model.pages import (
     parse_start_brk,
 )
 from agent.model.pageschedule import PageSchedule
-from agent.model.profile import (
-    HEAP_ROOT_LABEL,
-    PAGES_ROOT_LABEL,
-    Frame,
-    IndexedTree,
-    SiteCounts,
-    Snapshot,
-    SnapshotKind,
-    SnapshotSeries,
-    Stack,
-)
 from agent.model.schedule import PointFeed, SiteLog, SiteValues
+from agent.model.snapshot import Snapshot, SnapshotKind, SnapshotSeries
+from agent.model.stack import Frame, SiteCounts, Stack
 from agent.model.summary import PageSummary, ProfileSummary, ScheduleSummary
+from agent.model.tree import HEAP_ROOT_LABEL, PAGES_ROOT_LABEL, IndexedTree
 from agent.process.maps import MapsRecorder
 from agent.session.sites import Ignored, SiteTrees
 from agent.session.storerec import StoreColumns

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from agent.kernel.probes import SiteReader
 from agent.model.options import MassifOptions
 from agent.model.pages import PRE_EXISTING_SITE
-from agent.model.profile import Frame, IndexedTree, SiteCounts, Stack, StackIndex, trim_stack
+from agent.model.stack import Frame, SiteCounts, Stack, trim_stack
+from agent.model.tree import IndexedTree, StackIndex
 from agent.process.maps import MapsRecorder
 from agent.symbols.symbolizer import Symbolizer
 

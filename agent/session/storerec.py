@@ -28,8 +28,9 @@ import numpy as np
 
 from agent.model.counters import Counters
 from agent.model.options import MassifOptions
-from agent.model.profile import HEAP_ROOT_LABEL, PAGES_ROOT_LABEL, Stack, trim_stack
+from agent.model.stack import Stack, trim_stack
 from agent.model.stored import StoreStatus
+from agent.model.tree import HEAP_ROOT_LABEL, PAGES_ROOT_LABEL
 from agent.store import PeakState, Retention, StoreMeta, StoreSample, StoreWriteError, StoreWriter, SyncPolicy
 from agent.store.format import COUNTER_FIELDS
 

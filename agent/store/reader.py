@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from agent.model.profile import Frame, SiteCounts, Stack
+from agent.model.stack import Frame, SiteCounts, Stack
 from agent.store import format as fmt
 from agent.store.files import segment_paths
 from agent.store.format import FormatError, SnapshotUnavailable

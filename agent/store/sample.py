@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from agent.model.profile import SiteCounts, Stack
+from agent.model.stack import SiteCounts, Stack
 
 
 @dataclass(frozen=True)

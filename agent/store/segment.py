@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.model.profile import Frame, Stack
+from agent.model.stack import Frame, Stack
 from agent.store import format as fmt
 from agent.store.sample import StoreMeta
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from agent.model.profile import Frame, Stack
+from agent.model.stack import Frame, Stack
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
 

@@ -24,7 +24,7 @@ from typing import Literal
 import numpy as np
 
 from agent.errors import EnvironmentProblem
-from agent.model.profile import Stack
+from agent.model.stack import Stack
 from agent.store.files import SEGMENT_RE, segment_paths
 from agent.store.retention import Retention, apply_retention
 from agent.store.sample import PeakState, StoreMeta, StoreSample

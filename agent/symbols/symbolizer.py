@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agent.model.maps import Mapping
-from agent.model.profile import Frame
+from agent.model.stack import Frame
 from agent.symbols.debugfiles import DEFAULT_DEBUG_ROOTS, find_debug_file
 from agent.symbols.dwarf import Dwarf, SourceInfo
 from agent.symbols.elf import ElfError, ElfObject, ElfSymbol, open_elf

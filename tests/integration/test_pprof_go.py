@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from agent.export.pprof import render_pprof
-from agent.model.profile import Frame, SiteCounts
+from agent.model.stack import Frame, SiteCounts
 from tests.integration.harness import PROGRAMS, Completed
 from tests.support.annotate import annotate_inclusive
 from tests.support.capability import unavailable

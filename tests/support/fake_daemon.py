@@ -20,11 +20,13 @@ from agent.model.growth import GrowthReport
 from agent.model.maps import Mapping
 from agent.model.memline import MemoryPoint
 from agent.model.pages import PageTotals
-from agent.model.profile import Frame, HeapTree, SiteCounts, Snapshot, SnapshotKind, Stack
 from agent.model.sampling import ProfileMode
 from agent.model.selector import Selector
+from agent.model.snapshot import Snapshot, SnapshotKind
+from agent.model.stack import Frame, SiteCounts, Stack
 from agent.model.stored import StoredDiff, StoredSeries, StoreStatus
 from agent.model.target import MonitorResult, ProfileHeader, SiteTotal, TargetStatus, top_sites
+from agent.model.tree import HeapTree
 
 # The fake program's code: every frame address of sample_sites() lies in it.
 PROG_MAPPING = Mapping(0x400000, 0x403000, 0, "/bin/prog", "r-xp", build_id="0123456789abcdef")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.model.profile import Frame, Stack
+from agent.model.stack import Frame, Stack
 from agent.store import Retention, StoreMeta, StoreSample, StoreWriter, SyncPolicy
 from tests.support.store_workload import site_stack
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.model.profile import Frame, Stack
+from agent.model.stack import Frame, Stack
 
 RULE = "#-----------"
 _NODE = re.compile(r"^( *)n(\d+): (\d+) (.*)$")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 
 from agent.export.massif import write_massif
-from agent.model.profile import Frame, HeapTree, Snapshot, SnapshotKind
+from agent.model.snapshot import Snapshot, SnapshotKind
+from agent.model.stack import Frame
+from agent.model.tree import HeapTree
 
 MAIN = Frame(0x400100, "main", "prog.c", 50)
 

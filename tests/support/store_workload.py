@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.model.profile import Frame, SiteCounts, Stack
+from agent.model.stack import Frame, SiteCounts, Stack
 from agent.store import StoreMeta, StoreWriter, SyncPolicy
 from agent.store.sample import PeakState, StoreSample
 

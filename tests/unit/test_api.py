@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.errors import UsageError
-from agent.model.profile import massif_tree
+from agent.model.massif_tree import massif_tree
 from api.app import create_app
 from api.settings import ApiSettings
 from tests.support.fake_daemon import FakeManager, FakeTarget

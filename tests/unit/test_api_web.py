@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 
 from agent.export.webdata import frame_name
 from agent.model.memline import MemoryPoint
-from agent.model.profile import HeapTree, Snapshot, SnapshotKind
+from agent.model.snapshot import Snapshot, SnapshotKind
+from agent.model.tree import HeapTree
 from api.app import create_app
 from api.settings import ApiSettings
 from tests.support.fake_daemon import MAIN, FakeManager, FakeTarget, frame, stack

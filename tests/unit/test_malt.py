@@ -44,7 +44,7 @@ from agent.model.malt import (
     log2_bin,
 )
 from agent.model.maps import Mapping
-from agent.model.profile import Frame
+from agent.model.stack import Frame
 from agent.symbols.elf import open_elf
 from agent.symbols.globalvars import global_variables, variables_of
 from agent.symbols.symbolizer import Symbolizer

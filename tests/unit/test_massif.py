@@ -14,7 +14,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.export.massif import render_snapshot, write_massif
-from agent.model.profile import Frame, HeapTree, Snapshot, SnapshotKind, SnapshotSeries, Stack
+from agent.model.snapshot import Snapshot, SnapshotKind, SnapshotSeries
+from agent.model.stack import Frame, Stack
+from agent.model.tree import HeapTree
 from tests.support.massif_reader import (
     MassifFormatError,
     parse_massif,

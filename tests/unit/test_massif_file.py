@@ -13,7 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.errors import UsageError
 from agent.model.massif_file import MassifFileError, parse_label, parse_massif
-from agent.model.profile import Frame, SnapshotKind, Tree
+from agent.model.snapshot import SnapshotKind
+from agent.model.stack import Frame
+from agent.model.tree import Tree
 from tests.support import massif_reader
 from tests.support.massif_sample import sample_massif_out
 

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.export.metrics import HeapscopeCollector
-from agent.model.profile import SiteCounts
+from agent.model.stack import SiteCounts
 from tests.support.fake_daemon import FakeManager, FakeTarget, frame, sample_sites
 
 

@@ -18,22 +18,11 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.export.massif import write_massif
+from agent.model.massif_tree import MassifNode, massif_tree, threshold_text
 from agent.model.options import MassifOptions
-from agent.model.profile import (
-    HEAP_ROOT_LABEL,
-    PAGES_ROOT_LABEL,
-    Frame,
-    HeapTree,
-    MassifNode,
-    Snapshot,
-    SnapshotKind,
-    SnapshotSeries,
-    Stack,
-    StackIndex,
-    massif_tree,
-    threshold_text,
-    trim_stack,
-)
+from agent.model.snapshot import Snapshot, SnapshotKind, SnapshotSeries
+from agent.model.stack import Frame, Stack, trim_stack
+from agent.model.tree import HEAP_ROOT_LABEL, PAGES_ROOT_LABEL, HeapTree, StackIndex
 from tests.support.massif_reader import parse_massif, read_massif, stacks_from_tree
 from tests.support.valgrind import run_massif
 
@@ -536,7 +525,8 @@ def test_snapshot_total() -> None:
 def test_model_and_exporters_stay_pure() -> None:
     """The model and the exporters must not pull in bcc or the BPF layer."""
     code = (
-        "import sys, agent.model.profile, agent.export.massif, agent.export.xtree\n"
+        "import sys, agent.model.stack, agent.model.tree, agent.model.massif_tree, agent.model.snapshot\n"
+        "import agent.export.massif, agent.export.xtree\n"
         "bad = [m for m in sys.modules if m == 'bcc' or m.startswith('bcc.') or m == 'agent.kernel.probes']\n"
         "assert not bad, bad\n"
     )

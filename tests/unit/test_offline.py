@@ -13,7 +13,7 @@ import pytest
 
 from agent.cli import main
 from agent.errors import UsageError
-from agent.model.profile import Frame, SiteCounts
+from agent.model.stack import Frame, SiteCounts
 from agent.offline.timespec import parse_duration, parse_moment, parse_thin_rules
 from agent.store import PeakState, SegmentReader, StoreMeta, StoreSample, StoreWriter, SyncPolicy, ThinRule
 from tests.support.massif_reader import read_massif

@@ -26,7 +26,7 @@ from agent.model.pages import (
     PageMap,
 )
 from agent.model.pageschedule import PageSchedule
-from agent.model.profile import SnapshotKind, SnapshotSeries
+from agent.model.snapshot import SnapshotKind, SnapshotSeries
 
 P = PAGE_SIZE
 BASE = 0x7F00_0000_0000

@@ -19,7 +19,7 @@ from google.protobuf import empty_pb2, unknown_fields
 
 from agent.export.pprof import SAMPLE_TYPES, parse_pprof, render_pprof, scale_heap_sample
 from agent.model.maps import Mapping
-from agent.model.profile import Frame, SiteCounts, Stack
+from agent.model.stack import Frame, SiteCounts, Stack
 from api.app import create_app
 from api.settings import ApiSettings
 from tests.support.fake_daemon import PROG_MAPPING, FakeManager, FakeTarget, sample_sites

@@ -24,8 +24,9 @@ from agent.export.metrics import HeapscopeCollector
 from agent.export.xtree import write_xtree
 from agent.model.counters import Counters
 from agent.model.malt import MaltConfig, MaltGlobals, MaltProfile, MaltRun
-from agent.model.profile import SiteCounts, Snapshot, SnapshotKind
 from agent.model.sampling import DEFAULT_SAMPLE_RATE, ProfileMode
+from agent.model.snapshot import Snapshot, SnapshotKind
+from agent.model.stack import SiteCounts
 from agent.model.summary import ProfileSummary, SamplingSummary
 from api.app import create_app
 from api.models import profile_mode

@@ -21,8 +21,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.export.massif import write_massif
-from agent.model.profile import HeapTree, Snapshot, SnapshotKind, SnapshotSeries
 from agent.model.schedule import PointFeed, SiteLog, SiteValues
+from agent.model.snapshot import Snapshot, SnapshotKind, SnapshotSeries
+from agent.model.tree import HeapTree
 
 PEAK = 1  # the kind of a peak point (probes/heap.h HS_SCHED_PEAK)
 ADMIN = 8

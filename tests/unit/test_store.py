@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.model.profile import Frame, SiteCounts, ip_groups
+from agent.model.stack import Frame, SiteCounts, ip_groups
 from agent.store import (
     Retention,
     StoreMeta,

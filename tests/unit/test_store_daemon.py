@@ -22,7 +22,7 @@ from agent.daemon import history
 from agent.errors import EnvironmentProblem, NotInHistory, UnsafePath, UsageError
 from agent.model.counters import Counters
 from agent.model.options import MassifOptions
-from agent.model.profile import Stack
+from agent.model.stack import Stack
 from agent.offline import history as offline
 from agent.offline.commands import diff_between, diff_json
 from agent.session.storerec import StoreColumns, StoreRecorder, StoreSettings, store_meta

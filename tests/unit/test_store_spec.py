@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agent.model.profile import Frame, SiteCounts
+from agent.model.stack import Frame, SiteCounts
 from agent.store import Retention, StoreMeta, StoreReader, StoreSample, StoreWriter, SyncPolicy
 from agent.store import format as fmt
 from agent.store.writer import segment_paths

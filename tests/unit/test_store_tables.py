@@ -7,7 +7,7 @@ import pickle
 
 import numpy as np
 
-from agent.model.profile import Frame
+from agent.model.stack import Frame
 from agent.store import tables
 
 

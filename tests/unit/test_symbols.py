@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from agent.model.maps import Mapping, parse_maps
-from agent.model.profile import Frame
+from agent.model.stack import Frame
 from agent.symbols.debugfiles import find_debug_file
 from agent.symbols.elf import ElfObject, ElfSymbol, open_elf
 from agent.symbols.names import BELOW_MAIN, SymbolTable, demangle, display_function_name

@@ -27,7 +27,9 @@ from agent.export.webdata import (
     snapshot_tree,
 )
 from agent.model.memline import MemoryLine, MemoryPoint
-from agent.model.profile import Frame, HeapTree, Snapshot, SnapshotKind, Stack, StackIndex
+from agent.model.snapshot import Snapshot, SnapshotKind
+from agent.model.stack import Frame, Stack
+from agent.model.tree import HeapTree, StackIndex
 from api.webmodels import diff_out, timeline_out, tree_out
 
 MAIN = Frame(0x400100, "main", "prog.c", 50)

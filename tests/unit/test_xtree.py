@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agent.export.xtree import UNKNOWN_FILE, UNKNOWN_FN, write_xtree
-from agent.model.profile import Frame, SiteCounts, Stack
+from agent.model.stack import Frame, SiteCounts, Stack
 
 FULL_NAMES = ("cur_bytes", "cur_blocks", "tot_bytes", "tot_blocks", "freed_bytes", "freed_blocks")
 
