@@ -20,7 +20,7 @@ _REPO = Path(__file__).resolve().parents[2]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from tests.integration.harness import (  # noqa: E402
+from tests.support.harness import (  # noqa: E402
     DEBUG_FLAGS,
     ORACLE_OPTIONS,
     PROGRAMS,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import Completed
-from tests.integration.test_oracle import NO_CULL, Snap, final, heapscope_peak, read_snapshots, reference_peak
+from tests.support.harness import Completed
+from tests.support.oracle import NO_CULL, Snap, final, heapscope_peak, read_snapshots, reference_peak
 
 pytestmark = pytest.mark.integration
 

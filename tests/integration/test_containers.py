@@ -246,7 +246,7 @@ def musl_program(tmp_path: Path) -> Path:
     if shutil.which("musl-gcc") is None:
         unavailable("musl-gcc (musl-tools) is not installed")
     out = tmp_path / "musl_target"
-    from tests.integration.harness import PROGRAMS
+    from tests.support.harness import PROGRAMS
 
     subprocess.run(["musl-gcc", "-g", "-O0", "-fno-omit-frame-pointer", "-o", str(out),
                     str(PROGRAMS / "daemon_target.c")], check=True, capture_output=True)
@@ -363,7 +363,7 @@ def test_sampled_estimates_in_a_container_are_within_10_percent_of_the_truth(
         if shutil.which("musl-gcc") is None:
             unavailable("musl-gcc (musl-tools) is not installed")
         program = tmp_path / "modes_sites"
-        from tests.integration.harness import PROGRAMS
+        from tests.support.harness import PROGRAMS
 
         subprocess.run(["musl-gcc", "-g", "-O0", "-fno-omit-frame-pointer", "-pthread", "-o", str(program),
                         str(PROGRAMS / "modes_sites.c")], check=True, capture_output=True)
@@ -371,7 +371,7 @@ def test_sampled_estimates_in_a_container_are_within_10_percent_of_the_truth(
         inside = "/bin/modes_sites"
     elif where == "bullseye":
         root = request.getfixturevalue("bullseye")
-        from tests.integration.harness import PROGRAMS
+        from tests.support.harness import PROGRAMS
 
         program = build_against(root, PROGRAMS / "modes_sites.c", tmp_path / "modes_sites",
                                 ("-g", "-O0", "-fno-omit-frame-pointer"))

@@ -25,7 +25,6 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.integration.harness import REPO
 from tests.support.daemon import (
     TOKEN,
     Daemon,
@@ -37,6 +36,7 @@ from tests.support.daemon import (
     start_daemon,
     stop_daemon,
 )
+from tests.support.harness import REPO
 from tests.support.massif_reader import MassifSnapshot, parse_massif, paths
 from tests.support.sources import source_line
 from tests.support.wait import wait_for

@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.harness import ORACLE_OPTIONS, PROGRAMS, RUN_TIMEOUT, Completed
-from tests.integration.test_oracle import NO_CULL, Paths, final, heapscope_peak, read_snapshots, reference_peak
 from tests.support.daemon import answers, free_port
+from tests.support.harness import ORACLE_OPTIONS, PROGRAMS, RUN_TIMEOUT, Completed
 from tests.support.massif_reader import parse_massif, paths
+from tests.support.oracle import NO_CULL, Paths, final, heapscope_peak, read_snapshots, reference_peak
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.integration

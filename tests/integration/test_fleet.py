@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.harness import PROGRAMS
 from tests.support.daemon import Daemon, start_daemon, stop_daemon
+from tests.support.harness import PROGRAMS
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import REPO
+from tests.support.harness import REPO
 
 pytestmark = pytest.mark.integration
 

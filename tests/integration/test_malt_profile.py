@@ -16,7 +16,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests.integration.harness import PROGRAMS, Completed
+from tests.support.harness import PROGRAMS, Completed
 from tests.support.malt_reader import Profile
 from tests.support.massif_reader import parse_massif
 

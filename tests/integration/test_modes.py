@@ -23,13 +23,13 @@ import pytest
 
 from agent.process.sampler import SamplerControl, build_sampler
 from agent.session.maltrec import EXACT_IN_SAMPLED
-from tests.integration.harness import Completed
-from tests.integration.test_oracle import NO_CULL
 from tests.support.annotate import annotate_inclusive
 from tests.support.attach import Attach
 from tests.support.conversation import Conversation
 from tests.support.daemon import Daemon, start_daemon, stop_daemon
+from tests.support.harness import Completed
 from tests.support.massif_reader import MassifFile, parse_massif, paths
+from tests.support.oracle import NO_CULL
 from tests.support.sampled_sites import SCALE, SITES, check_estimates, sampling_rate, site_sizes
 from tests.support.target_memory import got_slot, libc_function, read_word
 from tests.support.wait import wait_for

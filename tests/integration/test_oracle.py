@@ -35,77 +35,21 @@ from pathlib import Path
 import pytest
 
 from agent.kernel.probes import uprobe_links_supported
-from tests.integration.harness import DEBUG_FLAGS, OPTIMIZED_FLAGS, PROGRAMS, Completed
 from tests.support.annotate import annotate_inclusive
-from tests.support.massif_reader import parse_massif, paths
+from tests.support.harness import DEBUG_FLAGS, OPTIMIZED_FLAGS, PROGRAMS, Completed
+from tests.support.oracle import (
+    MAX_SNAPSHOTS,
+    NO_CULL,
+    Snap,
+    final,
+    heapscope_peak,
+    own_stacks,
+    peak_of,
+    read_snapshots,
+    reference_peak,
+)
 
 pytestmark = pytest.mark.integration
-
-# Massif's culling would drop states; with this many slots and fewer snapshots written, none was dropped.
-MAX_SNAPSHOTS = 1000
-NO_CULL = (f"--max-snapshots={MAX_SNAPSHOTS}",)
-
-Paths = dict[tuple[str, ...], int]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Reading the files
-
-
-@dataclass
-class Snap:
-    heap_B: int
-    extra_B: int
-    kind: str  # empty | detailed | peak
-    tree: Paths  # non-zero paths; empty for an empty snapshot
-    time: int = 0
-
-    @property
-    def total_B(self) -> int:
-        return self.heap_B + self.extra_B
-
-
-# Valgrind does not implement clone3, so under it glibc starts threads with clone instead: the bottom frame
-# of a thread's stack is the one place where the program itself runs differently under Massif.
-_VALGRIND_RUNS_CLONE = {"clone3 (clone3.S:81)": "clone (clone.S:100)"}
-
-
-def _as_under_valgrind(path: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(_VALGRIND_RUNS_CLONE.get(label, label) for label in path)
-
-
-def read_snapshots(text: str) -> list[Snap]:
-    parsed = parse_massif(text)
-    out = []
-    for s in parsed.snapshots:
-        tree: Paths = {}
-        if s.tree is not None:
-            for p, b in paths(s.tree).items():
-                if b != 0:
-                    key = _as_under_valgrind(p)
-                    tree[key] = tree.get(key, 0) + b
-        out.append(Snap(s.heap_B, s.heap_extra_B, s.heap_tree, tree, s.time))
-    return out
-
-
-def peak_of(snaps: list[Snap]) -> Snap | None:
-    """The file's peak snapshot (None when it has none: Massif takes one only at a free)."""
-    peaks = [s for s in snaps if s.kind == "peak"]
-    assert len(peaks) <= 1, f"{len(peaks)} peak snapshots"
-    if peaks:
-        assert peaks[0].tree or peaks[0].heap_B == 0, "a peak snapshot without its tree"
-    return peaks[0] if peaks else None
-
-
-def reference_peak(snaps: list[Snap]) -> Snap:
-    """Massif's peak snapshot, which the case must have."""
-    peak = peak_of(snaps)
-    assert peak is not None, "no peak snapshot"
-    return peak
-
-
-heapscope_peak = reference_peak  # heapscope's file marks Massif's peak
-
 
 def both_peaks(outcome: Outcome) -> tuple[Snap, Snap]:
     ref, got = peak_of(outcome.ref), peak_of(outcome.got)
@@ -128,40 +72,6 @@ def series_pairs(outcome: Outcome) -> list[tuple[int, Snap, Snap]]:
     else:
         assert len(got) == len(ref), f"heapscope {len(got)} snapshots, Massif {len(ref)}"
     return list(zip(range(len(got)), ref, got, strict=False))
-
-
-def final(snaps: list[Snap]) -> Snap:
-    last = snaps[-1]
-    assert last.kind != "empty", "the last snapshot (the state at exit) has no tree"
-    return last
-
-
-_FILE_LINE = re.compile(r"\(([^():]+):\d+\)$")
-
-
-def label_file(label: str) -> str | None:
-    m = _FILE_LINE.search(label)
-    return m.group(1) if m else None
-
-
-def leaf_stacks(tree: Paths) -> Paths:
-    """Bytes held by each full stack (the bytes of a node not passed on to its children)."""
-    out: Paths = {}
-    for p, b in tree.items():
-        children = sum(cb for cp, cb in tree.items() if len(cp) == len(p) + 1 and cp[: len(p)] == p)
-        if b - children:
-            out[p] = b - children
-    return out
-
-
-def own_stacks(tree: Paths, own_files: frozenset[str]) -> Paths:
-    """The full stacks whose every frame is in the program's own source files (root label excepted)."""
-    out: Paths = {}
-    for p, b in leaf_stacks(tree).items():
-        frames = [lab for lab in p if not lab.startswith("(heap allocation functions)")]
-        if frames and all(label_file(lab) in own_files for lab in frames):
-            out[p] = b
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

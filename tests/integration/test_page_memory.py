@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import RUN_TIMEOUT, Completed
+from tests.support.harness import RUN_TIMEOUT, Completed
 from tests.support.massif_reader import MassifFile, Node, parse_massif
 
 pytestmark = pytest.mark.integration

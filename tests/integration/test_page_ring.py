@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agent.kernel.probes import SAMPLED_PAGE_RING_BYTES
-from tests.integration.harness import Completed
+from tests.support.harness import Completed
 
 pytestmark = pytest.mark.integration
 

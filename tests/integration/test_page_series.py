@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import Completed
+from tests.support.harness import Completed
 from tests.support.massif_reader import parse_massif
 
 pytestmark = pytest.mark.integration

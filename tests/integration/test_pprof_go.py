@@ -27,10 +27,10 @@ import pytest
 
 from agent.export.pprof import render_pprof
 from agent.model.stack import Frame, SiteCounts
-from tests.integration.harness import PROGRAMS, Completed
 from tests.support.annotate import annotate_inclusive
 from tests.support.capability import unavailable
 from tests.support.daemon import Daemon, Target, start_daemon, stop_daemon
+from tests.support.harness import PROGRAMS, Completed
 from tests.support.massif_reader import parse_massif
 from tests.support.wait import wait_for
 

@@ -36,19 +36,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import ORACLE_OPTIONS, RUN_TIMEOUT, Completed
-from tests.integration.test_oracle import (
+from tests.support.capability import unavailable
+from tests.support.harness import ORACLE_OPTIONS, RUN_TIMEOUT, Completed
+from tests.support.massif_reader import parse_massif
+from tests.support.oracle import (
     NO_CULL,
     Paths,
     Snap,
+    counts_line,
     heapscope_peak,
+    heapscope_schedule,
     leaf_stacks,
+    massif_schedule,
+    near,
     read_snapshots,
     reference_peak,
 )
-from tests.integration.test_schedule_massif import counts_line, heapscope_schedule, massif_schedule, near
-from tests.support.capability import unavailable
-from tests.support.massif_reader import parse_massif
 
 pytestmark = pytest.mark.integration
 

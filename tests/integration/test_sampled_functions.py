@@ -23,7 +23,7 @@ import pytest
 
 from agent.model.sampling import DEFAULT_SAMPLE_RATE, sample_probability
 from agent.session.maltrec import EXACT_IN_SAMPLED
-from tests.integration.harness import Completed
+from tests.support.harness import Completed
 from tests.support.malt_reader import Profile
 
 pytestmark = pytest.mark.integration

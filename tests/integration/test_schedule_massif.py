@@ -27,15 +27,14 @@ is (whatever the speed, after a culling the array holds from half to all of --ma
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import Completed
+from tests.support.harness import Completed
 from tests.support.massif_reader import MassifFile, parse_massif
+from tests.support.oracle import counts_line, heapscope_schedule, massif_schedule, near
 
 pytestmark = pytest.mark.integration
 
@@ -52,38 +51,6 @@ SQLITE_ARGS = ("-init", "/dev/null", ":memory:", SQLITE_SCRIPT)  # -init: no ~/.
 # The issue's options on top of the oracle's (which set --peak-inaccuracy=0.0): Massif's default peaks.
 ISSUE = ("--detailed-freq=1", "--peak-inaccuracy=1.0")
 MAX_SNAPSHOTS = 100  # Massif's default
-TOLERANCE = 0.25
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """What the schedule did: snapshots taken (peaks included), peak snapshots taken, cullings."""
-
-    taken: int
-    peaks: int
-    cullings: int
-
-
-def massif_schedule(run: Completed) -> Schedule:
-    """From Massif's --stats=yes lines."""
-
-    def stat(name: str) -> int:
-        m = re.search(rf"Massif: {name}:\s+(\d+)", run.stderr)
-        assert m, f"no '{name}' in Massif's statistics:\n{run.stderr[-2000:]}"
-        return int(m.group(1))
-
-    return Schedule(stat("real snapshots"), stat("peak snapshots"), stat("cullings"))
-
-
-def heapscope_schedule(run: Completed) -> Schedule:
-    """From heapscope's summary line."""
-    m = re.search(r"snapshots: (\d+) taken on Massif's schedule \((\d+) at peaks\), (\d+) cullings", run.stderr)
-    assert m, f"no schedule line in heapscope's summary:\n{run.stderr[-2000:]}"
-    return Schedule(int(m.group(1)), int(m.group(2)), int(m.group(3)))
-
-
-def near(mine: int, ref: int) -> bool:
-    return abs(mine - ref) <= TOLERANCE * ref
 
 
 def runs(
@@ -99,13 +66,6 @@ def runs(
     assert mine.returncode == 0, mine.stderr
     assert "NOT COUNTED" not in mine.stderr, mine.stderr
     return ref, parse_massif(ref.massif_text), mine, parse_massif(mine.massif_text)
-
-
-def counts_line(name: str, ref: MassifFile, mine: MassifFile, rs: Schedule, ms: Schedule) -> str:
-    return (
-        f"{name}: snapshots in the file heapscope {len(mine.snapshots)}, Massif {len(ref.snapshots)}; taken "
-        f"{ms.taken} / {rs.taken}, peaks {ms.peaks} / {rs.peaks}, cullings {ms.cullings} / {rs.cullings}"
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------

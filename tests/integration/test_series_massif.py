@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import Completed
-from tests.integration.test_schedule_massif import heapscope_schedule, massif_schedule
+from tests.support.harness import Completed
 from tests.support.massif_reader import MassifFile, Node, parse_massif, strip_address
+from tests.support.oracle import heapscope_schedule, massif_schedule
 
 pytestmark = pytest.mark.integration
 

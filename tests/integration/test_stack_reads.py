@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import Completed
+from tests.support.harness import Completed
 from tests.support.massif_reader import parse_massif, paths
 
 pytestmark = pytest.mark.integration

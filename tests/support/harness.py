@@ -1,4 +1,5 @@
-"""Shared constants and types of the integration tests (imported by conftest.py and the test modules)."""
+"""Shared constants and types of the integration tests: where the test programs are, the options of a run
+comparable with Massif, and one finished run of a profiler (imported by tests/integration/conftest.py and the tests)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-PROGRAMS = Path(__file__).resolve().parent / "programs"
+PROGRAMS = REPO / "tests" / "integration" / "programs"
 
 # Massif's options for a comparable run. --time-unit=B makes time deterministic; --threshold=0.0 keeps every
 # site in the tree; --peak-inaccuracy=0.0 makes Massif record a peak on every free that beats the last one;
