@@ -85,7 +85,7 @@ BPF_RINGBUF_OUTPUT(snap_log, HS_SNAP_RING_PAGES);
 BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
 
 /* unwind_rows: row index -> struct hs_row (the unwind tables of all objects, each a sorted run). One table for
- * every target of the daemon, declared by a holder program (agent/kernel/probes.py SharedRows): an object's
+ * every target of the daemon, declared by a holder program (agent/kernel/arrays.py SharedRows): an object's
  * rows are loaded once, whichever targets map it. */
 BPF_TABLE("extern", int, struct hs_row, unwind_rows, HS_MAX_ROWS);
 /* unwind_maps: index -> struct hs_umap, two halves of HS_MAX_UMAPS sorted by start; control[HS_CTL_UMAPS]

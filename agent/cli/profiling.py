@@ -148,7 +148,7 @@ def value_options(parser: argparse.ArgumentParser) -> frozenset[str]:
 
 def _stderr_of_our_own() -> None:
     """A daemon's lines go to a duplicate of fd 2, not to fd 2 itself: compiling a target's program points fd 2 at
-    a file for seconds (agent.kernel.probes captures clang's messages there), and every line the other threads
+    a file for seconds (agent.kernel.loader captures clang's messages there), and every line the other threads
     said meanwhile went into that file, not to the log."""
     sys.stderr.flush()
     sys.stderr = open(os.dup(2), "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")  # noqa: SIM115

@@ -23,15 +23,15 @@ from agent.daemon import history
 from agent.daemon.monitor import run_monitor
 from agent.errors import HeapscopeError, NoSuchTarget, TargetConflict, UsageError
 from agent.export.massif import render_snapshot
-from agent.kernel.probes import SharedRows, limit_malloc_arenas
 from agent.model.fleet import TargetOrigin
 from agent.model.growth import GrowthReport
 from agent.model.sampling import ProfileMode
 from agent.model.snapshot import Snapshot
 from agent.model.stored import StoredDiff, StoredSeries, StoreStatus
 from agent.model.target import PID_MAX, MonitorResult, TargetStatus
+from agent.process.procinfo import limit_malloc_arenas
 from agent.process.target import TargetProcess, attach_to
-from agent.session.pipeline import Profile, ProfileSettings
+from agent.session.pipeline import Profile, ProfileSettings, prepare_shared_rows
 
 # How long an attach may take (compiling the BPF program, reading symbols) before it is given up.
 ATTACH_TIMEOUT = 120.0
@@ -157,7 +157,7 @@ class TargetManager:
         except OSError as exc:
             raise HeapscopeError(f"cannot create the output directory {self.config.output_dir}: {exc}") from exc
         limit_malloc_arenas()  # before the targets' threads: each would otherwise keep an arena of its own
-        SharedRows.prepare()  # the unwind rows every target shares: there from the start, never a target's leftover
+        prepare_shared_rows()  # the unwind rows every target shares: there from the start, never a target's leftover
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """End every profile and write every target's files (SIGTERM comes here)."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from agent.kernel.probes import HeapProbes, SiteArray, SiteReader
+from agent.kernel.interface import SiteArray, SiteReader
+from agent.kernel.probes import HeapProbes
 from agent.model.counters import Counters, PageCounters
 
 

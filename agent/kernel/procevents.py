@@ -15,8 +15,8 @@ from importlib import resources
 from types import TracebackType
 from typing import Any, Literal
 
-from agent.errors import EnvironmentProblem
-from agent.kernel.probes import BCC_LOCK, _cache_tables, _captured_stderr, _load_bcc, _RingReader, _unload
+from agent.kernel.loader import compile_program, unload
+from agent.kernel.rings import RingReader
 
 RING_BYTES = 256 << 10
 MAX_WATCHED = 65536
@@ -37,25 +37,18 @@ class ProcEvents:
 
     def __init__(self) -> None:
         self._bpf: Any = None
-        self._ring: _RingReader | None = None
+        self._ring: RingReader | None = None
         self._epoll: select.epoll | None = None
         self._lost_seen = 0
 
     def __enter__(self) -> ProcEvents:
-        bcc = _load_bcc()
         path = os.path.join(str(resources.files("probes")), "procevents.bpf.c")
         cflags = [f"-DPE_RING_PAGES={RING_BYTES // mmap.PAGESIZE}", f"-DPE_MAX_WATCHED={MAX_WATCHED}"]
-        with BCC_LOCK, _captured_stderr() as messages:
-            try:
-                # bcc attaches the TRACEPOINT_PROBEs as it loads them.
-                self._bpf = bcc.BPF(src_file=path.encode(), cflags=cflags)
-            except Exception as exc:  # bcc raises bare Exception for compile, load and attach failures
-                first = next((ln for ln in messages() if "error" in ln.lower()), str(exc))
-                raise EnvironmentProblem(f"cannot load the process-event tracepoints: {first.strip()}") from exc
-            _cache_tables(self._bpf)
+        # bcc attaches the TRACEPOINT_PROBEs as it loads them.
+        self._bpf = compile_program("cannot load the process-event tracepoints", src_file=path.encode(), cflags=cflags)
         try:
             fd = self._bpf["proc_events"].map_fd
-            self._ring = _RingReader(fd, RING_BYTES, _RECORD)
+            self._ring = RingReader(fd, RING_BYTES, _RECORD)
             self._epoll = select.epoll()
             self._epoll.register(fd, select.EPOLLIN)
         except BaseException:
@@ -76,7 +69,7 @@ class ProcEvents:
             self._ring.close()
             self._ring = None
         if self._bpf is not None:
-            _unload(self._bpf)
+            unload(self._bpf)
             self._bpf = None
 
     def watch(self, pid: int) -> None:

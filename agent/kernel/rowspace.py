@@ -2,7 +2,7 @@
 
 An object (by its key: build-id or path) is placed once, whichever targets map it, and counted by the targets that
 use it; when the last one lets it go its rows' space is free again. Pure bookkeeping: the BPF layer writes the
-rows (agent.kernel.probes.SharedRows).
+rows (agent.kernel.arrays.SharedRows).
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from agent.kernel.probes import FN_KINDS, LOG2_BINS, HeapProbes
+from agent.kernel.abi import FN_KINDS, LOG2_BINS
+from agent.kernel.interface import LiveProbes
 from agent.model.callcounts import ThreadCalls, merge_by_thread
 from agent.model.counters import Counters
 from agent.model.functions import BY_SYMBOL, malt_name_of_kind
@@ -56,7 +57,7 @@ EXACT_IN_SAMPLED = ("threads.stats.*.count", "threads.cntMemOps")
 
 
 class MaltRecorder:
-    def __init__(self, probes: HeapProbes, pid: int, points: int = 512, mode: ProfileMode | None = None,
+    def __init__(self, probes: LiveProbes, pid: int, points: int = 512, mode: ProfileMode | None = None,
                  exact_calls: Callable[[], list[ThreadCalls] | None] | None = None) -> None:
         self.probes = probes
         self.pid = pid

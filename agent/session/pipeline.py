@@ -22,8 +22,11 @@ import psutil
 from agent.errors import HeapscopeError, TargetConflict
 from agent.export.pprof import PprofContext
 from agent.export.registry import BY_NAME, FORMATS, MaltDocument, OutputFormat
+from agent.kernel.abi import PAGE_RING_BYTES, SAMPLED_PAGE_RING_BYTES
+from agent.kernel.arrays import SharedRows
 from agent.kernel.frozen import FrozenProbes
-from agent.kernel.probes import PAGE_RING_BYTES, SAMPLED_PAGE_RING_BYTES, HeapProbes, ProbeSettings
+from agent.kernel.interface import ProbeSettings
+from agent.kernel.probes import HeapProbes
 from agent.model.counters import Counters
 from agent.model.malt import check_consistency
 from agent.model.memline import MemoryLine, MemoryPoint
@@ -47,6 +50,12 @@ from agent.store import StoreWriteError
 
 def _quiet(line: str) -> None:
     pass
+
+
+def prepare_shared_rows() -> None:
+    """A daemon's start: the unwind rows table that all its targets share is made now, before the first target,
+    so it is never counted as that target's leftover (SharedRows.prepare)."""
+    SharedRows.prepare()
 
 
 @dataclass(frozen=True)

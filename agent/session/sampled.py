@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from agent.errors import HeapscopeError, SamplingRefused, TargetError
-from agent.kernel.probes import SiteReader
+from agent.kernel.interface import SiteReader
 from agent.model.callcounts import ThreadCalls, total
 from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint

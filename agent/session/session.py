@@ -18,17 +18,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from agent.kernel.probes import (
-    EV_EXEC,
-    EV_EXIT,
-    EV_PAGES,
-    EV_SCHEDULE,
-    EV_SITES,
-    EV_SNAP_LOG,
-    SCHED_PEAK,
-    HeapProbes,
-    SiteReader,
-)
+from agent.kernel.abi import EV_EXEC, EV_EXIT, EV_PAGES, EV_SCHEDULE, EV_SITES, EV_SNAP_LOG, SCHED_PEAK
+from agent.kernel.interface import LiveProbes, SiteReader
 from agent.model.counters import Counters
 from agent.model.maps import parse_maps_full
 from agent.model.options import MassifOptions
@@ -110,7 +101,7 @@ class Session:
     def __init__(
         self,
         opts: MassifOptions,
-        probes: HeapProbes,
+        probes: LiveProbes,
         info: SessionInfo,
         symbolizer: Symbolizer | None = None,
         proc: str = "/proc",
@@ -118,7 +109,7 @@ class Session:
         exec_limit: int = 0,
     ) -> None:
         self.opts = opts
-        self.live: HeapProbes | None = probes  # None once the profile has ended (freeze)
+        self.live: LiveProbes | None = probes  # None once the profile has ended (freeze)
         self.probes: SiteReader = probes  # what the counters are read from: the live maps, then their copy
         self.info = info
         self.proc = proc
@@ -457,7 +448,7 @@ class Session:
 
     def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float) -> None:
         """Sample every `interval` seconds until the target exits or `stop` is set; between samples, catch up
-        at once with the target's exec, loader changes and exit (agent.kernel.probes EV_*)."""
+        at once with the target's exec, loader changes and exit (agent.kernel.abi EV_*)."""
         live = self.live
         assert live is not None, "the session has ended"
         if not self.exec_limit:
@@ -510,7 +501,7 @@ class Session:
         """The target exec'ed another program: the kernel disarmed the probes and this profile is over."""
         return self.counters().execs > self.exec_limit
 
-    def _catch_up(self, live: HeapProbes, events: Sequence[int] = ()) -> None:
+    def _catch_up(self, live: LiveProbes, events: Sequence[int] = ()) -> None:
         """New objects mapped, or the target is about to exit: record mappings, load unwind tables,
         symbolize while the mappings are still there; then let a stopped target go on. (A thread's stop for the
         schedule may have taken the place of another's at exit in the stop word: `events` still says it.)"""

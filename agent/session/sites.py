@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from agent.kernel.probes import SiteReader
+from agent.kernel.interface import SiteReader
 from agent.model.options import MassifOptions
 from agent.model.pages import PRE_EXISTING_SITE
 from agent.model.stack import Frame, SiteCounts, Stack, trim_stack

@@ -7,7 +7,7 @@ import hashlib
 import time
 from collections.abc import Callable, Sequence
 
-from agent.kernel.probes import UnwindMapping
+from agent.kernel.interface import UnwindMapping
 from agent.model.maps import Mapping
 from agent.model.summary import UnwindSummary
 from agent.symbols.elf import ElfError, open_elf
@@ -15,7 +15,7 @@ from agent.symbols.unwind import UnwindTable
 
 
 def rows_key(table: UnwindTable) -> str:
-    """The identity an object's rows are shared under (agent.kernel.probes SharedRows): its build id, else a digest
+    """The identity an object's rows are shared under (agent.kernel.arrays SharedRows): its build id, else a digest
     of the rows themselves. Not its path: each container reaches one image's file by a path of its own
     (/proc/PID/root/...), and an object without a build id would be written once a container."""
     if table.build_id:

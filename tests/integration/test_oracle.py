@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.kernel.probes import uprobe_links_supported
+from agent.kernel.links import uprobe_links_supported
 from tests.support.annotate import annotate_inclusive
 from tests.support.harness import DEBUG_FLAGS, OPTIMIZED_FLAGS, PROGRAMS, Completed
 from tests.support.oracle import (

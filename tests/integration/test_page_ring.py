@@ -1,4 +1,4 @@
-"""Sampled mode's page events go through a small ring (agent.kernel.probes.SAMPLED_PAGE_RING_BYTES), which
+"""Sampled mode's page events go through a small ring (agent.kernel.abi.SAMPLED_PAGE_RING_BYTES), which
 the kernel holds for every target: a burst of page syscalls after a quiet spell, ten times what the ring holds,
 must still reach the page map whole. The ring half full wakes the profile's loop (probes/heap.bpf.c page_exit,
 HS_EV_PAGES), which otherwise looks at a quiet target only once a second; the daemon reads the ring's data
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.kernel.probes import SAMPLED_PAGE_RING_BYTES
+from agent.kernel.abi import SAMPLED_PAGE_RING_BYTES
 from tests.support.harness import Completed
 
 pytestmark = pytest.mark.integration

@@ -25,7 +25,9 @@ from typing import Any
 import pytest
 
 from agent.errors import HeapscopeError
-from agent.kernel.probes import SCHED_PEAK, HeapProbes, ProbeSettings
+from agent.kernel.abi import SCHED_PEAK
+from agent.kernel.interface import ProbeSettings
+from agent.kernel.probes import HeapProbes
 from agent.model.options import MAX_WALKED_FRAMES
 from agent.process.discovery import allocator_of_process
 from agent.process.sampler import build_sampler

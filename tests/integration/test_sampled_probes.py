@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.kernel.probes import HeapProbes, ProbeSettings, UnwindMapping
+from agent.kernel.interface import ProbeSettings, UnwindMapping
+from agent.kernel.probes import HeapProbes
 from agent.process.sampler import SamplerControl, build_sampler, read_map_lines
 from agent.symbols.elf import open_elf
 from agent.symbols.unwind import load_table

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from agent.contract import HEAP_H, HeaderContract
-from agent.kernel import probes
+from agent.kernel import abi
+from agent.kernel.interface import MaltSiteFields
 from agent.model.counters import Counters, PageCounters
 from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS, EXACT_ONLY, SAMPLED_ONLY
 from agent.model.pages import KINDS as PAGE_KINDS
@@ -38,7 +39,7 @@ def test_every_alloc_kind_is_a_kernel_kind_with_an_entry_program() -> None:
 
 def test_fn_count_counts_the_kinds() -> None:
     fn = HEAP_H.enum("hs_fn")
-    assert fn["HS_FN_COUNT"] == len(fn) - 1 == len(probes.FN_KINDS)
+    assert fn["HS_FN_COUNT"] == len(fn) - 1 == len(abi.FN_KINDS)
     assert sorted(fn.values())[:-1] == list(range(len(fn) - 1))
 
 
@@ -54,12 +55,12 @@ def test_counters_mirror_hs_global() -> None:
 def test_page_counters_mirror_the_enum() -> None:
     members = sorted((v, k) for k, v in HEAP_H.enum("hs_page_counter").items() if k != "HS_PGC_COUNT")
     assert [k.removeprefix("HS_PGC_").lower() for _, k in members] == [f.name for f in fields(PageCounters)]
-    assert len(fields(PageCounters)) == probes.PAGE_COUNTER_COUNT
+    assert len(fields(PageCounters)) == abi.PAGE_COUNTER_COUNT
 
 
 def test_malt_site_fields_are_hs_site_fields() -> None:
     site = {f.name for f in HEAP_H.struct_fields("hs_site")}
-    assert {f.name for f in fields(probes.MaltSiteFields)} <= site
+    assert {f.name for f in fields(MaltSiteFields)} <= site
 
 
 def test_unwind_row_is_hs_row() -> None:
@@ -79,8 +80,8 @@ def test_unwind_row_is_hs_row() -> None:
 
 
 def test_page_event_is_hs_page_event() -> None:
-    assert probes._PAGE_EVENT.format == _format_of("hs_page_event").replace("QQQQQQQQ", "8Q").replace("II", "2I")
-    assert set(probes.PAGE_KINDS.values()) == set(PAGE_KINDS)
+    assert abi.PAGE_EVENT.format == _format_of("hs_page_event").replace("QQQQQQQQ", "8Q").replace("II", "2I")
+    assert set(abi.PAGE_KINDS.values()) == set(PAGE_KINDS)
 
 
 def test_control_words_and_events() -> None:
@@ -91,10 +92,10 @@ def test_control_words_and_events() -> None:
         control["HS_CTL_UMAPS"],
         control["HS_CTL_STACK_EPOCH"],
         control["HS_CTL_STACK_END"],
-    ) == (probes.CTL_ARMED, probes.CTL_STOPPED, probes.CTL_UMAPS, probes.CTL_STACK_EPOCH, probes.CTL_STACK_END)
+    ) == (abi.CTL_ARMED, abi.CTL_STOPPED, abi.CTL_UMAPS, abi.CTL_STACK_EPOCH, abi.CTL_STACK_END)
     # The BPF side reads the first published index as (word >> 32) & (2 * HS_MAX_UMAPS - 1): below the generation.
-    assert (2 * probes.MAX_UMAPS - 1).bit_length() + 32 <= probes.UMAPS_GEN_SHIFT
-    assert f"& {hex(2 * probes.MAX_UMAPS - 1)}" in BPF_SOURCE
+    assert (2 * abi.MAX_UMAPS - 1).bit_length() + 32 <= abi.UMAPS_GEN_SHIFT
+    assert f"& {hex(2 * abi.MAX_UMAPS - 1)}" in BPF_SOURCE
 
 
 def test_the_parser_reads_heap_h_forms() -> None:

@@ -12,9 +12,9 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import os, sys, threading
 from agent.cli import profiling
-from agent.kernel.probes import _captured_stderr
+from agent.kernel.loader import captured_stderr
 profiling._stderr_of_our_own()
-with _captured_stderr() as messages:
+with captured_stderr() as messages:
     other = threading.Thread(target=lambda: sys.stderr.write("said by another thread while compiling\\n"))
     other.start()
     other.join()

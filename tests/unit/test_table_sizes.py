@@ -1,4 +1,4 @@
-"""What each target holds in the kernel: the tables sized from the mode (agent.kernel.probes.table_sizes), the
+"""What each target holds in the kernel: the tables sized from the mode (agent.kernel.interface.table_sizes), the
 mode's default capacity, and the ring reader that maps a ring's data once (pure logic; the ring is a memfd laid
 out as the kernel lays out a BPF ring buffer)."""
 
@@ -9,7 +9,9 @@ import os
 import struct
 from dataclasses import replace
 
-from agent.kernel import probes as bpf
+from agent.kernel import abi
+from agent.kernel.interface import ProbeSettings, block_slots, table_sizes
+from agent.kernel.rings import RingReader
 from agent.model.options import MassifOptions
 from agent.model.sampling import DEFAULT_CAPACITY, ProfileMode
 from agent.session.pipeline import ProfileSettings
@@ -17,44 +19,44 @@ from agent.session.pipeline import ProfileSettings
 PAGE = mmap.PAGESIZE
 
 
-def _settings(mode: str, **kw: object) -> bpf.ProbeSettings:
+def _settings(mode: str, **kw: object) -> ProbeSettings:
     s = ProfileSettings(opts=MassifOptions(), mode=ProfileMode(mode), malt=True)  # type: ignore[arg-type]
     return replace(s, **kw).probe_settings(1234, launched=False)  # type: ignore[arg-type]
 
 
 def test_exact_mode_keeps_its_tables() -> None:
     s = _settings("exact")
-    sizes = bpf.table_sizes(s)
+    sizes = table_sizes(s)
     assert (s.max_blocks, s.max_stacks) == DEFAULT_CAPACITY["exact"] == (1 << 20, 1 << 16)
-    assert sizes["HS_BLOCK_SLOTS"] == bpf.block_slots(s.max_blocks) == s.max_blocks
+    assert sizes["HS_BLOCK_SLOTS"] == block_slots(s.max_blocks) == s.max_blocks
     assert sizes["HS_MAX_BLOCKS"] == s.max_blocks // 2
-    assert sizes["HS_PENDING_SLOTS"] == bpf.PENDING_SLOTS
+    assert sizes["HS_PENDING_SLOTS"] == abi.PENDING_SLOTS
     assert sizes["HS_MAX_STACKS"] == s.max_stacks
-    assert sizes["HS_MAX_SIZES"] == sizes["HS_MAX_JUMPS"] == bpf.MAX_SIZES
-    assert sizes["HS_MAX_PENDING"] == bpf.MAX_THREADS
-    assert sizes["HS_PAGE_RING_PAGES"] * PAGE == bpf.PAGE_RING_BYTES == s.page_ring_bytes
+    assert sizes["HS_MAX_SIZES"] == sizes["HS_MAX_JUMPS"] == abi.MAX_SIZES
+    assert sizes["HS_MAX_PENDING"] == abi.MAX_THREADS
+    assert sizes["HS_PAGE_RING_PAGES"] * PAGE == abi.PAGE_RING_BYTES == s.page_ring_bytes
 
 
 def test_sampled_mode_drops_the_exact_tables_and_sizes_its_own() -> None:
     s = _settings("sampled")
-    sizes = bpf.table_sizes(s)
+    sizes = table_sizes(s)
     assert (s.max_blocks, s.max_stacks) == DEFAULT_CAPACITY["sampled"]
     assert sizes["HS_BLOCK_SLOTS"] == 2 and sizes["HS_MAX_BLOCKS"] == 16  # no program of the mode uses them
     assert sizes["HS_PENDING_SLOTS"] == 1 and sizes["HS_MAX_PENDING"] == 16
-    assert sizes["HS_MAX_SIZES"] == bpf.SAMPLED_MAX_SIZES < bpf.MAX_SIZES
+    assert sizes["HS_MAX_SIZES"] == abi.SAMPLED_MAX_SIZES < abi.MAX_SIZES
     assert sizes["HS_MAX_JUMPS"] == 1  # sampled calls never reach them
     assert sizes["HS_MAX_SAMPLED_BLOCKS"] == s.max_blocks
     assert sizes["HS_MAX_STACKS"] == s.max_stacks
-    assert sizes["HS_PAGE_RING_PAGES"] * PAGE == bpf.SAMPLED_PAGE_RING_BYTES < bpf.PAGE_RING_BYTES
+    assert sizes["HS_PAGE_RING_PAGES"] * PAGE == abi.SAMPLED_PAGE_RING_BYTES < abi.PAGE_RING_BYTES
     # The options still decide when given.
-    raised = bpf.table_sizes(_settings("sampled", max_blocks=1 << 20, max_stacks=1 << 16))
+    raised = table_sizes(_settings("sampled", max_blocks=1 << 20, max_stacks=1 << 16))
     assert raised["HS_MAX_SAMPLED_BLOCKS"] == 1 << 20 and raised["HS_MAX_STACKS"] == 1 << 16
     assert raised["HS_BLOCK_SLOTS"] == 2
 
 
 def test_malt_tables_only_with_malt() -> None:
     for mode in ("exact", "sampled"):
-        sizes = bpf.table_sizes(_settings(mode, malt=False))
+        sizes = table_sizes(_settings(mode, malt=False))
         assert sizes["HS_MAX_SIZES"] == sizes["HS_MAX_JUMPS"] == 1
 
 
@@ -70,7 +72,7 @@ def test_ring_records_read_across_the_wrap() -> None:
     record = struct.Struct("<5Q")  # 40 bytes: with its 8-byte header, records straddle the end of the data
     fd, view = _ring(size)
     try:
-        reader = bpf._RingReader(fd, size, record)
+        reader = RingReader(fd, size, record)
         data_at = 2 * PAGE
         written, pos, got = [], 0, []
         for n in range(300):  # several laps of the ring, drained every 7 records

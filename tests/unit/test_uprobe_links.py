@@ -1,4 +1,4 @@
-"""When the uprobes are attached as uprobe_multi links (agent.kernel.probes.uprobe_links_supported): pure logic."""
+"""When the uprobes are attached as uprobe_multi links (agent.kernel.links.uprobe_links_supported): pure logic."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from agent.kernel import probes as bpf
+from agent.kernel import links
 
 _REAL = os.uname()
 
@@ -31,13 +31,13 @@ def _uname(release: str) -> Any:
 )
 def test_links_from_linux_6_10(monkeypatch: pytest.MonkeyPatch, release: str, expected: bool) -> None:
     monkeypatch.delenv("HEAPSCOPE_UPROBE_LINKS", raising=False)
-    monkeypatch.setattr(bpf.os, "uname", lambda: _uname(release))
-    assert bpf.uprobe_links_supported() is expected
+    monkeypatch.setattr(links.os, "uname", lambda: _uname(release))
+    assert links.uprobe_links_supported() is expected
 
 
 def test_environment_keeps_perf_events(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bpf.os, "uname", lambda: _uname("6.18.0"))
+    monkeypatch.setattr(links.os, "uname", lambda: _uname("6.18.0"))
     monkeypatch.setenv("HEAPSCOPE_UPROBE_LINKS", "0")
-    assert not bpf.uprobe_links_supported()
+    assert not links.uprobe_links_supported()
     monkeypatch.setenv("HEAPSCOPE_UPROBE_LINKS", "1")
-    assert bpf.uprobe_links_supported()
+    assert links.uprobe_links_supported()
