@@ -121,14 +121,14 @@ struct hs_block {
     __u64 alloc_ns; /* when it was allocated (HS_MALT: lifetimes) */
 };
 
-/* Sampled mode (sampled.bpf.c): one live sampled block, keyed by its address, with what it was recorded at:
+/* Sampled mode (bpf/sampled.h): one live sampled block, keyed by its address, with what it was recorded at:
  * the bytes and blocks it stands for (its weight) and their Massif extra bytes, so its free takes back
  * exactly that. */
 #ifndef HS_SAMPLE_RATE
 #define HS_SAMPLE_RATE 524288    /* sampled mode: the sampler's mean bytes between samples */
 #endif
 #ifndef HS_SAMPLED
-#define HS_SAMPLED 0             /* 1: sampled.bpf.c is appended (sampled mode) */
+#define HS_SAMPLED 0             /* 1: sampled mode (heap.bpf.c includes bpf/sampled.h) */
 #endif
 #ifndef HS_MAX_SAMPLED_BLOCKS
 #define HS_MAX_SAMPLED_BLOCKS 65536 /* sampled mode: live sampled blocks (sampled_blocks; --max-blocks) */
@@ -252,7 +252,7 @@ struct hs_stack_copy {
     __u64 fp;
     __u64 no_rule;
     __u64 walks;  /* walks started on this CPU: one that sees it move was overtaken (see walks_interrupted) */
-    __u64 site;   /* a walk's site id, passed through memory (heap.bpf.c capture_site) */
+    __u64 site;   /* a walk's site id, passed through memory (bpf/unwind.h capture_site) */
 };
 
 /* Arguments of an allocation call between its entry and its return, per thread. */
@@ -339,7 +339,7 @@ struct hs_sched_point {
 };
 
 /* One record of the snapshot log (ring buffer snap_log): a site's live bytes right before its first change after
- * the points numbered below `epoch`, so the tree at any point can be rebuilt (heap.bpf.c site_touch). */
+ * the points numbered below `epoch`, so the tree at any point can be rebuilt (bpf/schedule.h site_touch). */
 struct hs_snap_record {
     __u64 site;
     __u64 epoch;  /* hs_global.sched_points at the change: the record holds the site at points epoch-1 and before */

@@ -75,7 +75,7 @@ class ProbeSettings:
     # page walker is not loaded, which saves its verification (~0.8 s of an attach), and every call has site 0.
     page_stacks: bool = True
     stacks: bool = False  # keep each thread's stack extent (--stacks=yes: stack_bytes())
-    sampled: bool = False  # also compile probes/sampled.bpf.c (points of kind sample_alloc / sample_free)
+    sampled: bool = False  # also compile probes/bpf/sampled.h (HS_SAMPLED) (points of kind sample_alloc / sample_free)
     schedule_ns: bool = False  # the snapshot schedule's points are timed in ns (--time-unit=ms), else in B
     sample_rate: int = 524288  # sampled: the sampler's mean bytes between samples (its weights' rate)
     page_ring_bytes: int = PAGE_RING_BYTES  # the page events' ring buffer (pages): a power of two of pages
@@ -90,7 +90,7 @@ def table_sizes(s: ProbeSettings) -> dict[str, int]:
     return {
         "HS_BLOCK_SLOTS": 2 if s.sampled else block_slots(s.max_blocks),
         "HS_MAX_BLOCKS": 16 if s.sampled else max(s.max_blocks // 2, 16),
-        "HS_MAX_SAMPLED_BLOCKS": s.max_blocks,  # sampled_blocks (probes/sampled.bpf.c, sampled mode only)
+        "HS_MAX_SAMPLED_BLOCKS": s.max_blocks,  # sampled_blocks (probes/bpf/sampled.h, sampled mode only)
         "HS_PENDING_SLOTS": 1 if s.sampled else PENDING_SLOTS,
         "HS_MAX_PENDING": 16 if s.sampled else MAX_THREADS,
         "HS_MAX_STACKS": s.max_stacks,

@@ -1,5 +1,5 @@
-"""Loading programs through bcc: the one import of bcc, the lock every load and unload holds, compiling a program
-text with clang's messages caught, and letting a program and what bcc keeps of it go."""
+"""Loading programs through bcc: the one import of bcc, the lock every load and unload holds, a program's text with
+its parts written in, compiling it with clang's messages caught, and letting a program and what bcc keeps of it go."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import atexit
 import contextlib
 import ctypes
 import os
+import re
 import sys
 import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from agent.errors import EnvironmentProblem
@@ -54,6 +56,37 @@ def unload(bpf: Any) -> None:
         bpf.cleanup()
     atexit.unregister(bpf.cleanup)
     bpf.tables.clear()
+
+
+# A part of a program (probes/bpf/): a line `#include "bpf/NAME.h"`.
+_PART = re.compile(r'^#include "(bpf/[\w.-]+)"[ \t]*$', re.M)
+
+
+def program_text(path: str | Path) -> str:
+    """The program at `path` (probes/heap.bpf.c) as one text for bcc.BPF(text=...): each line `#include "bpf/NAME.h"`
+    replaced by that file (found in the program's directory, a part's own parts too), between #line directives so
+    that clang's messages name the file and line they come from. bcc rewrites table calls (`table.lookup(&key)`)
+    and takes programs only in the main source it compiles: in a file clang includes, a table call is left as a call
+    through a null pointer (the kernel refuses the program) and a program is not seen. Other includes (heap.h, types
+    and sizes only) are left to clang and its -I."""
+    main = Path(path)
+
+    def written_in(source: Path) -> str:
+        try:
+            text = source.read_text()
+        except OSError as exc:
+            raise EnvironmentProblem(f"cannot read the BPF program's source {source}: {exc.strerror}") from exc
+        pieces, at = [f'#line 1 "{source}"\n'], 0
+        for part in _PART.finditer(text):
+            pieces.append(text[at : part.start()])
+            pieces.append(written_in(main.parent / part.group(1)))
+            after = text.count("\n", 0, part.end()) + 2  # the number of the line after the include
+            pieces.append(f'#line {after} "{source}"\n')
+            at = part.end() + 1
+        pieces.append(text[at:])
+        return "".join(piece if piece.endswith("\n") else piece + "\n" for piece in pieces if piece)
+
+    return written_in(main)
 
 
 @contextlib.contextmanager

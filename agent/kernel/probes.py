@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from importlib import resources
-from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, cast
 
@@ -61,7 +60,7 @@ from agent.kernel.abi import (
 from agent.kernel.arrays import MappedArray, SharedRows
 from agent.kernel.interface import LiveProbes, MaltSiteFields, ProbeSettings, SiteArray, UnwindMapping, table_sizes
 from agent.kernel.links import BPF_TRACE_UPROBE_MULTI, UPROBE_LINKS_ENV, link_uprobe, uprobe_links_supported
-from agent.kernel.loader import BCC_LOCK, compile_program, load_bcc, trim_heap, unload
+from agent.kernel.loader import BCC_LOCK, compile_program, load_bcc, program_text, trim_heap, unload
 from agent.kernel.rings import RingReader
 from agent.model.counters import Counters, PageCounters
 from agent.model.pages import PageEvent
@@ -179,13 +178,10 @@ class HeapProbes(LiveProbes):
             f"-DHS_SAMPLED={int(s.sampled)}",
             f"-DHS_IGNORE={int(s.ignore)}",
         ]
-        failure = "cannot compile or load the BPF program"
-        if s.sampled:  # sampled.bpf.c uses heap.bpf.c's helpers: one translation unit
-            source = "".join(Path(probes_dir, name).read_text() for name in ("heap.bpf.c", "sampled.bpf.c"))
-            bpf = self._bpf = compile_program(failure, text=source.encode(), cflags=cflags)
-        else:
-            path = os.path.join(probes_dir, "heap.bpf.c")
-            bpf = self._bpf = compile_program(failure, src_file=path.encode(), cflags=cflags)
+        # One source in every mode, heap.bpf.c with its parts written in: the HS_* defines above choose the parts
+        # that count (sampled mode's programs, the page calls, thread stacks: probes/heap.bpf.c).
+        source = program_text(os.path.join(probes_dir, "heap.bpf.c"))
+        bpf = self._bpf = compile_program("cannot compile or load the BPF program", text=source.encode(), cflags=cflags)
         try:
             try:
                 self._sites = MappedArray(bpf["sites"], s.max_stacks)

@@ -1,4 +1,4 @@
-"""Sampled mode's kernel side (probes/sampled.bpf.c): uprobes on the sampler's probe functions walk the stack
+"""Sampled mode's kernel side (probes/bpf/sampled.h): uprobes on the sampler's probe functions walk the stack
 and aggregate per stack at each sample's weight. Judged by the sites program's own record of its blocks:
 the live bytes the kernel keeps per call site are within 10% of the truth for every site holding 10% or
 more of the heap, and exactly zero for a site once all its blocks are freed."""

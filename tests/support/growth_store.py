@@ -4,7 +4,7 @@ steady leak, a cache that fills then stops, a sawtooth, a flat site, and as many
 and RSS of a process whose memory outside malloc may grow too.
 
 In sampled mode the counters are what the kernel would keep: each allocation of s bytes is sampled with
-p = 1 - e^(-s/rate) and then stands for 1/p blocks (rounded at random, as probes/sampled.bpf.c rounds it); a free
+p = 1 - e^(-s/rate) and then stands for 1/p blocks (rounded at random, as probes/bpf/sampled.h rounds it); a free
 takes back what its block was recorded at.
 """
 

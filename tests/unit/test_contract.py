@@ -12,12 +12,14 @@ import pytest
 from agent.contract import HEAP_H, HeaderContract
 from agent.kernel import abi
 from agent.kernel.interface import MaltSiteFields
+from agent.kernel.loader import program_text
 from agent.model.counters import Counters, PageCounters
 from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS, EXACT_ONLY, SAMPLED_ONLY
 from agent.model.pages import KINDS as PAGE_KINDS
 from agent.symbols import unwind
 
-BPF_SOURCE = (Path(__file__).resolve().parents[2] / "probes" / "heap.bpf.c").read_text()
+# The whole program, heap.bpf.c with its parts (probes/bpf/) written in, as bcc compiles it.
+BPF_SOURCE = program_text(Path(__file__).resolve().parents[2] / "probes" / "heap.bpf.c")
 
 # struct module codes of the C types heap.h uses.
 _CODES = {"__u64": "Q", "__s64": "q", "__u32": "I", "__s32": "i", "__u16": "H", "__s16": "h", "__u8": "B"}

@@ -1,5 +1,5 @@
-/* Sampled mode: compiled after heap.bpf.c, in the same translation unit, when ProbeSettings.sampled is set
- * (agent/kernel/probes.py; bcc takes programs only from its main source, so it is appended, not included).
+/* sampled.h: sampled mode's programs (HS_SAMPLED: ProbeSettings.sampled), the last part heap.bpf.c includes, as
+ * they use the parts before it.
  *
  * The in-process sampler (probes/sampler/hs_sampler.c) calls hs_sample_alloc(ptr, size, weight, fn) for each
  * sampled allocation (fn: the allocation function's enum hs_fn, as exact mode would record the call) and
@@ -18,7 +18,7 @@
  * Sampled blocks live in their own table (sampled_blocks), with what they were recorded at: a free takes
  * back exactly that. The stack starts inside the sampler (hs_account_slow, then an hs_hook_* function); user
  * space trims those frames (SiteReader.lead_trim) as it trims allocation functions.
- * The snapshot schedule (heap.bpf.c schedule_check) runs at the sampled calls, as at every call in exact mode:
+ * The snapshot schedule (schedule.h schedule_check) runs at the sampled calls, as at every call in exact mode:
  * without it the session would take no snapshot after its first. Its points carry the estimated totals, and in
  * ms no point can come between two samples.
  */

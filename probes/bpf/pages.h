@@ -1,0 +1,169 @@
+/* pages.h: page-level memory (HS_PAGES): mmap, munmap, mremap and brk, one event per completed call, charged to
+ * the user stack that made it. */
+
+/* page_calls: thread id -> the page syscall it is in (arguments and site), from entry to exit */
+BPF_F_TABLE("hash", u32, struct hs_page_call, page_calls, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
+/* page_events: struct hs_page_event, one per completed page syscall, in the order they completed */
+BPF_RINGBUF_OUTPUT(page_events, HS_PAGE_RING_PAGES);
+/* page_counters: enum hs_page_counter -> count */
+BPF_ARRAY(page_counters, u64, HS_PGC_COUNT);
+/* page_walker: 0 -> page_enter_walk, the one copy of the stack walk of the four entry tracepoints (a
+ * program array holds programs of one type, so not alloc_walker) */
+BPF_PROG_ARRAY(page_walker, 1);
+
+static __always_inline void page_count(u32 which)
+{
+    count_in(page_counters.lookup(&which), 1);
+}
+
+/* At a page syscall's entry: keep its arguments and charge it to the user stack that made it. The walk
+ * starts at the user's instruction pointer (just past the syscall instruction, in the libc wrapper). */
+static __always_inline int page_enter(void *ctx, u32 kind, u64 a0, u64 a1, u64 a2, u64 a3, u64 a4)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if ((id >> 32) != HS_TARGET_TGID || !is_armed())
+        return 0;
+    struct hs_global *g = get_globals();
+    if (!g)
+        return 0;
+    struct hs_user_regs u = user_regs();
+    u32 tid = id;
+#if HS_STACKS
+    note_stack(tid, u.sp, 0);
+#endif
+    struct hs_page_call call = {.tid = tid, .arg0 = a0, .arg1 = a1, .arg2 = a2, .arg3 = a3, .arg4 = a4, .kind = kind};
+    u32 zero = 0;
+    struct hs_page_call *arg = walk_arg.lookup(&zero);
+    if (arg) {
+        *arg = call;
+        page_walker.call(ctx, 0);
+    }
+    /* Only without the walker (installed before the probes are armed): the call, charged to no stack. */
+    call.site = HS_STACK_OVERFLOW;
+    if (page_calls.update(&tid, &call))
+        page_count(HS_PGC_CALLS_FULL);
+    return 0;
+}
+
+/* page_walker's program: the stack of the page syscall in walk_arg, and the call kept until its exit (an
+ * argument that is not ours leaves the call out: its exit counts it unpaired). */
+int page_enter_walk(void *ctx)
+{
+    u32 zero = 0;
+    struct hs_page_call *arg = walk_arg.lookup(&zero);
+    struct hs_global *g = get_globals();
+    if (!arg || !g || !walk_arg_is_ours(arg))
+        return 0;
+    struct hs_page_call call = *arg;
+    struct hs_user_regs u = user_regs();
+    u32 tid = bpf_get_current_pid_tgid();
+    call.site = capture_stack_at(0, u.ip, u.sp, u.bp, g, HS_FN_PAGES);
+    if (page_calls.update(&tid, &call))
+        page_count(HS_PGC_CALLS_FULL);
+    return 0;
+}
+
+/* At its exit: one event with the arguments and the result, for agent/model/pages.py to apply in order. */
+static __always_inline int page_exit(void *ctx, u32 kind, long ret)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if ((id >> 32) != HS_TARGET_TGID)
+        return 0;
+    u32 tid = id;
+    struct hs_page_call *c = page_calls.lookup(&tid);
+    if (!c) {
+        if (is_armed())
+            page_count(HS_PGC_UNPAIRED);
+        return 0;
+    }
+    struct hs_page_call call = *c;
+    page_calls.delete(&tid);
+    if (call.kind != kind) { /* cannot happen: a thread is in one syscall at a time */
+        page_count(HS_PGC_UNPAIRED);
+        return 0;
+    }
+    struct hs_page_event *e = page_events.ringbuf_reserve(sizeof(struct hs_page_event));
+    /* Linux 6.15+ takes the ring's lock with a resilient spinlock, which can fail while the ring has room: try
+     * again, twice */
+    if (!e)
+        e = page_events.ringbuf_reserve(sizeof(struct hs_page_event));
+    if (!e)
+        e = page_events.ringbuf_reserve(sizeof(struct hs_page_event));
+    if (!e) {
+        page_count(HS_PGC_LOST);
+        return 0;
+    }
+    e->time_ns = bpf_ktime_get_ns();
+    e->site = call.site;
+    e->tid = tid;
+    e->kind = kind;
+    e->ret = ret;
+    e->prot = 0;
+    e->flags = 0;
+    e->new_addr = 0;
+    e->new_length = 0;
+    switch (kind) {
+    case HS_PG_MMAP: /* addr, len, prot, flags */
+        e->addr = ret;
+        e->length = call.arg1;
+        e->prot = call.arg2;
+        e->flags = call.arg3;
+        break;
+    case HS_PG_MUNMAP: /* addr, len */
+        e->addr = call.arg0;
+        e->length = call.arg1;
+        break;
+    case HS_PG_MREMAP: /* addr, old_len, new_len, flags, new_addr */
+        e->addr = call.arg0;
+        e->length = call.arg1;
+        e->new_length = call.arg2;
+        e->flags = call.arg3;
+        e->new_addr = ret;
+        break;
+    default: /* brk */
+        e->addr = call.arg0;
+        e->length = 0;
+        e->new_addr = ret;
+        break;
+    }
+    /* No wakeup: user space drains the buffer when it samples, and a wakeup per call costs an IPI. */
+    page_events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    page_count(HS_PGC_EVENTS);
+    /* But the event that fills the ring to half (and to three quarters, should that wake-up be missed) wakes
+     * user space once: a daemon looking at a quiet target once a second drains a burst before the ring
+     * overflows, so the ring can stay small. Its fill is the events sent less those user space took. */
+    u32 sent_idx = HS_PGC_EVENTS;
+    u64 *sent = page_counters.lookup(&sent_idx);
+    if (sent) {
+        u64 held = HS_ONCE(*sent) - control_word(HS_CTL_PAGES_DRAINED);
+        u64 room = (u64)HS_PAGE_RING_PAGES * 4096 / ((sizeof(struct hs_page_event) + 8 + 7) & ~7ULL);
+        if (held == room / 2 || held == room / 2 + room / 4) {
+            u64 event = HS_EV_PAGES;
+            events.perf_submit(ctx, &event, sizeof(event));
+        }
+        /* `run`: from three quarters full on, the target waits until user space has drained the ring, so no
+         * call is lost however fast it makes them (sampled mode never stops a target). */
+        if (HS_STOP_EVENTS && !HS_SAMPLED && held >= room / 2 + room / 4) {
+            u64 event = HS_EV_PAGES;
+            u32 stop_idx = HS_CTL_STOPPED;
+            control.update(&stop_idx, &event);
+            bpf_send_signal(19 /* SIGSTOP */);
+        }
+    }
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
+{
+    return page_enter(args, HS_PG_MMAP, args->addr, args->len, args->prot, args->flags, args->fd);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_mmap) { return page_exit(args, HS_PG_MMAP, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_munmap) { return page_enter(args, HS_PG_MUNMAP, args->addr, args->len, 0, 0, 0); }
+TRACEPOINT_PROBE(syscalls, sys_exit_munmap) { return page_exit(args, HS_PG_MUNMAP, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_mremap)
+{
+    return page_enter(args, HS_PG_MREMAP, args->addr, args->old_len, args->new_len, args->flags, args->new_addr);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_mremap) { return page_exit(args, HS_PG_MREMAP, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_brk) { return page_enter(args, HS_PG_BRK, args->brk, 0, 0, 0, 0); }
+TRACEPOINT_PROBE(syscalls, sys_exit_brk) { return page_exit(args, HS_PG_BRK, args->ret); }
