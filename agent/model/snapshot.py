@@ -152,37 +152,19 @@ class SnapshotSeries:
     ) -> Snapshot | None:
         """Offer a sample. Returns the recorded snapshot, or None when it is skipped (see next_kind).
         A detailed one needs `tree`; a normal one drops any tree given."""
-        if self._finished:
-            raise ValueError("the series is finished")
-        self._check_time(time)
-        kind = self.next_kind(time)
+        kind = self._offer(time, tree_comes_later=False, tree=tree)
         if kind is None:
-            self.n_skipped += 1
             return None
-        if kind is SnapshotKind.DETAILED:
-            if tree is None:
-                raise ValueError("this sample must be detailed (next_kind said so) but no tree was given")
-            self._tree_given()
-        else:
-            tree = None
-            self._since_detailed += 1
+        tree = tree if kind is SnapshotKind.DETAILED else None
         return self._record(Snapshot(time, heap_B, heap_extra_B, stacks_B, tree, kind))
 
     def add_point(self, time: int, heap_B: int, heap_extra_B: int, stacks_B: int) -> Snapshot | None:
         """Offer a point, a sample with exact totals and no tree yet. Returns the recorded snapshot, or None when
         it is skipped. When the detailed frequency falls on it, it is DETAILED with its tree to come (give_tree,
         or tree_missed)."""
-        if self._finished:
-            raise ValueError("the series is finished")
-        self._check_time(time)
-        kind = self.next_kind(time)
+        kind = self._offer(time, tree_comes_later=True)
         if kind is None:
-            self.n_skipped += 1
             return None
-        if kind is SnapshotKind.DETAILED:
-            self._tree_given()
-        else:
-            self._since_detailed += 1
         pending = kind is SnapshotKind.DETAILED
         return self._record(Snapshot(time, heap_B, heap_extra_B, stacks_B, None, kind, tree_pending=pending))
 
@@ -201,6 +183,23 @@ class SnapshotSeries:
         self._tree_given()
         snap = Snapshot(time, heap_B, heap_extra_B, stacks_B, None, SnapshotKind.PEAK, tree_pending=True)
         return self._record(snap)
+
+    def _offer(self, time: int, *, tree_comes_later: bool, tree: Tree | None = None) -> SnapshotKind | None:
+        """The kind a sample offered at `time` is taken as (None: skipped, and counted), the detailed frequency's
+        count moved on. A detailed sample needs its tree now unless it comes later (a point)."""
+        if self._finished:
+            raise ValueError("the series is finished")
+        self._check_time(time)
+        kind = self.next_kind(time)
+        if kind is None:
+            self.n_skipped += 1
+        elif kind is SnapshotKind.DETAILED:
+            if tree is None and not tree_comes_later:
+                raise ValueError("this sample must be detailed (next_kind said so) but no tree was given")
+            self._tree_given()
+        else:
+            self._since_detailed += 1
+        return kind
 
     def _tree_given(self) -> None:
         """A detailed snapshot (or a peak, which counts as one) was taken: the frequency's count starts again."""
