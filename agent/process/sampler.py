@@ -25,8 +25,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from agent.errors import EnvironmentProblem, TargetError, UsageError
-from agent.model.callcounts import ThreadCalls, total
+from agent.model.callcounts import ThreadCalls
 from agent.model.maps import MapsEntry, parse_maps_full
 from agent.process.discovery import ProbePoint, elf_facts
 from agent.process.procinfo import thread_limit
@@ -82,6 +84,20 @@ COUNT_SLOTS = 16384  # hs_sampler.h: HS_COUNT_SLOTS
 COUNT_FIELDS = ("allocs", "frees", "alloc_bytes", "calloc", "realloc", "memalign", "posix_memalign", "valloc",
                 "pvalloc", "realloc_frees", "tid")  # fmt: skip
 COUNTS = struct.Struct(f"<{len(COUNT_FIELDS)}Q40x")
+
+
+def thread_calls_of(table: bytes) -> list[ThreadCalls]:
+    """A count table (SamplerControl.count_table) as one ThreadCalls a slot."""
+    return [ThreadCalls(**dict(zip(COUNT_FIELDS, values, strict=True))) for values in COUNTS.iter_unpack(table)]
+
+
+def calls_total_of(table: bytes) -> ThreadCalls:
+    """A count table's slots summed, column by column in numpy (no object a slot)."""
+    if not table:
+        return ThreadCalls(0)
+    words = np.frombuffer(table, dtype="<u8").reshape(len(table) // COUNTS.size, COUNTS.size // 8)
+    sums = words[:, : len(COUNT_FIELDS)].sum(axis=0, dtype=np.uint64)
+    return ThreadCalls(0, **{name: int(v) for name, v in zip(COUNT_FIELDS, sums, strict=True) if name != "tid"})
 VERSION = 4
 REQ_ARM, REQ_DISARM = 1, 2
 STATE_NAMES = {0: "loading", 1: "idle", 2: "armed", 3: "broken"}
@@ -356,20 +372,22 @@ class SamplerControl:
             raise TargetError(f"process {self.pid}: the sampler refused to arm: {os.strerror(-st['result'])}")
         return st
 
-    def thread_calls(self) -> list[ThreadCalls]:
-        """Exact counts since arming, one entry per thread slot (agent.model.callcounts)."""
+    def count_table(self) -> bytes:
+        """The per-thread counts since arming as the sampler keeps them (struct hs_counts a slot: read it with
+        thread_calls_of or calls_total_of). One read of the used slots, nothing parsed: the daemon looks at
+        every look, and a thread-per-connection server fills all 16,384 slots."""
         st = self.read()
         used = min(st["counts_used"], COUNT_SLOTS)
         raw = os.pread(self._mem, used * COUNTS.size, st["counts_address"]) if used else b""
-        out = []
-        for values in COUNTS.iter_unpack(raw[: len(raw) // COUNTS.size * COUNTS.size]):
-            row = dict(zip(COUNT_FIELDS, values, strict=True))
-            out.append(ThreadCalls(**row))
-        return out
+        return raw[: len(raw) // COUNTS.size * COUNTS.size]
+
+    def thread_calls(self) -> list[ThreadCalls]:
+        """Exact counts since arming, one entry per thread slot (agent.model.callcounts)."""
+        return thread_calls_of(self.count_table())
 
     def counts(self) -> dict[str, int]:
         """Exact counts since arming, all threads together: allocs, frees, alloc_bytes."""
-        t = total(self.thread_calls())
+        t = calls_total_of(self.count_table())
         return {"allocs": t.allocs, "frees": t.frees, "alloc_bytes": t.alloc_bytes}
 
     def disarm(self) -> ControlState:

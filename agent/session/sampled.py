@@ -22,18 +22,20 @@ from collections.abc import Callable, Sequence
 
 from agent.errors import HeapscopeError, SamplingRefused, TargetError
 from agent.kernel.interface import SiteReader
-from agent.model.callcounts import ThreadCalls, total
+from agent.model.callcounts import ThreadCalls
 from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint
 from agent.process.inject import inject, revive
 from agent.process.sampler import (
     SamplerControl,
     build_sampler,
+    calls_total_of,
     libc_of_program,
     library_range,
     loaded_file,
     mapped_base,
     probe_points,
+    thread_calls_of,
 )
 from agent.process.target import TargetProcess, launch
 
@@ -82,7 +84,7 @@ class SamplerLink:
         self.libc = process.allocator.family if process.allocator.family == "musl" else "glibc"
         self.library = build_sampler(libc=self.libc)  # the build for the target's libc
         self.control: SamplerControl | None = None
-        self._last_calls: list[ThreadCalls] | None = None
+        self._last_table: bytes | None = None  # the per-thread counts as last read (SamplerControl.count_table)
         self._last_stats: dict[str, int] = {}
         self._lock = threading.Lock()
         self.arm_error: BaseException | None = None
@@ -171,17 +173,23 @@ class SamplerLink:
         self.counts()
         self.statistics()
 
+    def _count_table(self) -> bytes | None:
+        """The per-thread counts read now; the last ones read once the sampler is disarmed or the target gone;
+        None before arming. Kept as read, parsed only by what needs the threads (MALT's figures)."""
+        with self._lock:
+            if self.control is None:
+                return self._last_table
+            try:
+                self._last_table = self.control.count_table()
+            except (OSError, HeapscopeError) as exc:  # the target exited: its last counts stand
+                self._read_failed(exc)
+            return self._last_table
+
     def thread_calls(self) -> list[ThreadCalls] | None:
         """Exact counts since arming, per thread slot (calls per function: ThreadCalls.by_kind); the last ones
         read once the sampler is disarmed or the target gone; None before arming."""
-        with self._lock:
-            if self.control is None:
-                return self._last_calls
-            try:
-                self._last_calls = self.control.thread_calls()
-            except (OSError, HeapscopeError) as exc:  # the target exited: its last counts stand
-                self._read_failed(exc)
-            return self._last_calls
+        table = self._count_table()
+        return None if table is None else thread_calls_of(table)
 
     def _read_failed(self, exc: BaseException) -> None:
         """A read of the sampler that failed while its process lives is said once: its counts stand still."""
@@ -193,10 +201,10 @@ class SamplerLink:
     def counts(self) -> dict[str, int] | None:
         """Exact counts since arming (allocs and frees, reallocs included; alloc_bytes; reallocs and the old
         blocks they gave up, realloc_frees), all threads together; None before arming."""
-        calls = self.thread_calls()
-        if calls is None:
+        table = self._count_table()
+        if table is None:
             return None
-        t = total(calls)
+        t = calls_total_of(table)
         return {"allocs": t.allocs, "frees": t.frees, "alloc_bytes": t.alloc_bytes, "reallocs": t.realloc,
                 "realloc_frees": t.realloc_frees}  # fmt: skip
 

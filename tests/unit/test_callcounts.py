@@ -3,10 +3,12 @@ them in sampled mode (agent.session.maltrec)."""
 
 from __future__ import annotations
 
+import random
+
 from agent.model.callcounts import COUNTED_KINDS, ThreadCalls, merge_by_thread, total
 from agent.model.functions import malt_name_of_kind
 from agent.model.malt import MALT_FUNCTIONS, MaltThread, ThreadFunctionStats
-from agent.process.sampler import COUNT_FIELDS
+from agent.process.sampler import COUNT_FIELDS, COUNTS, calls_total_of, thread_calls_of
 from agent.session.maltrec import _exact_thread_counts
 
 
@@ -33,6 +35,24 @@ def test_slots_of_one_tid_add_up() -> None:
     assert merged[7] == ThreadCalls(7, allocs=5, frees=3, alloc_bytes=50, calloc=1)
     assert merged[8] == c
     assert total([a, b, c]).allocs == 6
+    assert total([a, b, c]) == ThreadCalls(0, allocs=6, frees=3, alloc_bytes=50, calloc=1)
+    assert total([]) == ThreadCalls(0)
+
+
+def test_a_count_table_read_as_the_sampler_keeps_it() -> None:
+    """The raw table (struct hs_counts a slot, padded to 128 bytes): its slots one by one, and their sum taken in
+    numpy, equal to the sum of the slots; a full table of 16,384 threads, as a thread-per-connection server
+    leaves."""
+    rng = random.Random(3)
+    rows = [{name: rng.randrange(1 << 40) for name in COUNT_FIELDS} for _ in range(16384)]
+    table = b"".join(COUNTS.pack(*(row[name] for name in COUNT_FIELDS)) for row in rows)
+    slots = thread_calls_of(table)
+    assert [s.tid for s in slots] == [row["tid"] for row in rows]
+    assert slots[5] == ThreadCalls(**rows[5])
+    summed = calls_total_of(table)
+    assert summed == total(slots)
+    assert summed.alloc_bytes == sum(row["alloc_bytes"] for row in rows)
+    assert calls_total_of(b"") == ThreadCalls(0) and thread_calls_of(b"") == []
 
 
 def test_malt_threads_take_the_exact_counts_and_keep_the_estimated_bytes() -> None:
