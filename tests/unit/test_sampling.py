@@ -250,7 +250,7 @@ def test_a_sampler_that_cannot_be_read_is_said_once_with_what_its_descriptors_ar
         def read(self) -> None:
             raise OSError(9, "Bad file descriptor")
 
-        def thread_calls(self) -> None:
+        def count_table(self) -> None:
             raise OSError(9, "Bad file descriptor")
 
         def descriptors(self) -> str:
@@ -262,7 +262,7 @@ def test_a_sampler_that_cannot_be_read_is_said_once_with_what_its_descriptors_ar
 
     said: list[str] = []
     link = SamplerLink.__new__(SamplerLink)  # the link's bookkeeping alone: no process, no library
-    link.pid, link.say, link._lock, link._last_stats, link._last_calls = 42, said.append, threading.Lock(), {}, None
+    link.pid, link.say, link._lock, link._last_stats, link._last_table = 42, said.append, threading.Lock(), {}, None
     link.disarmed_itself = link.read_error = None
     link.process = Alive()  # type: ignore[assignment]
     link.control = Control()  # type: ignore[assignment]
