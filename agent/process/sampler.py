@@ -98,6 +98,8 @@ def calls_total_of(table: bytes) -> ThreadCalls:
     words = np.frombuffer(table, dtype="<u8").reshape(len(table) // COUNTS.size, COUNTS.size // 8)
     sums = words[:, : len(COUNT_FIELDS)].sum(axis=0, dtype=np.uint64)
     return ThreadCalls(0, **{name: int(v) for name, v in zip(COUNT_FIELDS, sums, strict=True) if name != "tid"})
+
+
 VERSION = 4
 REQ_ARM, REQ_DISARM = 1, 2
 STATE_NAMES = {0: "loading", 1: "idle", 2: "armed", 3: "broken"}
