@@ -258,14 +258,23 @@ def _exe_of(session: Session) -> str:
     return cmd[0] if cmd else ""
 
 
+def _resolved(path: str) -> str:
+    """`path` with its links resolved, or as given where they cannot be: under /proc/PID/root of a target that has
+    exited but is not reaped yet (a container's process, its runtime not done with it), the kernel still shows
+    /proc/PID but no longer reads its root link, and realpath raises FileNotFoundError."""
+    try:
+        return os.path.realpath(path)
+    except OSError:
+        return path
+
+
 def _function_addresses(points: Sequence[ProbePoint], mappings: Sequence) -> dict[str, int]:  # type: ignore[type-arg]
     """Where each allocation function sits in the target: the leaf frame of MALT's stacks."""
     out: dict[str, int] = {}
+    resolved = {path: _resolved(path) for path in {m.path for m in mappings} | {p.path for p in points}}
     for p in points:
         for m in mappings:
-            if os.path.realpath(m.path) == os.path.realpath(p.path) and m.offset <= p.file_offset < m.offset + (
-                m.end - m.start
-            ):
+            if resolved[m.path] == resolved[p.path] and m.offset <= p.file_offset < m.offset + (m.end - m.start):
                 name = BY_SYMBOL[p.symbol].malt_name if p.symbol in BY_SYMBOL else p.symbol
                 out.setdefault(name, m.start + p.file_offset - p.placement.offset - m.offset)
                 break
