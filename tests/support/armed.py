@@ -20,7 +20,7 @@ def loaded_sampler(pid: int) -> Path | None:
     was loaded), also when it was handed over in a memfd; None if none is."""
     for m in read_map_lines(pid):
         path = m.path.removesuffix(" (deleted)")
-        name = os.path.basename(path)
+        name = os.path.basename(path).removeprefix("memfd:")  # a memfd's: /memfd:NAME (deleted)
         if m.offset == 0 and LIBRARY.fullmatch(name):
             return Path(path) if path.startswith("/") and os.path.exists(path) else cache_dir() / name
     return None
