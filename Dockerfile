@@ -1,4 +1,4 @@
-# heapscope daemon image: Debian 12, the same Debian packages as `make setup`, heapscope in a venv.
+# heapscope daemon image: Debian 12, the Debian packages heapscope runs with, heapscope in a venv.
 #
 #   docker build -t heapscope .
 #   docker run -d --privileged --pid=host -p 127.0.0.1:7411:7411 -e HEAPSCOPE_TOKEN=... heapscope   # the daemon
@@ -20,10 +20,12 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /opt/heapscope
 
-# System packages first, from the one list that `make setup` uses too, so this layer stays cached
-# while the code changes. Debian's python3 (3.11) keeps venv support in python3-venv.
+# System packages first, so this layer stays cached while the code changes: only scripts/apt-packages.txt, what
+# heapscope needs at run time (bcc, kernel headers, libc6-dbg, the compilers of the sampler, python3), not
+# scripts/apt-packages-dev.txt, which `make setup` adds for the tests (Valgrind, Chromium, Go, PostgreSQL, buildah...:
+# about 2.4 GB more image). Debian's python3 (3.11) keeps venv support in python3-venv.
 COPY scripts/setup.sh scripts/apt-packages.txt scripts/docker-entrypoint.sh scripts/
-RUN bash scripts/setup.sh apt \
+RUN HEAPSCOPE_APT_DEV=0 bash scripts/setup.sh apt \
     && apt-get install -y -q --no-install-recommends python3 python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 

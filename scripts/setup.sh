@@ -12,6 +12,9 @@
 #   VENV                the venv's folder (default: <repo>/.venv)
 #   HEAPSCOPE_EDITABLE  1 (default): pip install -e '.[dev]'; 0: pip install '.' (the Dockerfile)
 #                       (not PIP_*: pip reads every PIP_<option> variable as an option of its own)
+#   HEAPSCOPE_APT_DEV   1 (default): apt installs scripts/apt-packages.txt (what heapscope runs with) and
+#                       scripts/apt-packages-dev.txt (the tests' judges, peers and servers); 0: only the first
+#                       (the Dockerfile)
 #   MODULES_ROOT        where the kernel header links go (default: /lib/modules; for trying it elsewhere)
 set -euo pipefail
 
@@ -19,6 +22,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-$ROOT/.venv}
 HEAPSCOPE_EDITABLE=${HEAPSCOPE_EDITABLE:-1}
+HEAPSCOPE_APT_DEV=${HEAPSCOPE_APT_DEV:-1}
 MODULES_ROOT=${MODULES_ROOT:-/lib/modules}
 BCC_DIR=/usr/lib/python3/dist-packages/bcc
 
@@ -57,8 +61,12 @@ missing_packages() {
 }
 
 step_apt() {
-    local wanted missing
-    mapfile -t wanted < <(grep -Ev '^[[:space:]]*(#|$)' "$ROOT/scripts/apt-packages.txt")
+    local lists=("$ROOT/scripts/apt-packages.txt") wanted missing list
+    [ "$HEAPSCOPE_APT_DEV" = 0 ] || lists+=("$ROOT/scripts/apt-packages-dev.txt")
+    for list in "${lists[@]}"; do
+        [ -f "$list" ] || die "$list is missing"
+    done
+    mapfile -t wanted < <(cat "${lists[@]}" | grep -Ev '^[[:space:]]*(#|$)' | sort -u)
     mapfile -t missing < <(missing_packages "${wanted[@]}")
     if [ "${#missing[@]}" -eq 0 ]; then
         say "apt: all ${#wanted[@]} packages installed"
@@ -98,7 +106,9 @@ step_kernel() {
     # in-kernel headers (CONFIG_IKHEADERS off), and BCC_KERNEL_SOURCE alone was not enough: both links are needed.
     local k build source
     k=$(uname -r)
-    build=$(pick_headers "$k")
+    # `|| true`: under pipefail, pick_headers fails when grep finds no headers, and the assignment would end the
+    # script before the line below says why.
+    build=$(pick_headers "$k" || true)
     [ -n "$build" ] || die "no Debian kernel headers under /usr/src (install linux-headers-amd64: scripts/setup.sh apt)"
     source=${build%-amd64}-common
     [ -d "$source" ] || source=$build  # the running kernel's own package has no -common split
