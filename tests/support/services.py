@@ -9,7 +9,8 @@ postgres on 5432, memcached on 11211...), running or not, are neither used nor d
         svc.answers()
 
 Each service's `selector` is a regular expression for `heapscope serve --attach-cmdline` (or POST /targets
-{"cmdline": ...}) that matches its main process only; the daemon reaches the workers by following its children.
+{"cmdline": ...}) that matches its main process only (apache2's workers keep its command line: they match too); the
+daemon reaches the workers by following its children.
 Used by tests/integration/test_service_panel.py and bench/service_panel.py.
 """
 
@@ -117,11 +118,12 @@ def _number(pattern: str, text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def run_ab(port: int, seconds: float, concurrency: int = 8, path: str = "/index.html") -> LoadResult:
+def run_ab(port: int, seconds: float, concurrency: int = 8, path: str = "/index.html",
+           headers: Iterable[str] = ()) -> LoadResult:  # fmt: skip
     """ApacheBench for `seconds`, a new connection per request (as ab does without -k)."""
     # -t alone caps at 50,000 requests; -n after it lifts the cap so the time decides.
     cmd = ["ab", "-q", "-r", "-c", str(concurrency), "-t", f"{seconds:g}", "-n", "10000000",
-           f"http://127.0.0.1:{port}{path}"]  # fmt: skip
+           *(a for h in headers for a in ("-H", h)), f"http://127.0.0.1:{port}{path}"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=False)
     out = done.stdout
     rate = _number(r"^Requests per second:\s+([\d.]+)", out) or 0.0
@@ -467,17 +469,18 @@ class Postgres(Service):
         for pid, role in super().processes().items():
             if re.search(r"\[local\]|\d\(\d+\)", role):
                 role = "backend"  # its title: user, database, client, state ("postgres postgres [local] idle")
+            elif role.startswith("autovacuum worker"):
+                role = "autovacuum worker"  # with its database once connected: "autovacuum worker postgres"
             elif role == "main" and pid != self.main_pid:
                 role = "starting"  # just forked (an autovacuum worker, a backend), still with the postmaster's title
             out[pid] = role
         return out
 
-    def backends(self) -> list[int]:
-        return sorted(p for p, r in self.processes().items() if r == "backend")
-
     def steady_pids(self) -> list[int]:
-        # A load tool's backends end with its connections, a moment after the tool itself: only ours stay.
-        return [p for p in super().steady_pids() if p not in self.backends() or p in self.session_backends]
+        # A load tool's backends end with its connections, a moment after the tool itself: only ours stay. One look
+        # at the processes: in two, a backend seen in the first could be gone from the second, and taken as steady.
+        return sorted(p for p, r in self.processes().items()
+                      if r not in self.transient_roles and (r != "backend" or p in self.session_backends))
 
     def _psql(self, *args: str) -> list[str]:
         return [str(PG_BIN / "psql"), "-X", "-q", "-At", "-h", str(self.sockets), "-p", str(self.port),
@@ -683,6 +686,134 @@ mimetype.assign = (".html" => "text/html")
         return run_ab(self.port, seconds)
 
 
+class Apache(Service):
+    """Apache httpd 2.4 with the prefork MPM: a master (root) and a fixed pool of single-threaded workers (www-data)
+    that each end after MaxConnectionsPerChild connections and are replaced by the master, serving a static page
+    gzipped to clients that accept it (mod_deflate with Debian's deflate.conf; ab asks as browsers do). Without
+    that a warm worker serves a static file out of APR's pools with no allocator call at all; zlib's state is
+    malloc'd a request. Run as Debian's apachectl runs /usr/sbin/apache2, in the foreground (-DFOREGROUND) and with
+    a configuration of its own instead of /etc/apache2's. The workers keep the master's command line, so the
+    selector matches them too; the daemon profiles them either way."""
+
+    name = "apache2"
+    tool = "ab"
+    programs = ("/usr/sbin/apache2", "ab")
+    users = ("www-data",)
+    MAX_CONNECTIONS_PER_CHILD = 10000  # a worker ends after this many and a new one takes its place
+    MAINTENANCE_INTERVAL = 1.0  # seconds between the master's looks at its pool (prefork's idle server maintenance)
+
+    def __init__(self, workers: int = 4) -> None:
+        super().__init__()
+        self.workers = workers
+        self.conf = self.dir / "apache2.conf"
+
+    def expected_roles(self) -> tuple[str, ...]:
+        return ("master", *("worker",) * self.workers)
+
+    def processes(self) -> dict[int, str]:
+        # Apache sets no title: a worker is known from the master by its pid.
+        return {p: "master" if p == self.main_pid else "worker" for p in self.pids()}
+
+    def config(self) -> str:
+        www = self._docroot()
+        run = self.dir / "run"
+        run.mkdir(exist_ok=True)
+        modules = Path("/usr/lib/apache2/modules")
+        # A fixed pool: as many workers to start, to keep spare and at most, so only MaxConnectionsPerChild (and a
+        # crash) ends a worker, and the master replaces it at once.
+        return f"""ServerRoot /etc/apache2
+ServerName 127.0.0.1
+LoadModule mpm_prefork_module {modules}/mod_mpm_prefork.so
+LoadModule authz_core_module {modules}/mod_authz_core.so
+LoadModule mime_module {modules}/mod_mime.so
+LoadModule filter_module {modules}/mod_filter.so
+LoadModule deflate_module {modules}/mod_deflate.so
+User www-data
+Group www-data
+PidFile {self.dir}/apache2.pid
+DefaultRuntimeDir {run}
+Mutex file:{run} default
+ErrorLog {self.dir}/error.log
+LogFormat "%h %l %u %t \\"%r\\" %>s %O" common
+CustomLog {self.dir}/access.log common
+Listen 127.0.0.1:{self.port}
+StartServers {self.workers}
+MinSpareServers {self.workers}
+MaxSpareServers {self.workers + 1}
+ServerLimit {self.workers}
+MaxRequestWorkers {self.workers}
+MaxConnectionsPerChild {self.MAX_CONNECTIONS_PER_CHILD}
+TypesConfig /etc/mime.types
+AddOutputFilterByType DEFLATE text/html text/plain text/xml text/css text/javascript
+DocumentRoot {www}
+<Directory />
+    Require all denied
+</Directory>
+<Directory {www}>
+    Require all granted
+</Directory>
+"""
+
+    def command(self) -> list[str]:
+        self.conf.write_text(self.config())
+        return ["/usr/sbin/apache2", "-f", str(self.conf), "-DFOREGROUND"]
+
+    def log_tail(self) -> str:
+        try:
+            return last_line((self.dir / "error.log").read_text(errors="replace"))
+        except OSError:
+            return super().log_tail()
+
+    def stop_signal(self) -> int:
+        return signal.SIGWINCH  # graceful-stop, as Debian's ExecStop (apachectl graceful-stop)
+
+    @property
+    def selector(self) -> str:
+        return f"^/usr/sbin/apache2 -f {re.escape(str(self.conf))} "
+
+    def answers(self) -> bool:
+        return _http_ok(self.port)
+
+    def load(self, seconds: float) -> LoadResult:
+        return run_ab(self.port, seconds, headers=["Accept-Encoding: gzip"])
+
+    def workers_now(self) -> list[int]:
+        return sorted(p for p, r in self.processes().items() if r == "worker")
+
+    def settled_workers(self) -> list[int]:
+        """The workers once the pool is whole and none is ending: a worker that served its last connection as a load
+        ended exits a moment later, and the master replaces it at its next look. The same full pool in two looks of
+        the master's apart."""
+        deadline = time.monotonic() + READY_TIMEOUT
+        before: list[int] = []
+        while True:
+            now = self.workers_now()
+            if len(now) == self.workers and now == before:
+                return now
+            if time.monotonic() > deadline:
+                raise ServiceError(f"apache2: the pool of {self.workers} workers did not settle (workers {now}): "
+                                   f"{self.log_tail()}")
+            before = now
+            time.sleep(self.MAINTENANCE_INTERVAL * 1.5)
+
+    def steady_pids(self) -> list[int]:
+        return sorted([self.main_pid, *self.settled_workers()])
+
+    def recycle_workers(self) -> list[int]:
+        """Load until every worker has served its MaxConnectionsPerChild connections and been replaced by a new one
+        (ab opens a connection a request). Returns the new workers, once the pool has settled."""
+        old = set(self.workers_now())
+        deadline = time.monotonic() + READY_TIMEOUT
+        while old & set(self.workers_now()):
+            if time.monotonic() > deadline:
+                raise ServiceError(f"apache2: workers {sorted(old & set(self.workers_now()))} not recycled after "
+                                   f"{READY_TIMEOUT:.0f} s of load: {self.log_tail()}")
+            got = self.load(1.0)
+            if not got.ok:
+                raise ServiceError(f"apache2: load while recycling workers: {got}")
+        return self.settled_workers()
+
+
 class HAProxy(Service):
     """HAProxy 2.6 as Debian's unit runs it with Debian's haproxy.cfg's global settings (-Ws: a master and a worker;
     the worker chroots to /var/lib/haproxy and runs as haproxy), in front of a one-worker nginx of its own (the
@@ -759,5 +890,5 @@ class HAProxyNoChroot(HAProxy):
 
 
 SERVICES: dict[str, type[Service]] = {
-    s.name: s for s in (Nginx, Postgres, PythonHttp, Memcached, Redis, Lighttpd, HAProxy, HAProxyNoChroot)
+    s.name: s for s in (Nginx, Postgres, PythonHttp, Memcached, Redis, Lighttpd, Apache, HAProxy, HAProxyNoChroot)
 }
