@@ -9,6 +9,7 @@ from agent.contract import HEAP_H
 
 # Every value shared with heap.bpf.c comes from probes/heap.h (agent.contract).
 _CONTROL = HEAP_H.enum("hs_control")
+CTL_COUNT = _CONTROL["HS_CTL_COUNT"]  # control words a target (its slot's run of the control map)
 CTL_ARMED = _CONTROL["HS_CTL_ARMED"]
 CTL_STOPPED = _CONTROL["HS_CTL_STOPPED"]
 CTL_UMAPS = _CONTROL["HS_CTL_UMAPS"]

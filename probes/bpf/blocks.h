@@ -6,10 +6,12 @@
  * update and delete cost more than the rest of the accounting). Mmapable only for its page alignment,
  * which keeps each bucket in one cache line. */
 BPF_F_TABLE("array", int, struct hs_block_slot, block_slots, HS_BLOCK_SLOTS, BPF_F_MMAPABLE);
+BPF_ARRAY_OF_MAPS(block_slots_of, "block_slots", HS_TARGETS);
 /* blocks: block address -> struct hs_block, for the blocks whose bucket was full. Like every hash map here it
  * is not preallocated (BPF_F_NO_PREALLOC): its memory follows the target's use, not the worst case, so a
  * daemon watching many quiet targets does not hold their tables' full size each. */
 BPF_F_TABLE("hash", u64, struct hs_block, blocks, HS_MAX_BLOCKS, BPF_F_NO_PREALLOC);
+BPF_ARRAY_OF_MAPS(blocks_of, "blocks", HS_TARGETS);
 
 /* The first slot of addr's bucket. Neighbouring blocks get neighbouring buckets, so the heap's locality
  * carries over to the table; the high address bits are folded in, so heaps far apart do not collide. */
@@ -20,16 +22,16 @@ static __always_inline u32 block_bucket(u64 addr)
     return (u32)x & (HS_BLOCK_SLOTS - 2);
 }
 
-static __always_inline struct hs_block_slot *block_slot(u32 idx)
+static __always_inline struct hs_block_slot *block_slot(void *table, u32 idx)
 {
-    return block_slots.lookup(&idx);
+    return t_lookup(table, &idx);
 }
 
 /* Load addr's bucket ahead of its use: its cache line is often a miss (~90 ns here on a random free), and the
  * checks that come first run while it arrives. */
-static __always_inline void block_prefetch(u64 addr)
+static __always_inline void block_prefetch(struct hs_global *g, u64 addr)
 {
-    struct hs_block_slot *s = block_slot(block_bucket(addr));
+    struct hs_block_slot *s = block_slot(block_slots_of.lookup(&g->slot), block_bucket(addr));
     if (s)
         (void)HS_ONCE(s->addr);
 }
@@ -40,7 +42,8 @@ static __always_inline void block_prefetch(u64 addr)
 static __always_inline int block_put(struct hs_global *g, u64 addr, struct hs_block *b)
 {
     u32 idx = block_bucket(addr);
-    struct hs_block_slot *s0 = block_slot(idx), *s1 = block_slot(idx + 1), *s = 0;
+    void *table = block_slots_of.lookup(&g->slot);
+    struct hs_block_slot *s0 = block_slot(table, idx), *s1 = block_slot(table, idx + 1), *s = 0;
     if (s0 && s1 && !(b->slop >> 32) && !(b->stack >> 32)) {
         u64 a0 = HS_ONCE(s0->addr), a1 = HS_ONCE(s1->addr);
         if (a0 == addr)
@@ -58,7 +61,7 @@ static __always_inline int block_put(struct hs_global *g, u64 addr, struct hs_bl
             return 0;
         }
     }
-    if (blocks.update(&addr, b)) {
+    if (t_update(blocks_of.lookup(&g->slot), &addr, b, BPF_ANY)) {
         __sync_fetch_and_add(&g->dropped_blocks, 1);
         return -1;
     }
@@ -71,9 +74,10 @@ static __always_inline int block_put(struct hs_global *g, u64 addr, struct hs_bl
 static __always_inline int block_take(struct hs_global *g, u64 addr, struct hs_block *b)
 {
     u32 idx = block_bucket(addr);
-    struct hs_block_slot *s = block_slot(idx);
+    void *table = block_slots_of.lookup(&g->slot);
+    struct hs_block_slot *s = block_slot(table, idx);
     if (s && HS_ONCE(s->addr) != addr)
-        s = block_slot(idx + 1);
+        s = block_slot(table, idx + 1);
     if (s && HS_ONCE(s->addr) == addr) {
         u64 slop_site = s->slop_site;
         b->size = s->size;
@@ -85,11 +89,12 @@ static __always_inline int block_take(struct hs_global *g, u64 addr, struct hs_b
     }
     if (HS_ONCE(g->hashed_blocks) == 0)
         return 0;
-    struct hs_block *hb = blocks.lookup(&addr);
+    void *hashed = blocks_of.lookup(&g->slot);
+    struct hs_block *hb = t_lookup(hashed, &addr);
     if (!hb)
         return 0;
     *b = *hb;
-    if (blocks.delete(&addr))
+    if (t_delete(hashed, &addr))
         return 0;
     __sync_fetch_and_add(&g->hashed_blocks, -1);
     return 1;

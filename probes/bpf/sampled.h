@@ -28,6 +28,7 @@
  * bucket array (16 bytes an entry) is sized from --max-blocks. In sampled mode the exact mode's block tables
  * (block_slots, blocks) are compiled at their smallest: no program here uses them. */
 BPF_F_TABLE("hash", u64, struct hs_sampled_block, sampled_blocks, HS_MAX_SAMPLED_BLOCKS, BPF_F_NO_PREALLOC);
+BPF_ARRAY_OF_MAPS(sampled_blocks_of, "sampled_blocks", HS_TARGETS);
 
 /* N: 1/p from the weight (weight / size in 16.16 fixed point), its fraction rounded at random. */
 static __always_inline u64 sample_blocks(u64 size, u64 weight)
@@ -43,8 +44,8 @@ static __always_inline u64 sample_blocks(u64 size, u64 weight)
 
 int sample_alloc_enter(struct pt_regs *ctx)
 {
-    struct hs_global *g = get_globals();
-    if (!g || !is_armed())
+    struct hs_global *g = uprobe_globals(ctx);
+    if (!g || !is_armed(g))
         return 0;
     u64 addr = PT_REGS_PARM1(ctx);
     u64 size = PT_REGS_PARM2(ctx);
@@ -52,7 +53,7 @@ int sample_alloc_enter(struct pt_regs *ctx)
     if (!addr || !size || !weight)
         return 0;
 #if HS_STACKS
-    note_stack((u32)bpf_get_current_pid_tgid(), PT_REGS_SP(ctx), 0);
+    note_stack(g, (u32)bpf_get_current_pid_tgid(), PT_REGS_SP(ctx), 0);
 #endif
     u64 stack = capture_stack(ctx, g, HS_MALLOC);
     /* The allocation function, read after the walk: a value the verifier tracks through the walk would split
@@ -69,7 +70,7 @@ int sample_alloc_enter(struct pt_regs *ctx)
     };
     b.bytes = b.blocks * size;
     b.extra = b.blocks * (massif_slop(size, HS_ALIGNMENT) + HS_HEAP_ADMIN);
-    if (sampled_blocks.update(&addr, &b)) {
+    if (t_update(sampled_blocks_of.lookup(&g->slot), &addr, &b, BPF_ANY)) {
         __sync_fetch_and_add(&g->dropped_blocks, 1);
         return 0;
     }
@@ -93,7 +94,7 @@ int sample_alloc_enter(struct pt_regs *ctx)
     check_peak(g, s, 0);
     if (HS_MALT) {
         malt_alloc(g, s, stack, size, b.blocks);
-        thread_stat((u32)bpf_get_current_pid_tgid(), fn, b.blocks, b.bytes, 0);
+        thread_stat(g, (u32)bpf_get_current_pid_tgid(), fn, b.blocks, b.bytes, 0);
     }
     schedule_check(ctx, g, time_b, now);
     return 0;
@@ -101,19 +102,20 @@ int sample_alloc_enter(struct pt_regs *ctx)
 
 int sample_free_enter(struct pt_regs *ctx)
 {
-    struct hs_global *g = get_globals();
-    if (!g || !is_armed())
+    struct hs_global *g = uprobe_globals(ctx);
+    if (!g || !is_armed(g))
         return 0;
     u64 addr = PT_REGS_PARM1(ctx);
     if (!addr)
         return 0;
-    struct hs_sampled_block *found = sampled_blocks.lookup(&addr);
+    void *sampled = sampled_blocks_of.lookup(&g->slot);
+    struct hs_sampled_block *found = t_lookup(sampled, &addr);
     if (!found) {
         __sync_fetch_and_add(&g->untracked_frees, 1);
         return 0;
     }
     struct hs_sampled_block b = *found;
-    if (sampled_blocks.delete(&addr)) /* another CPU took it first (a double free racing) */
+    if (t_delete(sampled, &addr)) /* another CPU took it first (a double free racing) */
         return 0;
     u64 free_site = (HS_FREE_STACKS || HS_MALT) ? capture_stack(ctx, g, HS_FREE) : 0;
     u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
@@ -131,8 +133,8 @@ int sample_free_enter(struct pt_regs *ctx)
         __sync_fetch_and_add(&charged->freed_blocks, b.blocks);
     }
     if (HS_MALT) {
-        malt_free(s, free_site ? get_site(free_site, g) : 0, b.size, b.alloc_ns, now, b.blocks);
-        thread_stat((u32)bpf_get_current_pid_tgid(), HS_FREE, b.blocks, b.bytes, 0);
+        malt_free(g, s, free_site ? get_site(free_site, g) : 0, b.size, b.alloc_ns, now, b.blocks);
+        thread_stat(g, (u32)bpf_get_current_pid_tgid(), HS_FREE, b.blocks, b.bytes, 0);
     }
     __sync_fetch_and_add(&g->heap, -b.bytes);
     __sync_fetch_and_add(&g->extra, -b.extra);
