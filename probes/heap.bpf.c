@@ -30,6 +30,27 @@
 #include "bpf/blocks.h"
 #include "bpf/accounting.h"
 
+/* walk_arg: the argument a tail-called walker gets (alloc_walker, page_walker): per CPU, since a tail call runs on
+ * its caller's CPU, in the same program run. */
+BPF_PERCPU_ARRAY(walk_arg, struct hs_page_call, 1);
+
+/* Whether walk_arg holds this thread's argument. On a preemptible kernel another thread's program can run
+ * on this CPU between a tail call's caller and callee (uprobe programs run with migration, not preemption,
+ * disabled); then the argument is not ours, and that is counted. */
+static __always_inline int walk_arg_is_ours(struct hs_page_call *arg)
+{
+    if (arg->tid == (u32)bpf_get_current_pid_tgid())
+        return 1;
+    struct hs_global *g = get_globals(arg->slot);
+    if (g)
+        __sync_fetch_and_add(&g->walks_interrupted, 1);
+    return 0;
+}
+
+/* Exact mode's probes of the allocation functions; sampled mode attaches none of them (the injected sampler calls
+ * its own probes: bpf/sampled.h). */
+#if !HS_SAMPLED
+
 /* slots: tid mod HS_PENDING_SLOTS -> struct hs_pending (the thread's call between entry and return).
  * An array: its lookups are inlined and take no lock, unlike a hash map's. */
 BPF_ARRAY(slots, struct hs_pending, HS_PENDING_SLOTS);
@@ -38,10 +59,8 @@ BPF_F_TABLE("hash", u32, struct hs_pending, pending, HS_MAX_PENDING, BPF_F_NO_PR
 
 /* alloc_walker: 0 -> alloc_enter, the entry program of the allocation functions other than malloc, tail-called
  * by theirs. Each inlined copy of the stack walk costs ~0.45 s of verification at load: malloc keeps its own
- * (no tail call on the hottest path), the others share one. walk_arg hands the walker its argument: per CPU,
- * since a tail call runs on its caller's CPU, in the same program run. */
+ * (no tail call on the hottest path), the others share one; walk_arg hands it its argument. */
 BPF_PROG_ARRAY(alloc_walker, 1);
-BPF_PERCPU_ARRAY(walk_arg, struct hs_page_call, 1);
 
 /* ---- the pending call of each thread ------------------------------------------------------------- */
 
@@ -150,19 +169,6 @@ static __always_inline int on_enter(struct pt_regs *ctx, struct hs_global *g, u3
 }
 
 int malloc_enter(struct pt_regs *ctx) { return on_enter(ctx, uprobe_globals(ctx), HS_MALLOC); }
-
-/* Whether walk_arg holds this thread's argument. On a preemptible kernel another thread's program can run
- * on this CPU between a tail call's caller and callee (uprobe programs run with migration, not preemption,
- * disabled); then the argument is not ours, and that is counted. */
-static __always_inline int walk_arg_is_ours(struct hs_page_call *arg)
-{
-    if (arg->tid == (u32)bpf_get_current_pid_tgid())
-        return 1;
-    struct hs_global *g = get_globals(arg->slot);
-    if (g)
-        __sync_fetch_and_add(&g->walks_interrupted, 1);
-    return 0;
-}
 
 /* The shared entry program (alloc_walker): the function is in walk_arg. An argument that is not ours leaves
  * the call unseen, counted (dropped_pending): its kind is unknown. */
@@ -337,6 +343,8 @@ int alloc_return(struct pt_regs *ctx)
     record_alloc(ctx, g, ret, size, request_alignment(&call), call.stack, now);
     return 0;
 }
+
+#endif /* !HS_SAMPLED */
 
 /* ---- events: exec, loader changes and exit -------------------------------------------------------- */
 
