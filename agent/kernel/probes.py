@@ -200,7 +200,6 @@ class HeapProbes(LiveProbes):
                 self._sites = MappedArray(maps["sites"], s.max_stacks)
             except (OSError, ValueError) as exc:
                 raise EnvironmentProblem(f"cannot map the sites array (BPF_F_MMAPABLE, Linux 5.5+): {exc}") from exc
-            shape.load(self._program_names())
             shape.install_walkers(self._walkers())
             for point in self.points:
                 self._attach(point)
@@ -294,15 +293,6 @@ class HeapProbes(LiveProbes):
         if self.settings.pages and self.settings.page_stacks:
             walkers.append(("page_walker", b"page_enter_walk"))
         return walkers
-
-    def _program_names(self) -> set[bytes]:
-        """The programs this target's probes and the walkers need."""
-        names = {name for _, name in self._walkers()}
-        for point in self.points:
-            names.add(f"{point.kind}_enter".encode())
-            if point.needs_return:
-                names.add(b"alloc_return")
-        return names
 
     @property
     def attached_through(self) -> str:

@@ -115,6 +115,38 @@ class ProgramShape:
         self.users = 0
         # The per-target maps: each one that has an array of maps NAME_of (probes/bpf/common.h).
         self.per_target = sorted(name[:-3] for name in self.bpf.tables if name.endswith("_of"))
+        self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed
+        try:
+            self.load(self._function_names())
+            self._release_compiler()
+        except BaseException:
+            unload(self.bpf)
+            raise
+
+    def _function_names(self) -> list[bytes]:
+        """Every program of the source but the tracepoints bcc loads and attaches itself: all are loaded at once, so
+        that the compiler can be freed and a further target of any allocator finds what it needs."""
+        lib = load_bcc().libbcc.lib
+        lib.bpf_num_functions.restype = ctypes.c_size_t
+        lib.bpf_num_functions.argtypes = [ctypes.c_void_p]
+        lib.bpf_function_name.restype = ctypes.c_char_p
+        lib.bpf_function_name.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        with BCC_LOCK:
+            names = [lib.bpf_function_name(self.bpf.module, i) for i in range(lib.bpf_num_functions(self.bpf.module))]
+        return [n for n in names if n and not n.startswith(b"tracepoint__")]
+
+    def _release_compiler(self) -> None:
+        """Free what bcc keeps of the compilation once every program is loaded: its module holds clang's LLVM
+        context, the optimized IR, the JIT's objects and the rewritten source of every function, ~8 MB for as long
+        as the program lives. The maps' descriptors are owned by that module, so each table (all were looked up at
+        the load: cache_tables) gets a descriptor of its own first."""
+        lib = load_bcc().libbcc.lib
+        with BCC_LOCK:  # the module's tables leave libbcc's process-wide table map
+            for table in self.bpf.tables.values():
+                table.map_fd = os.dup(table.map_fd)
+                self._map_fds.append(table.map_fd)
+            lib.bpf_module_destroy(self.bpf.module)
+            self.bpf.module = None
 
     # ---- life cycle -----------------------------------------------------------------------------------
 
@@ -136,6 +168,9 @@ class ProgramShape:
                 return
             self._shapes.pop(self.key, None)
         unload(self.bpf)
+        for fd in self._map_fds:
+            os.close(fd)
+        self._map_fds.clear()
 
     @classmethod
     def loaded(cls) -> list[ProgramShape]:
@@ -146,12 +181,14 @@ class ProgramShape:
     # ---- programs -------------------------------------------------------------------------------------
 
     def program(self, name: bytes) -> Any:
-        """A program of this shape, loaded (and verified) once: for a uprobe_multi link, or a tracepoint for the
-        page walker."""
+        """A program of this shape, loaded (and verified) when the shape was: for a uprobe_multi link (or a perf
+        event), or a tracepoint for the page walker."""
         with self.lock:
             got = self._programs.get(name)
         if got is not None:
             return got
+        if self.bpf.module is None:
+            raise EnvironmentProblem(f"the BPF program has no function {name.decode()}")
         bcc = load_bcc()
         try:
             if name == b"page_enter_walk":
