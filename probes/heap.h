@@ -18,6 +18,9 @@
 #ifndef HS_MAX_STACKS
 #define HS_MAX_STACKS 65536      /* distinct allocation stacks (site ids); site 0 is the overflow site */
 #endif
+#ifndef HS_TARGET_BLOCKS
+#define HS_TARGET_BLOCKS 1048576 /* live blocks one target may hold in the shared block tables (--max-blocks) */
+#endif
 #ifndef HS_TARGETS
 #define HS_TARGETS 1             /* targets one loaded program serves at once (slots), each with its own maps */
 #endif

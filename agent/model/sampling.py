@@ -37,6 +37,9 @@ DEFAULT_CAPACITY: dict[Mode, tuple[int, int]] = {  # mode -> (max blocks, max st
     "exact": (1 << 20, 1 << 16),
     "sampled": (1 << 16, 1 << 14),
 }
+# A daemon's exact-mode targets share one block table (probes/bpf/blocks.h): room for four targets at their limit,
+# 128 MB of kernel memory however many targets there are.
+DEFAULT_NODE_BLOCKS = 4 << 20
 
 
 @dataclass(frozen=True)

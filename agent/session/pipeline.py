@@ -71,6 +71,7 @@ class ProfileSettings:
     verbose: int = 0  # -v: each probe's placement too
     max_blocks: int | None = None  # None: the mode's (ProfileMode.max_blocks)
     max_stacks: int | None = None  # None: the mode's (ProfileMode.max_stacks)
+    node_blocks: int = 0  # live blocks the shared block table holds for every target together; 0: one target's
     malt: bool = False  # keep MALT's statistics in the kernel (GET /malt, --malt-out-file)
     mode: ProfileMode = field(default_factory=ProfileMode)  # exact, or sampled (agent.session.sampled)
     store: StoreSettings | None = None  # keep every sample's history on disk (--store), None: not kept
@@ -91,6 +92,7 @@ class ProfileSettings:
             max_depth=o.walked_frames,
             max_blocks=self.mode.max_blocks if self.max_blocks is None else self.max_blocks,
             max_stacks=self.mode.max_stacks if self.max_stacks is None else self.max_stacks,
+            node_blocks=self.node_blocks,
             pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
             page_stacks=o.pages_as_heap or self.malt,  # a page call's site: its tree, MALT's mmap statistics
             # Sampled mode (the daemon's default) keeps a smaller ring of page events: the kernel holds it and the

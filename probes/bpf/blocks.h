@@ -1,17 +1,26 @@
 /* blocks.h: the table of live blocks, by address: each block's size, slop, site and allocation time, from its
- * allocation to its free. */
+ * allocation to its free.
+ *
+ * One table for every target of the program, sized for the node (HS_BLOCK_SLOTS, HS_MAX_BLOCKS), not one a target:
+ * a block is keyed by its address tagged with its target's slot in the bits above any user address (block_key),
+ * and each target may hold at most HS_TARGET_BLOCKS live blocks (beyond, its blocks are dropped, counted). */
 
 /* block_slots: the live blocks, by address: bucket block_bucket(addr), two slots. An array, so finding a
  * block is a few inlined instructions and one cache line, with no lock and no allocation (a hash map's
  * update and delete cost more than the rest of the accounting). Mmapable only for its page alignment,
  * which keeps each bucket in one cache line. */
 BPF_F_TABLE("array", int, struct hs_block_slot, block_slots, HS_BLOCK_SLOTS, BPF_F_MMAPABLE);
-BPF_ARRAY_OF_MAPS(block_slots_of, "block_slots", HS_TARGETS);
 /* blocks: block address -> struct hs_block, for the blocks whose bucket was full. Like every hash map here it
  * is not preallocated (BPF_F_NO_PREALLOC): its memory follows the target's use, not the worst case, so a
  * daemon watching many quiet targets does not hold their tables' full size each. */
 BPF_F_TABLE("hash", u64, struct hs_block, blocks, HS_MAX_BLOCKS, BPF_F_NO_PREALLOC);
-BPF_ARRAY_OF_MAPS(blocks_of, "blocks", HS_TARGETS);
+
+/* A block's key: its address, with its target's slot above bit 56 (user addresses end below 2^56, even with
+ * five-level page tables), so that two targets' blocks at one address are two keys. */
+static __always_inline u64 block_key(struct hs_global *g, u64 addr)
+{
+    return addr | (u64)g->slot << 56;
+}
 
 /* The first slot of addr's bucket. Neighbouring blocks get neighbouring buckets, so the heap's locality
  * carries over to the table; the high address bits are folded in, so heaps far apart do not collide. */
@@ -22,16 +31,16 @@ static __always_inline u32 block_bucket(u64 addr)
     return (u32)x & (HS_BLOCK_SLOTS - 2);
 }
 
-static __always_inline struct hs_block_slot *block_slot(void *table, u32 idx)
+static __always_inline struct hs_block_slot *block_slot(u32 idx)
 {
-    return t_lookup(table, &idx);
+    return block_slots.lookup(&idx);
 }
 
 /* Load addr's bucket ahead of its use: its cache line is often a miss (~90 ns here on a random free), and the
  * checks that come first run while it arrives. */
 static __always_inline void block_prefetch(struct hs_global *g, u64 addr)
 {
-    struct hs_block_slot *s = block_slot(block_slots_of.lookup(&g->slot), block_bucket(addr));
+    struct hs_block_slot *s = block_slot(block_bucket(block_key(g, addr)));
     if (s)
         (void)HS_ONCE(s->addr);
 }
@@ -41,9 +50,13 @@ static __always_inline void block_prefetch(struct hs_global *g, u64 addr)
  * while this runs: the allocator has not returned it yet. */
 static __always_inline int block_put(struct hs_global *g, u64 addr, struct hs_block *b)
 {
+    if (HS_ONCE(g->blocks) >= HS_TARGET_BLOCKS) { /* this target's share of the node's table is full */
+        __sync_fetch_and_add(&g->dropped_blocks, 1);
+        return -1;
+    }
+    addr = block_key(g, addr);
     u32 idx = block_bucket(addr);
-    void *table = block_slots_of.lookup(&g->slot);
-    struct hs_block_slot *s0 = block_slot(table, idx), *s1 = block_slot(table, idx + 1), *s = 0;
+    struct hs_block_slot *s0 = block_slot(idx), *s1 = block_slot(idx + 1), *s = 0;
     if (s0 && s1 && !(b->slop >> 32) && !(b->stack >> 32)) {
         u64 a0 = HS_ONCE(s0->addr), a1 = HS_ONCE(s1->addr);
         if (a0 == addr)
@@ -61,7 +74,7 @@ static __always_inline int block_put(struct hs_global *g, u64 addr, struct hs_bl
             return 0;
         }
     }
-    if (t_update(blocks_of.lookup(&g->slot), &addr, b, BPF_ANY)) {
+    if (blocks.update(&addr, b)) {
         __sync_fetch_and_add(&g->dropped_blocks, 1);
         return -1;
     }
@@ -73,11 +86,11 @@ static __always_inline int block_put(struct hs_global *g, u64 addr, struct hs_bl
  * it first: a double free racing). */
 static __always_inline int block_take(struct hs_global *g, u64 addr, struct hs_block *b)
 {
+    addr = block_key(g, addr);
     u32 idx = block_bucket(addr);
-    void *table = block_slots_of.lookup(&g->slot);
-    struct hs_block_slot *s = block_slot(table, idx);
+    struct hs_block_slot *s = block_slot(idx);
     if (s && HS_ONCE(s->addr) != addr)
-        s = block_slot(table, idx + 1);
+        s = block_slot(idx + 1);
     if (s && HS_ONCE(s->addr) == addr) {
         u64 slop_site = s->slop_site;
         b->size = s->size;
@@ -89,12 +102,11 @@ static __always_inline int block_take(struct hs_global *g, u64 addr, struct hs_b
     }
     if (HS_ONCE(g->hashed_blocks) == 0)
         return 0;
-    void *hashed = blocks_of.lookup(&g->slot);
-    struct hs_block *hb = t_lookup(hashed, &addr);
+    struct hs_block *hb = blocks.lookup(&addr);
     if (!hb)
         return 0;
     *b = *hb;
-    if (t_delete(hashed, &addr))
+    if (blocks.delete(&addr))
         return 0;
     __sync_fetch_and_add(&g->hashed_blocks, -1);
     return 1;
