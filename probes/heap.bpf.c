@@ -155,7 +155,9 @@ static __always_inline int on_enter(struct pt_regs *ctx, struct hs_global *g, u3
         .sp = sp,
         .fn = fn,
     };
-    call.stack = capture_stack(ctx, g, fn);
+    /* With --ignore-fn the site's flag is read after the walk: its id through memory (capture_site) keeps the
+     * verifier from walking that read once per way the walk can end. */
+    call.stack = HS_IGNORE ? capture_site(ctx, g, fn) : capture_stack(ctx, g, fn);
     u32 zero = 0;
     struct hs_stack *walked = scratch.lookup(&zero);
     if (walked)

@@ -88,7 +88,8 @@ class TargetMaps:
         self._owned = owned  # descriptors of the copies (slot 0 owns none: bcc's maps are its maps)
 
     def __getitem__(self, name: str) -> Any:
-        return self.tables.get(name) or self.shape.bpf[name]
+        own = self.tables.get(name)  # (not `or`: a table's truth is its length, and an empty hash map is false)
+        return own if own is not None else self.shape.bpf[name]
 
     def close(self) -> None:
         for fd in self._owned:
