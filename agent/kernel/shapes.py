@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import mmap
 import os
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
+
+import numpy as np
 
 from agent.errors import EnvironmentProblem
 from agent.kernel.abi import CTL_COUNT
@@ -23,6 +26,7 @@ from agent.kernel.links import BPF_TRACE_UPROBE_MULTI
 from agent.kernel.loader import BCC_LOCK, compile_program, load_bcc, trim_heap, unload
 
 _SYS_BPF = 321  # x86-64
+SLOT_SHIFT = 56  # a block's key: its address | slot << SLOT_SHIFT (probes/bpf/blocks.h block_key)
 _BPF_MAP_CREATE = 0
 _BPF_OBJ_GET_INFO_BY_FD = 15
 
@@ -272,6 +276,26 @@ class ProgramShape:
         for index in range(slot * CTL_COUNT, (slot + 1) * CTL_COUNT):
             control[ctypes.c_int(index)] = ctypes.c_uint64(0)
 
+    def _purge_blocks(self, slot: int) -> None:
+        """Forget the blocks a target left in the shared block tables (its links are gone: nothing adds more), so
+        that the next target of its slot does not find them. The other targets' entries are left as they are: no
+        program of theirs writes an entry that holds another target's key."""
+        table = self.bpf["block_slots"]
+        lib = load_bcc().libbcc.lib
+        if table.max_entries > 2:  # exact mode's table (sampled mode's is compiled at its smallest, unused)
+            size = table.max_entries * ctypes.sizeof(table.Leaf)
+            with mmap.mmap(table.map_fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mem:
+                entries = np.frombuffer(mem, dtype=np.uint64).reshape(-1, ctypes.sizeof(table.Leaf) // 8)
+                addr = entries[:, 0]
+                mine = (addr != 0) & ((addr >> np.uint64(SLOT_SHIFT)) == np.uint64(slot))
+                addr[mine] = 0
+                del entries, addr, mine  # no view may outlive the mapping
+        hashed = self.bpf["blocks"]
+        keys = [int(getattr(k, "value", k)) for k in list(hashed)]
+        for key in keys:
+            if key >> SLOT_SHIFT == slot and key & ((1 << SLOT_SHIFT) - 1):
+                lib.bpf_delete_elem(hashed.map_fd, ctypes.byref(ctypes.c_uint64(key)))
+
     def give_back(self, maps: TargetMaps, tgid: int) -> None:
         """A target's detach: its entries and maps go; the slot is free again. Slot 0's maps are bcc's own, which
         the next target would find full of this one's figures: it is not used again."""
@@ -279,6 +303,7 @@ class ProgramShape:
         lib.bpf_delete_elem(self.bpf["targets"].map_fd, ctypes.byref(ctypes.c_uint32(tgid)))
         for name in self.per_target:  # the programs find no map at the slot from here on
             lib.bpf_delete_elem(self.bpf[f"{name}_of"].map_fd, ctypes.byref(ctypes.c_int(maps.slot)))
+        self._purge_blocks(maps.slot)
         maps.close()
         if maps.slot:
             with self.lock:

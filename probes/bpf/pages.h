@@ -72,21 +72,25 @@ int page_enter_walk(void *ctx)
 /* At its exit: one event with the arguments and the result, for agent/model/pages.py to apply in order. */
 static __always_inline int page_exit(void *ctx, u32 kind, long ret)
 {
+    /* The thread's call first: one its target's detach left (it was in the syscall then) goes too. */
+    u32 tid = bpf_get_current_pid_tgid();
+    struct hs_page_call *c = page_calls.lookup(&tid);
+    struct hs_page_call call = {};
+    if (c) {
+        call = *c;
+        page_calls.delete(&tid);
+    }
     s64 slot = process_slot();
     if (slot < 0)
         return 0;
     struct hs_global *g = get_globals(slot);
     if (!g)
         return 0;
-    u32 tid = bpf_get_current_pid_tgid();
-    struct hs_page_call *c = page_calls.lookup(&tid);
     if (!c) {
         if (is_armed(g))
             page_count(g, HS_PGC_UNPAIRED);
         return 0;
     }
-    struct hs_page_call call = *c;
-    page_calls.delete(&tid);
     if (call.kind != kind || call.slot != slot) { /* cannot happen: a thread is in one syscall at a time */
         page_count(g, HS_PGC_UNPAIRED);
         return 0;
