@@ -288,7 +288,9 @@ class HeapProbes(LiveProbes):
     def _walkers(self) -> list[tuple[str, bytes]]:
         """(program array, program) of the shared copies of the stack walk the probes tail-call."""
         walkers = []
-        if not self.settings.sampled:  # sampled mode probes no allocation function: no call tail-calls it
+        if self.settings.sampled:  # a sample's accounting, after its walk (probes/bpf/sampled.h)
+            walkers.append(("sample_accounting", b"sample_alloc_account"))
+        else:  # sampled mode probes no allocation function: no call tail-calls alloc_enter
             walkers.append(("alloc_walker", b"alloc_enter"))
         if self.settings.pages and self.settings.page_stacks:
             walkers.append(("page_walker", b"page_enter_walk"))

@@ -42,6 +42,22 @@ static __always_inline u64 sample_blocks(u64 size, u64 weight)
     return blocks;
 }
 
+/* A sample's accounting runs in a program of its own, tail-called once the stack is walked: the verifier then
+ * checks it once, not once for every way the walk can end (with MALT at the deepest walks that took
+ * sample_alloc_enter past its limit). sample_arg hands it the sample: per CPU, as walk_arg. */
+struct hs_sample_arg {
+    u64 tid;
+    u64 slot;
+    u64 addr;
+    u64 size;
+    u64 weight;
+    u64 stack;
+    u64 fn;
+};
+BPF_PERCPU_ARRAY(sample_arg, struct hs_sample_arg, 1);
+/* sample_accounting: 0 -> sample_alloc_account */
+BPF_PROG_ARRAY(sample_accounting, 1);
+
 int sample_alloc_enter(struct pt_regs *ctx)
 {
     struct hs_global *g = uprobe_globals(ctx);
@@ -56,11 +72,42 @@ int sample_alloc_enter(struct pt_regs *ctx)
     note_stack(g, (u32)bpf_get_current_pid_tgid(), PT_REGS_SP(ctx), 0);
 #endif
     u64 stack = capture_stack(ctx, g, HS_MALLOC);
+    u32 zero = 0;
+    struct hs_sample_arg *arg = sample_arg.lookup(&zero);
+    if (!arg)
+        return 0;
+    arg->tid = (u32)bpf_get_current_pid_tgid();
+    arg->slot = g->slot;
+    arg->addr = addr;
+    arg->size = size;
+    arg->weight = weight;
+    arg->stack = stack;
     /* The allocation function, read after the walk: a value the verifier tracks through the walk would split
-     * its states (the program no longer verifies). An allocation function only: HS_FREE and beyond are malloc.
-     * The site is filed under it below (a stack starts with its hook: one stack, one function). */
+     * its states. An allocation function only: HS_FREE and beyond are malloc. */
     u64 arg_fn = PT_REGS_PARM4(ctx);
-    u32 fn = arg_fn < HS_FREE ? (u32)arg_fn : HS_MALLOC;
+    arg->fn = arg_fn < HS_FREE ? (u32)arg_fn : HS_MALLOC;
+    sample_accounting.call(ctx, 0);
+    /* Only without the accounting program, which user space installs before it attaches any probe. */
+    __sync_fetch_and_add(&g->dropped_blocks, 1);
+    return 0;
+}
+
+int sample_alloc_account(struct pt_regs *ctx)
+{
+    u32 zero = 0;
+    struct hs_sample_arg *arg = sample_arg.lookup(&zero);
+    if (!arg)
+        return 0;
+    struct hs_global *g = get_globals(arg->slot);
+    if (!g)
+        return 0;
+    if (arg->tid != (u32)bpf_get_current_pid_tgid()) { /* another thread's run came in between (preemption) */
+        __sync_fetch_and_add(&g->walks_interrupted, 1);
+        return 0;
+    }
+    u64 addr = arg->addr, size = arg->size, weight = arg->weight, stack = arg->stack;
+    u32 fn = arg->fn;
+    /* The site is filed under its function below (a stack starts with its hook: one stack, one function). */
     u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
     struct hs_sampled_block b = {
         .blocks = sample_blocks(size, weight),

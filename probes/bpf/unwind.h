@@ -16,8 +16,9 @@ BPF_ARRAY_OF_MAPS(stack_cache_of, "stack_cache", HS_TARGETS);
 /* stack_copy: 0 -> struct hs_stack_copy, per CPU (the run of the user stack the walk reads from) */
 BPF_PERCPU_ARRAY(stack_copy, struct hs_stack_copy, 1);
 /* rule_cache: pc bits -> struct hs_rule_entry, per CPU (hot return addresses skip both binary searches) */
+/* (one cache for every target: an entry's pc carries its target's slot above bit 56, as block keys do; the walk
+ * reaches it without a map of maps, which kept the deepest sampled walks within the verifier's limit) */
 BPF_PERCPU_ARRAY(rule_cache, struct hs_rule_entry, HS_RULE_CACHE);
-BPF_ARRAY_OF_MAPS(rule_cache_of, "rule_cache", HS_TARGETS);
 /* scratch: 0 -> the stack being walked (too big for the BPF stack) */
 BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
 
@@ -25,10 +26,10 @@ BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
  * every target of the daemon, declared by a holder program (agent/kernel/arrays.py SharedRows): an object's
  * rows are loaded once, whichever targets map it. */
 BPF_TABLE("extern", int, struct hs_row, unwind_rows, HS_MAX_ROWS);
-/* unwind_maps: index -> struct hs_umap, two halves of HS_MAX_UMAPS sorted by start; control[HS_CTL_UMAPS]
- * says which half and how many are published, so user space rewrites the other half and flips. */
-BPF_ARRAY(unwind_maps, struct hs_umap, 2 * HS_MAX_UMAPS);
-BPF_ARRAY_OF_MAPS(unwind_maps_of, "unwind_maps", HS_TARGETS);
+/* unwind_maps: slot * 2 * HS_MAX_UMAPS + index -> struct hs_umap: each target's two halves of HS_MAX_UMAPS sorted
+ * by start; its control[HS_CTL_UMAPS] says which half and how many are published, so user space rewrites the other
+ * half and flips. */
+BPF_ARRAY(unwind_maps, struct hs_umap, HS_TARGETS * 2 * HS_MAX_UMAPS);
 
 static __always_inline u64 mix(u64 h, u64 v)
 {
@@ -43,8 +44,7 @@ struct walk {
     struct hs_stack *st;
     struct hs_global *g;
     struct hs_stack_copy *copy;
-    void *umap_table; /* the target's unwind_maps */
-    void *rules;      /* the target's rule_cache */
+    u64 pc_tag;       /* the target's slot << 56: its entries in rule_cache */
     u64 sp;     /* the caller's %rsp once the current frame returns */
     u64 bp;     /* the caller's %rbp */
     u64 ret;    /* the current frame's return address (ip[n - 1]) */
@@ -102,7 +102,7 @@ static __always_inline struct hs_umap *find_umap(struct walk *w, u64 pc)
     for (int i = 0; i < 10 && lo < hi; i++) { /* 2^10 > HS_MAX_UMAPS */
         u32 mid = (lo + hi) / 2;
         u32 idx = w->umap_first + mid;
-        struct hs_umap *m = t_lookup(w->umap_table, &idx);
+        struct hs_umap *m = unwind_maps.lookup(&idx);
         if (!m)
             return 0;
         if (pc < m->start)
@@ -169,12 +169,12 @@ static __always_inline u32 rule_slot(u64 pc)
 static __always_inline u64 cached_rule(struct walk *w, u64 pc)
 {
     u32 idx = rule_slot(pc);
-    struct hs_rule_entry *e = t_lookup(w->rules, &idx);
+    struct hs_rule_entry *e = rule_cache.lookup(&idx);
     if (!e)
         return 0;
     u64 seq = HS_ONCE(e->seq);
     hs_barrier();
-    if (!seq || (seq & 1) || e->pc != pc || e->umaps != w->umaps)
+    if (!seq || (seq & 1) || e->pc != (pc | w->pc_tag) || e->umaps != w->umaps)
         return 0;
     u64 rule = e->rule;
     hs_barrier();
@@ -184,7 +184,7 @@ static __always_inline u64 cached_rule(struct walk *w, u64 pc)
 static __always_inline void cache_rule(struct walk *w, u64 pc, u64 rule)
 {
     u32 idx = rule_slot(pc);
-    struct hs_rule_entry *e = t_lookup(w->rules, &idx);
+    struct hs_rule_entry *e = rule_cache.lookup(&idx);
     if (!e)
         return;
     u64 seq = HS_ONCE(e->seq);
@@ -192,7 +192,7 @@ static __always_inline void cache_rule(struct walk *w, u64 pc, u64 rule)
         return;
     HS_ONCE(e->seq) = seq + 1;
     hs_barrier();
-    e->pc = pc;
+    e->pc = pc | w->pc_tag;
     e->umaps = w->umaps;
     e->rule = rule;
     hs_barrier();
@@ -282,7 +282,13 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
     u32 zero = 0;
     struct hs_stack *st = scratch.lookup(&zero);
     struct hs_stack_copy *copy = stack_copy.lookup(&zero);
-    if (!st || !copy)
+    /* The target's own maps, found and checked before the walk: after it the verifier knows them in every state
+     * the walk can end in (a check after the walk would be verified once per way it ends). */
+    void *cache_map = stack_cache_of.lookup(&g->slot);
+    void *ids = stack_ids_of.lookup(&g->slot);
+    void *stacks = site_stacks_of.lookup(&g->slot);
+    void *site_map = sites_of.lookup(&g->slot);
+    if (!st || !copy || !cache_map || !ids || !stacks || !site_map)
         return HS_STACK_OVERFLOW;
 
     u64 h = 0xcbf29ce484222325ULL;
@@ -304,13 +310,9 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
     w.ret = ret;
     w.h = h;
     w.n = 1;
-    /* The target's tables, checked once here: the verifier then knows them in every frame of the walk. */
-    w.umap_table = unwind_maps_of.lookup(&g->slot);
-    w.rules = rule_cache_of.lookup(&g->slot);
-    if (!w.umap_table || !w.rules)
-        return HS_STACK_OVERFLOW;
+    w.pc_tag = (u64)g->slot << 56;
     w.umaps = control_word(g, HS_CTL_UMAPS);
-    w.umap_first = (w.umaps >> 32) & 0x3ff;
+    w.umap_first = g->slot * 2 * HS_MAX_UMAPS + ((w.umaps >> 32) & 0x3ff);
     w.umap_count = (u32)w.umaps;
     /* Hot return addresses have their rules in this CPU's cache. At the first that does not, the rest
      * of the stack is walked with the tables (caching what they give). Two loops, so the verifier walks
@@ -383,15 +385,14 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
         return HS_STACK_OVERFLOW;
     }
     u32 slot_idx = h & (HS_STACK_CACHE - 1);
-    struct hs_last_stack *cached = t_lookup(stack_cache_of.lookup(&g->slot), &slot_idx);
+    struct hs_last_stack *cached = bpf_map_lookup_elem(cache_map, &slot_idx);
     if (cached) {
         s64 known_id = cached_stack(cached, h);
         if (known_id >= 0)
             return known_id;
     }
     u64 id;
-    void *ids = stack_ids_of.lookup(&g->slot);
-    u64 *known = t_lookup(ids, &h);
+    u64 *known = bpf_map_lookup_elem(ids, &h);
     if (known) {
         id = *known;
     } else {
@@ -406,7 +407,7 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
             if (i >= n)
                 st->ip[i] = 0;
         u32 slot = id;
-        if (t_update(site_stacks_of.lookup(&g->slot), &slot, st, BPF_ANY)) { /* no memory for it: the call goes to the overflow site */
+        if (bpf_map_update_elem(stacks, &slot, st, BPF_ANY)) { /* no memory for it: the call goes to the overflow site */
             __sync_fetch_and_add(&g->dropped_stacks, 1);
             return HS_STACK_OVERFLOW;
         }
@@ -414,15 +415,15 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
             __sync_fetch_and_add(&g->walks_interrupted, 1);
             return HS_STACK_OVERFLOW;
         }
-        struct hs_site *site = t_lookup(sites_of.lookup(&g->slot), &slot);
+        struct hs_site *site = bpf_map_lookup_elem(site_map, &slot);
         if (site) {
             site->fn = fn;
             site->peak_gen = g->peak_gen;
         }
-        if (t_update(ids, &h, &id, BPF_NOEXIST)) {
+        if (bpf_map_update_elem(ids, &h, &id, BPF_NOEXIST)) {
             /* Another CPU published this stack first (its id wins; ours stays an empty site), or the
              * table is full (the site stays, reachable only through this CPU's cache). */
-            known = t_lookup(ids, &h);
+            known = bpf_map_lookup_elem(ids, &h);
             if (known)
                 id = *known;
         }
