@@ -520,7 +520,7 @@ class HeapProbes(LiveProbes):
         first = half * MAX_UMAPS
         for i, (m, (row_begin, row_count)) in enumerate(entries):
             leaf = umaps.Leaf(m.start, m.end, m.bias & 0xFFFFFFFFFFFFFFFF, row_begin, row_count)
-            umaps[ctypes.c_int(first + i)] = leaf
+            umaps[ctypes.c_int(self.slot * 2 * MAX_UMAPS + first + i)] = leaf  # the target's run of the table
         gen = (self._umap_gen + 1) % (1 << (64 - UMAPS_GEN_SHIFT))
         if gen % (1 << (63 - UMAPS_GEN_SHIFT)) == 0:
             # The generation wraps: rules the kernel cached under a word that comes again must go first.
