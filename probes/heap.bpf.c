@@ -30,6 +30,27 @@
 #include "bpf/blocks.h"
 #include "bpf/accounting.h"
 
+/* walk_arg: the argument a tail-called walker gets (alloc_walker, page_walker): per CPU, since a tail call runs on
+ * its caller's CPU, in the same program run. */
+BPF_PERCPU_ARRAY(walk_arg, struct hs_page_call, 1);
+
+/* Whether walk_arg holds this thread's argument. On a preemptible kernel another thread's program can run
+ * on this CPU between a tail call's caller and callee (uprobe programs run with migration, not preemption,
+ * disabled); then the argument is not ours, and that is counted. */
+static __always_inline int walk_arg_is_ours(struct hs_page_call *arg)
+{
+    if (arg->tid == (u32)bpf_get_current_pid_tgid())
+        return 1;
+    struct hs_global *g = get_globals(arg->slot);
+    if (g)
+        __sync_fetch_and_add(&g->walks_interrupted, 1);
+    return 0;
+}
+
+/* Exact mode's probes of the allocation functions; sampled mode attaches none of them (the injected sampler calls
+ * its own probes: bpf/sampled.h). */
+#if !HS_SAMPLED
+
 /* slots: tid mod HS_PENDING_SLOTS -> struct hs_pending (the thread's call between entry and return).
  * An array: its lookups are inlined and take no lock, unlike a hash map's. */
 BPF_ARRAY(slots, struct hs_pending, HS_PENDING_SLOTS);
@@ -38,10 +59,8 @@ BPF_F_TABLE("hash", u32, struct hs_pending, pending, HS_MAX_PENDING, BPF_F_NO_PR
 
 /* alloc_walker: 0 -> alloc_enter, the entry program of the allocation functions other than malloc, tail-called
  * by theirs. Each inlined copy of the stack walk costs ~0.45 s of verification at load: malloc keeps its own
- * (no tail call on the hottest path), the others share one. walk_arg hands the walker its argument: per CPU,
- * since a tail call runs on its caller's CPU, in the same program run. */
+ * (no tail call on the hottest path), the others share one; walk_arg hands it its argument. */
 BPF_PROG_ARRAY(alloc_walker, 1);
-BPF_PERCPU_ARRAY(walk_arg, struct hs_page_call, 1);
 
 /* ---- the pending call of each thread ------------------------------------------------------------- */
 
@@ -96,24 +115,21 @@ static __always_inline void release_pending(u32 tid, struct hs_pending *p, struc
 
 /* HS_IGNORE with HS_STOP_EVENTS (run): a call from a site with no flag yet stops the target before the call runs,
  * until user space has flagged the sites: its return needs to know (record_alloc, record_realloc). */
-static __always_inline void wait_for_flags(void *ctx)
+static __always_inline void wait_for_flags(void *ctx, struct hs_global *g)
 {
-    u64 event = HS_EV_SITES;
-    u32 stop_idx = HS_CTL_STOPPED;
-    control.update(&stop_idx, &event);
+    set_control(g, HS_CTL_STOPPED, HS_EV_SITES);
     bpf_send_signal(19 /* SIGSTOP */);
-    events.perf_submit(ctx, &event, sizeof(event));
+    send_event(ctx, g, HS_EV_SITES);
 }
 
-static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
+static __always_inline int on_enter(struct pt_regs *ctx, struct hs_global *g, u32 fn)
 {
-    struct hs_global *g = get_globals();
-    if (!g || !is_armed())
+    if (!g || !is_armed(g))
         return 0;
     u32 tid = bpf_get_current_pid_tgid();
     u64 sp = PT_REGS_SP(ctx);
 #if HS_STACKS
-    note_stack(tid, sp, 0);
+    note_stack(g, tid, sp, 0);
 #endif
     struct hs_pending *p = find_pending(tid, g);
     if (p) {
@@ -139,7 +155,9 @@ static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
         .sp = sp,
         .fn = fn,
     };
-    call.stack = capture_stack(ctx, g, fn);
+    /* With --ignore-fn the site's flag is read after the walk: its id through memory (capture_site) keeps the
+     * verifier from walking that read once per way the walk can end. */
+    call.stack = HS_IGNORE ? capture_site(ctx, g, fn) : capture_stack(ctx, g, fn);
     u32 zero = 0;
     struct hs_stack *walked = scratch.lookup(&zero);
     if (walked)
@@ -147,25 +165,12 @@ static __always_inline int on_enter(struct pt_regs *ctx, u32 fn)
     if (HS_MALT)
         call.entry_ns = bpf_ktime_get_ns();
     store_pending(tid, &call, g);
-    if (HS_IGNORE && HS_STOP_EVENTS && site_flag(call.stack) == HS_SITE_UNKNOWN)
-        wait_for_flags(ctx);
+    if (HS_IGNORE && HS_STOP_EVENTS && site_flag(g, call.stack) == HS_SITE_UNKNOWN)
+        wait_for_flags(ctx, g);
     return 0;
 }
 
-int malloc_enter(struct pt_regs *ctx) { return on_enter(ctx, HS_MALLOC); }
-
-/* Whether walk_arg holds this thread's argument. On a preemptible kernel another thread's program can run
- * on this CPU between a tail call's caller and callee (uprobe programs run with migration, not preemption,
- * disabled); then the argument is not ours, and that is counted. */
-static __always_inline int walk_arg_is_ours(struct hs_page_call *arg)
-{
-    if (arg->tid == (u32)bpf_get_current_pid_tgid())
-        return 1;
-    struct hs_global *g = get_globals();
-    if (g)
-        __sync_fetch_and_add(&g->walks_interrupted, 1);
-    return 0;
-}
+int malloc_enter(struct pt_regs *ctx) { return on_enter(ctx, uprobe_globals(ctx), HS_MALLOC); }
 
 /* The shared entry program (alloc_walker): the function is in walk_arg. An argument that is not ours leaves
  * the call unseen, counted (dropped_pending): its kind is unknown. */
@@ -176,8 +181,8 @@ int alloc_enter(struct pt_regs *ctx)
     if (!arg)
         return 0;
     if (walk_arg_is_ours(arg))
-        return on_enter(ctx, arg->kind);
-    struct hs_global *g = get_globals();
+        return on_enter(ctx, get_globals(arg->slot), arg->kind);
+    struct hs_global *g = get_globals(arg->slot);
     if (g)
         __sync_fetch_and_add(&g->dropped_pending, 1);
     return 0;
@@ -189,12 +194,14 @@ static __always_inline int enter_by_walker(struct pt_regs *ctx, u32 fn)
     struct hs_page_call *arg = walk_arg.lookup(&zero);
     if (!arg)
         return 0;
+    u32 slot = uprobe_slot(ctx);
     arg->tid = (u32)bpf_get_current_pid_tgid();
     arg->kind = fn;
+    arg->slot = slot;
     alloc_walker.call(ctx, 0);
     /* Only without the walker, which user space installs before it attaches any probe: the call is unseen. */
-    struct hs_global *g = get_globals();
-    if (g && is_armed())
+    struct hs_global *g = get_globals(slot);
+    if (g && is_armed(g))
         __sync_fetch_and_add(&g->dropped_pending, 1);
     return 0;
 }
@@ -210,18 +217,18 @@ int reallocarray_enter(struct pt_regs *ctx) { return enter_by_walker(ctx, HS_REA
 /* free has no return probe: all it needs is its argument. */
 int free_enter(struct pt_regs *ctx)
 {
-    struct hs_global *g = get_globals();
-    if (!g || !is_armed())
+    struct hs_global *g = uprobe_globals(ctx);
+    if (!g || !is_armed(g))
         return 0;
     u64 addr = PT_REGS_PARM1(ctx);
     if (!addr)
         return 0;
-    block_prefetch(addr);
+    block_prefetch(g, addr);
     u32 tid = bpf_get_current_pid_tgid();
     struct hs_pending *p = find_pending(tid, g);
     u64 sp = PT_REGS_SP(ctx), ret0 = 0;
 #if HS_STACKS
-    note_stack(tid, sp, 0);
+    note_stack(g, tid, sp, 0);
 #endif
     if (p)
         bpf_probe_read_user(&ret0, sizeof(ret0), (void *)sp);
@@ -233,7 +240,7 @@ int free_enter(struct pt_regs *ctx)
     u64 free_site = (HS_FREE_STACKS || HS_MALT) ? capture_site(ctx, g, HS_FREE) : 0;
     u64 size = record_free(ctx, g, addr, free_site, HS_MALT ? bpf_ktime_get_ns() : 0);
     if (HS_MALT)
-        thread_stat(tid, HS_FREE, 1, size, 0);
+        thread_stat(g, tid, HS_FREE, 1, size, 0);
     return 0;
 }
 
@@ -277,14 +284,14 @@ static __always_inline u64 request_size(const struct hs_pending *call)
 
 int alloc_return(struct pt_regs *ctx)
 {
-    struct hs_global *g = get_globals();
+    struct hs_global *g = uprobe_globals(ctx);
     if (!g)
         return 0;
-    block_prefetch(PT_REGS_RC(ctx));
+    block_prefetch(g, PT_REGS_RC(ctx));
     u32 tid = bpf_get_current_pid_tgid();
     struct hs_pending *p = find_pending(tid, g);
     if (!p) {
-        if (is_armed())
+        if (is_armed(g))
             __sync_fetch_and_add(&g->lost_returns, 1);
         return 0;
     }
@@ -294,14 +301,14 @@ int alloc_return(struct pt_regs *ctx)
     }
     struct hs_pending call = *p;
     release_pending(tid, p, g);
-    if (!is_armed())
+    if (!is_armed(g))
         return 0;
 
     u64 ret = PT_REGS_RC(ctx);
     u64 size = request_size(&call);
     u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
     if (HS_MALT)
-        thread_stat(tid, call.fn, 1, size, now - call.entry_ns);
+        thread_stat(g, tid, call.fn, 1, size, now - call.entry_ns);
     switch (call.fn) {
     case HS_POSIX_MEMALIGN:
         if (ret != 0) { /* an error number: nothing allocated */
@@ -339,39 +346,38 @@ int alloc_return(struct pt_regs *ctx)
     return 0;
 }
 
+#endif /* !HS_SAMPLED */
+
 /* ---- events: exec, loader changes and exit -------------------------------------------------------- */
 
 /* Tell user space; with HS_STOP_EVENTS also stop the target until user space has caught up (it clears
  * control[HS_CTL_STOPPED] and sends SIGCONT). */
-static __always_inline void signal_event(void *ctx, u64 event)
+static __always_inline void signal_event(void *ctx, struct hs_global *g, u64 event)
 {
     if (HS_STOP_EVENTS) {
-        u32 idx = HS_CTL_STOPPED;
-        control.update(&idx, &event);
+        set_control(g, HS_CTL_STOPPED, event);
         bpf_send_signal(19 /* SIGSTOP */);
     }
-    events.perf_submit(ctx, &event, sizeof(event));
+    send_event(ctx, g, event);
 }
 
 /* The target's exec: `run` arms at the first one; any later one (or any, for `attach`) disarms. */
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
-    if ((bpf_get_current_pid_tgid() >> 32) != HS_TARGET_TGID)
-        return 0;
-    struct hs_global *g = get_globals();
+    s64 slot = process_slot();
+    struct hs_global *g = slot >= 0 ? get_globals(slot) : 0;
     if (!g)
         return 0;
     u64 n = __sync_fetch_and_add(&g->execs, 1) + 1;
-    u32 idx = HS_CTL_ARMED;
     u64 armed = (n == HS_ARM_ON_EXEC);
-    control.update(&idx, &armed);
+    set_control(g, HS_CTL_ARMED, armed);
     if (armed) {
 #if HS_STACKS
         /* The new image's initial stack pointer: the main stack is measured from here. */
         struct hs_user_regs u = user_regs();
-        note_stack((u32)bpf_get_current_pid_tgid(), u.sp, 1);
+        note_stack(g, (u32)bpf_get_current_pid_tgid(), u.sp, 1);
 #endif
-        signal_event(args, HS_EV_EXEC);
+        signal_event(args, g, HS_EV_EXEC);
     }
     return 0;
 }
@@ -379,17 +385,19 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 /* _dl_debug_state: the loader's hook for debuggers, called after it maps or unmaps objects. */
 int loader_enter(struct pt_regs *ctx)
 {
-    if ((bpf_get_current_pid_tgid() >> 32) != HS_TARGET_TGID || !is_armed())
+    struct hs_global *g = uprobe_globals(ctx);
+    if (!g || !is_armed(g))
         return 0;
-    signal_event(ctx, HS_EV_LOADER);
+    signal_event(ctx, g, HS_EV_LOADER);
     return 0;
 }
 
 int exit_enter(struct pt_regs *ctx)
 {
-    if ((bpf_get_current_pid_tgid() >> 32) != HS_TARGET_TGID || !is_armed())
+    struct hs_global *g = uprobe_globals(ctx);
+    if (!g || !is_armed(g))
         return 0;
-    signal_event(ctx, HS_EV_EXIT);
+    signal_event(ctx, g, HS_EV_EXIT);
     return 0;
 }
 

@@ -18,6 +18,12 @@
 #ifndef HS_MAX_STACKS
 #define HS_MAX_STACKS 65536      /* distinct allocation stacks (site ids); site 0 is the overflow site */
 #endif
+#ifndef HS_TARGET_BLOCKS
+#define HS_TARGET_BLOCKS 1048576 /* live blocks one target may hold in the shared block tables (--max-blocks) */
+#endif
+#ifndef HS_TARGETS
+#define HS_TARGETS 1             /* targets one loaded program serves at once (slots), each with its own maps */
+#endif
 #ifndef HS_MAX_THREADS
 #define HS_MAX_THREADS 16384     /* overflow table: threads in an allocation call whose slot is taken */
 #endif
@@ -397,6 +403,7 @@ struct hs_page_call {
     __u64 arg4;
     __u64 site;
     __u64 kind;   /* enum hs_page_kind */
+    __u64 slot;   /* the target's slot (probes/bpf/common.h) */
 };
 
 /* One page syscall, sent at its exit (agent/model/pages.py PageEvent: the same fields). */
@@ -476,6 +483,10 @@ struct hs_global {
     __u64 sched_signalled;    /* the HS_CTL_SCHED_CULL_AT for which HS_EV_SCHEDULE was sent */
     __u64 snap_records;       /* records sent to snap_log */
     __u64 snap_lost;          /* records snap_log could not take: the trees of the points before them are inexact */
+    /* The target's slot in the program of its shape (written by user space before it attaches): the index of
+     * its own maps in each per-target map's array of maps (probes/bpf/common.h). */
+    __u32 slot;
+    __u32 slot_pad;
 };
 
 #endif

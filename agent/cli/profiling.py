@@ -33,7 +33,7 @@ from agent.daemon.fleetopts import add_fleet_options, fleet_config_from
 from agent.errors import EnvironmentProblem, HeapscopeError, UsageError
 from agent.export.registry import MASSIF, XTREE
 from agent.log import LOG, PROG
-from agent.model.sampling import Mode
+from agent.model.sampling import DEFAULT_NODE_BLOCKS, Mode
 from agent.model.summary import ProfileSummary
 
 if TYPE_CHECKING:
@@ -107,6 +107,13 @@ class Serve:
             "--pid", type=int_at_least(1), action="append", default=[], dest="pids", help="attach to PID at start"
         )
         _add_options(p, "sampled", serve=True)
+        p.add_argument(
+            "--node-blocks",
+            type=int_at_least(1024),
+            default=DEFAULT_NODE_BLOCKS,
+            help="live blocks the kernel's block table holds for all exact-mode targets together (each target at "
+            f"most --max-blocks); more are counted as dropped and reported (default {DEFAULT_NODE_BLOCKS})",
+        )
         add_fleet_options(p)
 
     def run(self, ns: argparse.Namespace, words: Sequence[str] = ()) -> int:

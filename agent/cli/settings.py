@@ -14,7 +14,15 @@ from agent.argtypes import byte_size, int_at_least, int_between, percent, positi
 from agent.errors import EnvironmentProblem, UnsafePath, UsageError
 from agent.export.registry import FORMATS
 from agent.model.options import MassifOptions
-from agent.model.sampling import DEFAULT_CAPACITY, DEFAULT_SAMPLE_RATE, MAX_SAMPLE_RATE, MODES, Mode, ProfileMode
+from agent.model.sampling import (
+    DAEMON_EXACT_STACKS,
+    DEFAULT_CAPACITY,
+    DEFAULT_SAMPLE_RATE,
+    MAX_SAMPLE_RATE,
+    MODES,
+    Mode,
+    ProfileMode,
+)
 from agent.offline.timespec import parse_duration, parse_thin_rules
 from agent.store import Retention, SyncPolicy
 
@@ -199,7 +207,8 @@ def add_profile_options(p: argparse.ArgumentParser, mode: Mode = "exact") -> Non
         type=int_at_least(1024),
         default=None,
         help="distinct allocation stacks the kernel can keep; more are counted and reported "
-        f"(default {DEFAULT_CAPACITY['exact'][1]} exact, {DEFAULT_CAPACITY['sampled'][1]} sampled)",
+        f"(default {DEFAULT_CAPACITY['exact'][1]} exact, {DAEMON_EXACT_STACKS} for serve's exact targets, "
+        f"{DEFAULT_CAPACITY['sampled'][1]} sampled)",
     )
     h.add_argument(
         "--unwind",
@@ -421,6 +430,7 @@ def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> 
         verbose=ns.verbose,
         max_blocks=ns.max_blocks,
         max_stacks=ns.max_stacks,
+        node_blocks=getattr(ns, "node_blocks", 0),  # serve's: its targets share the block table
         malt=ns.malt == "yes" if daemon else "malt" in files,
         mode=mode_from(ns),
         store=store_settings(ns) if ns.command != "serve" else None,  # serve's is under --output-dir (profiling._serve)

@@ -9,6 +9,7 @@ from agent.contract import HEAP_H
 
 # Every value shared with heap.bpf.c comes from probes/heap.h (agent.contract).
 _CONTROL = HEAP_H.enum("hs_control")
+CTL_COUNT = _CONTROL["HS_CTL_COUNT"]  # control words a target (its slot's run of the control map)
 CTL_ARMED = _CONTROL["HS_CTL_ARMED"]
 CTL_STOPPED = _CONTROL["HS_CTL_STOPPED"]
 CTL_UMAPS = _CONTROL["HS_CTL_UMAPS"]
@@ -65,6 +66,7 @@ SAMPLED_SNAP_RING_BYTES = 64 << 10
 # tid, kind.
 PAGE_EVENT = struct.Struct("<8Qq2I")
 PAGE_RING_BYTES = 4 << 20  # the page events' ring buffer (passed to probes/heap.h as HS_PAGE_RING_PAGES)
+DAEMON_PAGE_RING_BYTES = 1 << 20  # the same for a daemon's exact-mode targets (never stopped: woken at half full)
 SAMPLED_PAGE_RING_BYTES = 512 << 10  # the same in sampled mode: ~6,000 events, woken at half full
 PENDING_SLOTS = HEAP_H.value("HS_PENDING_SLOTS")  # per-thread call slots of exact mode's entry and return probes
 MAX_SIZES = HEAP_H.value("HS_MAX_SIZES")  # MALT's request sizes and realloc jumps

@@ -68,7 +68,10 @@ class ProbeSettings:
     heap_admin: int = 8
     alignment: int = 16
     max_depth: int = 40
-    max_blocks: int = 1 << 20
+    max_blocks: int = 1 << 20  # live blocks a target may hold (exact mode)
+    # Live blocks the shared block table holds for every target of the program together (a daemon's node): 0, as
+    # many as one target may (a single target: the CLI)
+    node_blocks: int = 0
     max_stacks: int = 1 << 16
     pages: bool = False  # trace mmap/munmap/mremap/brk: one PageEvent per call (page_events())
     # Walk the stack of each page call (its site: the pages-as-heap tree, MALT's mmap statistics). Without it the
@@ -86,10 +89,13 @@ def table_sizes(s: ProbeSettings) -> dict[str, int]:
     """The sizes of the kernel's tables (probes/heap.h HS_* defines) for these settings. Each target holds its
     tables in the kernel for as long as it is profiled, busy or not: what the mode does not use is compiled at
     its smallest (sampled mode attaches no allocation function, so exact mode's block table and call slots go
-    unused, and sampled calls never reach MALT's realloc jumps; without MALT its size tables go unused)."""
+    unused, and sampled calls never reach MALT's realloc jumps; without MALT its size tables go unused). The
+    block table is the program's, shared by its targets (probes/bpf/blocks.h)."""
+    node = max(s.node_blocks, s.max_blocks)
     return {
-        "HS_BLOCK_SLOTS": 2 if s.sampled else block_slots(s.max_blocks),
-        "HS_MAX_BLOCKS": 16 if s.sampled else max(s.max_blocks // 2, 16),
+        "HS_BLOCK_SLOTS": 2 if s.sampled else block_slots(node),
+        "HS_MAX_BLOCKS": 16 if s.sampled else max(node // 2, 16),
+        "HS_TARGET_BLOCKS": s.max_blocks,
         "HS_MAX_SAMPLED_BLOCKS": s.max_blocks,  # sampled_blocks (probes/bpf/sampled.h, sampled mode only)
         "HS_PENDING_SLOTS": 1 if s.sampled else PENDING_SLOTS,
         "HS_MAX_PENDING": 16 if s.sampled else MAX_THREADS,

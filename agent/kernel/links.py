@@ -47,16 +47,18 @@ def uprobe_links_supported() -> bool:
     return (major, minor) >= (6, 10)
 
 
-def link_uprobe(prog_fd: int, path: bytes, offset: int, is_return: bool, pid: int) -> int:
-    """A uprobe_multi link of one program at one file offset, for the process pid only; returns its fd
-    (closing it removes the probe), or -errno."""
+def link_uprobe(prog_fd: int, path: bytes, offset: int, is_return: bool, pid: int, cookie: int = 0) -> int:
+    """A uprobe_multi link of one program at one file offset, for the process pid only, its program seeing
+    `cookie` (bpf_get_attach_cookie); returns its fd (closing it removes the probe), or -errno."""
     offsets = (ctypes.c_uint64 * 1)(offset)
+    cookies = (ctypes.c_uint64 * 1)(cookie)
     name = ctypes.create_string_buffer(path)
     attr = _UprobeMultiAttr(
         prog_fd=prog_fd,
         attach_type=BPF_TRACE_UPROBE_MULTI,
         path=ctypes.addressof(name),
         offsets=ctypes.addressof(offsets),
+        cookies=ctypes.addressof(cookies),
         cnt=1,
         multi_flags=_BPF_F_UPROBE_MULTI_RETURN if is_return else 0,
         pid=pid,

@@ -16,7 +16,6 @@ import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from importlib import resources
 from types import TracebackType
@@ -25,6 +24,7 @@ from typing import Any, ClassVar, cast
 from agent.errors import EnvironmentProblem, HeapscopeError
 from agent.kernel.abi import (
     CTL_ARMED,
+    CTL_COUNT,
     CTL_PAGES_DRAINED,
     CTL_SCHED_CULL_AT,
     CTL_SCHED_DUE,
@@ -59,13 +59,15 @@ from agent.kernel.abi import (
 )
 from agent.kernel.arrays import MappedArray, SharedRows
 from agent.kernel.interface import LiveProbes, MaltSiteFields, ProbeSettings, SiteArray, UnwindMapping, table_sizes
-from agent.kernel.links import BPF_TRACE_UPROBE_MULTI, UPROBE_LINKS_ENV, link_uprobe, uprobe_links_supported
-from agent.kernel.loader import BCC_LOCK, compile_program, load_bcc, program_text, trim_heap, unload
+from agent.kernel.links import UPROBE_LINKS_ENV, link_uprobe, uprobe_links_supported
+from agent.kernel.loader import BCC_LOCK, load_bcc, program_text, trim_heap
 from agent.kernel.rings import RingReader
+from agent.kernel.shapes import ProgramShape, TargetMaps
 from agent.model.counters import Counters, PageCounters
 from agent.model.pages import PageEvent
 from agent.process.discovery import ProbePoint
 
+MAX_TARGETS = 64  # targets one loaded program serves at once (probes/heap.h HS_TARGETS)
 SNAP_DRAIN_TRIES = 100  # a record another CPU has reserved and not yet submitted: wait for it, 0.1 ms at a time
 
 
@@ -115,6 +117,32 @@ def jiffy_ns(proc: str = "/proc", seconds: float = 0.05) -> int:
     return 1_000_000_000 // min(_HZ_CHOICES, key=lambda choice: abs(choice - hz))
 
 
+def shape_cflags(s: ProbeSettings, max_rows: int, snap_ring_bytes: int) -> list[str]:
+    """The -D defines of a program's shape: every setting that changes its code or its maps' sizes. The target
+    is none of them: one loaded program serves every target of its shape, each in a slot of its own."""
+    return [
+        f"-DHS_TARGETS={MAX_TARGETS}",
+        f"-DHS_ARM_ON_EXEC={1 if s.arm_on_exec else 0}",
+        f"-DHS_HEAP_ADMIN={s.heap_admin}",
+        f"-DHS_ALIGNMENT={s.alignment}",
+        f"-DHS_MAX_DEPTH={s.max_depth}",
+        *(f"-D{name}={value}" for name, value in table_sizes(s).items()),
+        f"-DHS_STOP_EVENTS={int(s.stop_events)}",
+        f"-DHS_UNWIND={int(s.unwind)}",
+        f"-DHS_MAX_ROWS={max_rows}",
+        f"-DHS_FREE_STACKS={int(s.free_stacks)}",
+        f"-DHS_MALT={int(s.malt)}",
+        f"-DHS_PAGES={int(s.pages)}",
+        f"-DHS_STACKS={int(s.stacks)}",
+        f"-DHS_SCHED_NS={int(s.schedule_ns)}",
+        f"-DHS_SCHED_RING_PAGES={SCHED_RING_BYTES // mmap.PAGESIZE}",
+        f"-DHS_SNAP_RING_PAGES={snap_ring_bytes // mmap.PAGESIZE}",
+        f"-DHS_SAMPLE_RATE={s.sample_rate}ULL",
+        f"-DHS_SAMPLED={int(s.sampled)}",
+        f"-DHS_IGNORE={int(s.ignore)}",
+    ]
+
+
 def _int(value: object) -> int:
     """A map key as an int: batch lookups give ints, per-entry lookups give ctypes values."""
     return int(getattr(value, "value", value))  # type: ignore[call-overload]
@@ -127,7 +155,10 @@ class HeapProbes(LiveProbes):
         super().__init__()
         self.settings = settings
         self.points = tuple(points)
-        self._bpf = None
+        self._shape: ProgramShape | None = None
+        self._maps: TargetMaps | None = None  # this target's maps; None once closed
+        self.slot = 0  # the target's slot in its shape's program (the cookie of its links)
+        self._readers: list[int] = []  # the perf readers of its events
         self._fds: list[int] = []  # perf events of the uprobes (bcc closes them)
         self._links: list[int] = []  # uprobe_multi links (closed with os.close)
         self._use_links = uprobe_links_supported()
@@ -141,8 +172,6 @@ class HeapProbes(LiveProbes):
         self._umap_half = 0
         self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
-        self._zero_key = ctypes.c_int(0)
-        self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed (_release_compiler)
         self._globals_fd = -1
         self._globals_size = 0  # activity(), counters(): bytes of struct hs_global; 0 while not loaded
         self._counters_codec: _CountersCodec | None = None
@@ -156,50 +185,34 @@ class HeapProbes(LiveProbes):
         s = self.settings
         probes_dir = str(resources.files("probes"))
         self._shared_rows = SharedRows.get(s.max_rows, probes_dir)
-        cflags = [
-            f"-I{probes_dir}",
-            f"-DHS_TARGET_TGID={s.target_tgid}",
-            f"-DHS_ARM_ON_EXEC={1 if s.arm_on_exec else 0}",
-            f"-DHS_HEAP_ADMIN={s.heap_admin}",
-            f"-DHS_ALIGNMENT={s.alignment}",
-            f"-DHS_MAX_DEPTH={s.max_depth}",
-            *(f"-D{name}={value}" for name, value in table_sizes(s).items()),
-            f"-DHS_STOP_EVENTS={int(s.stop_events)}",
-            f"-DHS_UNWIND={int(s.unwind)}",
-            f"-DHS_MAX_ROWS={self._shared_rows.max_rows}",
-            f"-DHS_FREE_STACKS={int(s.free_stacks)}",
-            f"-DHS_MALT={int(s.malt)}",
-            f"-DHS_PAGES={int(s.pages)}",
-            f"-DHS_STACKS={int(s.stacks)}",
-            f"-DHS_SCHED_NS={int(s.schedule_ns)}",
-            f"-DHS_SCHED_RING_PAGES={SCHED_RING_BYTES // mmap.PAGESIZE}",
-            f"-DHS_SNAP_RING_PAGES={self._snap_ring_bytes() // mmap.PAGESIZE}",
-            f"-DHS_SAMPLE_RATE={s.sample_rate}ULL",
-            f"-DHS_SAMPLED={int(s.sampled)}",
-            f"-DHS_IGNORE={int(s.ignore)}",
-        ]
+        cflags = [f"-I{probes_dir}", *shape_cflags(s, self._shared_rows.max_rows, self._snap_ring_bytes())]
+        # The program is shared with every other target of this shape; through perf events a program cannot tell
+        # its targets apart (no cookie), so each target then has one of its own.
+        key = (*cflags, f"page_stacks={s.page_stacks}", "links" if self._use_links else f"own={id(self)}")
         # One source in every mode, heap.bpf.c with its parts written in: the HS_* defines above choose the parts
         # that count (sampled mode's programs, the page calls, thread stacks: probes/heap.bpf.c).
         source = program_text(os.path.join(probes_dir, "heap.bpf.c"))
-        bpf = self._bpf = compile_program("cannot compile or load the BPF program", text=source.encode(), cflags=cflags)
+        shape = self._shape = ProgramShape.acquire(key, source, cflags, MAX_TARGETS, self._use_links)
         try:
+            maps = self._maps = shape.take_slot(s.target_tgid)
+            self.slot = maps.slot
             try:
-                self._sites = MappedArray(bpf["sites"], s.max_stacks)
+                self._sites = MappedArray(maps["sites"], s.max_stacks)
             except (OSError, ValueError) as exc:
                 raise EnvironmentProblem(f"cannot map the sites array (BPF_F_MMAPABLE, Linux 5.5+): {exc}") from exc
-            self._load_programs()
-            self._install_walkers()
+            shape.install_walkers(self._walkers())
             for point in self.points:
                 self._attach(point)
             # Armed only now: an entry seen before its return probe existed would never see its return.
             if not s.arm_on_exec:
                 self._set_armed(True)
-            bpf["events"].open_perf_buffer(self._on_event, page_cnt=8)
+            events = maps["events"]
+            events.open_perf_buffer(self._on_event, page_cnt=8)
+            self._readers = [shape.bpf.perf_buffers[(id(events), cpu)] for cpu in events._open_key_fds]
             if s.pages:
-                self._page_ring = RingReader(bpf["page_events"].map_fd, s.page_ring_bytes, PAGE_EVENT)
-            self._sched_ring = RingReader(bpf["sched_points"].map_fd, SCHED_RING_BYTES, SCHED_POINT)
-            self._snap_ring = RingReader(bpf["snap_log"].map_fd, self._snap_ring_bytes(), SNAP_RECORD)
-            self._release_compiler()
+                self._page_ring = RingReader(maps["page_events"].map_fd, s.page_ring_bytes, PAGE_EVENT)
+            self._sched_ring = RingReader(maps["sched_points"].map_fd, SCHED_RING_BYTES, SCHED_POINT)
+            self._snap_ring = RingReader(maps["snap_log"].map_fd, self._snap_ring_bytes(), SNAP_RECORD)
             self._open_globals()
         except BaseException:
             self.close()
@@ -208,29 +221,14 @@ class HeapProbes(LiveProbes):
         return self
 
     def _open_globals(self) -> None:
-        """The reader of struct hs_global, made once here, on the map's own descriptor (after
-        _release_compiler): made lazily at the first read, a sampling thread and an HTTP thread reading at once
-        could each see it half made (a codec not set yet failed a profile in the fleet soak)."""
-        assert self._bpf is not None
-        table = self._bpf["globals"]
+        """The reader of struct hs_global, made once here: made lazily at the first read, a sampling thread and an
+        HTTP thread reading at once could each see it half made (a codec not set yet failed a profile in the fleet
+        soak)."""
+        assert self._maps is not None
+        table = self._maps["globals"]
         self._counters_codec = _CountersCodec(table.Leaf)
         self._globals_size = ctypes.sizeof(table.Leaf)
         self._globals_fd = table.map_fd
-
-    def _release_compiler(self) -> None:
-        """Free what bcc keeps of the compilation once everything is loaded: its module holds clang's LLVM
-        context, the optimized IR, the JIT's objects and the rewritten source of every function, ~8 MB a
-        target for as long as the BPF object lives. The maps' descriptors are owned by that module, so each
-        table (all were looked up at the load: cache_tables) gets a descriptor of its own first."""
-        lib = load_bcc().libbcc.lib
-        assert self._bpf is not None
-        bpf = self._bpf
-        with BCC_LOCK:  # the module's tables leave libbcc's process-wide table map
-            for table in bpf.tables.values():
-                table.map_fd = os.dup(table.map_fd)
-                self._map_fds.append(table.map_fd)
-            lib.bpf_module_destroy(bpf.module)
-            bpf.module = None
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -239,7 +237,7 @@ class HeapProbes(LiveProbes):
 
     def detach(self) -> None:
         """Remove the uprobes: the target runs on untouched. The maps stay readable until close()."""
-        if self._bpf is None:
+        if self._maps is None:
             return
         if self._fds or self._links:
             self._set_armed(False)
@@ -258,7 +256,7 @@ class HeapProbes(LiveProbes):
         self._links.clear()
 
     def close(self) -> None:
-        if self._bpf is not None and self.stopped():
+        if self._maps is not None and self.stopped():
             self.resume()  # never leave the target held at an event, whatever went wrong
         self.detach()
         self._unmap()
@@ -266,13 +264,18 @@ class HeapProbes(LiveProbes):
             if ring is not None:
                 ring.close()
         self._page_ring = self._sched_ring = self._snap_ring = None
-        self._globals_size = 0  # its descriptor is closed below
-        if self._bpf is not None:
-            unload(self._bpf)
-            self._bpf = None
-        for fd in self._map_fds:
-            os.close(fd)
-        self._map_fds.clear()
+        self._globals_size = 0
+        maps, shape = self._maps, self._shape
+        self._maps = self._shape = None
+        self._readers = []
+        if maps is not None and shape is not None:
+            events = maps["events"]
+            with BCC_LOCK:
+                for cpu in list(events._open_key_fds):
+                    del events[cpu]  # its perf reader, and its entry
+            shape.give_back(maps, self.settings.target_tgid)
+        if shape is not None:
+            shape.release()
         if self._shared_rows is not None:  # the program is gone: its objects' rows may be reused
             self._shared_rows.release(key for key, (_, count) in self._objects.items() if count)
             self._objects.clear()
@@ -285,70 +288,34 @@ class HeapProbes(LiveProbes):
     def _walkers(self) -> list[tuple[str, bytes]]:
         """(program array, program) of the shared copies of the stack walk the probes tail-call."""
         walkers = []
-        if not self.settings.sampled:  # sampled mode probes no allocation function: no call tail-calls it
+        if self.settings.sampled:  # a sample's accounting, after its walk (probes/bpf/sampled.h)
+            walkers.append(("sample_accounting", b"sample_alloc_account"))
+        else:  # sampled mode probes no allocation function: no call tail-calls alloc_enter
             walkers.append(("alloc_walker", b"alloc_enter"))
         if self.settings.pages and self.settings.page_stacks:
             walkers.append(("page_walker", b"page_enter_walk"))
         return walkers
-
-    def _load_programs(self) -> None:
-        """Load the uprobes' programs and the walkers two at a time: the kernel verifies each load on the calling
-        thread and ctypes lets go of the GIL meanwhile, so on two CPUs the three programs that walk stacks (~0.8 s
-        of verification each) take half as long. bcc keeps each loaded program (load_func gives it again)."""
-        names = {name for _, name in self._walkers()}
-        for point in self.points:
-            names.add(f"{point.kind}_enter".encode())
-            if point.needs_return:
-                names.add(b"alloc_return")
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="bpf-load") as pool:
-            list(pool.map(self._load_program, sorted(names)))
-
-    def _load_program(self, name: bytes) -> Any:
-        if name == b"page_enter_walk":
-            assert self._bpf is not None
-            return self._bpf.load_func(name, load_bcc().BPF.TRACEPOINT)
-        return self._load_uprobe_program(name)
-
-    def _install_walkers(self) -> None:
-        """The programs that hold the shared copies of the stack walk, in the program arrays the probes
-        tail-call (probes/heap.bpf.c alloc_walker, page_walker): before any probe can fire. Without the page
-        walker (page_stacks off) a page call is kept without its stack (probes/heap.bpf.c page_enter)."""
-        assert self._bpf is not None
-        for table, name in self._walkers():
-            self._bpf[table][ctypes.c_int(0)] = ctypes.c_int(self._load_program(name).fd)
 
     @property
     def attached_through(self) -> str:
         """How the uprobes are attached, for the user: "uprobe_multi links" or "perf events"."""
         return "uprobe_multi links" if self._use_links else "perf events"
 
-    def _load_uprobe_program(self, name: bytes) -> Any:
-        """A program that runs at a uprobe (or is tail-called from one): loaded for the kind of attachment
-        used, since a uprobe_multi link takes only programs loaded for it (and a tail call only programs
-        loaded like its caller)."""
-        bcc = load_bcc()
-        assert self._bpf is not None
-        try:
-            if self._use_links:
-                return self._bpf.load_func(name, bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
-            return self._bpf.load_func(name, bcc.BPF.KPROBE)
-        except Exception as exc:  # bcc raises bare Exception when the verifier refuses a program
-            raise EnvironmentProblem(f"the kernel refused the BPF program {name.decode()}: {exc}") from exc
-
     def _attach(self, point: ProbePoint) -> None:
+        assert self._shape is not None
         kind = point.kind
-        self._attach_one(point, self._load_uprobe_program(f"{kind}_enter".encode()), is_return=False)
+        self._attach_one(point, self._shape.program(f"{kind}_enter".encode()), is_return=False)
         if point.needs_return:
             # A return probe at the same emulated instruction: the kernel takes the return address from
             # [rsp], which is still the caller's there (placement keeps %rsp untouched).
-            self._attach_one(point, self._load_uprobe_program(b"alloc_return"), is_return=True)
+            self._attach_one(point, self._shape.program(b"alloc_return"), is_return=True)
 
     def _attach_one(self, point: ProbePoint, program: Any, is_return: bool) -> None:
         path = point.path.encode()
         pid = self.settings.target_tgid
         what = "uretprobe" if is_return else "uprobe"
         if self._use_links:
-            fd = link_uprobe(program.fd, path, point.file_offset, is_return, pid)
+            fd = link_uprobe(program.fd, path, point.file_offset, is_return, pid, cookie=self.slot)
             if fd < 0:
                 raise EnvironmentProblem(
                     f"cannot attach a {what} link to {point.symbol} in {point.path}: {os.strerror(-fd)} "
@@ -420,7 +387,7 @@ class HeapProbes(LiveProbes):
     def set_schedule(self, interval: int, cull_at: int, due: int | None) -> None:
         """The series' minimum interval between snapshots (B or ms), the point count at which it culls next, and
         (unless None) the time from which the next event is a point (B, or ns with settings.schedule_ns)."""
-        if self._bpf is None:  # unloaded (or a frozen copy): no schedule to steer
+        if self._maps is None:  # unloaded (or a frozen copy): no schedule to steer
             return
         self._set_control(CTL_SCHED_CULL_AT, cull_at)
         self._set_control(CTL_SCHED_INTERVAL, interval)
@@ -432,7 +399,7 @@ class HeapProbes(LiveProbes):
         """Time 0 of the snapshots (settings.schedule_ns), --max-snapshots and --peak-inaccuracy (percent); until
         the first set_schedule, the interval is guessed from the first culling on (the first snapshot, taken at
         a tick, makes one)."""
-        if self._bpf is None:
+        if self._maps is None:
             return
         self._set_control(CTL_SCHED_ORIGIN, origin_ns)
         self._set_control(CTL_SCHED_MAX, max_snapshots)
@@ -443,7 +410,7 @@ class HeapProbes(LiveProbes):
 
     def page_counters(self) -> PageCounters:
         """The kernel side's counts of page events sent and not sent (settings.pages)."""
-        if self._bpf is None or not self.settings.pages:
+        if self._maps is None or not self.settings.pages:
             return PageCounters()
         values = [_int(v) for v in self._array_prefix("page_counters", PAGE_COUNTER_COUNT)]
         return PageCounters(*values)
@@ -451,7 +418,7 @@ class HeapProbes(LiveProbes):
     def stack_bytes(self) -> int:
         """--stacks=yes: the bytes of every live thread's stack, from its top to the lowest stack pointer seen
         since the last call; starts a new low-water mark."""
-        if self._bpf is None or not self.settings.stacks:
+        if self._maps is None or not self.settings.stacks:
             return 0
         epoch = self._control(CTL_STACK_EPOCH)
         total = 0
@@ -468,7 +435,7 @@ class HeapProbes(LiveProbes):
         lib = load_bcc().libbcc.lib
         # One buffer per read: a shared one could be filled by one thread while another copies it out.
         buf = ctypes.create_string_buffer(self._globals_size)
-        if lib.bpf_lookup_elem(self._globals_fd, ctypes.byref(self._zero_key), buf) != 0:
+        if lib.bpf_lookup_elem(self._globals_fd, ctypes.byref(ctypes.c_int(self.slot)), buf) != 0:
             # Never the last figures again as if they were now: a failed read is an error, said by the caller.
             raise HeapscopeError("cannot read the probes' counters: the lookup in their map failed")
         return buf.raw
@@ -492,8 +459,9 @@ class HeapProbes(LiveProbes):
 
     def wait_events(self, timeout: float) -> list[int]:
         """Events (EV_*) that came within `timeout` seconds; returns at the first one."""
-        assert self._bpf is not None
-        self._bpf.perf_buffer_poll(timeout=max(1, int(timeout * 1000)))
+        assert self._maps is not None
+        readers = (ctypes.c_void_p * len(self._readers))(*self._readers)
+        load_bcc().libbcc.lib.perf_reader_poll(len(self._readers), readers, max(1, int(timeout * 1000)))
         events, self._events = self._events, []
         return events
 
@@ -504,9 +472,9 @@ class HeapProbes(LiveProbes):
     def set_site_flags(self, flags: Mapping[int, bool]) -> None:
         """--ignore-fn: whether each site is ignored (its trimmed stack starts in an ignored function), for the
         kernel's realloc (probes/heap.bpf.c record_realloc). A site is flagged once."""
-        if self._bpf is None or not self.settings.ignore:
+        if self._maps is None or not self.settings.ignore:
             return
-        table = self._bpf["site_flags"]
+        table = self._maps["site_flags"]
         for site, ignored in flags.items():
             table[ctypes.c_int(site)] = ctypes.c_uint8(SITE_IGNORED if ignored else SITE_COUNTED)
 
@@ -527,7 +495,7 @@ class HeapProbes(LiveProbes):
 
         Each object's rows are written once, into free space of the process's shared unwind_rows (SharedRows);
         the mapping index is written into the half the kernel is not reading, then one control word flips to it."""
-        assert self._bpf is not None and self._shared_rows is not None
+        assert self._maps is not None and self._shared_rows is not None
         entries = []
         for m in sorted(mappings, key=lambda m: m.start):
             placed = self._objects.get(m.key)
@@ -547,18 +515,18 @@ class HeapProbes(LiveProbes):
             if placed[1]:
                 entries.append((m, placed))
         entries = entries[:MAX_UMAPS]
-        umaps = self._bpf["unwind_maps"]
+        umaps = self._maps["unwind_maps"]
         half = 1 - self._umap_half
         first = half * MAX_UMAPS
         for i, (m, (row_begin, row_count)) in enumerate(entries):
             leaf = umaps.Leaf(m.start, m.end, m.bias & 0xFFFFFFFFFFFFFFFF, row_begin, row_count)
-            umaps[ctypes.c_int(first + i)] = leaf
+            umaps[ctypes.c_int(self.slot * 2 * MAX_UMAPS + first + i)] = leaf  # the target's run of the table
         gen = (self._umap_gen + 1) % (1 << (64 - UMAPS_GEN_SHIFT))
         if gen % (1 << (63 - UMAPS_GEN_SHIFT)) == 0:
             # The generation wraps: rules the kernel cached under a word that comes again must go first.
             # Twice a cycle, so that a rule a probe stamped with a word just before one clearing is gone
             # at the next, long before its word returns.
-            cache = self._bpf["rule_cache"]
+            cache = self._maps["rule_cache"]
             for i in range(RULE_CACHE):
                 cache.clearitem(ctypes.c_int(i))
         self._set_control(CTL_UMAPS, (gen << UMAPS_GEN_SHIFT) | (first << 32) | len(entries))
@@ -566,19 +534,19 @@ class HeapProbes(LiveProbes):
         self._umap_gen = gen
 
     def _control(self, index: int) -> int:
-        if self._bpf is None:
+        if self._maps is None:
             return 0
-        return int(self._bpf["control"][ctypes.c_int(index)].value)
+        return int(self._maps["control"][ctypes.c_int(self.slot * CTL_COUNT + index)].value)
 
     def _set_control(self, index: int, value: int) -> None:
-        assert self._bpf is not None
-        table = self._bpf["control"]
-        table[ctypes.c_int(index)] = ctypes.c_uint64(value)
+        assert self._maps is not None
+        table = self._maps["control"]
+        table[ctypes.c_int(self.slot * CTL_COUNT + index)] = ctypes.c_uint64(value)
 
     # ---- reading ----------------------------------------------------------------------------------
 
     def counters(self) -> Counters:
-        if self._bpf is None:
+        if self._maps is None:
             raise HeapscopeError("probes are not loaded")
         raw = self._globals_raw()
         cached = self._counters_cache
@@ -642,8 +610,8 @@ class HeapProbes(LiveProbes):
 
     def take_window(self, heap_now: int) -> tuple[int, int]:
         """The heap's maximum since the last call and the site that set it; starts a new window."""
-        assert self._bpf is not None
-        table = self._bpf["window"]
+        assert self._maps is not None
+        table = self._maps["window"]
         w = table[ctypes.c_int(0)]
         result = (int(w.max_heap), int(w.site))
         w.max_heap, w.site = heap_now, 0
@@ -651,9 +619,9 @@ class HeapProbes(LiveProbes):
         return result
 
     def _read_stack(self, key: int) -> tuple[int, ...]:
-        if self._bpf is None or not 0 <= key < self.settings.max_stacks:
+        if self._maps is None or not 0 <= key < self.settings.max_stacks:
             return ()
-        table = self._bpf["site_stacks"]
+        table = self._maps["site_stacks"]
         value = table.Leaf()
         lib = load_bcc().libbcc.lib
         if lib.bpf_lookup_elem(table.map_fd, ctypes.byref(ctypes.c_uint32(key)), ctypes.byref(value)) != 0:
@@ -663,8 +631,8 @@ class HeapProbes(LiveProbes):
 
     def _array_prefix_raw(self, name: str, count: int) -> tuple[type, bytes, int]:
         """Entries 0..count-1 of an array map as raw bytes: (value type, bytes, entries read)."""
-        assert self._bpf is not None
-        table = self._bpf[name]
+        assert self._maps is not None
+        table = self._maps[name]
         if count <= 0:
             return table.Leaf, b"", 0
         keys = (table.Key * count)()
@@ -687,8 +655,8 @@ class HeapProbes(LiveProbes):
         return list(array_type.from_buffer_copy(raw)) if n else []
 
     def _items(self, name: str) -> list:  # type: ignore[type-arg]
-        assert self._bpf is not None
-        table = self._bpf[name]
+        assert self._maps is not None
+        table = self._maps[name]
         try:
             return list(table.items_lookup_batch())
         except Exception:  # kernels without batch lookups: one syscall per entry

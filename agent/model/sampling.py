@@ -37,6 +37,11 @@ DEFAULT_CAPACITY: dict[Mode, tuple[int, int]] = {  # mode -> (max blocks, max st
     "exact": (1 << 20, 1 << 16),
     "sampled": (1 << 16, 1 << 14),
 }
+# A daemon's exact-mode targets share one block table (probes/bpf/blocks.h): room for two targets at their limit,
+# 80 MB of kernel memory however many targets there are; and each keeps half the sites a command's target does
+# (13 MB of the kernel's a target at 65,536: agent.session.pipeline).
+DEFAULT_NODE_BLOCKS = 2 << 20
+DAEMON_EXACT_STACKS = 1 << 15
 
 
 @dataclass(frozen=True)

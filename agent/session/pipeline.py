@@ -22,7 +22,7 @@ import psutil
 from agent.errors import HeapscopeError, TargetConflict
 from agent.export.pprof import PprofContext
 from agent.export.registry import BY_NAME, FORMATS, MaltDocument, OutputFormat
-from agent.kernel.abi import PAGE_RING_BYTES, SAMPLED_PAGE_RING_BYTES
+from agent.kernel.abi import DAEMON_PAGE_RING_BYTES, PAGE_RING_BYTES, SAMPLED_PAGE_RING_BYTES
 from agent.kernel.arrays import SharedRows
 from agent.kernel.frozen import FrozenProbes
 from agent.kernel.interface import ProbeSettings
@@ -32,7 +32,7 @@ from agent.model.malt import check_consistency
 from agent.model.memline import MemoryLine, MemoryPoint
 from agent.model.options import MAX_WALKED_FRAMES, MassifOptions
 from agent.model.pages import PageTotals
-from agent.model.sampling import ProfileMode
+from agent.model.sampling import DAEMON_EXACT_STACKS, ProfileMode
 from agent.model.snapshot import Snapshot, SnapshotKind
 from agent.model.stack import SiteCounts, Stack
 from agent.model.stored import StoreStatus
@@ -71,6 +71,10 @@ class ProfileSettings:
     verbose: int = 0  # -v: each probe's placement too
     max_blocks: int | None = None  # None: the mode's (ProfileMode.max_blocks)
     max_stacks: int | None = None  # None: the mode's (ProfileMode.max_stacks)
+    # serve's targets share the program and the node's tables: the shared block table holds node_blocks live blocks
+    # for all of them, and each exact-mode target keeps smaller tables of its own (DAEMON_EXACT_STACKS sites, a
+    # page ring of DAEMON_PAGE_RING_BYTES): 50 of them within 1 GiB of kernel memory. 0: a command's one target.
+    node_blocks: int = 0
     malt: bool = False  # keep MALT's statistics in the kernel (GET /malt, --malt-out-file)
     mode: ProfileMode = field(default_factory=ProfileMode)  # exact, or sampled (agent.session.sampled)
     store: StoreSettings | None = None  # keep every sample's history on disk (--store), None: not kept
@@ -90,16 +94,30 @@ class ProfileSettings:
             alignment=o.alignment,
             max_depth=o.walked_frames,
             max_blocks=self.mode.max_blocks if self.max_blocks is None else self.max_blocks,
-            max_stacks=self.mode.max_stacks if self.max_stacks is None else self.max_stacks,
+            max_stacks=self._max_stacks(),
+            node_blocks=self.node_blocks,
             pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
             page_stacks=o.pages_as_heap or self.malt,  # a page call's site: its tree, MALT's mmap statistics
             # Sampled mode (the daemon's default) keeps a smaller ring of page events: the kernel holds it and the
             # daemon maps it for every target, however quiet. The kernel wakes the daemon when a ring is half full.
-            page_ring_bytes=SAMPLED_PAGE_RING_BYTES if self.mode.sampled else PAGE_RING_BYTES,
+            page_ring_bytes=self._page_ring_bytes(),
             stacks=o.stacks,
             schedule_ns=o.time_unit == "ms",  # the snapshot schedule's clock
             ignore=bool(o.ignore_fns) and not self.mode.sampled,  # exact mode's reallocs of ignored blocks
         )
+
+    def _max_stacks(self) -> int:
+        if self.max_stacks is not None:
+            return self.max_stacks
+        if self.node_blocks and not self.mode.sampled:
+            return min(self.mode.max_stacks, DAEMON_EXACT_STACKS)
+        return self.mode.max_stacks
+
+    def _page_ring_bytes(self) -> int:
+        if self.mode.sampled:
+            return SAMPLED_PAGE_RING_BYTES
+        # A daemon's target is never stopped for its ring: the kernel wakes the daemon at half full instead.
+        return DAEMON_PAGE_RING_BYTES if self.node_blocks else PAGE_RING_BYTES
 
     def outputs(self) -> list[tuple[OutputFormat, str]]:
         """The formats written at the end, with their file name templates."""

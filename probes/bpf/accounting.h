@@ -4,6 +4,7 @@
 #if HS_IGNORE
 /* site_flags: site id -> enum hs_site_flag, written by user space as it symbolizes sites (--ignore-fn) */
 BPF_ARRAY(site_flags, u8, HS_MAX_STACKS);
+BPF_ARRAY_OF_MAPS(site_flags_of, "site_flags", HS_TARGETS);
 #endif
 
 /* Massif's slop: VG_(cli_malloc_usable_size) - size in Valgrind's arena (m_mallocfree.c). At its minimum
@@ -46,13 +47,13 @@ static __always_inline u64 valgrind_alignment(u64 align)
 }
 
 /* HS_IGNORE: what user space says site `id` is (enum hs_site_flag); without --ignore-fn every site counts. */
-static __always_inline u64 site_flag(u64 id)
+static __always_inline u64 site_flag(struct hs_global *g, u64 id)
 {
 #if HS_IGNORE
     if (id == HS_STACK_OVERFLOW) /* no stack: nothing to ignore it by */
         return HS_SITE_COUNTED;
     u32 idx = id;
-    u8 *flag = site_flags.lookup(&idx);
+    u8 *flag = t_lookup(site_flags_of.lookup(&g->slot), &idx);
     return flag ? *flag : HS_SITE_UNKNOWN;
 #else
     return HS_SITE_COUNTED;
@@ -64,7 +65,7 @@ static __always_inline void record_alloc(void *ctx, struct hs_global *g, u64 add
                                          u64 now)
 {
     struct hs_block blk = {.size = size, .slop = massif_slop(size, align), .stack = stack, .alloc_ns = now};
-    if (HS_IGNORE && site_flag(stack) == HS_SITE_IGNORED) {
+    if (HS_IGNORE && site_flag(g, stack) == HS_SITE_IGNORED) {
         /* --ignore-fn: tracked, so that its free and reallocs are known as ignored, and counted nowhere: not
          * in the totals, the time, the peak or the schedule, as Massif (user space leaves its site out) */
         blk.stack |= HS_BLOCK_IGNORED;
@@ -122,7 +123,7 @@ static __always_inline void account_free(void *ctx, struct hs_global *g, struct 
     }
     charge_freed(g, s, free_stack, blk.size);
     if (HS_MALT)
-        malt_free(s, free_stack ? get_site(free_stack, g) : 0, blk.size, blk.alloc_ns, now, 1);
+        malt_free(g, s, free_stack ? get_site(free_stack, g) : 0, blk.size, blk.alloc_ns, now, 1);
     __sync_fetch_and_add(&g->heap, -blk.size);
     __sync_fetch_and_add(&g->extra, -extra);
     __sync_fetch_and_add(&g->blocks, -1);
@@ -160,7 +161,7 @@ static __always_inline void record_realloc(void *ctx, struct hs_global *g, u64 o
     /* --ignore-fn, as Massif 3.19's realloc_block: the realloc of an ignored block is ignored, and the block stays
      * ignored. So is a realloc made in an ignored function: the block becomes an ignored one, and its old bytes
      * stay counted at their site, for good (Massif never takes them back, not even at the block's free). */
-    if (HS_IGNORE && ((ob.stack & HS_BLOCK_IGNORED) || site_flag(stack) == HS_SITE_IGNORED)) {
+    if (HS_IGNORE && ((ob.stack & HS_BLOCK_IGNORED) || site_flag(g, stack) == HS_SITE_IGNORED)) {
         struct hs_block ib = {.size = size, .stack = stack | HS_BLOCK_IGNORED, .alloc_ns = now};
         block_put(g, addr, &ib);
         return;
@@ -203,21 +204,22 @@ static __always_inline void record_realloc(void *ctx, struct hs_global *g, u64 o
         check_peak(g, ns, os);
     if (HS_MALT) {
         /* MALT: the old block's life ends here; the new one is an allocation of realloc's stack. */
-        malt_free(os, 0, ob.size, ob.alloc_ns, now, 1);
+        malt_free(g, os, 0, ob.size, ob.alloc_ns, now, 1);
         malt_alloc(g, ns, stack, size, 1);
         if (ns) {
             __sync_fetch_and_add(&ns->realloc_count, 1);
             __sync_fetch_and_add(&ns->realloc_delta, dheap);
         }
         struct hs_jump jump = {.old_size = ob.size, .new_size = size};
-        u64 *n = realloc_jump.lookup(&jump);
+        void *jumps = realloc_jump_of.lookup(&g->slot);
+        u64 *n = t_lookup(jumps, &jump);
         if (n) {
             __sync_fetch_and_add(n, 1);
         } else {
             u64 one = 1;
-            if (realloc_jump.insert(&jump, &one) == -17)
-                count_in(realloc_jump.lookup(&jump), 1);
-            else if (!realloc_jump.lookup(&jump))
+            if (t_update(jumps, &jump, &one, BPF_NOEXIST) == -17)
+                count_in(t_lookup(jumps, &jump), 1);
+            else if (!t_lookup(jumps, &jump))
                 __sync_fetch_and_add(&g->dropped_sizes, 1);
         }
     }

@@ -1,5 +1,9 @@
 /* blocks.h: the table of live blocks, by address: each block's size, slop, site and allocation time, from its
- * allocation to its free. */
+ * allocation to its free.
+ *
+ * One table for every target of the program, sized for the node (HS_BLOCK_SLOTS, HS_MAX_BLOCKS), not one a target:
+ * a block is keyed by its address tagged with its target's slot in the bits above any user address (block_key),
+ * and each target may hold at most HS_TARGET_BLOCKS live blocks (beyond, its blocks are dropped, counted). */
 
 /* block_slots: the live blocks, by address: bucket block_bucket(addr), two slots. An array, so finding a
  * block is a few inlined instructions and one cache line, with no lock and no allocation (a hash map's
@@ -10,6 +14,13 @@ BPF_F_TABLE("array", int, struct hs_block_slot, block_slots, HS_BLOCK_SLOTS, BPF
  * is not preallocated (BPF_F_NO_PREALLOC): its memory follows the target's use, not the worst case, so a
  * daemon watching many quiet targets does not hold their tables' full size each. */
 BPF_F_TABLE("hash", u64, struct hs_block, blocks, HS_MAX_BLOCKS, BPF_F_NO_PREALLOC);
+
+/* A block's key: its address, with its target's slot above bit 56 (user addresses end below 2^56, even with
+ * five-level page tables), so that two targets' blocks at one address are two keys. */
+static __always_inline u64 block_key(struct hs_global *g, u64 addr)
+{
+    return addr | (u64)g->slot << 56;
+}
 
 /* The first slot of addr's bucket. Neighbouring blocks get neighbouring buckets, so the heap's locality
  * carries over to the table; the high address bits are folded in, so heaps far apart do not collide. */
@@ -27,9 +38,9 @@ static __always_inline struct hs_block_slot *block_slot(u32 idx)
 
 /* Load addr's bucket ahead of its use: its cache line is often a miss (~90 ns here on a random free), and the
  * checks that come first run while it arrives. */
-static __always_inline void block_prefetch(u64 addr)
+static __always_inline void block_prefetch(struct hs_global *g, u64 addr)
 {
-    struct hs_block_slot *s = block_slot(block_bucket(addr));
+    struct hs_block_slot *s = block_slot(block_bucket(block_key(g, addr)));
     if (s)
         (void)HS_ONCE(s->addr);
 }
@@ -39,6 +50,11 @@ static __always_inline void block_prefetch(u64 addr)
  * while this runs: the allocator has not returned it yet. */
 static __always_inline int block_put(struct hs_global *g, u64 addr, struct hs_block *b)
 {
+    if (HS_ONCE(g->blocks) >= HS_TARGET_BLOCKS) { /* this target's share of the node's table is full */
+        __sync_fetch_and_add(&g->dropped_blocks, 1);
+        return -1;
+    }
+    addr = block_key(g, addr);
     u32 idx = block_bucket(addr);
     struct hs_block_slot *s0 = block_slot(idx), *s1 = block_slot(idx + 1), *s = 0;
     if (s0 && s1 && !(b->slop >> 32) && !(b->stack >> 32)) {
@@ -70,6 +86,7 @@ static __always_inline int block_put(struct hs_global *g, u64 addr, struct hs_bl
  * it first: a double free racing). */
 static __always_inline int block_take(struct hs_global *g, u64 addr, struct hs_block *b)
 {
+    addr = block_key(g, addr);
     u32 idx = block_bucket(addr);
     struct hs_block_slot *s = block_slot(idx);
     if (s && HS_ONCE(s->addr) != addr)

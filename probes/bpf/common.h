@@ -1,28 +1,107 @@
 /* common.h: what every part of heap.bpf.c shares: the counters (globals), the control words user space writes,
- * the event channel that wakes user space, the sites' counters, and the small helpers around them. */
+ * the event channel that wakes user space, the sites' counters, and the small helpers around them.
+ *
+ * One loaded program serves every target of its shape (its settings): each target has a slot. A uprobe's
+ * program finds its target's slot in its link's cookie (user space attaches a target's links with its slot), a
+ * tracepoint's in `targets`, by the process. The per-target counters and control words are indexed by slot; every
+ * other per-target map is an array of maps (NAME_of) holding the target's own map at its slot: user space makes a
+ * target's maps (slot 0 has the ones bcc made, the templates) and removes them at its detach, so a target's
+ * tables and rings are its own, and a detach leaves the others as they were. */
 
-/* globals: 0 -> struct hs_global */
-BPF_ARRAY(globals, struct hs_global, 1);
-/* control: enum hs_control -> u64, written by user space (kept apart so its writes never race counters) */
-BPF_ARRAY(control, u64, HS_CTL_COUNT);
+/* targets: tgid -> slot, for the tracepoints (exec, page calls, thread starts and exits) */
+BPF_HASH(targets, u32, u32, HS_TARGETS);
+/* globals: slot -> struct hs_global */
+BPF_ARRAY(globals, struct hs_global, HS_TARGETS);
+/* control: slot * HS_CTL_COUNT + enum hs_control -> u64, written by user space (kept apart so its writes never
+ * race counters) */
+BPF_ARRAY(control, u64, HS_TARGETS * HS_CTL_COUNT);
 /* events: enum hs_event, to wake user space at once */
 BPF_PERF_OUTPUT(events);
+BPF_ARRAY_OF_MAPS(events_of, "events", HS_TARGETS);
 /* sites: site id -> struct hs_site (the counters of one allocation stack). An array, so the return and free
  * paths reach a block's site without hashing; mmapable, so user space reads every site's counters in place,
  * with no syscall and no copy, at each snapshot. */
 BPF_F_TABLE("array", int, struct hs_site, sites, HS_MAX_STACKS, BPF_F_MMAPABLE);
+BPF_ARRAY_OF_MAPS(sites_of, "sites", HS_TARGETS);
 
-static __always_inline struct hs_global *get_globals(void)
+/* The slot of a uprobe's target: its link's cookie (0 through a perf event, whose program serves one target). */
+static __always_inline u32 uprobe_slot(struct pt_regs *ctx)
 {
-    u32 zero = 0;
-    return globals.lookup(&zero);
+    u64 cookie = bpf_get_attach_cookie(ctx);
+    return cookie < HS_TARGETS ? (u32)cookie : 0;
 }
 
-static __always_inline int is_armed(void)
+/* The slot of the current process, for a tracepoint; -1 when it is no target. */
+static __always_inline s64 process_slot(void)
 {
-    u32 idx = HS_CTL_ARMED;
-    u64 *armed = control.lookup(&idx);
-    return armed && *armed;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u32 *slot = targets.lookup(&tgid);
+    return slot && *slot < HS_TARGETS ? *slot : -1;
+}
+
+static __always_inline struct hs_global *get_globals(u32 slot)
+{
+    return globals.lookup(&slot);
+}
+
+/* The program of a uprobe: its target's counters. */
+static __always_inline struct hs_global *uprobe_globals(struct pt_regs *ctx)
+{
+    return get_globals(uprobe_slot(ctx));
+}
+
+/* Operations on a per-target map, given its target's map (NAME_of.lookup(&g->slot)); a missing map (the target
+ * is being removed) reads as empty and refuses writes. */
+static __always_inline void *t_lookup(void *map, void *key)
+{
+    return map ? bpf_map_lookup_elem(map, key) : 0;
+}
+
+static __always_inline long t_update(void *map, void *key, void *value, u64 flags)
+{
+    return map ? bpf_map_update_elem(map, key, value, flags) : -1;
+}
+
+static __always_inline long t_delete(void *map, void *key)
+{
+    return map ? bpf_map_delete_elem(map, key) : -1;
+}
+
+static __always_inline void *t_reserve(void *map, u64 size)
+{
+    return map ? bpf_ringbuf_reserve(map, size, 0) : 0;
+}
+
+/* Tell the target's user space (its perf buffer) of an event. */
+static __always_inline void send_event(void *ctx, struct hs_global *g, u64 event)
+{
+    void *map = events_of.lookup(&g->slot);
+    if (map)
+        bpf_perf_event_output(ctx, map, BPF_F_CURRENT_CPU, &event, sizeof(event));
+}
+
+static __always_inline u64 *control_ptr(struct hs_global *g, u32 idx)
+{
+    u32 at = g->slot * HS_CTL_COUNT + idx;
+    return control.lookup(&at);
+}
+
+static __always_inline u64 control_word(struct hs_global *g, u32 idx)
+{
+    u64 *w = control_ptr(g, idx);
+    return w ? *w : 0;
+}
+
+static __always_inline void set_control(struct hs_global *g, u32 idx, u64 value)
+{
+    u64 *w = control_ptr(g, idx);
+    if (w)
+        *w = value;
+}
+
+static __always_inline int is_armed(struct hs_global *g)
+{
+    return control_word(g, HS_CTL_ARMED) != 0;
 }
 
 /* Program order for the per-CPU caches' sequence numbers: only a program preempting this one on the same
@@ -30,16 +109,10 @@ static __always_inline int is_armed(void)
 #define hs_barrier() asm volatile("" ::: "memory")
 #define HS_ONCE(x) (*(volatile typeof(x) *)&(x)) /* one load or store, in program order */
 
-static __always_inline u64 control_word(u32 idx)
-{
-    u64 *w = control.lookup(&idx);
-    return w ? *w : 0;
-}
-
 static __always_inline struct hs_site *get_site(u64 id, struct hs_global *g)
 {
     u32 slot = id;
-    struct hs_site *s = sites.lookup(&slot);
+    struct hs_site *s = t_lookup(sites_of.lookup(&g->slot), &slot);
     if (!s)
         __sync_fetch_and_add(&g->dropped_sites, 1);
     return s;

@@ -5,33 +5,37 @@
 BPF_F_TABLE("hash", u32, struct hs_page_call, page_calls, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
 /* page_events: struct hs_page_event, one per completed page syscall, in the order they completed */
 BPF_RINGBUF_OUTPUT(page_events, HS_PAGE_RING_PAGES);
+BPF_ARRAY_OF_MAPS(page_events_of, "page_events", HS_TARGETS);
 /* page_counters: enum hs_page_counter -> count */
 BPF_ARRAY(page_counters, u64, HS_PGC_COUNT);
+BPF_ARRAY_OF_MAPS(page_counters_of, "page_counters", HS_TARGETS);
 /* page_walker: 0 -> page_enter_walk, the one copy of the stack walk of the four entry tracepoints (a
  * program array holds programs of one type, so not alloc_walker) */
 BPF_PROG_ARRAY(page_walker, 1);
 
-static __always_inline void page_count(u32 which)
+static __always_inline void page_count(struct hs_global *g, u32 which)
 {
-    count_in(page_counters.lookup(&which), 1);
+    count_in(t_lookup(page_counters_of.lookup(&g->slot), &which), 1);
 }
 
 /* At a page syscall's entry: keep its arguments and charge it to the user stack that made it. The walk
  * starts at the user's instruction pointer (just past the syscall instruction, in the libc wrapper). */
 static __always_inline int page_enter(void *ctx, u32 kind, u64 a0, u64 a1, u64 a2, u64 a3, u64 a4)
 {
+    s64 slot = process_slot();
+    if (slot < 0)
+        return 0;
+    struct hs_global *g = get_globals(slot);
+    if (!g || !is_armed(g))
+        return 0;
     u64 id = bpf_get_current_pid_tgid();
-    if ((id >> 32) != HS_TARGET_TGID || !is_armed())
-        return 0;
-    struct hs_global *g = get_globals();
-    if (!g)
-        return 0;
     struct hs_user_regs u = user_regs();
     u32 tid = id;
 #if HS_STACKS
-    note_stack(tid, u.sp, 0);
+    note_stack(g, tid, u.sp, 0);
 #endif
-    struct hs_page_call call = {.tid = tid, .arg0 = a0, .arg1 = a1, .arg2 = a2, .arg3 = a3, .arg4 = a4, .kind = kind};
+    struct hs_page_call call = {.tid = tid, .arg0 = a0, .arg1 = a1, .arg2 = a2, .arg3 = a3, .arg4 = a4, .kind = kind,
+                                .slot = slot};
     u32 zero = 0;
     struct hs_page_call *arg = walk_arg.lookup(&zero);
     if (arg) {
@@ -41,7 +45,7 @@ static __always_inline int page_enter(void *ctx, u32 kind, u64 a0, u64 a1, u64 a
     /* Only without the walker (installed before the probes are armed): the call, charged to no stack. */
     call.site = HS_STACK_OVERFLOW;
     if (page_calls.update(&tid, &call))
-        page_count(HS_PGC_CALLS_FULL);
+        page_count(g, HS_PGC_CALLS_FULL);
     return 0;
 }
 
@@ -51,46 +55,56 @@ int page_enter_walk(void *ctx)
 {
     u32 zero = 0;
     struct hs_page_call *arg = walk_arg.lookup(&zero);
-    struct hs_global *g = get_globals();
-    if (!arg || !g || !walk_arg_is_ours(arg))
+    if (!arg || !walk_arg_is_ours(arg))
+        return 0;
+    struct hs_global *g = get_globals(arg->slot);
+    if (!g)
         return 0;
     struct hs_page_call call = *arg;
     struct hs_user_regs u = user_regs();
     u32 tid = bpf_get_current_pid_tgid();
     call.site = capture_stack_at(0, u.ip, u.sp, u.bp, g, HS_FN_PAGES);
     if (page_calls.update(&tid, &call))
-        page_count(HS_PGC_CALLS_FULL);
+        page_count(g, HS_PGC_CALLS_FULL);
     return 0;
 }
 
 /* At its exit: one event with the arguments and the result, for agent/model/pages.py to apply in order. */
 static __always_inline int page_exit(void *ctx, u32 kind, long ret)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    if ((id >> 32) != HS_TARGET_TGID)
-        return 0;
-    u32 tid = id;
+    /* The thread's call first: one its target's detach left (it was in the syscall then) goes too. */
+    u32 tid = bpf_get_current_pid_tgid();
     struct hs_page_call *c = page_calls.lookup(&tid);
+    struct hs_page_call call = {};
+    if (c) {
+        call = *c;
+        page_calls.delete(&tid);
+    }
+    s64 slot = process_slot();
+    if (slot < 0)
+        return 0;
+    struct hs_global *g = get_globals(slot);
+    if (!g)
+        return 0;
     if (!c) {
-        if (is_armed())
-            page_count(HS_PGC_UNPAIRED);
+        if (is_armed(g))
+            page_count(g, HS_PGC_UNPAIRED);
         return 0;
     }
-    struct hs_page_call call = *c;
-    page_calls.delete(&tid);
-    if (call.kind != kind) { /* cannot happen: a thread is in one syscall at a time */
-        page_count(HS_PGC_UNPAIRED);
+    if (call.kind != kind || call.slot != slot) { /* cannot happen: a thread is in one syscall at a time */
+        page_count(g, HS_PGC_UNPAIRED);
         return 0;
     }
-    struct hs_page_event *e = page_events.ringbuf_reserve(sizeof(struct hs_page_event));
+    void *ring = page_events_of.lookup(&g->slot);
+    struct hs_page_event *e = t_reserve(ring, sizeof(struct hs_page_event));
     /* Linux 6.15+ takes the ring's lock with a resilient spinlock, which can fail while the ring has room: try
      * again, twice */
     if (!e)
-        e = page_events.ringbuf_reserve(sizeof(struct hs_page_event));
+        e = t_reserve(ring, sizeof(struct hs_page_event));
     if (!e)
-        e = page_events.ringbuf_reserve(sizeof(struct hs_page_event));
+        e = t_reserve(ring, sizeof(struct hs_page_event));
     if (!e) {
-        page_count(HS_PGC_LOST);
+        page_count(g, HS_PGC_LOST);
         return 0;
     }
     e->time_ns = bpf_ktime_get_ns();
@@ -127,26 +141,22 @@ static __always_inline int page_exit(void *ctx, u32 kind, long ret)
         break;
     }
     /* No wakeup: user space drains the buffer when it samples, and a wakeup per call costs an IPI. */
-    page_events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-    page_count(HS_PGC_EVENTS);
+    bpf_ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    page_count(g, HS_PGC_EVENTS);
     /* But the event that fills the ring to half (and to three quarters, should that wake-up be missed) wakes
      * user space once: a daemon looking at a quiet target once a second drains a burst before the ring
      * overflows, so the ring can stay small. Its fill is the events sent less those user space took. */
     u32 sent_idx = HS_PGC_EVENTS;
-    u64 *sent = page_counters.lookup(&sent_idx);
+    u64 *sent = t_lookup(page_counters_of.lookup(&g->slot), &sent_idx);
     if (sent) {
-        u64 held = HS_ONCE(*sent) - control_word(HS_CTL_PAGES_DRAINED);
+        u64 held = HS_ONCE(*sent) - control_word(g, HS_CTL_PAGES_DRAINED);
         u64 room = (u64)HS_PAGE_RING_PAGES * 4096 / ((sizeof(struct hs_page_event) + 8 + 7) & ~7ULL);
-        if (held == room / 2 || held == room / 2 + room / 4) {
-            u64 event = HS_EV_PAGES;
-            events.perf_submit(ctx, &event, sizeof(event));
-        }
+        if (held == room / 2 || held == room / 2 + room / 4)
+            send_event(ctx, g, HS_EV_PAGES);
         /* `run`: from three quarters full on, the target waits until user space has drained the ring, so no
          * call is lost however fast it makes them (sampled mode never stops a target). */
         if (HS_STOP_EVENTS && !HS_SAMPLED && held >= room / 2 + room / 4) {
-            u64 event = HS_EV_PAGES;
-            u32 stop_idx = HS_CTL_STOPPED;
-            control.update(&stop_idx, &event);
+            set_control(g, HS_CTL_STOPPED, HS_EV_PAGES);
             bpf_send_signal(19 /* SIGSTOP */);
         }
     }

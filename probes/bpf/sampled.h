@@ -28,6 +28,7 @@
  * bucket array (16 bytes an entry) is sized from --max-blocks. In sampled mode the exact mode's block tables
  * (block_slots, blocks) are compiled at their smallest: no program here uses them. */
 BPF_F_TABLE("hash", u64, struct hs_sampled_block, sampled_blocks, HS_MAX_SAMPLED_BLOCKS, BPF_F_NO_PREALLOC);
+BPF_ARRAY_OF_MAPS(sampled_blocks_of, "sampled_blocks", HS_TARGETS);
 
 /* N: 1/p from the weight (weight / size in 16.16 fixed point), its fraction rounded at random. */
 static __always_inline u64 sample_blocks(u64 size, u64 weight)
@@ -41,10 +42,26 @@ static __always_inline u64 sample_blocks(u64 size, u64 weight)
     return blocks;
 }
 
+/* A sample's accounting runs in a program of its own, tail-called once the stack is walked: the verifier then
+ * checks it once, not once for every way the walk can end (with MALT at the deepest walks that took
+ * sample_alloc_enter past its limit). sample_arg hands it the sample: per CPU, as walk_arg. */
+struct hs_sample_arg {
+    u64 tid;
+    u64 slot;
+    u64 addr;
+    u64 size;
+    u64 weight;
+    u64 stack;
+    u64 fn;
+};
+BPF_PERCPU_ARRAY(sample_arg, struct hs_sample_arg, 1);
+/* sample_accounting: 0 -> sample_alloc_account */
+BPF_PROG_ARRAY(sample_accounting, 1);
+
 int sample_alloc_enter(struct pt_regs *ctx)
 {
-    struct hs_global *g = get_globals();
-    if (!g || !is_armed())
+    struct hs_global *g = uprobe_globals(ctx);
+    if (!g || !is_armed(g))
         return 0;
     u64 addr = PT_REGS_PARM1(ctx);
     u64 size = PT_REGS_PARM2(ctx);
@@ -52,14 +69,45 @@ int sample_alloc_enter(struct pt_regs *ctx)
     if (!addr || !size || !weight)
         return 0;
 #if HS_STACKS
-    note_stack((u32)bpf_get_current_pid_tgid(), PT_REGS_SP(ctx), 0);
+    note_stack(g, (u32)bpf_get_current_pid_tgid(), PT_REGS_SP(ctx), 0);
 #endif
     u64 stack = capture_stack(ctx, g, HS_MALLOC);
+    u32 zero = 0;
+    struct hs_sample_arg *arg = sample_arg.lookup(&zero);
+    if (!arg)
+        return 0;
+    arg->tid = (u32)bpf_get_current_pid_tgid();
+    arg->slot = g->slot;
+    arg->addr = addr;
+    arg->size = size;
+    arg->weight = weight;
+    arg->stack = stack;
     /* The allocation function, read after the walk: a value the verifier tracks through the walk would split
-     * its states (the program no longer verifies). An allocation function only: HS_FREE and beyond are malloc.
-     * The site is filed under it below (a stack starts with its hook: one stack, one function). */
+     * its states. An allocation function only: HS_FREE and beyond are malloc. */
     u64 arg_fn = PT_REGS_PARM4(ctx);
-    u32 fn = arg_fn < HS_FREE ? (u32)arg_fn : HS_MALLOC;
+    arg->fn = arg_fn < HS_FREE ? (u32)arg_fn : HS_MALLOC;
+    sample_accounting.call(ctx, 0);
+    /* Only without the accounting program, which user space installs before it attaches any probe. */
+    __sync_fetch_and_add(&g->dropped_blocks, 1);
+    return 0;
+}
+
+int sample_alloc_account(struct pt_regs *ctx)
+{
+    u32 zero = 0;
+    struct hs_sample_arg *arg = sample_arg.lookup(&zero);
+    if (!arg)
+        return 0;
+    struct hs_global *g = get_globals(arg->slot);
+    if (!g)
+        return 0;
+    if (arg->tid != (u32)bpf_get_current_pid_tgid()) { /* another thread's run came in between (preemption) */
+        __sync_fetch_and_add(&g->walks_interrupted, 1);
+        return 0;
+    }
+    u64 addr = arg->addr, size = arg->size, weight = arg->weight, stack = arg->stack;
+    u32 fn = arg->fn;
+    /* The site is filed under its function below (a stack starts with its hook: one stack, one function). */
     u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
     struct hs_sampled_block b = {
         .blocks = sample_blocks(size, weight),
@@ -69,7 +117,7 @@ int sample_alloc_enter(struct pt_regs *ctx)
     };
     b.bytes = b.blocks * size;
     b.extra = b.blocks * (massif_slop(size, HS_ALIGNMENT) + HS_HEAP_ADMIN);
-    if (sampled_blocks.update(&addr, &b)) {
+    if (t_update(sampled_blocks_of.lookup(&g->slot), &addr, &b, BPF_ANY)) {
         __sync_fetch_and_add(&g->dropped_blocks, 1);
         return 0;
     }
@@ -93,7 +141,7 @@ int sample_alloc_enter(struct pt_regs *ctx)
     check_peak(g, s, 0);
     if (HS_MALT) {
         malt_alloc(g, s, stack, size, b.blocks);
-        thread_stat((u32)bpf_get_current_pid_tgid(), fn, b.blocks, b.bytes, 0);
+        thread_stat(g, (u32)bpf_get_current_pid_tgid(), fn, b.blocks, b.bytes, 0);
     }
     schedule_check(ctx, g, time_b, now);
     return 0;
@@ -101,19 +149,20 @@ int sample_alloc_enter(struct pt_regs *ctx)
 
 int sample_free_enter(struct pt_regs *ctx)
 {
-    struct hs_global *g = get_globals();
-    if (!g || !is_armed())
+    struct hs_global *g = uprobe_globals(ctx);
+    if (!g || !is_armed(g))
         return 0;
     u64 addr = PT_REGS_PARM1(ctx);
     if (!addr)
         return 0;
-    struct hs_sampled_block *found = sampled_blocks.lookup(&addr);
+    void *sampled = sampled_blocks_of.lookup(&g->slot);
+    struct hs_sampled_block *found = t_lookup(sampled, &addr);
     if (!found) {
         __sync_fetch_and_add(&g->untracked_frees, 1);
         return 0;
     }
     struct hs_sampled_block b = *found;
-    if (sampled_blocks.delete(&addr)) /* another CPU took it first (a double free racing) */
+    if (t_delete(sampled, &addr)) /* another CPU took it first (a double free racing) */
         return 0;
     u64 free_site = (HS_FREE_STACKS || HS_MALT) ? capture_stack(ctx, g, HS_FREE) : 0;
     u64 now = HS_MALT ? bpf_ktime_get_ns() : 0;
@@ -131,8 +180,8 @@ int sample_free_enter(struct pt_regs *ctx)
         __sync_fetch_and_add(&charged->freed_blocks, b.blocks);
     }
     if (HS_MALT) {
-        malt_free(s, free_site ? get_site(free_site, g) : 0, b.size, b.alloc_ns, now, b.blocks);
-        thread_stat((u32)bpf_get_current_pid_tgid(), HS_FREE, b.blocks, b.bytes, 0);
+        malt_free(g, s, free_site ? get_site(free_site, g) : 0, b.size, b.alloc_ns, now, b.blocks);
+        thread_stat(g, (u32)bpf_get_current_pid_tgid(), HS_FREE, b.blocks, b.bytes, 0);
     }
     __sync_fetch_and_add(&g->heap, -b.bytes);
     __sync_fetch_and_add(&g->extra, -b.extra);

@@ -3,16 +3,18 @@
 
 /* sched_points: struct hs_sched_point, the snapshot schedule's points in time order; drained by user space */
 BPF_RINGBUF_OUTPUT(sched_points, HS_SCHED_RING_PAGES);
+BPF_ARRAY_OF_MAPS(sched_points_of, "sched_points", HS_TARGETS);
 /* snap_log: struct hs_snap_record, a site's value before its first change after a point (site_touch); drained
  * by user space, which rebuilds the tree at each detailed point from it */
 BPF_RINGBUF_OUTPUT(snap_log, HS_SNAP_RING_PAGES);
+BPF_ARRAY_OF_MAPS(snap_log_of, "snap_log", HS_TARGETS);
 
 /* The snapshot log's record of site `id` (struct hs_snap_record), submitted before the change it precedes: user
  * space reads the sites first and the log after, so every change its read saw has its record in the ring. The
  * record that fills the ring to half (and to three quarters) wakes user space, as page_exit does. */
 static __always_inline void snap_log_site(void *ctx, struct hs_global *g, struct hs_site *s, u64 id, u64 epoch)
 {
-    struct hs_snap_record *r = snap_log.ringbuf_reserve(sizeof(struct hs_snap_record));
+    struct hs_snap_record *r = t_reserve(snap_log_of.lookup(&g->slot), sizeof(struct hs_snap_record));
     if (!r) {
         __sync_fetch_and_add(&g->snap_lost, 1);
         return;
@@ -22,15 +24,13 @@ static __always_inline void snap_log_site(void *ctx, struct hs_global *g, struct
     r->bytes = HS_ONCE(s->cur_bytes);
     r->extra = HS_ONCE(s->cur_extra);
     r->allocs = HS_ONCE(s->tot_blocks);
-    snap_log.ringbuf_submit(r, BPF_RB_NO_WAKEUP);
+    bpf_ringbuf_submit(r, BPF_RB_NO_WAKEUP);
     u64 sent = __sync_fetch_and_add(&g->snap_records, 1) + 1;
-    u32 idx = HS_CTL_SNAP_DRAINED;
-    u64 *drained = control.lookup(&idx);
+    u64 *drained = control_ptr(g, HS_CTL_SNAP_DRAINED);
     u64 held = sent - (drained ? HS_ONCE(*drained) : 0);
     u64 room = (u64)HS_SNAP_RING_PAGES * 4096 / ((sizeof(struct hs_snap_record) + 8 + 7) & ~7ULL);
     if (held == room / 2 || held == room / 2 + room / 4) {
-        u64 event = HS_EV_SNAP_LOG;
-        events.perf_submit(ctx, &event, sizeof(event));
+        send_event(ctx, g, HS_EV_SNAP_LOG);
     }
 }
 
@@ -63,20 +63,20 @@ static __always_inline u64 advance_time(struct hs_global *g, s64 delta)
 
 /* The time of a point in the snapshots' unit (B, or whole ms since HS_CTL_SCHED_ORIGIN), and the due time
  * `interval` of that unit after it (ms: the start of that millisecond, as Massif compares whole milliseconds). */
-static __always_inline u64 schedule_next(u64 t, u64 interval, u64 *unit_time)
+static __always_inline u64 schedule_next(struct hs_global *g, u64 t, u64 interval, u64 *unit_time)
 {
     if (!HS_SCHED_NS) {
         *unit_time = t;
         return t + interval;
     }
-    u64 origin = control_word(HS_CTL_SCHED_ORIGIN);
+    u64 origin = control_word(g, HS_CTL_SCHED_ORIGIN);
     *unit_time = (t > origin ? t - origin : 0) / 1000000;
     return origin + (*unit_time + interval) * 1000000;
 }
 
 static __always_inline void send_point(struct hs_global *g, u64 t, u64 heap, u64 extra, u64 kind)
 {
-    struct hs_sched_point *p = sched_points.ringbuf_reserve(sizeof(struct hs_sched_point));
+    struct hs_sched_point *p = t_reserve(sched_points_of.lookup(&g->slot), sizeof(struct hs_sched_point));
     if (!p) {
         __sync_fetch_and_add(&g->sched_lost, 1);
         return;
@@ -87,7 +87,7 @@ static __always_inline void send_point(struct hs_global *g, u64 t, u64 heap, u64
     p->kind = kind;
     /* Numbered before it is submitted: a site changed from here on logs its value at this point (site_touch). */
     p->epoch = __sync_fetch_and_add(&g->sched_points, 1);
-    sched_points.ringbuf_submit(p, BPF_RB_NO_WAKEUP);
+    bpf_ringbuf_submit(p, BPF_RB_NO_WAKEUP);
 }
 
 /* (Inlined, as every function here: bcc loads each program alone, without BPF-to-BPF calls.)
@@ -98,11 +98,11 @@ static __always_inline void send_point(struct hs_global *g, u64 t, u64 heap, u64
  * points bounded however long user space takes. */
 static __always_inline u64 schedule_interval(struct hs_global *g, u64 unit_time)
 {
-    u64 interval = control_word(HS_CTL_SCHED_INTERVAL);
-    u64 cull_at = control_word(HS_CTL_SCHED_CULL_AT);
+    u64 interval = control_word(g, HS_CTL_SCHED_INTERVAL);
+    u64 cull_at = control_word(g, HS_CTL_SCHED_CULL_AT);
     if (!cull_at || HS_ONCE(g->sched_points) + 1 < cull_at)
         return interval;
-    u64 max = control_word(HS_CTL_SCHED_MAX);
+    u64 max = control_word(g, HS_CTL_SCHED_MAX);
     u64 guess = max ? unit_time / max : 0;
     /* ms: at least one; an interval of 0 (snapshots in the same millisecond, which Massif's culling keeps while
      * Valgrind runs slowly enough to make few of them) would send every event of a native run meanwhile */
@@ -119,27 +119,24 @@ static __always_inline u64 schedule_interval(struct hs_global *g, u64 unit_time)
  * bridges the wait). */
 static __always_inline void schedule_signal(void *ctx, struct hs_global *g)
 {
-    u64 cull_at = control_word(HS_CTL_SCHED_CULL_AT);
+    u64 cull_at = control_word(g, HS_CTL_SCHED_CULL_AT);
     if (!cull_at || HS_ONCE(g->sched_points) < cull_at || HS_ONCE(g->sched_signalled) == cull_at)
         return;
     g->sched_signalled = cull_at;
-    u64 event = HS_EV_SCHEDULE;
     if (HS_STOP_EVENTS && !HS_SCHED_NS && !HS_SAMPLED) {
-        u32 stop_idx = HS_CTL_STOPPED;
-        control.update(&stop_idx, &event);
+        set_control(g, HS_CTL_STOPPED, HS_EV_SCHEDULE);
         bpf_send_signal(19 /* SIGSTOP */);
     }
-    events.perf_submit(ctx, &event, sizeof(event));
+    send_event(ctx, g, HS_EV_SCHEDULE);
 }
 
 /* HS_SCHED_NS: the clock costs ~50 ns a read here, jiffies (the tick count) a load. After setting the due
  * time `next` at `t`, say until which jiffy no event can reach it: jiffies move on once a jiffy, so while fewer
  * than the whole jiffies to `next`, less one, have passed, `next` is still ahead. */
-static __always_inline void schedule_jiffies(u64 t, u64 next)
+static __always_inline void schedule_jiffies(struct hs_global *g, u64 t, u64 next)
 {
-    u64 jiffy_ns = control_word(HS_CTL_SCHED_JIFFY_NS);
-    u32 idx = HS_CTL_SCHED_DUE_JIFFIES;
-    u64 *word = control.lookup(&idx);
+    u64 jiffy_ns = control_word(g, HS_CTL_SCHED_JIFFY_NS);
+    u64 *word = control_ptr(g, HS_CTL_SCHED_DUE_JIFFIES);
     if (!HS_SCHED_NS || !word)
         return;
     u64 ahead = jiffy_ns && next > t ? (next - t) / jiffy_ns : 0;
@@ -151,11 +148,11 @@ static __always_inline void schedule_jiffies(u64 t, u64 next)
 static __always_inline void schedule_point(void *ctx, struct hs_global *g, u64 t, u64 *due_word, u64 due)
 {
     u64 unit_time;
-    schedule_next(t, 0, &unit_time);
-    u64 next = schedule_next(t, schedule_interval(g, unit_time), &unit_time);
+    schedule_next(g, t, 0, &unit_time);
+    u64 next = schedule_next(g, t, schedule_interval(g, unit_time), &unit_time);
     if (__sync_val_compare_and_swap(due_word, due, next) != due)
         return; /* another CPU's event took this point, or user space has just set the due time */
-    schedule_jiffies(t, next);
+    schedule_jiffies(g, t, next);
     send_point(g, t, HS_ONCE(g->heap), HS_ONCE(g->extra), HS_SCHED_NORMAL);
     schedule_signal(ctx, g);
 }
@@ -167,14 +164,12 @@ static __always_inline void schedule_point(void *ctx, struct hs_global *g, u64 t
 static __always_inline void schedule_check(void *ctx, struct hs_global *g, u64 time_b, u64 now)
 {
     if (HS_SCHED_NS && !now) {
-        u32 jidx = HS_CTL_SCHED_DUE_JIFFIES;
-        u64 *due_jiffies = control.lookup(&jidx);
+        u64 *due_jiffies = control_ptr(g, HS_CTL_SCHED_DUE_JIFFIES);
         if (due_jiffies && bpf_jiffies64() < HS_ONCE(*due_jiffies))
             return;
     }
     u64 t = HS_SCHED_NS ? (now ? now : bpf_ktime_get_ns()) : time_b;
-    u32 idx = HS_CTL_SCHED_DUE;
-    u64 *due_word = control.lookup(&idx);
+    u64 *due_word = control_ptr(g, HS_CTL_SCHED_DUE);
     if (!due_word)
         return;
     u64 due = HS_ONCE(*due_word);
@@ -187,23 +182,21 @@ static __always_inline void schedule_check(void *ctx, struct hs_global *g, u64 t
  * interval after it. One compare unless so. `now`: as in schedule_check. */
 static __always_inline void schedule_peak_check(void *ctx, struct hs_global *g, u64 now)
 {
-    u32 idx = HS_CTL_SCHED_PEAK_LEVEL;
-    u64 *level = control.lookup(&idx);
+    u64 *level = control_ptr(g, HS_CTL_SCHED_PEAK_LEVEL);
     u64 heap = HS_ONCE(g->heap), extra = HS_ONCE(g->extra);
     u64 total = heap + extra;
     if (!level || total <= HS_ONCE(*level))
         return;
-    u64 ppm = control_word(HS_CTL_SCHED_PEAK_PPM);
+    u64 ppm = control_word(g, HS_CTL_SCHED_PEAK_PPM);
     HS_ONCE(*level) = total + total * ppm / 1000000;
     u64 t = HS_SCHED_NS ? (now ? now : bpf_ktime_get_ns()) : HS_ONCE(g->time_b);
     u64 unit_time;
-    schedule_next(t, 0, &unit_time);
-    u64 next = schedule_next(t, schedule_interval(g, unit_time), &unit_time);
-    u32 due_idx = HS_CTL_SCHED_DUE;
-    u64 *due_word = control.lookup(&due_idx);
+    schedule_next(g, t, 0, &unit_time);
+    u64 next = schedule_next(g, t, schedule_interval(g, unit_time), &unit_time);
+    u64 *due_word = control_ptr(g, HS_CTL_SCHED_DUE);
     if (due_word)
         HS_ONCE(*due_word) = next;
-    schedule_jiffies(t, next);
+    schedule_jiffies(g, t, next);
     send_point(g, t, heap, extra, HS_SCHED_PEAK);
     schedule_signal(ctx, g);
 }

@@ -3,18 +3,18 @@
 
 /* thread_stacks: thread id -> struct hs_thread_stack (--stacks=yes) */
 BPF_F_TABLE("hash", u32, struct hs_thread_stack, thread_stacks, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
+BPF_ARRAY_OF_MAPS(thread_stacks_of, "thread_stacks", HS_TARGETS);
 
 /* A probe hit on a thread: its stack pointer extends the thread's stack extent. `top` marks a thread's
  * initial stack pointer (exec, clone): the stack is measured from there (Massif: the main stack starts at 0). */
-static __always_inline void note_stack(u32 tid, u64 sp, int top)
+static __always_inline void note_stack(struct hs_global *g, u32 tid, u64 sp, int top)
 {
-    u32 idx = HS_CTL_STACK_EPOCH;
-    u64 *epoch_word = control.lookup(&idx);
-    u64 epoch = epoch_word ? *epoch_word : 0;
-    struct hs_thread_stack *t = thread_stacks.lookup(&tid);
+    u64 epoch = control_word(g, HS_CTL_STACK_EPOCH);
+    void *stacks = thread_stacks_of.lookup(&g->slot);
+    struct hs_thread_stack *t = t_lookup(stacks, &tid);
     if (!t) {
         struct hs_thread_stack fresh = {.top = sp, .low = sp, .last = sp, .epoch = epoch};
-        thread_stacks.update(&tid, &fresh);
+        t_update(stacks, &tid, &fresh, BPF_ANY);
         return;
     }
     if (top || sp > t->top)
@@ -29,11 +29,12 @@ static __always_inline void note_stack(u32 tid, u64 sp, int top)
 /* A new thread starts on the stack its creator gave clone: the child's first return to user space. */
 static __always_inline int clone_exit(long ret)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    if ((id >> 32) != HS_TARGET_TGID || ret != 0 || !is_armed())
+    s64 slot = ret == 0 ? process_slot() : -1;
+    struct hs_global *g = slot >= 0 ? get_globals(slot) : 0;
+    if (!g || !is_armed(g))
         return 0;
     struct hs_user_regs u = user_regs();
-    note_stack((u32)id, u.sp, 1);
+    note_stack(g, (u32)bpf_get_current_pid_tgid(), u.sp, 1);
     return 0;
 }
 
@@ -43,10 +44,11 @@ TRACEPOINT_PROBE(syscalls, sys_exit_clone3) { return clone_exit(args->ret); }
 /* A thread that ends takes its stack with it. */
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    if ((id >> 32) != HS_TARGET_TGID)
+    s64 slot = process_slot();
+    struct hs_global *g = slot >= 0 ? get_globals(slot) : 0;
+    if (!g)
         return 0;
-    u32 tid = id;
-    thread_stacks.delete(&tid);
+    u32 tid = bpf_get_current_pid_tgid();
+    t_delete(thread_stacks_of.lookup(&g->slot), &tid);
     return 0;
 }

@@ -5,14 +5,19 @@
  * the counters, so that a snapshot does not read them again (user space reads a site's stack once). A hash
  * map, not an array: it holds the stacks there are, not 512 bytes for every possible site. */
 BPF_F_TABLE("hash", u32, struct hs_stack, site_stacks, HS_MAX_STACKS, BPF_F_NO_PREALLOC);
+BPF_ARRAY_OF_MAPS(site_stacks_of, "site_stacks", HS_TARGETS);
 /* stack_ids: stack hash -> site id (u64), consulted only when a CPU meets a stack it did not store last */
 BPF_F_TABLE("hash", u64, u64, stack_ids, HS_MAX_STACKS, BPF_F_NO_PREALLOC);
+BPF_ARRAY_OF_MAPS(stack_ids_of, "stack_ids", HS_TARGETS);
 /* stack_cache: stack hash bits -> struct hs_last_stack, per CPU (stacks met recently skip stack_ids; with
  * free stacks, malloc and free alternate, so one entry would miss every time) */
 BPF_PERCPU_ARRAY(stack_cache, struct hs_last_stack, HS_STACK_CACHE);
+BPF_ARRAY_OF_MAPS(stack_cache_of, "stack_cache", HS_TARGETS);
 /* stack_copy: 0 -> struct hs_stack_copy, per CPU (the run of the user stack the walk reads from) */
 BPF_PERCPU_ARRAY(stack_copy, struct hs_stack_copy, 1);
 /* rule_cache: pc bits -> struct hs_rule_entry, per CPU (hot return addresses skip both binary searches) */
+/* (one cache for every target: an entry's pc carries its target's slot above bit 56, as block keys do; the walk
+ * reaches it without a map of maps, which kept the deepest sampled walks within the verifier's limit) */
 BPF_PERCPU_ARRAY(rule_cache, struct hs_rule_entry, HS_RULE_CACHE);
 /* scratch: 0 -> the stack being walked (too big for the BPF stack) */
 BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
@@ -21,9 +26,10 @@ BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
  * every target of the daemon, declared by a holder program (agent/kernel/arrays.py SharedRows): an object's
  * rows are loaded once, whichever targets map it. */
 BPF_TABLE("extern", int, struct hs_row, unwind_rows, HS_MAX_ROWS);
-/* unwind_maps: index -> struct hs_umap, two halves of HS_MAX_UMAPS sorted by start; control[HS_CTL_UMAPS]
- * says which half and how many are published, so user space rewrites the other half and flips. */
-BPF_ARRAY(unwind_maps, struct hs_umap, 2 * HS_MAX_UMAPS);
+/* unwind_maps: slot * 2 * HS_MAX_UMAPS + index -> struct hs_umap: each target's two halves of HS_MAX_UMAPS sorted
+ * by start; its control[HS_CTL_UMAPS] says which half and how many are published, so user space rewrites the other
+ * half and flips. */
+BPF_ARRAY(unwind_maps, struct hs_umap, HS_TARGETS * 2 * HS_MAX_UMAPS);
 
 static __always_inline u64 mix(u64 h, u64 v)
 {
@@ -38,6 +44,7 @@ struct walk {
     struct hs_stack *st;
     struct hs_global *g;
     struct hs_stack_copy *copy;
+    u64 pc_tag;       /* the target's slot << 56: its entries in rule_cache */
     u64 sp;     /* the caller's %rsp once the current frame returns */
     u64 bp;     /* the caller's %rbp */
     u64 ret;    /* the current frame's return address (ip[n - 1]) */
@@ -167,7 +174,7 @@ static __always_inline u64 cached_rule(struct walk *w, u64 pc)
         return 0;
     u64 seq = HS_ONCE(e->seq);
     hs_barrier();
-    if (!seq || (seq & 1) || e->pc != pc || e->umaps != w->umaps)
+    if (!seq || (seq & 1) || e->pc != (pc | w->pc_tag) || e->umaps != w->umaps)
         return 0;
     u64 rule = e->rule;
     hs_barrier();
@@ -185,7 +192,7 @@ static __always_inline void cache_rule(struct walk *w, u64 pc, u64 rule)
         return;
     HS_ONCE(e->seq) = seq + 1;
     hs_barrier();
-    e->pc = pc;
+    e->pc = pc | w->pc_tag;
     e->umaps = w->umaps;
     e->rule = rule;
     hs_barrier();
@@ -275,15 +282,18 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
     u32 zero = 0;
     struct hs_stack *st = scratch.lookup(&zero);
     struct hs_stack_copy *copy = stack_copy.lookup(&zero);
-    if (!st || !copy)
+    /* The target's own maps, found and checked before the walk: after it the verifier knows them in every state
+     * the walk can end in (a check after the walk would be verified once per way it ends). */
+    void *cache_map = stack_cache_of.lookup(&g->slot);
+    void *ids = stack_ids_of.lookup(&g->slot);
+    void *stacks = site_stacks_of.lookup(&g->slot);
+    void *site_map = sites_of.lookup(&g->slot);
+    if (!st || !copy || !cache_map || !ids || !stacks || !site_map)
         return HS_STACK_OVERFLOW;
 
     u64 h = 0xcbf29ce484222325ULL;
     struct walk w = {.st = st, .g = g, .copy = copy, .bp = bp};
-    u32 end_idx = HS_CTL_STACK_END;
-    u64 *stack_end = control.lookup(&end_idx);
-    if (stack_end)
-        w.stack_end = *stack_end;
+    w.stack_end = control_word(g, HS_CTL_STACK_END);
     copy->copied = 0;
     u64 walk_no = copy->walks + 1;
     copy->walks = walk_no;
@@ -300,13 +310,10 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
     w.ret = ret;
     w.h = h;
     w.n = 1;
-    u32 idx = HS_CTL_UMAPS;
-    u64 *published = control.lookup(&idx);
-    if (published) {
-        w.umaps = *published;
-        w.umap_first = (w.umaps >> 32) & 0x3ff;
-        w.umap_count = (u32)w.umaps;
-    }
+    w.pc_tag = (u64)g->slot << 56;
+    w.umaps = control_word(g, HS_CTL_UMAPS);
+    w.umap_first = g->slot * 2 * HS_MAX_UMAPS + ((w.umaps >> 32) & 0x3ff);
+    w.umap_count = (u32)w.umaps;
     /* Hot return addresses have their rules in this CPU's cache. At the first that does not, the rest
      * of the stack is walked with the tables (caching what they give). Two loops, so the verifier walks
      * the binary searches once per frame, not once per frame and per cache outcome. One step more than
@@ -378,14 +385,14 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
         return HS_STACK_OVERFLOW;
     }
     u32 slot_idx = h & (HS_STACK_CACHE - 1);
-    struct hs_last_stack *cached = stack_cache.lookup(&slot_idx);
+    struct hs_last_stack *cached = bpf_map_lookup_elem(cache_map, &slot_idx);
     if (cached) {
         s64 known_id = cached_stack(cached, h);
         if (known_id >= 0)
             return known_id;
     }
     u64 id;
-    u64 *known = stack_ids.lookup(&h);
+    u64 *known = bpf_map_lookup_elem(ids, &h);
     if (known) {
         id = *known;
     } else {
@@ -400,7 +407,7 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
             if (i >= n)
                 st->ip[i] = 0;
         u32 slot = id;
-        if (site_stacks.update(&slot, st)) { /* no memory for it: the call goes to the overflow site */
+        if (bpf_map_update_elem(stacks, &slot, st, BPF_ANY)) { /* no memory for it: the call goes to the overflow site */
             __sync_fetch_and_add(&g->dropped_stacks, 1);
             return HS_STACK_OVERFLOW;
         }
@@ -408,15 +415,15 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
             __sync_fetch_and_add(&g->walks_interrupted, 1);
             return HS_STACK_OVERFLOW;
         }
-        struct hs_site *site = sites.lookup(&slot);
+        struct hs_site *site = bpf_map_lookup_elem(site_map, &slot);
         if (site) {
             site->fn = fn;
             site->peak_gen = g->peak_gen;
         }
-        if (stack_ids.insert(&h, &id)) {
+        if (bpf_map_update_elem(ids, &h, &id, BPF_NOEXIST)) {
             /* Another CPU published this stack first (its id wins; ours stays an empty site), or the
              * table is full (the site stays, reachable only through this CPU's cache). */
-            known = stack_ids.lookup(&h);
+            known = bpf_map_lookup_elem(ids, &h);
             if (known)
                 id = *known;
         }

@@ -1,0 +1,310 @@
+"""One loaded heap program per shape, shared by every target of that shape in this process.
+
+A shape is what changes the program's code or its maps' sizes (the -D defines of probes.shape_cflags): a daemon
+whose targets share their settings compiles and verifies the program once, and a further target only takes a slot,
+gets maps of its own and links its uprobes with the slot as their cookie (probes/bpf/common.h). Slot 0 uses the maps
+bcc made (the templates); every other slot gets copies made with BPF_MAP_CREATE, put in the slot of each per-target
+map's array of maps. A target's detach removes its links, its entries and its maps; the others go on recording.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import mmap
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+import numpy as np
+
+from agent.errors import EnvironmentProblem
+from agent.kernel.abi import CTL_COUNT
+from agent.kernel.links import BPF_TRACE_UPROBE_MULTI
+from agent.kernel.loader import BCC_LOCK, compile_program, load_bcc, trim_heap, unload
+
+_SYS_BPF = 321  # x86-64
+SLOT_SHIFT = 56  # a block's key: its address | slot << SLOT_SHIFT (probes/bpf/blocks.h block_key)
+_BPF_MAP_CREATE = 0
+_BPF_OBJ_GET_INFO_BY_FD = 15
+
+
+class _MapInfo(ctypes.Structure):
+    """The head of struct bpf_map_info (include/uapi/linux/bpf.h): what a copy of a map needs."""
+
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("key_size", ctypes.c_uint32),
+        ("value_size", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("map_flags", ctypes.c_uint32),
+        ("name", ctypes.c_char * 16),
+    ]
+
+
+class _InfoAttr(ctypes.Structure):
+    _fields_ = [("bpf_fd", ctypes.c_uint32), ("info_len", ctypes.c_uint32), ("info", ctypes.c_uint64)]
+
+
+class _CreateAttr(ctypes.Structure):
+    _fields_ = [
+        ("map_type", ctypes.c_uint32),
+        ("key_size", ctypes.c_uint32),
+        ("value_size", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("map_flags", ctypes.c_uint32),
+        ("inner_map_fd", ctypes.c_uint32),
+        ("numa_node", ctypes.c_uint32),
+        ("map_name", ctypes.c_char * 16),
+    ]
+
+
+def _bpf(cmd: int, attr: ctypes.Structure) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    ret = int(libc.syscall(_SYS_BPF, cmd, ctypes.byref(attr), ctypes.sizeof(attr)))
+    return ret if ret >= 0 else -ctypes.get_errno()
+
+
+def clone_map(fd: int) -> int:
+    """A new, empty map like the map at fd (type, sizes, flags, name); returns its descriptor."""
+    info = _MapInfo()
+    got = _bpf(_BPF_OBJ_GET_INFO_BY_FD, _InfoAttr(fd, ctypes.sizeof(info), ctypes.addressof(info)))
+    if got < 0:
+        raise EnvironmentProblem(f"cannot read a BPF map's description: {os.strerror(-got)}")
+    attr = _CreateAttr(info.type, info.key_size, info.value_size, info.max_entries, info.map_flags, 0, 0, info.name)
+    new = _bpf(_BPF_MAP_CREATE, attr)
+    if new < 0:
+        raise EnvironmentProblem(f"cannot create a map for a new target ({info.name.decode()}): {os.strerror(-new)}")
+    return new
+
+
+class TargetMaps:
+    """One target's maps in its shape: bcc table objects (for their key and value types) on the target's own
+    descriptors. The counters and control words are the shape's, at the target's slot."""
+
+    def __init__(self, shape: ProgramShape, slot: int, tables: dict[str, Any], owned: list[int]) -> None:
+        self.shape = shape
+        self.slot = slot
+        self.tables = tables
+        self._owned = owned  # descriptors of the copies (slot 0 owns none: bcc's maps are its maps)
+
+    def __getitem__(self, name: str) -> Any:
+        own = self.tables.get(name)  # (not `or`: a table's truth is its length, and an empty hash map is false)
+        return own if own is not None else self.shape.bpf[name]
+
+    def close(self) -> None:
+        for fd in self._owned:
+            os.close(fd)
+        self._owned.clear()
+
+
+class ProgramShape:
+    """A compiled and loaded heap program and the slots of its targets. Get one with ProgramShape.acquire and give
+    it back with release: the last release unloads it."""
+
+    _shapes: ClassVar[dict[tuple[str, ...], ProgramShape]] = {}
+    _shapes_lock = threading.Lock()
+
+    def __init__(self, key: tuple[str, ...], source: str, cflags: list[str], slots: int, links: bool) -> None:
+        self.key = key
+        self.links = links  # programs loaded for uprobe_multi links (whose cookie is the slot), else perf events
+        self.bpf = compile_program("cannot compile or load the BPF program", text=source.encode(), cflags=cflags)
+        self.lock = threading.Lock()
+        self.slots = slots
+        self._free = list(range(slots - 1, -1, -1))  # slot 0 first: the first target uses bcc's maps
+        self._programs: dict[bytes, Any] = {}
+        self._walkers_installed = False
+        self.users = 0
+        # The per-target maps: each one that has an array of maps NAME_of (probes/bpf/common.h).
+        self.per_target = sorted(name[:-3] for name in self.bpf.tables if name.endswith("_of"))
+        self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed
+        try:
+            self.load(self._function_names())
+            self._release_compiler()
+        except BaseException:
+            unload(self.bpf)
+            raise
+
+    def _function_names(self) -> list[bytes]:
+        """Every program of the source but the tracepoints bcc loads and attaches itself: all are loaded at once, so
+        that the compiler can be freed and a further target of any allocator finds what it needs."""
+        lib = load_bcc().libbcc.lib
+        lib.bpf_num_functions.restype = ctypes.c_size_t
+        lib.bpf_num_functions.argtypes = [ctypes.c_void_p]
+        lib.bpf_function_name.restype = ctypes.c_char_p
+        lib.bpf_function_name.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        with BCC_LOCK:
+            names = [lib.bpf_function_name(self.bpf.module, i) for i in range(lib.bpf_num_functions(self.bpf.module))]
+        return [n for n in names if n and not n.startswith(b"tracepoint__")]
+
+    def _release_compiler(self) -> None:
+        """Free what bcc keeps of the compilation once every program is loaded: its module holds clang's LLVM
+        context, the optimized IR, the JIT's objects and the rewritten source of every function, ~8 MB for as long
+        as the program lives. The maps' descriptors are owned by that module, so each table (all were looked up at
+        the load: cache_tables) gets a descriptor of its own first."""
+        lib = load_bcc().libbcc.lib
+        with BCC_LOCK:  # the module's tables leave libbcc's process-wide table map
+            for table in self.bpf.tables.values():
+                table.map_fd = os.dup(table.map_fd)
+                self._map_fds.append(table.map_fd)
+            lib.bpf_module_destroy(self.bpf.module)
+            self.bpf.module = None
+
+    # ---- life cycle -----------------------------------------------------------------------------------
+
+    @classmethod
+    def acquire(cls, key: tuple[str, ...], source: str, cflags: list[str], slots: int, links: bool) -> ProgramShape:
+        """The loaded program of this shape, compiled now if no target of this process has it."""
+        with cls._shapes_lock:
+            shape = cls._shapes.get(key)
+            if shape is None:
+                shape = cls._shapes[key] = ProgramShape(key, source, cflags, slots, links)
+                trim_heap()
+            shape.users += 1
+            return shape
+
+    def release(self) -> None:
+        with self._shapes_lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            self._shapes.pop(self.key, None)
+        unload(self.bpf)
+        for fd in self._map_fds:
+            os.close(fd)
+        self._map_fds.clear()
+
+    @classmethod
+    def loaded(cls) -> list[ProgramShape]:
+        """The shapes loaded in this process now (for tests and the daemon's figures)."""
+        with cls._shapes_lock:
+            return list(cls._shapes.values())
+
+    # ---- programs -------------------------------------------------------------------------------------
+
+    def program(self, name: bytes) -> Any:
+        """A program of this shape, loaded (and verified) when the shape was: for a uprobe_multi link (or a perf
+        event), or a tracepoint for the page walker."""
+        with self.lock:
+            got = self._programs.get(name)
+        if got is not None:
+            return got
+        if self.bpf.module is None:
+            raise EnvironmentProblem(f"the BPF program has no function {name.decode()}")
+        bcc = load_bcc()
+        try:
+            if name == b"page_enter_walk":
+                got = self.bpf.load_func(name, bcc.BPF.TRACEPOINT)
+            elif self.links:
+                got = self.bpf.load_func(name, bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
+            else:
+                got = self.bpf.load_func(name, bcc.BPF.KPROBE)
+        except Exception as exc:  # bcc raises bare Exception when the verifier refuses a program
+            raise EnvironmentProblem(f"the kernel refused the BPF program {name.decode()}: {exc}") from exc
+        with self.lock:
+            return self._programs.setdefault(name, got)
+
+    def load(self, names: Iterable[bytes]) -> None:
+        """Load these programs, two at a time: the kernel verifies each on the calling thread and ctypes lets go of
+        the GIL meanwhile, so on two CPUs the programs that walk stacks take half as long."""
+        with self.lock:
+            missing = sorted(set(names) - set(self._programs))
+        if missing:
+            with ThreadPoolExecutor(max_workers=2, thread_name_prefix="bpf-load") as pool:
+                list(pool.map(self.program, missing))
+
+    def install_walkers(self, walkers: Sequence[tuple[str, bytes]]) -> None:
+        """The programs holding the shared copies of the stack walk, in the program arrays the probes tail-call:
+        once per shape, before any probe of it can fire."""
+        with self.lock:
+            if self._walkers_installed:
+                return
+        for table, name in walkers:
+            self.bpf[table][ctypes.c_int(0)] = ctypes.c_int(self.program(name).fd)
+        with self.lock:
+            self._walkers_installed = True
+
+    # ---- targets --------------------------------------------------------------------------------------
+
+    def take_slot(self, tgid: int) -> TargetMaps:
+        """A slot for the process tgid, with maps of its own, its counters and control words zeroed, and the
+        tracepoints told where it is. Raises EnvironmentProblem when every slot is taken."""
+        with self.lock:
+            if not self._free:
+                raise EnvironmentProblem(
+                    f"every slot of the BPF program is taken ({self.slots} targets of these settings at once)"
+                )
+            slot = self._free.pop()
+        tables: dict[str, Any] = {}
+        owned: list[int] = []
+        try:
+            with BCC_LOCK:
+                for name in self.per_target:
+                    template = self.bpf[name]
+                    own = copy.copy(template)
+                    if hasattr(own, "_open_key_fds"):  # a perf event array: readers of its own
+                        own._open_key_fds = {}
+                        own._cbs = {}
+                    if slot:
+                        own.map_fd = clone_map(template.map_fd)
+                        owned.append(own.map_fd)
+                    tables[name] = own
+            maps = TargetMaps(self, slot, tables, owned)
+            self._reset_slot(slot)
+            for name in self.per_target:
+                self.bpf[f"{name}_of"][ctypes.c_int(slot)] = ctypes.c_int(tables[name].map_fd)
+            self.bpf["targets"][ctypes.c_uint32(tgid)] = ctypes.c_uint32(slot)
+        except BaseException:
+            for fd in owned:
+                os.close(fd)
+            with self.lock:
+                self._free.append(slot)
+            raise
+        return maps
+
+    def _reset_slot(self, slot: int) -> None:
+        """Zero a slot's counters and control words (a slot is used again after its target left) and write its
+        number into its counters, where the programs find it."""
+        glob = self.bpf["globals"]
+        fresh = glob.Leaf()
+        fresh.slot = slot
+        glob[ctypes.c_int(slot)] = fresh
+        control = self.bpf["control"]
+        for index in range(slot * CTL_COUNT, (slot + 1) * CTL_COUNT):
+            control[ctypes.c_int(index)] = ctypes.c_uint64(0)
+
+    def _purge_blocks(self, slot: int) -> None:
+        """Forget the blocks a target left in the shared block tables (its links are gone: nothing adds more), so
+        that the next target of its slot does not find them. The other targets' entries are left as they are: no
+        program of theirs writes an entry that holds another target's key."""
+        table = self.bpf["block_slots"]
+        lib = load_bcc().libbcc.lib
+        if table.max_entries > 2:  # exact mode's table (sampled mode's is compiled at its smallest, unused)
+            size = table.max_entries * ctypes.sizeof(table.Leaf)
+            with mmap.mmap(table.map_fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mem:
+                entries = np.frombuffer(mem, dtype=np.uint64).reshape(-1, ctypes.sizeof(table.Leaf) // 8)
+                addr = entries[:, 0]
+                mine = (addr != 0) & ((addr >> np.uint64(SLOT_SHIFT)) == np.uint64(slot))
+                addr[mine] = 0
+                del entries, addr, mine  # no view may outlive the mapping
+        hashed = self.bpf["blocks"]
+        keys = [int(getattr(k, "value", k)) for k in list(hashed)]
+        for key in keys:
+            if key >> SLOT_SHIFT == slot and key & ((1 << SLOT_SHIFT) - 1):
+                lib.bpf_delete_elem(hashed.map_fd, ctypes.byref(ctypes.c_uint64(key)))
+
+    def give_back(self, maps: TargetMaps, tgid: int) -> None:
+        """A target's detach: its entries and maps go; the slot is free again. Slot 0's maps are bcc's own, which
+        the next target would find full of this one's figures: it is not used again."""
+        lib = load_bcc().libbcc.lib
+        lib.bpf_delete_elem(self.bpf["targets"].map_fd, ctypes.byref(ctypes.c_uint32(tgid)))
+        for name in self.per_target:  # the programs find no map at the slot from here on
+            lib.bpf_delete_elem(self.bpf[f"{name}_of"].map_fd, ctypes.byref(ctypes.c_int(maps.slot)))
+        self._purge_blocks(maps.slot)
+        maps.close()
+        if maps.slot:
+            with self.lock:
+                self._free.append(maps.slot)

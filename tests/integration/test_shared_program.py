@@ -1,0 +1,90 @@
+"""One loaded program for every target of a shape (agent/kernel/shapes.py): two targets of the same settings share
+the program (one compile, one set of loaded programs), each counts only its own calls, and a target's detach leaves
+the other recording, its figures unchanged."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from agent.kernel.interface import ProbeSettings
+from agent.kernel.links import uprobe_links_supported
+from agent.kernel.probes import HeapProbes
+from agent.kernel.shapes import ProgramShape
+from agent.process.discovery import allocator_of_process
+from tests.integration.test_probe_modes import ALLOCS, SITE_BYTES, TRACKED_FREES, UNTRACKED_FREES, Target
+
+pytestmark = pytest.mark.integration
+
+
+class SameAddressTarget(Target):
+    """attach_target.c without address randomization (setarch -R): two of them put their blocks at the same
+    addresses, so the shared block table must tell them apart by target (probes/bpf/blocks.h block_key)."""
+
+    def __init__(self, program: Path) -> None:
+        self.proc = subprocess.Popen(["setarch", "-R", str(program), "hold"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)  # fmt: skip
+
+
+def heap_of(pid: int) -> str:
+    return next(line.split()[0] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "[heap]" in line)
+
+
+def counted(probes: HeapProbes) -> tuple[int, int, int, int]:
+    c = probes.counters()
+    return c.heap, c.n_allocs, c.n_frees, c.untracked_frees
+
+
+@pytest.mark.parametrize("kind", [Target, SameAddressTarget], ids=["randomized", "same-addresses"])
+def test_two_targets_share_one_program_and_detach_alone(
+    bpf_ready: None, build: Callable[..., Path], kind: type[Target]
+) -> None:
+    if not uprobe_links_supported():
+        pytest.skip("targets share a program only through uprobe_multi links (Linux 6.10+)")
+    program = build("attach_target.c")
+    first, second = kind(program), kind(program)
+    try:
+        for t in (first, second):
+            t.expect("ready")
+        if kind is SameAddressTarget:
+            assert heap_of(first.proc.pid) == heap_of(second.proc.pid)
+        before = len(ProgramShape.loaded())
+
+        def probes_for(t: Target) -> HeapProbes:
+            points = allocator_of_process(t.proc.pid).points(run=False, heap=True)
+            return HeapProbes(ProbeSettings(target_tgid=t.proc.pid, arm_on_exec=False), points)
+
+        with probes_for(first) as a:
+            started = time.monotonic()
+            with probes_for(second) as b:
+                second_attach = time.monotonic() - started
+                shapes = ProgramShape.loaded()
+                assert len(shapes) == before + 1, "the second target compiled a program of its own"
+                assert a._shape is b._shape and a.slot != b.slot
+                # Only the first target's calls reach its counters, and the other way round.
+                first.go()
+                first.expect("allocated")
+                assert counted(a) == (SITE_BYTES, ALLOCS, TRACKED_FREES, UNTRACKED_FREES)
+                assert counted(b) == (0, 0, 0, 0)
+                second.go()
+                second.expect("allocated")
+                assert counted(b) == (SITE_BYTES, ALLOCS, TRACKED_FREES, UNTRACKED_FREES)
+                kept = counted(a)
+            # The second's detach: the first still records, its figures as they were.
+            assert counted(a) == kept
+            assert first.finish() == 7  # 10,000 more malloc/free pairs while attached
+            after = a.counters()
+            assert after.n_allocs == ALLOCS + 10_000 and after.n_frees == TRACKED_FREES + 10_000
+            assert after.heap == SITE_BYTES
+        assert second.finish() == 7
+        assert len(ProgramShape.loaded()) == before, "the program outlived its last target"
+        # A further target of a loaded shape compiles nothing and verifies nothing: it takes a slot and links.
+        print(f"second attach {second_attach * 1000:.1f} ms")
+        assert second_attach < 1.0, f"the second target took {second_attach:.2f} s to attach"
+    finally:
+        first.kill()
+        second.kill()
