@@ -129,7 +129,7 @@ def run_both(
     """The program under Massif (with `massif_only` too) and under `heapscope run`, with the same options."""
     argv = prog.argv(tmp_path_factory.mktemp(prog.name))
     if not os.path.exists(argv[0]):
-        unavailable(f"{argv[0]} is missing: install Debian's {prog.package} (scripts/apt-packages.txt)")
+        unavailable(f"{argv[0]} is missing: install Debian's {prog.package} (scripts/apt-packages-dev.txt)")
     work = tmp_path_factory.mktemp(f"{prog.name}-runs")
     # One environment for both runs (see the module docstring): what the program reads of it shapes its
     # allocations.

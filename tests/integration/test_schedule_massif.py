@@ -82,7 +82,7 @@ def test_b_schedule_counts(
 ) -> None:
     exe, args = (SQLITE, SQLITE_ARGS) if program == "sqlite3" else (build(program), ())
     if not exe.exists():
-        pytest.fail(f"{exe} is missing: scripts/apt-packages.txt installs it")
+        pytest.fail(f"{exe} is missing: scripts/apt-packages-dev.txt installs it")
     ref_run, ref, mine_run, mine = runs(run_massif, run_heapscope, exe, args, ISSUE)
     rs, ms = massif_schedule(ref_run), heapscope_schedule(mine_run)
     line = counts_line(program, ref, mine, rs, ms)
@@ -154,7 +154,7 @@ def test_ms_sqlite_within_massifs_culling_bounds(
     record_property: Callable[[str, object], None],
 ) -> None:
     if not SQLITE.exists():
-        pytest.fail(f"{SQLITE} is missing: scripts/apt-packages.txt installs it")
+        pytest.fail(f"{SQLITE} is missing: scripts/apt-packages-dev.txt installs it")
     ref_run, ref, mine_run, mine = runs(run_massif, run_heapscope, SQLITE, SQLITE_ARGS, ("--time-unit=ms", *ISSUE))
     rs, ms = massif_schedule(ref_run), heapscope_schedule(mine_run)
     line = counts_line("sqlite3 (ms; not comparable in count: Valgrind runs it far slower)", ref, mine, rs, ms)

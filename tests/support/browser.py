@@ -38,7 +38,7 @@ def browser_available() -> None:
     for path in (CHROMIUM, CHROMEDRIVER):
         if not os.access(path, os.X_OK):
             if os.environ.get("CI") == "true":
-                pytest.fail(f"{path} is missing (scripts/apt-packages.txt installs chromium and chromium-driver)")
+                pytest.fail(f"{path} is missing (scripts/apt-packages-dev.txt installs chromium and chromium-driver)")
             pytest.skip(f"{path} is missing")
 
 

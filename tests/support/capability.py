@@ -20,7 +20,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "binutils": ("addr2line", "objdump", "nm", "readelf", "objcopy", "strip"),
 }
 
-# The Debian package of a program whose name does not say it (scripts/apt-packages.txt installs them).
+# The Debian package of a program whose name does not say it (scripts/apt-packages-dev.txt installs them).
 PACKAGES: dict[str, str] = {
     "ms_print": "valgrind",
     "callgrind_annotate": "valgrind",
