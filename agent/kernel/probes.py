@@ -1,6 +1,8 @@
-"""HeapProbes: one target's heap probes. It compiles probes/heap.bpf.c with the settings as -D defines,
-attaches the uprobes chosen by discovery, reads the maps, and detaches, all behind a context manager. It hands
-out plain values (agent.model types and agent.kernel.interface's dataclasses), never bcc objects.
+"""HeapProbes: one target's heap probes. It takes a slot in the loaded program of its settings' shape
+(agent.kernel.shapes: probes/heap.bpf.c compiled with the settings as -D defines, once for every target of the
+shape), attaches the uprobes chosen by discovery with its slot as their cookie, reads its maps, and detaches, all
+behind a context manager. It hands out plain values (agent.model types and agent.kernel.interface's dataclasses),
+never bcc objects.
 """
 
 from __future__ import annotations
