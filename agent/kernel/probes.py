@@ -194,7 +194,9 @@ class HeapProbes(LiveProbes):
         # One source in every mode, heap.bpf.c with its parts written in: the HS_* defines above choose the parts
         # that count (sampled mode's programs, the page calls, thread stacks: probes/heap.bpf.c).
         source = program_text(os.path.join(probes_dir, "heap.bpf.c"))
-        shape = self._shape = ProgramShape.acquire(key, source, cflags, MAX_TARGETS, self._use_links)
+        # A daemon's shape loads every program, for the targets to come; a command's, what its one target needs.
+        only = None if s.node_blocks else self._program_names()
+        shape = self._shape = ProgramShape.acquire(key, source, cflags, MAX_TARGETS, self._use_links, only)
         try:
             maps = self._maps = shape.take_slot(s.target_tgid)
             self.slot = maps.slot
@@ -297,6 +299,15 @@ class HeapProbes(LiveProbes):
         if self.settings.pages and self.settings.page_stacks:
             walkers.append(("page_walker", b"page_enter_walk"))
         return walkers
+
+    def _program_names(self) -> set[bytes]:
+        """The programs this target's probes and walkers need."""
+        names = {name for _, name in self._walkers()}
+        for point in self.points:
+            names.add(f"{point.kind}_enter".encode())
+            if point.needs_return:
+                names.add(b"alloc_return")
+        return names
 
     @property
     def attached_through(self) -> str:

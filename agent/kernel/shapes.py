@@ -108,7 +108,9 @@ class ProgramShape:
     _shapes: ClassVar[dict[tuple[str, ...], ProgramShape]] = {}
     _shapes_lock = threading.Lock()
 
-    def __init__(self, key: tuple[str, ...], source: str, cflags: list[str], slots: int, links: bool) -> None:
+    def __init__(
+        self, key: tuple[str, ...], source: str, cflags: list[str], slots: int, links: bool, only: set[bytes] | None
+    ) -> None:
         self.key = key
         self.links = links  # programs loaded for uprobe_multi links (whose cookie is the slot), else perf events
         self.bpf = compile_program("cannot compile or load the BPF program", text=source.encode(), cflags=cflags)
@@ -122,7 +124,7 @@ class ProgramShape:
         self.per_target = sorted(name[:-3] for name in self.bpf.tables if name.endswith("_of"))
         self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed
         try:
-            self.load(self._function_names())
+            self.load(self._function_names() if only is None else only)
             self._release_compiler()
         except BaseException:
             unload(self.bpf)
@@ -156,12 +158,15 @@ class ProgramShape:
     # ---- life cycle -----------------------------------------------------------------------------------
 
     @classmethod
-    def acquire(cls, key: tuple[str, ...], source: str, cflags: list[str], slots: int, links: bool) -> ProgramShape:
-        """The loaded program of this shape, compiled now if no target of this process has it."""
+    def acquire(
+        cls, key: tuple[str, ...], source: str, cflags: list[str], slots: int, links: bool, only: set[bytes] | None
+    ) -> ProgramShape:
+        """The loaded program of this shape, compiled now if no target of this process has it: with every program
+        of its source, or `only` these (a command's one target: the others would only cost their verification)."""
         with cls._shapes_lock:
             shape = cls._shapes.get(key)
             if shape is None:
-                shape = cls._shapes[key] = ProgramShape(key, source, cflags, slots, links)
+                shape = cls._shapes[key] = ProgramShape(key, source, cflags, slots, links, only)
                 trim_heap()
             shape.users += 1
             return shape
