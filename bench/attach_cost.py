@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchproc import build, cpu_seconds, free_port
+from benchproc import build, cpu_seconds, daemon_client, free_port
 from daemon_cost import bpf_memlock, start
 
 BENCH = Path(__file__).resolve().parent
@@ -67,13 +67,7 @@ def run_mode(mode: str, program: Path, n: int, rate: int, tree: Path) -> dict[st
     rows: list[dict[str, float]] = []
     memory: dict[int, dict[str, float]] = {}
     try:
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
-        for _ in range(600):
-            try:
-                if client.get("/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        client = daemon_client(port, timeout=300)
         for i in range(n):
             p = start(program, "busy", str(rate))
             targets.append(p)

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
 REPO = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -53,3 +55,15 @@ def wait_idle(pid: int, limit: float = 30.0) -> None:
 
 def rss_mib(pid: int) -> float:
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE / 2**20
+
+
+def daemon_client(port: int, timeout: float = 300) -> httpx.Client:
+    """A client of the daemon on loopback at port, once its /healthz answers (a minute at most)."""
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=timeout)
+    for _ in range(600):
+        try:
+            if client.get("/healthz").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    return client

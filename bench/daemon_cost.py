@@ -32,8 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-from benchproc import build, cpu_seconds, free_port
+from benchproc import build, cpu_seconds, daemon_client, free_port
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -161,13 +160,7 @@ def main() -> int:
         steps.append({"label": label, "sleeping": sleeping, "busy": busy, "attach_s": attach_s, **m})
 
     try:
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
-        for _ in range(600):
-            try:
-                if client.get("/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        client = daemon_client(port, timeout=300)
         step("no target", 0, False, 0.0)
 
         busy = start(program, "busy", str(args.busy_rate))

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
-from benchproc import build, free_port, heapscope_cmd, rss_mib
+from benchproc import build, daemon_client, free_port, heapscope_cmd, rss_mib
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -76,13 +76,7 @@ def main() -> int:
     readings: list[dict[str, float]] = []
     reads: list[dict[str, float]] = []
     try:
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
-        for _ in range(600):
-            try:
-                if client.get("/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        client = daemon_client(port, timeout=120)
         rss_idle = rss_mib(daemon.pid)
         proc = subprocess.Popen([str(sites), str(args.sites), str(int(seconds) + 120)], stdin=subprocess.PIPE,
                                 stdout=subprocess.DEVNULL, env={**os.environ, "SITES_WAIT": "1"})
