@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchproc import build, cpu_seconds, daemon_client, free_port
+from benchproc import build, cpu_seconds, daemon_client, free_port, stop_all
 from daemon_cost import bpf_memlock, start
 
 BENCH = Path(__file__).resolve().parent
@@ -93,14 +92,7 @@ def run_mode(mode: str, program: Path, n: int, rate: int, tree: Path) -> dict[st
                       f"({memory[i + 1]['bpf_maps']:.0f}), programs {memory[i + 1]['bpf_progs_mib']:.1f} MiB "
                       f"({memory[i + 1]['bpf_progs']:.0f})", flush=True)  # fmt: skip
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(300)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-        for p in targets:
-            p.kill()
-            p.wait()
+        stop_all(daemon, targets)
     further = rows[1:]
     return {
         "first": rows[0],

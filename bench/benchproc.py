@@ -4,6 +4,7 @@ CPU time and RSS from /proc. Imported by the scripts beside it (a script's own f
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -67,3 +68,16 @@ def daemon_client(port: int, timeout: float = 300) -> httpx.Client:
         except httpx.TransportError:
             time.sleep(0.1)
     return client
+
+
+def stop_all(daemon: subprocess.Popen[bytes], targets: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM the daemon (killed after 300 s: it writes every target's files first), then kill the targets."""
+    daemon.send_signal(signal.SIGTERM)
+    try:
+        daemon.wait(300)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+        daemon.wait()
+    for p in targets:
+        p.kill()
+        p.wait()

@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchproc import build, cpu_seconds, daemon_client, free_port
+from benchproc import build, cpu_seconds, daemon_client, free_port, stop_all
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -188,15 +187,7 @@ def main() -> int:
         step(f"{len(targets)} sleeping + busy", len(targets), True, time.monotonic() - t0)
         targets.append(busy)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(300)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
-        for p in targets:
-            p.kill()
-            p.wait()
+        stop_all(daemon, targets)
 
     # Per sleeping target: the slope between the first and the last count.
     sleeping = [s for s in steps if not s["busy"] and s["sleeping"]]
