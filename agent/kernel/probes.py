@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import re
@@ -117,6 +118,13 @@ def jiffy_ns(proc: str = "/proc", seconds: float = 0.05) -> int:
         return 0
     hz = (second[1] - first[1]) * 1e9 / (second[0] - first[0])
     return 1_000_000_000 // min(_HZ_CHOICES, key=lambda choice: abs(choice - hz))
+
+
+@functools.cache
+def node_jiffy_ns() -> int:
+    """jiffy_ns of this machine, measured once: its tick rate is fixed at the kernel's build (CONFIG_HZ), and a
+    measure costs 50 ms on the way to every further target's first recorded call."""
+    return jiffy_ns()
 
 
 def shape_cflags(s: ProbeSettings, max_rows: int, snap_ring_bytes: int) -> list[str]:
@@ -419,14 +427,13 @@ class HeapProbes(LiveProbes):
         self._set_control(CTL_SCHED_PEAK_PPM, round(peak_inaccuracy * 10_000))
         self._set_control(CTL_SCHED_CULL_AT, max_snapshots - 1)
         if self.settings.schedule_ns:
-            self._set_control(CTL_SCHED_JIFFY_NS, jiffy_ns())
+            self._set_control(CTL_SCHED_JIFFY_NS, node_jiffy_ns())
 
     def page_counters(self) -> PageCounters:
         """The kernel side's counts of page events sent and not sent (settings.pages)."""
         if self._maps is None or not self.settings.pages:
             return PageCounters()
-        values = [_int(v) for v in self._array_prefix("page_counters", PAGE_COUNTER_COUNT)]
-        return PageCounters(*values)
+        return PageCounters(*self._u64_prefix("page_counters", PAGE_COUNTER_COUNT))
 
     def stack_bytes(self) -> int:
         """--stacks=yes: the bytes of every live thread's stack, from its top to the lowest stack pointer seen
@@ -614,12 +621,20 @@ class HeapProbes(LiveProbes):
             out[(key >> 8, key & 0xFF)] = (c + int(v.count), b + int(v.bytes), t + int(v.ns))
         return out
 
-    def log2_histograms(self) -> tuple[list[int], list[int]]:
-        """Cumulative allocations per log2(size), and frees per (log2 size, log2 lifetime) flattened."""
-        return (
-            [_int(v) for v in self._array_prefix("size_hist", LOG2_BINS)],
-            [_int(v) for v in self._array_prefix("life_hist", LOG2_BINS * LOG2_BINS)],
-        )
+    def size_histogram(self) -> list[int]:
+        """Cumulative allocations per log2(size): 64 counters, read at every sample."""
+        return self._u64_prefix("size_hist", LOG2_BINS)
+
+    def life_histogram(self) -> list[int]:
+        """Frees per (log2 size, log2 lifetime), flattened: 4,096 counters, read once, for the MALT profile."""
+        return self._u64_prefix("life_hist", LOG2_BINS * LOG2_BINS)
+
+    def _u64_prefix(self, name: str, count: int) -> list[int]:
+        """Entries 0..count-1 of an array of u64, as ints: one batch read, no ctypes object per entry."""
+        _, raw, _ = self._array_prefix_raw(name, count)
+        words = array.array("Q")
+        words.frombytes(raw)
+        return words.tolist()
 
     def take_window(self, heap_now: int) -> tuple[int, int]:
         """The heap's maximum since the last call and the site that set it; starts a new window."""
@@ -660,12 +675,6 @@ class HeapProbes(LiveProbes):
         for i in range(count):
             values[i] = table[table.Key(i)]
         return table.Leaf, bytes(memoryview(values)), count
-
-    def _array_prefix(self, name: str, count: int) -> list:  # type: ignore[type-arg]
-        """Entries 0..count-1 of an array map, as ctypes values."""
-        leaf, raw, n = self._array_prefix_raw(name, count)
-        array_type: Any = cast(Any, leaf) * n  # a ctypes array type
-        return list(array_type.from_buffer_copy(raw)) if n else []
 
     def _items(self, name: str) -> list:  # type: ignore[type-arg]
         assert self._maps is not None

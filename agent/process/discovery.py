@@ -62,13 +62,19 @@ class ElfFacts:
     is_dynamic: bool  # has a dynamic section: exports through .dynsym
     soname: str | None = None
     needed: list[str] = field(default_factory=list)
-    search_dirs: list[str] = field(default_factory=list)  # DT_RPATH/DT_RUNPATH with $ORIGIN expanded
+    rpath: list[str] = field(default_factory=list)  # DT_RPATH/DT_RUNPATH as written ($ORIGIN not expanded)
     defined: dict[str, int] = field(default_factory=dict)  # wanted function -> st_value (defined ones)
     interp: str | None = None  # PT_INTERP: the program's loader (musl's is also its libc)
 
     @property
     def path(self) -> str:
         return self.obj.path
+
+    @property
+    def search_dirs(self) -> list[str]:
+        """DT_RPATH/DT_RUNPATH with $ORIGIN expanded for this path (one file is read through many roots)."""
+        origin = os.path.dirname(self.path)
+        return [d.replace("$ORIGIN", origin) for d in self.rpath]
 
     def file_offset(self, vaddr: int) -> int:
         try:
@@ -100,7 +106,6 @@ def _read_facts(path: str) -> ElfFacts:
             for seg in elf.iter_segments():
                 if isinstance(seg, InterpSegment):
                     facts.interp = seg.get_interp_name()
-            origin = os.path.dirname(path)
             if isinstance(dynamic, DynamicSection):
                 for tag in dynamic.iter_tags():
                     kind, value = tag.entry.d_tag, vars(tag)  # pyelftools sets .needed etc. per tag
@@ -110,7 +115,7 @@ def _read_facts(path: str) -> ElfFacts:
                         facts.soname = value["soname"]
                     elif kind in ("DT_RPATH", "DT_RUNPATH"):
                         dirs = value["rpath" if kind == "DT_RPATH" else "runpath"]
-                        facts.search_dirs += [d.replace("$ORIGIN", origin) for d in dirs.split(":") if d]
+                        facts.rpath += [d for d in dirs.split(":") if d]
     except (OSError, ElfError, ELFError) as exc:
         raise TargetError(f"cannot read {path}: {exc}") from exc
     # A dynamic object exports through .dynsym only; a static executable has just .symtab.
@@ -120,7 +125,9 @@ def _read_facts(path: str) -> ElfFacts:
     return facts
 
 
-_facts: FileCache[ElfFacts] = FileCache(_read_facts, limit=256)
+_facts: FileCache[ElfFacts] = FileCache(
+    _read_facts, limit=256, rebind=lambda facts, path: replace(facts, obj=open_elf(path))
+)
 
 
 def forget_gone_processes() -> None:

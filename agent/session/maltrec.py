@@ -112,7 +112,7 @@ class MaltRecorder:
                 ),
             )
         self._prev = c
-        sizes, _ = self.probes.log2_histograms()
+        sizes = self.probes.size_histogram()  # the lifetimes' 4,096 counters are read once, at the end
         for b, (now, before) in enumerate(zip(sizes, self._prev_sizes, strict=True)):
             if now > before:
                 self.size_over_time.add_log2_bins(t, b, now - before)
@@ -184,7 +184,7 @@ class MaltRecorder:
         if calls is not None:
             _exact_thread_counts(threads, calls)
 
-        _, life = probes.log2_histograms()
+        life = probes.life_histogram()
         lifetime_over_size = ScatterChart.lifetime_over_size()
         for i, n in enumerate(life):
             if n:

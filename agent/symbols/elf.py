@@ -7,6 +7,7 @@ builds one Python object per symbol.
 
 from __future__ import annotations
 
+import copy
 import os
 import struct
 import threading
@@ -301,10 +302,16 @@ class FileCache(Generic[T]):
     tables read with them). Holders of an entry keep it alive as long as they need it. `limit` bounds the entries
     of live processes too, the oldest going first."""
 
-    def __init__(self, read: Callable[[str], T], limit: int | None = None) -> None:
+    def __init__(
+        self, read: Callable[[str], T], limit: int | None = None, rebind: Callable[[T, str], T] | None = None
+    ) -> None:
         self._read = read
         self._limit = limit
+        # What was read of a file through one path, made into the entry of another path to the same file (each
+        # process's files are opened through its own /proc/PID/root): read once, not once per process.
+        self._rebind = rebind
         self._entries: dict[tuple[str, _FileId], T] = {}
+        self._by_file: dict[_FileId, tuple[str, _FileId]] = {}  # a file -> one of its entries' keys
         self._lock = threading.Lock()
 
     def get(self, path: str) -> T:
@@ -312,15 +319,22 @@ class FileCache(Generic[T]):
         key = (path, _file_id(path))
         with self._lock:
             cached = self._entries.get(key)
+            twin = self._entries.get(self._by_file.get(key[1], key)) if self._rebind is not None else None
         if cached is not None:
             return cached
-        value = self._read(path)
+        value = self._rebind(twin, path) if twin is not None and self._rebind is not None else self._read(path)
         with self._lock:
             self._forget_gone_processes()
             if self._limit is not None:
                 while len(self._entries) >= self._limit:
-                    del self._entries[next(iter(self._entries))]
+                    self._drop(next(iter(self._entries)))
+            self._by_file[key[1]] = key
             return self._entries.setdefault(key, value)
+
+    def _drop(self, key: tuple[str, _FileId]) -> None:
+        del self._entries[key]
+        if self._by_file.get(key[1]) == key:
+            del self._by_file[key[1]]
 
     def forget_gone_processes(self) -> None:
         with self._lock:
@@ -328,13 +342,20 @@ class FileCache(Generic[T]):
 
     def _forget_gone_processes(self) -> None:
         for key in [k for k in self._entries if _of_gone_process(k[0])]:
-            del self._entries[key]
+            self._drop(key)
 
     def __len__(self) -> int:
         return len(self._entries)
 
 
-_objects: FileCache[ElfObject] = FileCache(_read_header)
+def _same_file_at(obj: ElfObject, path: str) -> ElfObject:
+    """obj for the same file at another path, sharing what was read of it (its symbol tables included)."""
+    twin = copy.copy(obj)
+    object.__setattr__(twin, "path", path)  # a frozen dataclass: its copy is given its own path
+    return twin
+
+
+_objects: FileCache[ElfObject] = FileCache(_read_header, rebind=_same_file_at)
 
 
 def open_elf(path: str) -> ElfObject:

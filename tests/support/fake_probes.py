@@ -518,8 +518,11 @@ class FakeProbes(LiveProbes):
     def thread_stats(self) -> dict[tuple[int, int], tuple[int, int, int]]:
         return dict(self._threads)
 
-    def log2_histograms(self) -> tuple[list[int], list[int]]:
-        return list(self._size_hist), list(self._life_hist)
+    def size_histogram(self) -> list[int]:
+        return list(self._size_hist)
+
+    def life_histogram(self) -> list[int]:
+        return list(self._life_hist)
 
     def take_window(self, heap_now: int) -> tuple[int, int]:
         window, self._window = self._window, (heap_now, 0)

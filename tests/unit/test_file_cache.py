@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,44 @@ def test_what_was_read_through_a_zombie_is_forgotten(tmp_path: Path, child: subp
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_one_file_through_two_processes_roots_is_read_once_and_each_entry_has_its_own_path(
+    tmp_path: Path, child: subprocess.Popen[bytes]
+) -> None:
+    """Every process's files are opened through its own /proc/PID/root: a fleet of one program reads it once."""
+    mine = tmp_path / "f"
+    mine.write_text("x")
+    reads: list[str] = []
+
+    def read(path: str) -> str:
+        reads.append(path)
+        return f"{Path(path).read_text()} at {path}"
+
+    cache = FileCache(read, rebind=lambda value, path: f"{value.split(' at ')[0]} at {path}")
+    through = f"/proc/{child.pid}/root{mine}"
+    assert cache.get(str(mine)) == f"x at {mine}"
+    assert cache.get(through) == f"x at {through}"
+    assert reads == [str(mine)]
+    other = tmp_path / "g"
+    other.write_text("x")  # the same text in another file: read anew
+    assert cache.get(str(other)) == f"x at {other}"
+    assert reads == [str(mine), str(other)]
+
+
+def test_discovery_reads_a_program_once_for_every_process_of_it(child: subprocess.Popen[bytes]) -> None:
+    exe = os.path.realpath(shutil.which("sleep") or "/bin/sleep")
+    second = subprocess.Popen(["sleep", "60"])
+    try:
+        first = discovery.elf_facts(f"/proc/{child.pid}/root{exe}")
+        again = discovery.elf_facts(f"/proc/{second.pid}/root{exe}")
+        assert again.path == f"/proc/{second.pid}/root{exe}" and first.path == f"/proc/{child.pid}/root{exe}"
+        assert again.defined == first.defined and again.needed == first.needed and again.needed
+        assert again.obj.dynsym is first.obj.dynsym  # the symbol table was read once
+        # $ORIGIN is where each process's path to the file is
+        origin = ["$ORIGIN/../lib"]
+        assert replace(again, rpath=origin).search_dirs == [f"/proc/{second.pid}/root{os.path.dirname(exe)}/../lib"]
+        assert replace(first, rpath=origin).search_dirs == [f"/proc/{child.pid}/root{os.path.dirname(exe)}/../lib"]
+    finally:
+        second.kill()
+        second.wait()
