@@ -13,6 +13,7 @@ heapscope's exit, even by SIGKILL, closes the pipe and the sampler disarms itsel
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -340,6 +341,7 @@ class SamplerControl:
         seq = st["ack_seq"] + 1
         self._write("request", request)
         self._write("request_seq", seq)  # last: the sampler acts on a new sequence number
+        self._wake()
         deadline = time.monotonic() + self.timeout
         while True:
             st = self.read()
@@ -348,6 +350,15 @@ class SamplerControl:
             if time.monotonic() > deadline:
                 raise TargetError(f"process {self.pid}: the sampler did not answer within {self.timeout:.0f} s")
             time.sleep(0.005)
+
+    def _wake(self) -> None:
+        """A byte into the lease, whose read end an idle sampler's control thread also waits on: it answers now,
+        not at its next tick (500 ms idle). Never blocks; a sampler that does not read it (armed, or an older
+        build) leaves it in a pipe that goes at its next disarm."""
+        if self._lease is None:
+            return
+        with contextlib.suppress(OSError):  # full (never here), or the sampler gone: its answer says so
+            os.write(self._lease, b"\0")
 
     def arm(self, rate: int) -> ControlState:
         if isinstance(rate, bool) or not isinstance(rate, int) or not 1 <= rate <= MAX_RATE:
@@ -366,6 +377,7 @@ class SamplerControl:
         if not stat.S_ISFIFO(fst.st_mode) or fst.st_ino != st["lease_ino"]:
             os.close(lease)  # the program reused that descriptor number: not our pipe
             raise TargetError(f"process {self.pid}: the sampler's lease descriptor was taken over by the program")
+        os.set_blocking(lease, False)  # its only write is _wake's, which must never wait
         self._lease = lease
         self._write("sample_rate", rate)
         st = self._request(REQ_ARM)

@@ -1165,12 +1165,23 @@ static void *control_thread(void *arg)
     unsigned ticks = 0;
     for (;;) {
         int is_armed = LOAD(armed);
-        /* events = 0: a pipe's read end still reports POLLHUP (no writer left), POLLERR and POLLNVAL, and
-         * nothing is ever read from it, so a descriptor the program reused is never consumed. */
-        struct pollfd pfd = {.fd = lease_read_fd, .events = 0};
+        /* Idle, the thread also wakes for a byte heapscope writes into the lease after a request, so that an
+         * arm is answered at once rather than at the next tick. The pipe is the sampler's own while idle (its
+         * inode is checked), and the byte is read here: none is left to wake it again. */
+        int wakeable = !is_armed && lease_read_fd >= 0 && fd_ino(lease_read_fd) == lease_ino;
+        /* Armed, events = 0: a pipe's read end still reports POLLHUP (no writer left), POLLERR and POLLNVAL,
+         * and nothing is ever read from it, so a descriptor the program reused is never consumed. */
+        struct pollfd pfd = {.fd = lease_read_fd, .events = wakeable ? POLLIN : 0};
         /* Every 50 ms armed (the watchdog's period), 500 ms idle, 2 ms while a preloaded program waits in
          * hold_for_arming for heapscope's first request. */
-        int n = poll(is_armed ? &pfd : NULL, is_armed ? 1 : 0, is_armed ? 50 : LOAD(holding) ? 2 : 500);
+        int watched = is_armed || wakeable;
+        int n = poll(watched ? &pfd : NULL, watched ? 1 : 0, is_armed ? 50 : LOAD(holding) ? 2 : 500);
+        if (wakeable && n > 0 && (pfd.revents & POLLIN)) {
+            char wake[64];
+            (void)!read(lease_read_fd, wake, sizeof wake);
+        } else if (wakeable && n > 0) {
+            new_lease(); /* its write end was closed under it (a program closing every descriptor): no spin */
+        }
         if (is_armed) {
             if (fd_ino(lease_read_fd) != lease_ino)
                 disarm(HS_DISARM_PIPE_LOST);

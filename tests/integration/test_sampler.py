@@ -5,8 +5,12 @@ sampler's probe functions, in a private trace instance."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import struct
 import subprocess
+import termios
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -17,6 +21,7 @@ import pytest
 from agent.contract import HEAP_H
 from agent.model.callcounts import total
 from agent.model.sampling import weight_hint
+from agent.process import sampler as sampler_module
 from agent.process.sampler import (
     CONTROL_FIELDS,
     CONTROL_SIZE,
@@ -320,3 +325,59 @@ def test_every_c_allocation_function_is_sampled_and_freed_once(sampler_lib: Path
     assert calls.by_kind() == {"malloc": 2, "calloc": 1, "realloc": 2, "memalign": 2, "posix_memalign": 1,
                                "valloc": 1, "pvalloc": 1, "free": len(addresses) - 2}, calls  # fmt: skip
     assert calls.realloc_frees == 1
+
+
+def test_an_idle_sampler_woken_through_its_lease_reads_the_byte_and_does_not_spin(
+    sampler_lib: Path, build: Callable[..., Path], tmp_path: Path
+) -> None:
+    """heapscope writes a byte into the lease after each request, which an idle control thread also waits on (so
+    an arm is answered at once, not at its next 500 ms tick). A request the sampler refuses leaves it idle: the
+    byte must have been read, or the thread would wake on it again and again."""
+    program = build("sampler_sites.c")
+    conv = Conversation([str(program), str(tmp_path / "blocks.bin"), str(sampler_lib)])
+    try:
+        conv.expect("ready")
+        ctl = SamplerControl(conv.pid, sampler_lib)
+        st = ctl.wait_ready()
+        pidfd = os.pidfd_open(conv.pid)
+        try:
+            lease = sampler_module._pidfd_getfd(pidfd, st["lease_fd"])
+        finally:
+            os.close(pidfd)
+        os.set_blocking(lease, False)
+        ctl._lease = lease  # as arm() holds it
+        refused = ctl._request(99)  # no such request
+        assert refused["result"] == -errno.EINVAL and refused.state == "idle"
+        deadline = time.monotonic() + 5
+        while _unread(lease) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _unread(lease) == 0, "the control thread left the wake byte in the lease"
+        tid = refused["control_tid"]
+        before = _cpu_ticks(conv.pid, tid)
+        time.sleep(1.0)
+        assert _cpu_ticks(conv.pid, tid) - before <= 2, "the idle control thread spins"
+        assert ctl.arm(4096).state == "armed"  # the same lease arms it
+        conv.say("go")
+        conv.expect("allocated")
+        assert ctl.read()["samples"] > 0
+        ctl.disarm()
+        ctl.close()
+        conv.say("free")
+        conv.expect("freed")
+        conv.say("exit")
+        assert conv.finish() == 0
+    finally:
+        if conv.proc.poll() is None:
+            conv.proc.kill()
+            conv.proc.wait()
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in a pipe (FIONREAD)."""
+    return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0])
+
+
+def _cpu_ticks(pid: int, tid: int) -> int:
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime
