@@ -57,6 +57,17 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def seconds_or_zero(text: str) -> float:
+    """Seconds, 0 included (a delay that may be none)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= value < 1e9:  # NaN and infinity too
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return value
+
+
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 

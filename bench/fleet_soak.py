@@ -22,8 +22,9 @@ Reported (JSON on stdout, and bench/results/fleet_soak.json):
 - wrong results: a target profiled for more than a second whose live heap is not 8000 bytes, asked twice; a
   profile that failed once attached (its `error`), or a detach that wrote no file;
 - leaked probes: the BPF links, programs, maps and perf events the daemon holds (its /proc/PID/fd) once every
-  target is gone, against their count before the first target; and bpftool's system-wide count of uprobe_multi
-  links before the daemon started and after it ended (other work on the machine may move that one);
+  target is gone and its programs' --keep-programs time has passed, against their count before the first target;
+  and bpftool's system-wide count of uprobe_multi links before the daemon started and after it ended (other work
+  on the machine may move that one);
 - the daemon's RSS every 10 s (and its median each ten minutes), what it is made of each minute (anonymous
   memory, file pages, threads, descriptors), and its CPU time.
 Exit status 0 only when there were no crashes, no wrong results and no leaked probes.
@@ -51,6 +52,10 @@ from benchproc import cpu_seconds, free_port, heapscope_cmd, rss_mib
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "tests" / "integration" / "programs" / "fleet_service.c"
 RING_BYTES = 8000
+# serve --keep-programs: shorter than the default (600 s) so that the end can check that the programs are unloaded
+# once kept that long; longer than any gap between the soak's attaches, so that during the soak they stay loaded
+# as with the default.
+KEEP_PROGRAMS = 10
 SETTLE = 1.0  # seconds after an attach by which a target's ring has turned over (every 20 ms, 8 slots)
 
 
@@ -162,6 +167,7 @@ class Soak:
         self.url = f"http://127.0.0.1:{port}"
         cmd = [*heapscope_cmd(), "serve", "--http", f"127.0.0.1:{port}", "--output-dir", str(self.work / "out"),
                "--attach-comm", "^soak-svc$", "--keep-exited", "5", "--malt", "no", "--mode", "exact",
+               "--keep-programs", str(KEEP_PROGRAMS),
                *([] if self.args.verbose else ["-q"])]
         env = {k: v for k, v in os.environ.items() if k != "HEAPSCOPE_TOKEN"}
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -394,7 +400,10 @@ class Soak:
         left = self.targets()
         rss1, cpu1 = rss_and_cpu(self.daemon.pid)
         self.rss.append((round(time.monotonic() - t0, 1), rss1))
-        after = bpf_fds(self.daemon.pid)
+        # The programs stay loaded KEEP_PROGRAMS seconds after their last target: then everything must be gone.
+        deadline = time.monotonic() + KEEP_PROGRAMS + 15
+        while (after := bpf_fds(self.daemon.pid)) != baseline and time.monotonic() < deadline:
+            time.sleep(0.5)
         self.daemon.send_signal(signal.SIGTERM)
         self.daemon.wait(90)
         links_after = uprobe_links()

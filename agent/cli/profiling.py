@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from agent.argtypes import int_at_least
+from agent.argtypes import int_at_least, seconds_or_zero
 from agent.cli.settings import (
     add_http_options,
     add_profile_options,
@@ -33,7 +33,7 @@ from agent.daemon.fleetopts import add_fleet_options, fleet_config_from
 from agent.errors import EnvironmentProblem, HeapscopeError, UsageError
 from agent.export.registry import MASSIF, XTREE
 from agent.log import LOG, PROG
-from agent.model.sampling import DEFAULT_NODE_BLOCKS, Mode
+from agent.model.sampling import DEFAULT_KEEP_PROGRAMS, DEFAULT_NODE_BLOCKS, Mode
 from agent.model.summary import ProfileSummary
 
 if TYPE_CHECKING:
@@ -113,6 +113,15 @@ class Serve:
             default=DEFAULT_NODE_BLOCKS,
             help="live blocks the kernel's block table holds for all exact-mode targets together (each target at "
             f"most --max-blocks); more are counted as dropped and reported (default {DEFAULT_NODE_BLOCKS})",
+        )
+        p.add_argument(
+            "--keep-programs",
+            type=seconds_or_zero,
+            default=DEFAULT_KEEP_PROGRAMS,
+            metavar="SECONDS",
+            help="how long a compiled BPF program stays loaded once its last target is gone, for the next target "
+            "of the same settings, which then attaches in milliseconds instead of seconds of compiling; 0 "
+            f"unloads it with its last target (default {DEFAULT_KEEP_PROGRAMS:g})",
         )
         add_fleet_options(p)
 

@@ -431,6 +431,7 @@ def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> 
         max_blocks=ns.max_blocks,
         max_stacks=ns.max_stacks,
         node_blocks=getattr(ns, "node_blocks", 0),  # serve's: its targets share the block table
+        keep_programs=getattr(ns, "keep_programs", 0.0),  # serve's: a shape outlives its last target
         malt=ns.malt == "yes" if daemon else "malt" in files,
         mode=mode_from(ns),
         store=store_settings(ns) if ns.command != "serve" else None,  # serve's is under --output-dir (profiling._serve)

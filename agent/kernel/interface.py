@@ -72,6 +72,9 @@ class ProbeSettings:
     # Live blocks the shared block table holds for every target of the program together (a daemon's node): 0, as
     # many as one target may (a single target: the CLI)
     node_blocks: int = 0
+    # Seconds the loaded program stays loaded once its last target is gone, for the next target of its shape (a
+    # daemon's --keep-programs); 0: unloaded with its last target (a command's one target)
+    keep_programs: float = 0.0
     max_stacks: int = 1 << 16
     pages: bool = False  # trace mmap/munmap/mremap/brk: one PageEvent per call (page_events())
     # Walk the stack of each page call (its site: the pages-as-heap tree, MALT's mmap statistics). Without it the

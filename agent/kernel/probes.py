@@ -287,7 +287,7 @@ class HeapProbes(LiveProbes):
                     del events[cpu]  # its perf reader, and its entry
             shape.give_back(maps, self.settings.target_tgid)
         if shape is not None:
-            shape.release()
+            shape.release(keep=self.settings.keep_programs)
         if self._shared_rows is not None:  # the program is gone: its objects' rows may be reused
             self._shared_rows.release(key for key, (_, count) in self._objects.items() if count)
             self._objects.clear()

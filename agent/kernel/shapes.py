@@ -140,6 +140,7 @@ class ProgramShape:
         self._programs: dict[bytes, Any] = {}
         self._walkers_installed = False
         self.users = 0
+        self._idle: threading.Timer | None = None  # the unload of a shape kept loaded without targets (release)
         # The per-target maps: each one that has an array of maps NAME_of (probes/bpf/common.h).
         self.per_target = sorted(name[:-3] for name in self.bpf.tables if name.endswith("_of"))
         self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed
@@ -189,14 +190,46 @@ class ProgramShape:
                 shape = cls._shapes[key] = ProgramShape(key, source, cflags, slots, links, only)
                 trim_heap()
             shape.users += 1
+            if shape._idle is not None:  # kept loaded after its last target: in use again
+                shape._idle.cancel()
+                shape._idle = None
             return shape
 
-    def release(self) -> None:
+    def release(self, keep: float = 0.0) -> None:
+        """A target is done with the shape; the last one unloads it, at once or, with `keep`, once the shape has
+        had no target for that many seconds: a daemon whose workers recycle, or that is asked to attach again and
+        again, compiles and verifies each shape once (seconds of CPU), not at each first target after a gap."""
         with self._shapes_lock:
             self.users -= 1
             if self.users > 0:
                 return
+            if keep > 0:
+                self._idle = threading.Timer(keep, self._unload_if_idle)
+                self._idle.daemon = True
+                self._idle.start()
+                return
             self._shapes.pop(self.key, None)
+        self._unload()
+
+    def _unload_if_idle(self) -> None:
+        with self._shapes_lock:  # held through the unload: whoever sees it gone finds it unloaded
+            if self.users > 0 or self._shapes.get(self.key) is not self:
+                return  # taken again meanwhile
+            self._shapes.pop(self.key)
+            if self._idle is not None:
+                self._idle.cancel()
+                self._idle = None
+            self._unload()
+
+    @classmethod
+    def unload_kept(cls) -> None:
+        """Unload now every shape kept loaded without a target."""
+        with cls._shapes_lock:
+            kept = [shape for shape in cls._shapes.values() if shape.users == 0]
+        for shape in kept:
+            shape._unload_if_idle()
+
+    def _unload(self) -> None:
         unload(self.bpf)
         for fd in self._map_fds:
             os.close(fd)

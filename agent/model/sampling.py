@@ -41,6 +41,10 @@ DEFAULT_CAPACITY: dict[Mode, tuple[int, int]] = {  # mode -> (max blocks, max st
 # 80 MB of kernel memory however many targets there are; and each keeps half the sites a command's target does
 # (13 MB of the kernel's a target at 65,536: agent.session.pipeline).
 DEFAULT_NODE_BLOCKS = 2 << 20
+# A daemon keeps a program shape loaded this long after its last target: a fleet's restarts and recycled workers,
+# and repeated attaches, find it loaded (its compile and verification cost seconds of CPU; its maps, ~40 MB sampled
+# and ~130 MB exact, stay meanwhile).
+DEFAULT_KEEP_PROGRAMS = 600.0
 DAEMON_EXACT_STACKS = 1 << 15
 
 

@@ -75,6 +75,7 @@ class ProfileSettings:
     # for all of them, and each exact-mode target keeps smaller tables of its own (DAEMON_EXACT_STACKS sites, a
     # page ring of DAEMON_PAGE_RING_BYTES): 50 of them within 1 GiB of kernel memory. 0: a command's one target.
     node_blocks: int = 0
+    keep_programs: float = 0.0  # serve's: seconds a program shape stays loaded without targets (ProbeSettings)
     malt: bool = False  # keep MALT's statistics in the kernel (GET /malt, --malt-out-file)
     mode: ProfileMode = field(default_factory=ProfileMode)  # exact, or sampled (agent.session.sampled)
     store: StoreSettings | None = None  # keep every sample's history on disk (--store), None: not kept
@@ -96,6 +97,7 @@ class ProfileSettings:
             max_blocks=self.mode.max_blocks if self.max_blocks is None else self.max_blocks,
             max_stacks=self._max_stacks(),
             node_blocks=self.node_blocks,
+            keep_programs=self.keep_programs,
             pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
             page_stacks=o.pages_as_heap or self.malt,  # a page call's site: its tree, MALT's mmap statistics
             # Sampled mode (the daemon's default) keeps a smaller ring of page events: the kernel holds it and the

@@ -15,6 +15,7 @@ from agent.kernel.interface import ProbeSettings
 from agent.kernel.links import uprobe_links_supported
 from agent.kernel.probes import HeapProbes
 from agent.kernel.shapes import ProgramShape
+from agent.model.sampling import DEFAULT_KEEP_PROGRAMS
 from agent.process.discovery import allocator_of_process
 from tests.integration.test_probe_modes import ALLOCS, SITE_BYTES, TRACKED_FREES, UNTRACKED_FREES, Target
 
@@ -88,3 +89,41 @@ def test_two_targets_share_one_program_and_detach_alone(
     finally:
         first.kill()
         second.kill()
+
+
+@pytest.mark.parametrize("keep", [DEFAULT_KEEP_PROGRAMS, 1.0], ids=["serve-default", "one-second"])
+def test_a_daemons_program_outlives_its_last_target_for_the_next_one(
+    bpf_ready: None, build: Callable[..., Path], keep: float
+) -> None:
+    """serve --keep-programs: a shape stays loaded after its last target, so that the next target of the same
+    settings (a recycled worker, the same service attached again) compiles and verifies nothing; once kept that
+    long without a target it is unloaded."""
+    if not uprobe_links_supported():
+        pytest.skip("targets share a program only through uprobe_multi links (Linux 6.10+)")
+    program = build("attach_target.c")
+    before = len(ProgramShape.loaded())
+    shape = None
+    try:
+        for _ in range(2):
+            t = Target(program)
+            try:
+                t.expect("ready")
+                points = allocator_of_process(t.proc.pid).points(run=False, heap=True)
+                settings = ProbeSettings(target_tgid=t.proc.pid, arm_on_exec=False, keep_programs=keep)
+                with HeapProbes(settings, points) as probes:
+                    assert shape is None or probes._shape is shape, "the next target compiled its program again"
+                    shape = probes._shape
+                    t.go()
+                    t.expect("allocated")
+                    assert counted(probes) == (SITE_BYTES, ALLOCS, TRACKED_FREES, UNTRACKED_FREES)
+            finally:
+                t.kill()
+            assert shape in ProgramShape.loaded(), "the program was unloaded with its last target"
+        if keep == DEFAULT_KEEP_PROGRAMS:
+            return
+        deadline = time.monotonic() + keep + 10
+        while shape in ProgramShape.loaded() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(ProgramShape.loaded()) == before, "the program outlived --keep-programs"
+    finally:
+        ProgramShape.unload_kept()
