@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -114,6 +115,10 @@ class _ObjectInfo:
 # DWARF alone is some 16 MiB once read, and a state per target made each busy or ended target pay for it again.
 _shared: weakref.WeakValueDictionary[tuple[str, tuple[str, ...]], _ObjectInfo] = weakref.WeakValueDictionary()
 _shared_lock = threading.Lock()
+# The builds used last are also held here, whoever else does: a daemon that profiles one short-lived process of a
+# program after another (recycled workers, repeated attaches) reads its DWARF once, not once a process.
+_RECENT_BUILDS = 16
+_recent: OrderedDict[tuple[str, tuple[str, ...]], _ObjectInfo] = OrderedDict()
 
 
 def _shared_info(obj: ElfObject, debug_roots: tuple[str, ...]) -> _ObjectInfo:
@@ -123,6 +128,10 @@ def _shared_info(obj: ElfObject, debug_roots: tuple[str, ...]) -> _ObjectInfo:
         info = _shared.get(key)
         if info is None:
             info = _shared[key] = _ObjectInfo(obj, debug_roots)
+        _recent[key] = info
+        _recent.move_to_end(key)
+        while len(_recent) > _RECENT_BUILDS:
+            _recent.popitem(last=False)
         return info
 
 

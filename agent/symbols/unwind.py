@@ -41,8 +41,9 @@ import logging
 import os
 import struct
 import tempfile
+import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -586,6 +587,13 @@ def deserialize(data: bytes) -> UnwindTable | None:
         return None
 
 
+# Tables read from the cache lately, by cache file (its name is the build's): a daemon's every further target maps
+# the same objects, and reading and checking libc's table again took milliseconds of each attach.
+_RECENT_TABLES = 32
+_recent_tables: OrderedDict[str, tuple[tuple[int, int, int], UnwindTable]] = OrderedDict()
+_recent_lock = threading.Lock()
+
+
 def load_table(path: str, cache_dir: str | None = None) -> UnwindTable:
     """build_table(path), through the on-disk cache (default_cache_dir() unless cache_dir is given).
 
@@ -597,8 +605,19 @@ def load_table(path: str, cache_dir: str | None = None) -> UnwindTable:
     target = os.path.join(directory, cache_key(path, obj.build_id, with_debug))
     try:
         with open(target, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            ident = (st.st_ino, st.st_size, st.st_mtime_ns)  # the file as it is now, rewritten or not
+            with _recent_lock:
+                known = _recent_tables.get(target)
+                if known is not None and known[0] == ident:
+                    _recent_tables.move_to_end(target)
+                    return known[1]
             cached = deserialize(fh.read())
         if cached is not None and cached.build_id == obj.build_id:
+            with _recent_lock:
+                _recent_tables[target] = (ident, cached)
+                while len(_recent_tables) > _RECENT_TABLES:
+                    _recent_tables.popitem(last=False)
             return cached
         log.warning("unwind cache %s is corrupt or stale: rebuilding it", target)
     except FileNotFoundError:

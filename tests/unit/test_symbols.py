@@ -11,6 +11,7 @@ import gc
 import os
 import re
 import subprocess
+import sys
 import time
 import weakref
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import pytest
 
 from agent.model.maps import Mapping, parse_maps
 from agent.model.stack import Frame
+from agent.symbols import symbolizer as symbolizer_module
 from agent.symbols.debugfiles import find_debug_file
 from agent.symbols.elf import ElfObject, ElfSymbol, open_elf
 from agent.symbols.names import BELOW_MAIN, SymbolTable, demangle, display_function_name
@@ -537,9 +539,12 @@ def test_libc_separate_debug_info_and_speed() -> None:
 
 
 @pytest.mark.needs("objdump")
-def test_symbolizers_share_a_builds_dwarf_and_close_it_with_the_last(tmp_path: Path) -> None:
+def test_symbolizers_share_a_builds_dwarf_and_close_it_with_the_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A daemon has a symbolizer per target, and every target maps the same libc: its DWARF (some 16 MiB once read)
-    is read once for them all, and closed when the last symbolizer that holds it is gone."""
+    is read once for them all, kept while it is among the builds used last (the next process of the same program
+    finds it), and closed once the last symbolizer that holds it is gone and other builds have taken its place."""
     obj = open_elf(LIBC)
     if obj.build_id is None or not os.path.exists(
         f"/usr/lib/debug/.build-id/{obj.build_id[:2]}/{obj.build_id[2:]}.debug"
@@ -565,9 +570,18 @@ def test_symbolizers_share_a_builds_dwarf_and_close_it_with_the_last(tmp_path: P
     assert held() is not None and not debug_file.closed  # the second still holds it
     second.close()
     gc.collect()
+    assert held() is not None and not debug_file.closed  # one of the builds used last
+    with Symbolizer(roots) as third:  # a further process of it: nothing read again
+        assert third.symbolize(maps, base + ra) == frames and third.object_info(LIBC) is held()
+    monkeypatch.setattr(symbolizer_module, "_RECENT_BUILDS", 1)
+    other = open_elf(sys.executable if open_elf(sys.executable).build_id else "/bin/ls")
+    assert other.build_id and other.build_id != obj.build_id
+    with Symbolizer(roots) as fourth:
+        assert fourth.object_info(other.path) is not None  # another build, used last: libc's state is let go
+    gc.collect()
     assert held() is None and debug_file.closed
-    with Symbolizer(roots) as third:  # read again when asked again
-        assert third.symbolize(maps, base + ra) == frames
+    with Symbolizer(roots) as fifth:  # read again when asked again
+        assert fifth.symbolize(maps, base + ra) == frames
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -747,6 +747,14 @@ def test_cache_round_trip_and_reuse(programs: dict[str, Path], tmp_path: Path, m
     again = load_table(exe, str(tmp_path))
     assert again == first
 
+    # A daemon's further targets map the same objects: a table read lately is not read and checked again while
+    # its cache file stays the same.
+    def must_not_read(data: bytes) -> UnwindTable:
+        raise AssertionError("the cache file was read again")
+
+    monkeypatch.setattr(unwind, "deserialize", must_not_read)
+    assert load_table(exe, str(tmp_path)) is again
+
 
 @pytest.mark.needs("gcc")
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])
