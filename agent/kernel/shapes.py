@@ -141,6 +141,7 @@ class ProgramShape:
         self._walkers_installed = False
         self.users = 0
         self._idle: threading.Timer | None = None  # the unload of a shape kept loaded without targets (release)
+        self._blocks_mem: mmap.mmap | None = None  # exact mode's block table, mapped at the first detach
         # The per-target maps: each one that has an array of maps NAME_of (probes/bpf/common.h).
         self.per_target = sorted(name[:-3] for name in self.bpf.tables if name.endswith("_of"))
         self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed
@@ -230,6 +231,9 @@ class ProgramShape:
             shape._unload_if_idle()
 
     def _unload(self) -> None:
+        if self._blocks_mem is not None:
+            self._blocks_mem.close()
+            self._blocks_mem = None
         unload(self.bpf)
         for fd in self._map_fds:
             os.close(fd)
@@ -341,13 +345,18 @@ class ProgramShape:
         table = self.bpf["block_slots"]
         lib = load_bcc().libbcc.lib
         if table.max_entries > 2:  # exact mode's table (sampled mode's is compiled at its smallest, unused)
-            size = table.max_entries * ctypes.sizeof(table.Leaf)
-            with mmap.mmap(table.map_fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mem:
-                entries = np.frombuffer(mem, dtype=np.uint64).reshape(-1, ctypes.sizeof(table.Leaf) // 8)
-                addr = entries[:, 0]
-                mine = (addr != 0) & ((addr >> np.uint64(SLOT_SHIFT)) == np.uint64(slot))
-                addr[mine] = 0
-                del entries, addr, mine  # no view may outlive the mapping
+            with self.lock:  # mapped once a shape: mapping its 32 MB again at each detach cost more
+                if self._blocks_mem is None:
+                    size = table.max_entries * ctypes.sizeof(table.Leaf)
+                    prot = mmap.PROT_READ | mmap.PROT_WRITE
+                    self._blocks_mem = mmap.mmap(table.map_fd, size, flags=mmap.MAP_SHARED, prot=prot)
+                mem = self._blocks_mem
+            entries = np.frombuffer(mem, dtype=np.uint64).reshape(-1, ctypes.sizeof(table.Leaf) // 8)
+            addr = entries[:, 0]
+            mine = (addr >> np.uint64(SLOT_SHIFT)) == np.uint64(slot)
+            mine &= addr != 0
+            addr[mine] = 0
+            del entries, addr, mine  # no view may outlive the mapping (closed at the unload)
         hashed = self.bpf["blocks"]
         keys = [int(getattr(k, "value", k)) for k in list(hashed)]
         for key in keys:
