@@ -270,10 +270,11 @@ class TargetOut(BaseModel):
     sample_rate: int = Field(description="Mean bytes between samples; 1 in exact mode (every call counted).")
     estimate: bool = Field(description="True when the heap figures are estimates (sampled mode); the call "
                            "counts are exact in both modes.")
-    state: Literal["profiling", "exited", "detached", "waiting", "refused"] = Field(
-        description="waiting: sampled mode found no thread at a safe point yet (error says where each was); it "
-        "is tried again. refused: a selector chose it and it cannot be profiled (error says why: a static "
-        "program in sampled mode, no allocator found, ...); not tried again while it runs."
+    state: Literal["attaching", "profiling", "exited", "detached", "waiting", "refused"] = Field(
+        description="attaching: being attached now (a DELETE waits for the attach, then detaches it). waiting: "
+        "sampled mode found no thread at a safe point yet (error says where each was); it is tried again. "
+        "refused: a selector chose it and it cannot be profiled (error says why: a static program in sampled "
+        "mode, no allocator found, ...); not tried again while it runs."
     )
     exited: bool
     started_at: datetime

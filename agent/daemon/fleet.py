@@ -92,6 +92,16 @@ class _Job:
     mode: ProfileMode | None = None  # asked: the mode asked for
 
 
+@dataclass(frozen=True)
+class _InAttach:
+    """A process being attached (FleetManager.attach): shown in /targets as attaching until its attach ends."""
+
+    selector: int | None
+    parent: int | None
+    mode: ProfileMode | None
+    since: float
+
+
 @dataclass
 class _Waiting:
     """A process that had no thread at a safe point for sampled mode's injection (NoSafePoint): shown in
@@ -127,6 +137,7 @@ class FleetManager(TargetManager):
         self._failed: dict[Identity, TargetStatus] = {}
         self._waiting: dict[Identity, _Waiting] = {}  # no safe point yet: tried again later (NoSafePoint)
         self._released: set[Identity] = set()  # detached by the user: not selected again while they run
+        self._in_attach: dict[int, _InAttach] = {}  # chosen or asked for, being attached now: listed as attaching
         self._failures = 0
         self._events = 0
         self._lost = 0
@@ -267,6 +278,8 @@ class FleetManager(TargetManager):
                     self._refused[refusal.reason] += 1
                 raise TargetRefused(f"not profiling process {pid}: {refusal.message}")
             self._inflight += 1
+        with self._flock:
+            self._in_attach.setdefault(pid, _InAttach(selector, parent, mode, time.time()))
         try:
             started = start_time(pid, self.proc)
             if identity is not None and started != identity:
@@ -282,7 +295,14 @@ class FleetManager(TargetManager):
         finally:
             with self._admit:
                 self._inflight -= 1
+            with self._flock:
+                self._in_attach.pop(pid, None)
         t.origin = TargetOrigin(start_time=started or 0, placement=placement, selector=selector, parent=parent)
+        with self._flock:
+            gone = selector is not None and selector not in self._selectors
+        if gone:  # its selector was removed while it was being attached: not wanted any more
+            super().detach(pid)
+            raise TargetConflict(f"selector {selector} was removed while process {pid} was being attached")
         if selector is not None:
             self._watch(pid)
             chosen_by = self._selectors.get(selector)
@@ -291,6 +311,7 @@ class FleetManager(TargetManager):
         return t
 
     def detach(self, pid: int) -> TargetStatus:
+        self.wait_attached(pid)  # a process being attached is detached once attached
         waited = self._stop_waiting(pid)
         if waited is not None:  # not attached yet: it is no longer tried, nor chosen again while it runs
             self._released.add((pid, waited.status.origin.start_time))
@@ -457,8 +478,8 @@ class FleetManager(TargetManager):
         return None
 
     def _unprofiled(self, facts: ProcessFacts, selector: int | None, parent: int | None, mode: ProfileMode | None,
-                    state: TargetState, error: str, since: float | None = None) -> TargetStatus:
-        """How /targets shows a chosen process that is not profiled: waiting (tried again) or refused."""
+                    state: TargetState, error: str | None, since: float | None = None) -> TargetStatus:
+        """How /targets shows a chosen process that is not profiled: attaching, waiting (tried again) or refused."""
         mode = mode or self.config.profile.mode
         return TargetStatus(
             pid=facts.pid, command=facts.comm, cmdline=facts.cmdline or facts.comm, allocator="", state=state,
@@ -469,10 +490,18 @@ class FleetManager(TargetManager):
         )
 
     def not_profiled(self) -> list[TargetStatus]:
-        """Processes chosen but not profiled: waiting for a safe point (tried again; `error` says where each
-        thread was), or refused (not tried again while the process runs; `error` says why)."""
+        """Processes chosen but not profiled: being attached now, waiting for a safe point (tried again; `error`
+        says where each thread was), or refused (not tried again while the process runs; `error` says why)."""
         with self._flock:
-            return [w.status for _, w in sorted(self._waiting.items())] + [s for _, s in sorted(self._failed.items())]
+            in_attach = sorted(self._in_attach.items())
+            waiting = [w.status for _, w in sorted(self._waiting.items())]
+            failed = [s for _, s in sorted(self._failed.items())]
+        attaching = []
+        for pid, a in in_attach:
+            facts = read_facts(pid, self.proc)
+            if facts is not None:
+                attaching.append(self._unprofiled(facts, a.selector, a.parent, a.mode, "attaching", None, a.since))
+        return attaching + waiting + failed
 
     def _profiling(self, facts: ProcessFacts) -> bool:
         with self._lock:

@@ -146,6 +146,7 @@ class TargetManager:
         self.config = config
         self.proc = proc
         self._lock = threading.Lock()
+        self._attached = threading.Condition(self._lock)  # notified when an attach ends, well or not
         self._targets: dict[int, Target] = {}
         self._attaching: set[int] = set()
 
@@ -258,7 +259,9 @@ class TargetManager:
             self._release_reservation(process.pid)
 
     def detach(self, pid: int) -> TargetStatus:
-        """Stop profiling `pid` (the process runs on, untouched), write its files, and forget it."""
+        """Stop profiling `pid` (the process runs on, untouched), write its files, and forget it. A process being
+        attached is detached once its attach ends (NoSuchTarget if that failed)."""
+        self.wait_attached(pid)
         t = self.get(pid)
         t.stop.set()
         if t.thread is not None:
@@ -278,6 +281,12 @@ class TargetManager:
     def _release_reservation(self, pid: int) -> None:
         with self._lock:
             self._attaching.discard(pid)
+            self._attached.notify_all()
+
+    def wait_attached(self, pid: int) -> None:
+        """Until `pid` is not being attached (ATTACH_TIMEOUT at most)."""
+        with self._lock:
+            self._attached.wait_for(lambda: pid not in self._attaching, ATTACH_TIMEOUT)
 
     def _start(self, process: TargetProcess, settings: ProfileSettings | None = None,
                before: Target | None = None) -> Target:

@@ -11,7 +11,7 @@ from agent.model.pages import PageTotals
 from agent.model.stack import SiteCounts, Stack
 
 # waiting: for a safe point, tried again; refused: chosen by a selector and refused (the fleet's, with why)
-TargetState = Literal["profiling", "exited", "detached", "waiting", "refused"]
+TargetState = Literal["attaching", "profiling", "exited", "detached", "waiting", "refused"]
 XtreeKind = Literal["allocs", "full"]
 
 # Linux's PID_MAX_LIMIT: no PID is larger.

@@ -18,7 +18,8 @@ def list_selectors(manager: Manager) -> list[SelectorOut]:
 
 @router.delete(
     "/{id}",
-    summary="Stop choosing processes by this selector (the targets it chose stay profiled)",
+    summary="Stop choosing processes by this selector (the targets it chose stay profiled; one it chose and is "
+    "being attached now is let go once attached)",
     responses=ERRORS,
 )
 def remove_selector(id: Annotated[int, Path(ge=1, le=1 << 31)], manager: Manager) -> SelectorOut:

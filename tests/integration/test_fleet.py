@@ -15,12 +15,14 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.support.daemon import Daemon, start_daemon, stop_daemon
@@ -344,5 +346,54 @@ def test_sigkill_then_a_restarted_daemon_finds_the_same_processes(
         assert held[worker]["origin"]["parent"] == parent.pid  # found as the chosen parent's child again
         for pid in (parent.pid, worker):
             assert services.running(pid)
+    finally:
+        stop_daemon(d)
+
+
+def test_a_process_being_attached_is_listed_and_let_go_by_its_selectors_removal_or_a_delete(
+    heapscope_cmd: list[str], services: Services, tmp_path: Path
+) -> None:
+    """A daemon's first target of a mode waits for its program's compile (seconds): meanwhile /targets lists it as
+    attaching. Its selector removed then, the process is not left profiled once attached; a DELETE then waits for
+    the attach and detaches it (not a 404 while it is being attached, then a profile nobody wants)."""
+    d = start_daemon(heapscope_cmd, tmp_path, "--mode", "exact")
+    try:
+        with d.client() as c:
+            r = c.post("/targets", json={"comm": "^svc-late$"})
+            assert r.status_code == 201, r.text
+            selector = r.json()["id"]
+        late = services.start("svc-late")
+        wait_for(lambda: targets(d).get(late.pid, {}).get("state") == "attaching", FOUND_WITHIN,
+                 "the chosen process listed as attaching while the program compiles")
+        listed = targets(d)[late.pid]
+        assert listed["origin"]["selector"] == selector and listed["error"] is None
+        with d.client() as c:
+            assert c.delete(f"/selectors/{selector}").status_code == 200
+        wait_for(lambda: late.pid not in targets(d), FOUND_WITHIN, "the process let go once attached")
+        end = time.monotonic() + 3
+        while time.monotonic() < end:  # and not profiled a moment later
+            assert late.pid not in targets(d), "profiled by a selector removed during its attach"
+            time.sleep(0.1)
+        assert services.running(late.pid)
+
+        # Asked for in the other mode (its program compiles now): a DELETE during the attach detaches it after.
+        asked = services.start("svc-asked")
+        answers: dict[str, httpx.Response] = {}
+
+        def post() -> None:
+            with d.client() as c:
+                answers["post"] = c.post("/targets", json={"pid": asked.pid, "mode": "sampled"}, timeout=120)
+
+        poster = threading.Thread(target=post)
+        poster.start()
+        wait_for(lambda: targets(d).get(asked.pid, {}).get("state") == "attaching", FOUND_WITHIN,
+                 "the asked-for process listed as attaching")
+        with d.client() as c:
+            deleted = c.delete(f"/targets/{asked.pid}", timeout=120)
+        poster.join(120)
+        assert answers["post"].status_code == 201, answers["post"].text
+        assert deleted.status_code == 200, deleted.text
+        assert deleted.json()["state"] == "detached" and deleted.json()["files"]
+        assert asked.pid not in targets(d) and services.running(asked.pid)
     finally:
         stop_daemon(d)
