@@ -278,8 +278,9 @@ class FleetManager(TargetManager):
                     self._refused[refusal.reason] += 1
                 raise TargetRefused(f"not profiling process {pid}: {refusal.message}")
             self._inflight += 1
+        mine = _InAttach(selector, parent, mode, time.time())
         with self._flock:
-            self._in_attach.setdefault(pid, _InAttach(selector, parent, mode, time.time()))
+            self._in_attach.setdefault(pid, mine)
         try:
             started = start_time(pid, self.proc)
             if identity is not None and started != identity:
@@ -296,7 +297,8 @@ class FleetManager(TargetManager):
             with self._admit:
                 self._inflight -= 1
             with self._flock:
-                self._in_attach.pop(pid, None)
+                if self._in_attach.get(pid) is mine:  # (a second attach of it, refused, leaves the first's)
+                    del self._in_attach[pid]
         t.origin = TargetOrigin(start_time=started or 0, placement=placement, selector=selector, parent=parent)
         with self._flock:
             gone = selector is not None and selector not in self._selectors
@@ -493,7 +495,8 @@ class FleetManager(TargetManager):
         """Processes chosen but not profiled: being attached now, waiting for a safe point (tried again; `error`
         says where each thread was), or refused (not tried again while the process runs; `error` says why)."""
         with self._flock:
-            in_attach = sorted(self._in_attach.items())
+            retried = {pid for pid, _ in self._waiting}  # tried again now: listed once, as waiting
+            in_attach = sorted((pid, a) for pid, a in self._in_attach.items() if pid not in retried)
             waiting = [w.status for _, w in sorted(self._waiting.items())]
             failed = [s for _, s in sorted(self._failed.items())]
         attaching = []
