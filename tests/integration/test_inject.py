@@ -90,9 +90,7 @@ def test_calls_on_every_thread_and_arm_cycles_change_nothing(
         assert final["arm_count"] == 10
         finish_stress(conv)
     finally:
-        if conv.proc.poll() is None:
-            conv.proc.kill()
-            conv.proc.wait()
+        conv.kill()
 
 
 def test_sampled_bytes_per_site_via_injection(sampler_lib: Path, build: Callable[..., Path], tmp_path: Path) -> None:
@@ -119,9 +117,7 @@ def refused(argv: list[str], lib: Path) -> str:
         assert info.value.exit_code == 3
         return str(info.value)
     finally:
-        if conv.proc.poll() is None:
-            conv.proc.kill()
-            conv.proc.wait()
+        conv.kill()
 
 
 def test_refuses_a_seccomp_target(sampler_lib: Path, build: Callable[..., Path]) -> None:
@@ -157,9 +153,7 @@ def test_a_library_the_target_cannot_see_is_handed_over_in_a_memfd(
         conv.say("x")
         assert conv.finish() == 0
     finally:
-        if conv.proc.poll() is None:
-            conv.proc.kill()
-            conv.proc.wait()
+        conv.kill()
 
 
 def test_refuses_a_hidden_library_where_the_target_has_no_proc(sampler_lib: Path, build: Callable[..., Path]) -> None:
@@ -193,9 +187,7 @@ def test_refusal_is_one_line_and_an_exit_code(sampler_lib: Path, build: Callable
         conv.say("x")
         assert conv.finish() == 0
     finally:
-        if conv.proc.poll() is None:
-            conv.proc.kill()
-            conv.proc.wait()
+        conv.kill()
 
 
 def test_controller_killed_in_the_middle_of_the_injected_call(
@@ -231,6 +223,4 @@ def test_controller_killed_in_the_middle_of_the_injected_call(
         time.sleep(2.0)
         finish_stress(conv)
     finally:
-        if conv.proc.poll() is None:
-            conv.proc.kill()
-            conv.proc.wait()
+        conv.kill()

@@ -113,9 +113,7 @@ def test_kernel_aggregates_sampled_bytes_per_site(
         conv.say("exit")
         assert conv.finish() == 0
     finally:
-        if conv.proc.poll() is None:
-            conv.proc.kill()
-            conv.proc.wait()
+        conv.kill()
     truth: collections.Counter[int] = collections.Counter()
     for _, site, size in struct.iter_unpack("<QII", log.read_bytes()):
         truth[site] += size

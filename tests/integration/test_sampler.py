@@ -151,14 +151,9 @@ def test_sampler_goes_inert_when_its_controller_is_killed(
         again = watcher.arm(65536)
         assert again.state == "armed" and again["arm_count"] == 2
         watcher.disarm()
-        conv.say("free")
-        conv.expect("freed")
-        conv.say("exit")
-        assert conv.finish() == 0
+        free_and_exit(conv)
     finally:
-        if conv.proc.poll() is None:
-            conv.proc.kill()
-            conv.proc.wait()
+        conv.kill()
 
 
 def test_cxx_operators_and_libraries_loaded_after_arming(
@@ -187,9 +182,7 @@ def test_cxx_operators_and_libraries_loaded_after_arming(
             samples = read()
         ctl.close()
     finally:
-        if conv.proc.poll() is None:
-            conv.proc.kill()
-            conv.proc.wait()
+        conv.kill()
     assert addresses.pop("threw") == 1
     sampled = Counter(p for p, _, _ in samples.allocs)
     sizes = {p: (s, w) for p, s, w in samples.allocs}
@@ -228,9 +221,7 @@ def test_program_closing_the_lease_and_forking_is_left_alone(sampler_lib: Path, 
         assert conv.finish() == 0
         ctl.close()
     finally:
-        if conv.proc.poll() is None:
-            conv.proc.kill()
-            conv.proc.wait()
+        conv.kill()
 
 
 def test_lazy_slot_with_two_definers_is_patched_once_bound(sampler_lib: Path, build: Callable[..., Path]) -> None:
@@ -253,9 +244,7 @@ def test_lazy_slot_with_two_definers_is_patched_once_bound(sampler_lib: Path, bu
             assert conv.finish() == 0
         ctl.close()
     finally:
-        if conv.proc.poll() is None:
-            conv.proc.kill()
-            conv.proc.wait()
+        conv.kill()
     sampled = {p for p, _, _ in samples.allocs}
     assert first[0] == "first" and second_line[0] == "second"
     assert int(first[1], 16) not in sampled  # the call that bound the slot went straight to malloc
@@ -286,9 +275,7 @@ def test_every_c_allocation_function_is_sampled_and_freed_once(sampler_lib: Path
             assert conv.finish() == 0
         ctl.close()
     finally:
-        if conv.proc.poll() is None:
-            conv.proc.kill()
-            conv.proc.wait()
+        conv.kill()
     allocs = Counter(p for p, _, _ in samples.allocs)
     sizes: dict[int, list[int]] = {}
     for p, size, _ in samples.allocs:
@@ -362,14 +349,17 @@ def test_an_idle_sampler_woken_through_its_lease_reads_the_byte_and_does_not_spi
         assert ctl.read()["samples"] > 0
         ctl.disarm()
         ctl.close()
-        conv.say("free")
-        conv.expect("freed")
-        conv.say("exit")
-        assert conv.finish() == 0
+        free_and_exit(conv)
     finally:
-        if conv.proc.poll() is None:
-            conv.proc.kill()
-            conv.proc.wait()
+        conv.kill()
+
+
+def free_and_exit(conv: Conversation) -> None:
+    """sampler_sites.c's last steps: it frees site 0's blocks, then exits 0."""
+    conv.say("free")
+    conv.expect("freed")
+    conv.say("exit")
+    assert conv.finish() == 0
 
 
 def _unread(fd: int) -> int:
