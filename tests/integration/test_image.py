@@ -187,7 +187,7 @@ class Run:
 
         def profiling() -> dict[str, Any] | None:
             t = self.target()
-            assert t is None or t["state"] in ("profiling", "waiting"), t
+            assert t is None or t["state"] in ("attaching", "profiling", "waiting"), t
             return t if t is not None and t["state"] == "profiling" else None
 
         t = wait_for(profiling, ATTACH_TIMEOUT, "redis in /targets, profiled")
