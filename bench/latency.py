@@ -31,8 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-from benchproc import build, cpu_seconds, free_port, rss_mib
+from benchproc import build, cpu_seconds, daemon_client, free_port, rss_mib
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -65,7 +64,6 @@ def main() -> int:
     sites = build(BENCH / "sites.c", BENCH / "build" / "sites")
     sleeper = build(REPO / "tests" / "integration" / "programs" / "daemon_target.c", BENCH / "build" / "sleeper")
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     out_dir = BENCH / "build" / "daemon-out"
     daemon = subprocess.Popen(
         [str(HEAPSCOPE), "serve", "--http", f"127.0.0.1:{port}", "--output-dir", str(out_dir), "-q",
@@ -75,13 +73,7 @@ def main() -> int:
     result: dict[str, object] = {"sites": args.sites, "requests": args.requests, "load_seconds": args.load_seconds,
                                  "mode": args.mode or "the daemon's default"}
     try:
-        client = httpx.Client(base_url=url, timeout=60)
-        for _ in range(300):
-            try:
-                if client.get("/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        client = daemon_client(port, timeout=60)
         result["idle_no_target"] = idle(daemon.pid, args.idle_seconds)
 
         slp = subprocess.Popen([str(sleeper)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
