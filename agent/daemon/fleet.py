@@ -47,7 +47,6 @@ from agent.model.fleet import REFUSAL_REASONS, FleetStatus, Limits, Refusal, Sel
 from agent.model.sampling import ProfileMode
 from agent.model.selector import ProcessFacts, Selector, first_match
 from agent.model.target import TargetState, TargetStatus
-from agent.process.discovery import forget_gone_processes
 from agent.process.procinfo import (
     cgroup_of,
     process_ids,
@@ -696,7 +695,6 @@ class FleetManager(TargetManager):
             # profile stalled requests); an ended target's cycles (its symbolizer's DWARF, its trees) were frozen
             # with the rest and would never be collected. One full pass per forgotten batch of targets.
             gc.unfreeze()
-            forget_gone_processes()  # the ELF objects and symbol tables read through its /proc/PID/root
             gc.collect()
             gc.freeze()
             release_free_memory()

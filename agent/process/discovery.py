@@ -23,8 +23,7 @@ from agent.errors import TargetError
 from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS
 from agent.model.maps import Mapping, parse_maps
 from agent.process.view import ProcessView
-from agent.symbols.elf import ElfError, ElfObject, FileCache, open_elf
-from agent.symbols.elf import forget_gone_processes as forget_gone_objects
+from agent.symbols.elf import ElfError, ElfObject, FileCache, file_identity, open_elf
 from agent.symbols.placement import Placement, choose_offset
 
 # Not allocation functions: `run` stops the target at exit() to record its mappings before they go, and
@@ -87,9 +86,8 @@ _WANTED = frozenset(f.symbol for f in ALLOC_FUNCTIONS) | {EXIT_FUNCTION, LOADER_
 
 
 def elf_facts(path: str) -> ElfFacts:
-    """The ElfFacts of a file, cached while the file stays the same and its process (for a path through
-    /proc/PID/root) lives: each target's objects are read through its own root, and a daemon that sees thousands
-    of processes must not keep each one's (with its symbol table)."""
+    """The ElfFacts of a file, read once while the file stays the same, whatever path (each process's own
+    /proc/PID/root) it is reached by."""
     try:
         return _facts.get(path)
     except ElfError as exc:
@@ -125,15 +123,7 @@ def _read_facts(path: str) -> ElfFacts:
     return facts
 
 
-_facts: FileCache[ElfFacts] = FileCache(
-    _read_facts, limit=256, rebind=lambda facts, path: replace(facts, obj=open_elf(path))
-)
-
-
-def forget_gone_processes() -> None:
-    """Drop what was read through /proc/PID/root of processes that are gone (also done at each new read)."""
-    _facts.forget_gone_processes()
-    forget_gone_objects()
+_facts: FileCache[ElfFacts] = FileCache(_read_facts, lambda facts, path: replace(facts, obj=open_elf(path)))
 
 
 @lru_cache(maxsize=1)
@@ -198,7 +188,7 @@ def load_order(exe: str, preload: Iterable[str], find: Callable[[str, ElfFacts],
     loader (glibc's defines no malloc; musl's is its libc, which a musl program needs as "libc.so")."""
     exe_facts = elf_facts(exe)
     order = [exe_facts]
-    seen = {os.path.realpath(exe)}
+    seen = {file_identity(exe)}
     queue: deque[tuple[str, ElfFacts]] = deque((p, exe_facts) for p in preload)
     queue.extend((n, exe_facts) for n in exe_facts.needed)
     if exe_facts.interp:
@@ -206,9 +196,9 @@ def load_order(exe: str, preload: Iterable[str], find: Callable[[str, ElfFacts],
     while queue:
         name, parent = queue.popleft()
         path = find(name, parent)
-        if path is None or os.path.realpath(path) in seen:
+        if path is None or file_identity(path) in seen:
             continue
-        seen.add(os.path.realpath(path))
+        seen.add(file_identity(path))
         try:
             facts = elf_facts(path)
         except TargetError:
@@ -283,14 +273,14 @@ def resolve_allocator(order: Sequence[ElfFacts]) -> Allocator:
             + ")"
         )
     probes: list[ProbePoint] = []
-    seen_addresses: set[tuple[str, int]] = set()
+    seen_addresses: set[tuple[tuple[int, int] | str, int]] = set()
     wanted = [f for f in ALLOC_FUNCTIONS if not f.cxx or f.symbol in provider.defined]
     for f in wanted:
         name = f.symbol
         owner = next((o for o in order if name in o.defined), None)
         if owner is None:
             continue
-        key = (os.path.realpath(owner.path), owner.defined[name])
+        key = (file_identity(owner.path), owner.defined[name])
         if key in seen_addresses:  # aliases (aligned_alloc = memalign): one probe serves both
             continue
         seen_addresses.add(key)

@@ -68,7 +68,7 @@ from agent.process.sampler import (
 )
 from agent.process.view import ProcessView
 from agent.symbols.debugfiles import DEFAULT_DEBUG_ROOTS, find_debug_file
-from agent.symbols.elf import ElfObject, open_elf
+from agent.symbols.elf import ElfObject, file_identity, open_elf
 from agent.symbols.unwind import Rule, UnwindTable, load_table, lookup
 
 T = TypeVar("T")
@@ -297,8 +297,7 @@ def preflight(pid: int, library: Path, proc_root: str = "/proc") -> None:
             "use --mode=exact"
         )
     allocator = allocator_of_process(pid, proc_root)
-    exe = os.path.realpath(f"{proc_root}/{pid}/exe")
-    if os.path.realpath(allocator.path) == exe:
+    if file_identity(allocator.path) == file_identity(f"{proc_root}/{pid}/exe"):
         raise SamplingRefused(
             f"process {pid}'s allocator ({allocator.family}) is linked into its executable: its calls do not go "
             "through the GOT and cannot be sampled; use --mode=exact"
@@ -331,19 +330,24 @@ def _is_unsafe_name(name: str) -> bool:
 
 
 def _symbol_ranges(obj: ElfObject, debug: ElfObject | None) -> list[tuple[int, int, str]]:
-    ranges = []
-    for source in (obj, debug) if debug is not None else (obj,):
-        for sym in source.function_symbols():
-            if sym.size and _is_unsafe_name(sym.name):
-                ranges.append((sym.value, sym.value + sym.size, sym.name))
-    return ranges
+    def read() -> list[tuple[int, int, str]]:
+        ranges = []
+        for source in (obj, debug) if debug is not None else (obj,):
+            for sym in source.function_symbols():
+                if sym.size and _is_unsafe_name(sym.name):
+                    ranges.append((sym.value, sym.value + sym.size, sym.name))
+        return ranges
+
+    # Kept with the file's symbols (shared by every process of it): libc's are some 3,000 names to match.
+    with_debug = "no debug file" if debug is None else debug.build_id or file_identity(debug.path)
+    return obj.memoized(f"unsafe ranges, {with_debug}", read)
 
 
 def unsafe_ranges(pid: int, proc_root: str = "/proc") -> UnsafeRanges:
     """Address ranges of the target where a thread must not be (or return to) when it runs the call."""
     maps = read_map_lines(pid)
     allocator = allocator_of_process(pid, proc_root)
-    allocator_real = os.path.realpath(allocator.path)
+    allocator_file = file_identity(allocator.path)
     out: list[tuple[int, int, str]] = []
     view = ProcessView.of(pid, proc_root)  # read once: every mapped object goes through it
     by_path: dict[str, list[MapsEntry]] = {}
@@ -360,11 +364,12 @@ def unsafe_ranges(pid: int, proc_root: str = "/proc") -> UnsafeRanges:
         if name.startswith("ld-linux"):
             out.extend((m.start, m.end, f"the loader ({name})") for m in execs)
             continue
-        if os.path.realpath(seen_as) == allocator_real and not is_libc_name(name):
+        is_allocator = file_identity(seen_as) == allocator_file
+        if is_allocator and not is_libc_name(name):
             out.extend((m.start, m.end, f"the allocator ({name})") for m in execs)  # jemalloc, tcmalloc: all
             continue
         if not (is_libc_name(name) or name.startswith(("libstdc++", "libc++"))
-                or os.path.realpath(seen_as) == allocator_real):
+                or is_allocator):
             continue
         try:
             obj = open_elf(seen_as)

@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -114,8 +115,23 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _source_hash(cc: str, source: str, flags: tuple[str, ...]) -> str:
+    # Every attach asks (the stub is built before each call into a target): the sources' stamps are looked at,
+    # and their text and the compiler read again only when one changed.
+    names = tuple(sorted({source, *SOURCES}))
+    stamps = tuple((st.st_mtime_ns, st.st_size) for st in (os.stat(SOURCE_DIR / n) for n in names))
+    compiler = shutil.which(cc) or cc
+    try:
+        cc_stat = os.stat(compiler)
+        cc_stamp = (cc_stat.st_ino, cc_stat.st_mtime_ns)
+    except OSError:
+        cc_stamp = (0, 0)
+    return _hash_of(cc, names, flags, stamps, cc_stamp)
+
+
+@lru_cache(maxsize=16)
+def _hash_of(cc: str, names: tuple[str, ...], flags: tuple[str, ...], stamps: object, cc_stamp: object) -> str:
     h = hashlib.sha256()
-    for name in sorted({source, *SOURCES}):
+    for name in names:
         h.update((SOURCE_DIR / name).read_bytes())
     h.update("\0".join(flags).encode())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout

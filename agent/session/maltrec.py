@@ -12,10 +12,13 @@ profile's config says which figures are exact (EXACT_IN_SAMPLED).
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import psutil
@@ -46,6 +49,7 @@ from agent.model.malt import (
 )
 from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint
+from agent.process.procinfo import resident_bytes
 from agent.symbols.globalvars import global_variables
 
 if TYPE_CHECKING:
@@ -54,6 +58,37 @@ if TYPE_CHECKING:
 TICKS_PER_SECOND = 1_000_000_000  # the kernel's clock: nanoseconds
 # Sampled mode: the figures of the MALT profile that are the sampler's exact counts (the per-thread call counts).
 EXACT_IN_SAMPLED = ("threads.stats.*.count", "threads.cntMemOps")
+
+
+@dataclass(frozen=True)
+class _NodeReading:
+    free: int
+    cached: int
+    swap_used: int
+    own_rss: int  # the daemon's (MALT's "internal" memory: the profiler's own)
+
+
+class _NodeReadings:
+    """The node's memory and the daemon's own, read for every target's timeline at once: each recorder read
+    /proc/meminfo, /proc/vmstat and the daemon's statm at each of its samples (20 a second a target)."""
+
+    def __init__(self, max_age: float) -> None:
+        self._max_age = max_age
+        self._lock = threading.Lock()
+        self._at = -math.inf
+        self._last: _NodeReading | None = None
+
+    def reading(self) -> _NodeReading:
+        with self._lock:
+            now = time.monotonic()
+            if self._last is None or now - self._at > self._max_age:
+                vm, swap = psutil.virtual_memory(), psutil.swap_memory()
+                self._last = _NodeReading(vm.free, getattr(vm, "cached", 0), swap.used, resident_bytes())
+                self._at = now
+            return self._last
+
+
+_node = _NodeReadings(max_age=0.1)
 
 
 class MaltRecorder:
@@ -80,7 +115,6 @@ class MaltRecorder:
             self._proc: psutil.Process | None = psutil.Process(pid)
         except psutil.Error:
             self._proc = None
-        self._me = psutil.Process()
 
     def sample(self, c: Counters, mapped: int | None = None) -> None:
         """One point of the memory, system and bandwidth timelines, and the sizes allocated since the last.
@@ -96,10 +130,9 @@ class MaltRecorder:
         rss, vms = self._last_mem
         if mapped is not None:
             vms = mapped
-        internal = self._me.memory_info().rss
-        self.memory.push(t, (max(window_max, c.heap), rss, vms, internal, c.blocks), callsite=window_site or None)
-        vm, swap = psutil.virtual_memory(), psutil.swap_memory()
-        self.system.push(t, (vm.free, getattr(vm, "cached", 0), swap.used))
+        node = _node.reading()
+        self.memory.push(t, (max(window_max, c.heap), rss, vms, node.own_rss, c.blocks), callsite=window_site or None)
+        self.system.push(t, (node.free, node.cached, node.swap_used))
         prev = self._prev
         if prev is not None:
             self.bandwidth.push(
@@ -194,7 +227,7 @@ class MaltRecorder:
         # The kernel names the site that set each interval's maximum by id; MALT by its stack.
         memory.callsites = [keys.get(cs, cs) if isinstance(cs, int) else cs for cs in memory.callsites]
         mappings = session.maps.mappings
-        objects = sorted({m.path for m in mappings if os.path.isfile(m.path)})
+        objects = {m.path: m.name for m in sorted(mappings, key=lambda m: m.name) if os.path.isfile(m.path)}
         runtime = time.monotonic_ns() - self.start_ns
         return MaltProfile(
             run=MaltRun(

@@ -21,7 +21,7 @@ def _crc32_of(path: str) -> int:
 DEFAULT_DEBUG_ROOTS = ("/usr/lib/debug",)
 
 
-_PROCESS_ROOT = re.compile(r"^/proc/\d+/root(?=/)")
+PROCESS_ROOT = re.compile(r"^/proc/\d+/root(?=/)")
 
 
 def find_debug_file(obj: ElfObject, debug_roots: Sequence[str]) -> ElfObject | None:
@@ -29,7 +29,7 @@ def find_debug_file(obj: ElfObject, debug_roots: Sequence[str]) -> ElfObject | N
     .gnu_debuglink next to the object, in its .debug/ folder, or under each root plus the object's folder.
     An object read through a process's root (a container's) is looked for inside that root first, then on the
     host by build id (a debug file found by its name alone must match the object's build id or CRC)."""
-    inside = _PROCESS_ROOT.match(obj.path)
+    inside = PROCESS_ROOT.match(obj.path)
     if inside is not None:
         debug_roots = [inside.group(0) + r for r in debug_roots] + list(debug_roots)
     if obj.build_id and len(obj.build_id) > 2:

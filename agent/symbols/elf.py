@@ -11,14 +11,15 @@ import copy
 import os
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import BinaryIO, Generic, TypeVar
+from typing import BinaryIO, Generic, TypeVar, cast
 
 from elftools.elf.elffile import ELFFile
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 ET_DYN = "ET_DYN"
 
@@ -31,6 +32,10 @@ SHT_NOBITS = "SHT_NOBITS"
 
 class ElfError(Exception):
     """The file is missing, unreadable or not ELF."""
+
+
+class NotElfError(ElfError):
+    """The file was read and is not ELF (a mapped data file): it stays so while it is the same file."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,8 @@ class ElfObject:
     section_names: frozenset[str] = field(compare=False, repr=False)
     debuglink: tuple[str, int] | None = field(compare=False, repr=False)  # (.gnu_debuglink name, CRC32)
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+    # Symbol tables read on first use, shared with the same file's twins at other paths (_same_file_at).
+    _memo: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def is_pie_or_shared(self) -> bool:
@@ -134,16 +141,26 @@ class ElfObject:
 
     # ---- symbols ----
 
-    @cached_property
+    def memoized(self, name: str, compute: Callable[[], R]) -> R:
+        """compute(), once for this file (its twins at other paths share it): for what is read of its symbols."""
+        found = self._memo.get(name)
+        if found is None:
+            found = self._memo.setdefault(name, compute())
+        return cast(R, found)
+
+    @property
     def dynsym(self) -> tuple[ElfSymbol, ...]:
-        return tuple(self._read_symbols(".dynsym"))
+        return self.memoized("dynsym", lambda: tuple(self._read_symbols(".dynsym")))
 
-    @cached_property
+    @property
     def symtab(self) -> tuple[ElfSymbol, ...]:
-        return tuple(self._read_symbols(".symtab"))
+        return self.memoized("symtab", lambda: tuple(self._read_symbols(".symtab")))
 
-    @cached_property
+    @property
     def _defined_by_name(self) -> dict[str, tuple[int, int]]:
+        return self.memoized("defined", self._defined_table)
+
+    def _defined_table(self) -> dict[str, tuple[int, int]]:
         # .symtab first so that .dynsym entries overwrite them: the exported definition wins.
         table: dict[str, tuple[int, int]] = {}
         for sym in (*self.symtab, *self.dynsym):
@@ -227,7 +244,7 @@ def _read_header(path: str) -> ElfObject:
         try:
             elf = ELFFile(fh)
         except Exception as exc:  # pyelftools raises ELFError and struct errors alike
-            raise ElfError(f"{path} is not an ELF file: {exc}") from exc
+            raise NotElfError(f"{path} is not an ELF file: {exc}") from exc
         segments = tuple(
             LoadSegment(ph["p_vaddr"], ph["p_memsz"], ph["p_offset"], ph["p_filesz"], ph["p_flags"])
             for ph in elf.iter_segments()
@@ -279,6 +296,16 @@ def _debuglink(elf: ELFFile) -> tuple[str, int] | None:
     return name, crc
 
 
+def file_identity(path: str) -> tuple[int, int] | str:
+    """(device, inode) of the file at path, else the path itself: two paths to one file (symlinks, a process's
+    /proc/PID/root, hard links) compare equal with one stat, where os.path.realpath lstat's every component."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return path
+    return (st.st_dev, st.st_ino)
+
+
 def _file_id(path: str) -> _FileId:
     try:
         st = os.stat(path)
@@ -287,65 +314,53 @@ def _file_id(path: str) -> _FileId:
     return _FileId(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _of_gone_process(path: str) -> bool:
-    """Whether a path reached through /proc/PID/root names a process that is gone. A zombie counts as gone: its
-    /proc/PID stays until its parent waits for it, which a container's PID 1 or a careless supervisor may put off
-    for good, but its root can no longer be read."""
-    return path.startswith("/proc/") and not os.path.exists(path.split("/root/", 1)[0] + "/root")
-
-
 class FileCache(Generic[T]):
-    """What was read from each file, kept while the file on disk stays the same.
+    """What was read from each file, known by the file (device, inode, size, mtime), not by the path it was read
+    through: each process's files are opened through its own /proc/PID/root, so one library of a fleet (of a
+    prefork server's workers, of fifty pods of one image) is read once, whatever path each process gives it.
 
-    Entries reached through /proc/PID/root of a process that is gone are dropped: no one opens them by that path
-    again, and a daemon that profiles one process after another would otherwise keep every one's (and the symbol
-    tables read with them). Holders of an entry keep it alive as long as they need it. `limit` bounds the entries
-    of live processes too, the oldest going first."""
+    `at_path` makes what was read through one path into the value for another path to the same file (cheap: the
+    value's own path changes, what was read is shared). A read that fails with one of `remembered` (a mapped file
+    that is not ELF) is remembered too, while the file stays the same. `limit` bounds the files kept, the least
+    recently asked for going first; holders of a value keep it as long as they need it."""
 
     def __init__(
-        self, read: Callable[[str], T], limit: int | None = None, rebind: Callable[[T, str], T] | None = None
+        self,
+        read: Callable[[str], T],
+        at_path: Callable[[T, str], T],
+        limit: int = 512,
+        remembered: tuple[type[Exception], ...] = (),
     ) -> None:
         self._read = read
+        self._at_path = at_path
         self._limit = limit
-        # What was read of a file through one path, made into the entry of another path to the same file (each
-        # process's files are opened through its own /proc/PID/root): read once, not once per process.
-        self._rebind = rebind
-        self._entries: dict[tuple[str, _FileId], T] = {}
-        self._by_file: dict[_FileId, tuple[str, _FileId]] = {}  # a file -> one of its entries' keys
+        self._remembered = remembered
+        self._files: OrderedDict[_FileId, tuple[str, T | Exception]] = OrderedDict()  # -> (read through, value)
         self._lock = threading.Lock()
 
     def get(self, path: str) -> T:
         """Raises ElfError when the file is missing, and what `read` raises."""
-        key = (path, _file_id(path))
+        fid = _file_id(path)
         with self._lock:
-            cached = self._entries.get(key)
-            twin = self._entries.get(self._by_file.get(key[1], key)) if self._rebind is not None else None
-        if cached is not None:
-            return cached
-        value = self._rebind(twin, path) if twin is not None and self._rebind is not None else self._read(path)
-        with self._lock:
-            self._forget_gone_processes()
-            if self._limit is not None:
-                while len(self._entries) >= self._limit:
-                    self._drop(next(iter(self._entries)))
-            self._by_file[key[1]] = key
-            return self._entries.setdefault(key, value)
-
-    def _drop(self, key: tuple[str, _FileId]) -> None:
-        del self._entries[key]
-        if self._by_file.get(key[1]) == key:
-            del self._by_file[key[1]]
-
-    def forget_gone_processes(self) -> None:
-        with self._lock:
-            self._forget_gone_processes()
-
-    def _forget_gone_processes(self) -> None:
-        for key in [k for k in self._entries if _of_gone_process(k[0])]:
-            self._drop(key)
+            entry = self._files.get(fid)
+            if entry is not None:
+                self._files.move_to_end(fid)
+        if entry is None:
+            try:
+                entry = (path, self._read(path))
+            except self._remembered as exc:
+                entry = (path, exc)
+            with self._lock:
+                entry = self._files.setdefault(fid, entry)
+                while len(self._files) > self._limit:
+                    self._files.popitem(last=False)
+        read_through, value = entry
+        if isinstance(value, Exception):
+            raise type(value)(str(value).replace(read_through, path))
+        return value if read_through == path else self._at_path(value, path)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._files)
 
 
 def _same_file_at(obj: ElfObject, path: str) -> ElfObject:
@@ -355,7 +370,7 @@ def _same_file_at(obj: ElfObject, path: str) -> ElfObject:
     return twin
 
 
-_objects: FileCache[ElfObject] = FileCache(_read_header, rebind=_same_file_at)
+_objects: FileCache[ElfObject] = FileCache(_read_header, _same_file_at, remembered=(NotElfError,))
 
 
 def open_elf(path: str) -> ElfObject:
@@ -364,8 +379,3 @@ def open_elf(path: str) -> ElfObject:
     Raises ElfError when the file is missing or not ELF.
     """
     return _objects.get(path)
-
-
-def forget_gone_processes() -> None:
-    """Drop the objects read through /proc/PID/root of processes that are gone (also done at each new read)."""
-    _objects.forget_gone_processes()

@@ -10,10 +10,11 @@ Reads files only, through agent.symbols.elf (symbols decoded in bulk) and pyelft
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from agent.model.malt import GlobalVariable
-from agent.symbols.elf import ElfError, ElfSymbol, open_elf
+from agent.symbols.elf import ElfError, ElfSymbol, FileCache, open_elf
 from agent.symbols.names import demangle
 
 # st_info types (ELF gABI).
@@ -42,7 +43,12 @@ def _object_symbols(symbols: Sequence[ElfSymbol]) -> list[ElfSymbol]:
 
 
 def variables_of(path: str) -> list[GlobalVariable]:
-    """The global variables of one ELF file, in symbol-table order. Raises ElfError when it is not ELF."""
+    """The global variables of one ELF file, in symbol-table order, read once while the file stays the same (each
+    ended target's MALT profile lists its objects'). Raises ElfError when it is not ELF."""
+    return _variables.get(path)
+
+
+def _read_variables(path: str) -> list[GlobalVariable]:
     obj = open_elf(path)
     symbols = _object_symbols(obj.symtab) or _object_symbols(obj.dynsym)
     sections = _section_table(path)
@@ -73,18 +79,26 @@ def variables_of(path: str) -> list[GlobalVariable]:
     return out
 
 
-def global_variables(objects: Sequence[str]) -> dict[str, list[GlobalVariable]]:
-    """Global variables per object path (the executable and its libraries), in the given order.
+_variables: FileCache[list[GlobalVariable]] = FileCache(
+    _read_variables, lambda variables, path: [replace(v, binary=path) for v in variables]
+)
+
+
+def global_variables(objects: Mapping[str, str]) -> dict[str, list[GlobalVariable]]:
+    """Global variables per object (the executable and its libraries), in the given order: `objects` maps where
+    each file is opened to the name it is shown by (the process's own path, for a container), the name the
+    result is keyed and its variables' `binary` are given.
 
     An object that cannot be read (gone, not ELF) is left out rather than failing the whole profile; an object
     without any global variable maps to an empty list, as in MALT's own files.
     """
     out: dict[str, list[GlobalVariable]] = {}
-    for path in objects:
-        if path in out:
+    for path, shown in objects.items():
+        if shown in out:
             continue
         try:
-            out[path] = variables_of(path)
+            variables = variables_of(path)
         except (ElfError, OSError):
             continue
+        out[shown] = [replace(v, binary=shown) for v in variables] if shown != path else variables
     return out

@@ -54,7 +54,7 @@ from elftools.dwarf.structs import DWARFStructs
 from elftools.elf.elffile import ELFFile
 
 from agent.contract import HEAP_H
-from agent.symbols.debugfiles import DEFAULT_DEBUG_ROOTS, find_debug_file
+from agent.symbols.debugfiles import DEFAULT_DEBUG_ROOTS, PROCESS_ROOT, find_debug_file
 from agent.symbols.elf import ElfObject, open_elf
 from agent.symbols.names import is_below_main
 
@@ -588,10 +588,37 @@ def deserialize(data: bytes) -> UnwindTable | None:
 
 
 # Tables read from the cache lately, by cache file (its name is the build's): a daemon's every further target maps
-# the same objects, and reading and checking libc's table again took milliseconds of each attach.
-_RECENT_TABLES = 32
+# the same objects, and reading and checking libc's table again took milliseconds of each attach. Room for a few
+# programs' every object: postgres alone maps 43, and a smaller room read each again at every new backend.
+_RECENT_TABLES = 256
 _recent_tables: OrderedDict[str, tuple[tuple[int, int, int], UnwindTable]] = OrderedDict()
 _recent_lock = threading.Lock()
+
+
+# Whether an object has a debug file, as looked up lately: the look is a dozen stats and real paths, at every
+# object of every new process; a debug package installed meanwhile is seen within this time.
+_DEBUG_LOOK_SECONDS = 30.0
+_debug_looks: dict[tuple[str, str, tuple[int, int] | None], tuple[float, bool]] = {}
+
+
+def _has_debug_file(obj: ElfObject) -> bool:
+    inside = PROCESS_ROOT.match(obj.path)
+    try:  # a container's debug files are looked for inside it first: the look is its root's (not its PID's)
+        root = os.stat(inside.group(0)) if inside else None
+    except OSError:
+        return find_debug_file(obj, DEFAULT_DEBUG_ROOTS) is not None
+    key = (obj.build_id or obj.path, str(obj.debuglink), (root.st_dev, root.st_ino) if root else None)
+    now = time.monotonic()
+    with _recent_lock:
+        known = _debug_looks.get(key)
+    if known is not None and now - known[0] < _DEBUG_LOOK_SECONDS:
+        return known[1]
+    found = find_debug_file(obj, DEFAULT_DEBUG_ROOTS) is not None
+    with _recent_lock:
+        if len(_debug_looks) > 4096:  # one entry a build and process root: dropped wholesale once many
+            _debug_looks.clear()
+        _debug_looks[key] = (now, found)
+    return found
 
 
 def load_table(path: str, cache_dir: str | None = None) -> UnwindTable:
@@ -601,7 +628,7 @@ def load_table(path: str, cache_dir: str | None = None) -> UnwindTable:
     """
     directory = cache_dir if cache_dir is not None else default_cache_dir()
     obj = open_elf(path)
-    with_debug = find_debug_file(obj, DEFAULT_DEBUG_ROOTS) is not None
+    with_debug = _has_debug_file(obj)
     target = os.path.join(directory, cache_key(path, obj.build_id, with_debug))
     try:
         with open(target, "rb") as fh:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -735,13 +737,28 @@ def test_global_variables_of_a_stripped_program_come_from_dynsym(globals_exe: Pa
 def test_global_variables_skip_unreadable_objects(globals_exe: Path, tmp_path: Path) -> None:
     text = tmp_path / "not-elf"
     text.write_text("hello")
-    out = global_variables([str(globals_exe), str(text), str(tmp_path / "missing"), str(globals_exe)])
+    out = global_variables({p: p for p in (str(globals_exe), str(text), str(tmp_path / "missing"))})
     assert list(out) == [str(globals_exe)]
     doc = dump(build_profile(out), "1.6")
     VALIDATOR.validate(doc)
     written = {v["name"]: v for v in doc["memStats"]["globalVariables"][str(globals_exe)]}
     assert written["big_array"]["size"] == 400 and written["tls_counter"]["tls"] is True
     assert written["tls_counter"]["usedSize"] == 0
+
+
+@pytest.mark.needs("gcc")
+def test_global_variables_of_a_file_opened_through_a_process_root_are_shown_by_its_own_name(
+    globals_exe: Path,
+) -> None:
+    """A container's object is opened through /proc/PID/root and listed by the path the process gives it; the
+    file's variables are read once, whatever the path."""
+    through = f"/proc/{os.getpid()}/root{globals_exe}"
+    mine = global_variables({str(globals_exe): str(globals_exe)})[str(globals_exe)]
+    theirs = global_variables({through: "/app/globals"})
+    assert list(theirs) == ["/app/globals"]
+    assert {v.binary for v in theirs["/app/globals"]} == {"/app/globals"}
+    assert [replace(v, binary="") for v in theirs["/app/globals"]] == [replace(v, binary="") for v in mine]
+    assert variables_of(through)[0].binary == through
 
 
 @pytest.mark.needs("gcc")
