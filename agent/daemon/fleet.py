@@ -64,6 +64,9 @@ TICK = 1.0
 # How often what is kept of processes no longer profiled (their store histories, their output files) is checked
 # against --store-max-age and --output-max-age.
 SWEEP_INTERVAL = 600.0
+# The full collection after targets are let go, at most this often: each is a pass over the whole daemon's heap
+# (a tenth of a second at 300 MB), and a fleet that detaches a target a second paid one a detach.
+TRIM_INTERVAL = 10.0
 MAX_SELECTORS = 256
 
 Identity = tuple[int, int]  # (pid, start time)
@@ -148,6 +151,7 @@ class FleetManager(TargetManager):
         self._ev: ProcEvents | None = None
         self._watched: set[int] = set()
         self._trim = False
+        self._next_trim = 0.0
         self._next_sweep = 0.0  # monotonic time of the next sweep of ended histories and files (at the first chores)
         self._expired_segments = 0
         self._expired_histories = 0
@@ -689,8 +693,9 @@ class FleetManager(TargetManager):
         """Ended targets: say why they ended and until when they stay; forget them at that time. Identities of
         processes that are gone are dropped from the remembered sets."""
         now = time.time()
-        if self._trim:  # a target was forgotten: give its memory back
+        if self._trim and time.monotonic() >= self._next_trim:  # targets were let go: give their memory back
             self._trim = False
+            self._next_trim = time.monotonic() + TRIM_INTERVAL
             # Sessions freeze the collector's objects at every sample (agent.session.session: full passes over a big
             # profile stalled requests); an ended target's cycles (its symbolizer's DWARF, its trees) were frozen
             # with the rest and would never be collected. One full pass per forgotten batch of targets.

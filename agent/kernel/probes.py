@@ -190,6 +190,7 @@ class HeapProbes(LiveProbes):
         # The raw globals last decoded, and what they decoded to: one tuple, replaced whole, as the sampling
         # thread and HTTP threads read the counters at once.
         self._counters_cache: tuple[bytes, Counters] | None = None
+        self._steered: tuple[int, int] | None = None  # the (cull_at, interval) written last (the kernel reads them)
 
     # ---- life cycle -------------------------------------------------------------------------------
 
@@ -412,8 +413,10 @@ class HeapProbes(LiveProbes):
         (unless None) the time from which the next event is a point (B, or ns with settings.schedule_ns)."""
         if self._maps is None:  # unloaded (or a frozen copy): no schedule to steer
             return
-        self._set_control(CTL_SCHED_CULL_AT, cull_at)
-        self._set_control(CTL_SCHED_INTERVAL, interval)
+        if self._steered != (cull_at, interval):  # steered at every tick, and they seldom change: two syscalls
+            self._set_control(CTL_SCHED_CULL_AT, cull_at)
+            self._set_control(CTL_SCHED_INTERVAL, interval)
+            self._steered = (cull_at, interval)
         if due is not None:
             self._set_control(CTL_SCHED_DUE_JIFFIES, 0)  # read the clock until the kernel's next point
             self._set_control(CTL_SCHED_DUE, due)
@@ -428,6 +431,7 @@ class HeapProbes(LiveProbes):
         self._set_control(CTL_SCHED_MAX, max_snapshots)
         self._set_control(CTL_SCHED_PEAK_PPM, round(peak_inaccuracy * 10_000))
         self._set_control(CTL_SCHED_CULL_AT, max_snapshots - 1)
+        self._steered = None
         if self.settings.schedule_ns:
             self._set_control(CTL_SCHED_JIFFY_NS, node_jiffy_ns())
 
