@@ -17,16 +17,6 @@ from agent.kernel.loader import compile_program
 from agent.kernel.rowspace import RowSpace
 
 
-def map_whole_array(table: Any, writable: bool = False) -> mmap.mmap:
-    """All of a small mmapable array map (BPF_F_MMAPABLE), its values from offset 0, each rounded up to 8 bytes:
-    read (and written) in place, with no bpf() call. An array's lookup and update copy the value as a read or a
-    write of the mapping does, so the two see the same."""
-    stride = (ctypes.sizeof(table.Leaf) + 7) & ~7
-    length = (table.max_entries * stride + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    return mmap.mmap(table.map_fd, length, flags=mmap.MAP_SHARED, prot=prot)
-
-
 class MappedArray:
     """An mmapable array map (BPF_F_MMAPABLE), mapped read-only as far as it is read: the kernel maps every
     page of a mapping at once, so mapping all of a 65,536-entry array would count its tens of MB in the

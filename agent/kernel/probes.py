@@ -62,7 +62,7 @@ from agent.kernel.abi import (
     THREAD_SLOTS,
     UMAPS_GEN_SHIFT,
 )
-from agent.kernel.arrays import MappedArray, SharedRows, map_whole_array
+from agent.kernel.arrays import MappedArray, SharedRows
 from agent.kernel.interface import LiveProbes, MaltSiteFields, ProbeSettings, SiteArray, UnwindMapping, table_sizes
 from agent.kernel.links import UPROBE_LINKS_ENV, link_uprobe, uprobe_links_supported
 from agent.kernel.loader import BCC_LOCK, load_bcc, program_text, trim_heap
@@ -184,9 +184,8 @@ class HeapProbes(LiveProbes):
         self._umap_half = 0
         self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
+        self._globals_fd = -1
         self._globals_size = 0  # activity(), counters(): bytes of struct hs_global; 0 while not loaded
-        self._globals_view: mmap.mmap | None = None  # the shape's globals, mapped (map_whole_array)
-        self._control_view: mmap.mmap | None = None  # the shape's control words, mapped writable
         self._counters_codec: _CountersCodec | None = None
         # The raw globals last decoded, and what they decoded to: one tuple, replaced whole, as the sampling
         # thread and HTTP threads read the counters at once.
@@ -212,10 +211,6 @@ class HeapProbes(LiveProbes):
         try:
             maps = self._maps = shape.take_slot(s.target_tgid)
             self.slot = maps.slot
-            try:
-                self._control_view = map_whole_array(maps["control"], writable=True)
-            except (OSError, ValueError) as exc:
-                raise EnvironmentProblem(f"cannot map the control words (BPF_F_MMAPABLE, Linux 5.5+): {exc}") from exc
             try:
                 self._sites = MappedArray(maps["sites"], s.max_stacks)
             except (OSError, ValueError) as exc:
@@ -247,8 +242,8 @@ class HeapProbes(LiveProbes):
         assert self._maps is not None
         table = self._maps["globals"]
         self._counters_codec = _CountersCodec(table.Leaf)
-        self._globals_view = map_whole_array(table)
         self._globals_size = ctypes.sizeof(table.Leaf)
+        self._globals_fd = table.map_fd
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -304,10 +299,6 @@ class HeapProbes(LiveProbes):
         if self._sites is not None:
             self._sites.close()
         self._sites = None
-        for view in (self._globals_view, self._control_view):
-            if view is not None:
-                view.close()  # a reader in another thread then fails with "not loaded", never reads freed memory
-        self._globals_view = self._control_view = None
 
     def _walkers(self) -> list[tuple[str, bytes]]:
         """(program array, program) of the shared copies of the stack walk the probes tail-call."""
@@ -465,14 +456,15 @@ class HeapProbes(LiveProbes):
 
     def _globals_raw(self) -> bytes:
         """struct hs_global as bytes: one map lookup, no Python object per field."""
-        view, size = self._globals_view, self._globals_size
-        if view is None or not size:
+        if not self._globals_size:
             raise HeapscopeError("probes are not loaded")
-        at = self.slot * ((size + 7) & ~7)
-        try:
-            return view[at : at + size]
-        except ValueError as exc:  # unmapped by close() in another thread meanwhile
-            raise HeapscopeError("probes are not loaded") from exc
+        lib = load_bcc().libbcc.lib
+        # One buffer per read: a shared one could be filled by one thread while another copies it out.
+        buf = ctypes.create_string_buffer(self._globals_size)
+        if lib.bpf_lookup_elem(self._globals_fd, ctypes.byref(ctypes.c_int(self.slot)), buf) != 0:
+            # Never the last figures again as if they were now: a failed read is an error, said by the caller.
+            raise HeapscopeError("cannot read the probes' counters: the lookup in their map failed")
+        return buf.raw
 
     def mapping_calls(self) -> int | None:
         """A position that moves with every mmap, munmap, mremap and brk the target makes (the page events'
@@ -568,18 +560,14 @@ class HeapProbes(LiveProbes):
         self._umap_gen = gen
 
     def _control(self, index: int) -> int:
-        view = self._control_view
-        if self._maps is None or view is None:
+        if self._maps is None:
             return 0
-        try:  # "@": native, aligned: one 8-byte load, as the programs read the word
-            return int(struct.unpack_from("@Q", view, (self.slot * CTL_COUNT + index) * 8)[0])
-        except ValueError:  # unmapped by close() in another thread meanwhile
-            return 0
+        return int(self._maps["control"][ctypes.c_int(self.slot * CTL_COUNT + index)].value)
 
     def _set_control(self, index: int, value: int) -> None:
-        assert self._maps is not None and self._control_view is not None
-        # As ctypes.c_uint64 did: a value is taken modulo 2**64
-        struct.pack_into("@Q", self._control_view, (self.slot * CTL_COUNT + index) * 8, value & 0xFFFF_FFFF_FFFF_FFFF)
+        assert self._maps is not None
+        table = self._maps["control"]
+        table[ctypes.c_int(self.slot * CTL_COUNT + index)] = ctypes.c_uint64(value)
 
     # ---- reading ----------------------------------------------------------------------------------
 

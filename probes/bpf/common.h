@@ -10,12 +10,11 @@
 
 /* targets: tgid -> slot, for the tracepoints (exec, page calls, thread starts and exits) */
 BPF_HASH(targets, u32, u32, HS_TARGETS);
-/* globals: slot -> struct hs_global; mmapable, so user space reads a target's counters at every look (several a
- * tick) without a system call */
-BPF_F_TABLE("array", int, struct hs_global, globals, HS_TARGETS, BPF_F_MMAPABLE);
+/* globals: slot -> struct hs_global */
+BPF_ARRAY(globals, struct hs_global, HS_TARGETS);
 /* control: slot * HS_CTL_COUNT + enum hs_control -> u64, written by user space (kept apart so its writes never
- * race counters); mmapable, read and written in place by user space */
-BPF_F_TABLE("array", int, u64, control, HS_TARGETS * HS_CTL_COUNT, BPF_F_MMAPABLE);
+ * race counters) */
+BPF_ARRAY(control, u64, HS_TARGETS * HS_CTL_COUNT);
 /* events: enum hs_event, to wake user space at once */
 BPF_PERF_OUTPUT(events);
 BPF_ARRAY_OF_MAPS(events_of, "events", HS_TARGETS);
