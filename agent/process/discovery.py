@@ -196,9 +196,12 @@ def load_order(exe: str, preload: Iterable[str], find: Callable[[str, ElfFacts],
     while queue:
         name, parent = queue.popleft()
         path = find(name, parent)
-        if path is None or file_identity(path) in seen:
+        if path is None:
             continue
-        seen.add(file_identity(path))
+        identity = file_identity(path)
+        if identity in seen:
+            continue
+        seen.add(identity)
         try:
             facts = elf_facts(path)
         except TargetError:

@@ -45,7 +45,14 @@ def _object_symbols(symbols: Sequence[ElfSymbol]) -> list[ElfSymbol]:
 def variables_of(path: str) -> list[GlobalVariable]:
     """The global variables of one ELF file, in symbol-table order, read once while the file stays the same (each
     ended target's MALT profile lists its objects'). Raises ElfError when it is not ELF."""
-    return _variables.get(path)
+    return _named(_variables.get(path), path)
+
+
+def _named(variables: list[GlobalVariable], binary: str) -> list[GlobalVariable]:
+    """The variables of one file, each giving `binary` as its file's name."""
+    if not variables or variables[0].binary == binary:
+        return variables
+    return [replace(v, binary=binary) for v in variables]
 
 
 def _read_variables(path: str) -> list[GlobalVariable]:
@@ -79,9 +86,8 @@ def _read_variables(path: str) -> list[GlobalVariable]:
     return out
 
 
-_variables: FileCache[list[GlobalVariable]] = FileCache(
-    _read_variables, lambda variables, path: [replace(v, binary=path) for v in variables]
-)
+# Kept as read; each caller gives them the name it knows the file by (_named), once.
+_variables: FileCache[list[GlobalVariable]] = FileCache(_read_variables, lambda variables, _path: variables)
 
 
 def global_variables(objects: Mapping[str, str]) -> dict[str, list[GlobalVariable]]:
@@ -97,8 +103,8 @@ def global_variables(objects: Mapping[str, str]) -> dict[str, list[GlobalVariabl
         if shown in out:
             continue
         try:
-            variables = variables_of(path)
+            variables = _variables.get(path)
         except (ElfError, OSError):
             continue
-        out[shown] = [replace(v, binary=shown) for v in variables] if shown != path else variables
+        out[shown] = _named(variables, shown)
     return out
