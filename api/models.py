@@ -259,6 +259,11 @@ class PagesOut(BaseModel):
     page_syscalls: int = Field(description="mmap, munmap, mremap and brk calls applied.")
     dropped: int = Field(description="Page syscalls the kernel could not report.")
     stacks_bytes: int = Field(description="All threads' stacks at the last sample (--stacks=yes; else 0).")
+    brk_folded: int = Field(
+        0,
+        description="Sampled mode: brk calls the kernel folded into the break's last and highest values between two "
+        "samples, instead of sending each (not in page_syscalls).",
+    )
 
 
 class TargetOut(BaseModel):
@@ -332,6 +337,7 @@ def target_out(s: TargetStatus) -> TargetOut:
             page_syscalls=s.pages.syscalls,
             dropped=s.pages.dropped,
             stacks_bytes=s.pages.stacks,
+            brk_folded=s.pages.brk_folded,
         ),
         origin=origin_out(s.origin),
     )

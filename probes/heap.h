@@ -303,7 +303,10 @@ enum hs_control {
     HS_CTL_SCHED_JIFFY_NS = 13, /* HS_SCHED_NS: nanoseconds a jiffy (0: unknown, the clock is read always) */
     HS_CTL_PAGES_DRAINED = 14, /* page events user space has taken from their ring so far (its wake-up) */
     HS_CTL_SNAP_DRAINED = 15,  /* snapshot log records user space has taken from their ring so far */
-    HS_CTL_COUNT = 16,
+    /* HS_SAMPLED: the break, folded in the kernel instead of an event a brk call (see probes/bpf/pages.h) */
+    HS_CTL_BRK_NOW = 16,  /* the break as the last brk call left it (0: no call yet) */
+    HS_CTL_BRK_HIGH = 17, /* the highest break since user space last zeroed it */
+    HS_CTL_COUNT = 18,
 };
 
 /* Events sent to user space (perf buffer `events`), and the reasons the target is stopped. */
@@ -427,7 +430,8 @@ enum hs_page_counter {
     HS_PGC_LOST = 1,        /* the ring buffer was full: event not sent (the page map is then inexact) */
     HS_PGC_CALLS_FULL = 2,  /* the per-thread call table was full at a syscall's entry: event not sent */
     HS_PGC_UNPAIRED = 3,    /* an exit without its entry (the call began before the probes were armed) */
-    HS_PGC_COUNT = 4,
+    HS_PGC_BRK_FOLDED = 4,  /* HS_SAMPLED: brk calls folded into HS_CTL_BRK_NOW/HIGH instead of sent */
+    HS_PGC_COUNT = 5,
 };
 
 /* A thread's stack extent (HS_STACKS): its top and the lowest stack pointer seen in the current epoch. */

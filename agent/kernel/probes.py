@@ -29,6 +29,8 @@ import numpy as np
 from agent.errors import EnvironmentProblem, HeapscopeError
 from agent.kernel.abi import (
     CTL_ARMED,
+    CTL_BRK_HIGH,
+    CTL_BRK_NOW,
     CTL_COUNT,
     CTL_PAGES_DRAINED,
     CTL_SCHED_CULL_AT,
@@ -177,6 +179,7 @@ class HeapProbes(LiveProbes):
         self._sites: MappedArray | None = None  # struct hs_site by site id
         self._events: list[int] = []
         self._page_ring: RingReader | None = None
+        self._brk_told = 0  # sampled mode: the break page_events last reported (0: none yet)
         self._shared_rows: SharedRows | None = None
         self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count) in the shared rows
         self._sched_ring: RingReader | None = None
@@ -376,7 +379,23 @@ class HeapProbes(LiveProbes):
             out.append(PageEvent(kind, time_ns, tid, site, addr, length, new_addr, new_length, flags, prot, failed))
         if out:  # the kernel wakes us when the ring holds half its room again (probes/heap.bpf.c page_exit)
             self._set_control(CTL_PAGES_DRAINED, self._page_ring.taken)
+        if self.settings.sampled:
+            out.extend(self._folded_brk())
         return out
+
+    def _folded_brk(self) -> list[PageEvent]:
+        """Sampled mode's brk calls since the last look, as the kernel folded them (probes/bpf/pages.h brk_folded):
+        a move to the highest break, when it rose above both ends, then to the last; charged to no site."""
+        high = self._control(CTL_BRK_HIGH)  # 0: no call since the last look
+        if not high:
+            return []
+        self._set_control(CTL_BRK_HIGH, 0)  # a call landing in between raises it again at its next move
+        now = self._control(CTL_BRK_NOW)
+        t = time.monotonic_ns()  # bpf_ktime_get_ns's clock
+        breaks = [high] if high > max(now, self._brk_told) else []
+        breaks.append(now)
+        self._brk_told = now
+        return [PageEvent("brk", t, 0, 0, b, 0, b, 0, 0, 0, False) for b in breaks]
 
     def schedule_points(self) -> list[tuple[int, int, int, int, int]]:
         """The snapshot schedule's points (time, heap, extra, kind, epoch) sent since the last call, in time

@@ -66,6 +66,7 @@ class PageCounters:
     lost: int = 0  # ring buffer full: not sent
     calls_full: int = 0  # per-thread call table full at entry: not sent
     unpaired: int = 0  # an exit without its entry (the call began before the probes were armed)
+    brk_folded: int = 0  # sampled mode: brk calls kept as the break's last and highest value, not sent one by one
 
     @property
     def dropped(self) -> int:

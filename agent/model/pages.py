@@ -553,6 +553,7 @@ class PageTotals:
     syscalls: int  # page syscalls applied
     dropped: int  # page syscalls the kernel could not report (event buffer or thread table full)
     stacks: int  # --stacks=yes: all threads' stacks at the last sample (0 without it)
+    brk_folded: int = 0  # sampled mode: brk calls the kernel folded into the break's last and highest values
 
 
 class PageAccount:

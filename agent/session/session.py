@@ -499,7 +499,7 @@ class Session:
 
     def exec_ended(self) -> bool:
         """The target exec'ed another program: the kernel disarmed the probes and this profile is over."""
-        return self.counters().execs > self.exec_limit
+        return self.probes.counters().execs > self.exec_limit  # the kernel's count: no page map to bring up to date
 
     def _catch_up(self, live: LiveProbes, events: Sequence[int] = ()) -> None:
         """New objects mapped, or the target is about to exit: record mappings, load unwind tables,
@@ -627,12 +627,14 @@ class Session:
         pages = self.update_pages()
         if pages is None:
             return None
+        counted = self.probes.page_counters()
         return PageTotals(
             mapped=pages.total,
             peak_mapped=pages.map.peak_total,
             syscalls=pages.map.stats.applied,
-            dropped=self.probes.page_counters().dropped,
+            dropped=counted.dropped,
             stacks=self.stack_bytes,
+            brk_folded=counted.brk_folded,
         )
 
     def snapshot_model(self, detailed: bool) -> Snapshot:

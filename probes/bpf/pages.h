@@ -1,5 +1,7 @@
 /* pages.h: page-level memory (HS_PAGES): mmap, munmap, mremap and brk, one event per completed call, charged to
- * the user stack that made it. */
+ * the user stack that made it. Sampled mode folds brk instead (brk_folded): glibc moves its break at every trim and
+ * growth of the heap's top, tens of thousands of times a second in a server like apache2, and there only the mapped
+ * total needs it (the allocations' own samples say who allocated the heap). */
 
 /* page_calls: thread id -> the page syscall it is in (arguments and site), from entry to exit */
 BPF_F_TABLE("hash", u32, struct hs_page_call, page_calls, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
@@ -34,6 +36,8 @@ static __always_inline int page_enter(void *ctx, u32 kind, u64 a0, u64 a1, u64 a
 #if HS_STACKS
     note_stack(g, tid, u.sp, 0);
 #endif
+    if (HS_SAMPLED && kind == HS_PG_BRK)
+        return 0; /* folded at its exit (brk_folded): no site, no call kept */
     struct hs_page_call call = {.tid = tid, .arg0 = a0, .arg1 = a1, .arg2 = a2, .arg3 = a3, .arg4 = a4, .kind = kind,
                                 .slot = slot};
     u32 zero = 0;
@@ -69,9 +73,29 @@ int page_enter_walk(void *ctx)
     return 0;
 }
 
+/* Sampled mode's brk exit: the new break kept in two control words, the last and the highest since user space
+ * looked (agent/kernel/probes.py page_events makes them the page map's events). Two threads' exits may land in the
+ * other order than their calls: the next call, or the next tick's, sets the word right. */
+static __always_inline int brk_folded(long ret)
+{
+    s64 slot = process_slot();
+    if (slot < 0 || ret <= 0)
+        return 0;
+    struct hs_global *g = get_globals(slot);
+    if (!g || !is_armed(g))
+        return 0;
+    set_control(g, HS_CTL_BRK_NOW, ret);
+    if ((u64)ret > control_word(g, HS_CTL_BRK_HIGH))
+        set_control(g, HS_CTL_BRK_HIGH, ret);
+    page_count(g, HS_PGC_BRK_FOLDED);
+    return 0;
+}
+
 /* At its exit: one event with the arguments and the result, for agent/model/pages.py to apply in order. */
 static __always_inline int page_exit(void *ctx, u32 kind, long ret)
 {
+    if (HS_SAMPLED && kind == HS_PG_BRK)
+        return brk_folded(ret);
     /* The thread's call first: one its target's detach left (it was in the syscall then) goes too. */
     u32 tid = bpf_get_current_pid_tgid();
     struct hs_page_call *c = page_calls.lookup(&tid);

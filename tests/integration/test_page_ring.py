@@ -31,3 +31,34 @@ def test_page_burst_after_quiet_spell_loses_nothing(
     assert kernel["lost"] == 0 and kernel["calls_full"] == 0, (kernel, done.stderr)
     assert kernel["events"] >= 2 * PAIRS, kernel
     assert "pages: NOT COUNTED" not in done.stderr
+
+
+TRIM_CYCLES = 500
+
+
+def test_sampled_mode_folds_brk_and_keeps_the_mapped_peak(
+    build: Callable[..., Path], run_heapscope: Callable[..., Completed]
+) -> None:
+    """glibc moves its break at every growth and trim of the heap's top (apache2's workers: tens of thousands of
+    times a second). Sampled mode folds those calls in the kernel (probes/bpf/pages.h brk_folded) instead of sending
+    each: the mapped total at the end and its peak (one cycle grows four times higher, between two ticks) are
+    exact mode's, which sends every call; the default mode's run is the twin."""
+    program = build("heap_trim.c")
+    runs = {}
+    for mode in ("sampled", "exact"):
+        done = run_heapscope(program, args=(str(TRIM_CYCLES),), options=(f"--mode={mode}",))
+        assert done.returncode == 0, done.stderr
+        runs[mode] = done.summary["pages"]
+    sampled, exact = runs["sampled"], runs["exact"]
+    # The program's brk calls (strace counts 120 a cycle): every one folded in sampled mode, each an event in exact
+    # mode, whose events are those and the loader's few mappings.
+    assert sampled["kernel"]["brk_folded"] >= TRIM_CYCLES * 100, sampled
+    assert 0 <= exact["kernel"]["events"] - sampled["kernel"]["brk_folded"] < 100, runs
+    assert sampled["kernel"]["events"] < 100, sampled  # the sampler's own few mappings, no brk
+    assert exact["kernel"]["brk_folded"] == 0, exact
+    assert sampled["kernel"]["lost"] == exact["kernel"]["lost"] == 0
+    # The sampler's library and thread are mapped in sampled mode only: compare what the heap's top added at the
+    # peak. Its own few allocations at the heap's base may move the top by a page.
+    rise = {m: r["peak_mapped"] - r["mapped"] for m, r in runs.items()}
+    assert rise["exact"] >= 4 * 80 * 100_000, runs
+    assert abs(rise["sampled"] - rise["exact"]) <= 2 * 4096, runs
