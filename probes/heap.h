@@ -431,7 +431,9 @@ enum hs_page_counter {
     HS_PGC_CALLS_FULL = 2,  /* the per-thread call table was full at a syscall's entry: event not sent */
     HS_PGC_UNPAIRED = 3,    /* an exit without its entry (the call began before the probes were armed) */
     HS_PGC_BRK_FOLDED = 4,  /* HS_SAMPLED: brk calls folded into HS_CTL_BRK_NOW/HIGH instead of sent */
-    HS_PGC_COUNT = 5,
+    HS_PGC_CODE_MAPS = 5,   /* mmap calls with PROT_EXEC and mremap calls: what can bring new code (user space reads
+                             * the mappings again only when this moves, not at every page call) */
+    HS_PGC_COUNT = 6,
 };
 
 /* A thread's stack extent (HS_STACKS): its top and the lowest stack pointer seen in the current epoch. */

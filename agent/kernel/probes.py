@@ -486,13 +486,14 @@ class HeapProbes(LiveProbes):
         return buf.raw
 
     def mapping_calls(self) -> int | None:
-        """A position that moves with every mmap, munmap, mremap and brk the target makes (the page events'
-        producer), or None when they are not traced: while it stands still, the target's mappings have not
-        changed since it was read. The events lost to a full ring or call table are added: the producer stands
-        still while they are lost."""
+        """A count that moves with every call that can map new code (mmap with PROT_EXEC, mremap), or None when page
+        calls are not traced: while it stands still, no code was mapped since the mappings were read (data mappings,
+        brk and munmap leave the stack walk's and the symbols' view as it was). The page calls the kernel could not
+        report are added: they may have been such calls."""
         if self._page_ring is None:
             return None
-        return self._page_ring.produced() + self.page_counters().dropped
+        counted = self.page_counters()
+        return counted.code_maps + counted.dropped
 
     def activity(self) -> bytes:
         """A token that changes whenever the target does something the profile records: the global counters

@@ -67,6 +67,7 @@ class PageCounters:
     calls_full: int = 0  # per-thread call table full at entry: not sent
     unpaired: int = 0  # an exit without its entry (the call began before the probes were armed)
     brk_folded: int = 0  # sampled mode: brk calls kept as the break's last and highest value, not sent one by one
+    code_maps: int = 0  # mmap calls with PROT_EXEC, and mremap calls: those that can map new code
 
     @property
     def dropped(self) -> int:

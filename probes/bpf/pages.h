@@ -119,6 +119,8 @@ static __always_inline int page_exit(void *ctx, u32 kind, long ret)
         page_count(g, HS_PGC_UNPAIRED);
         return 0;
     }
+    if (ret >= 0 && ((kind == HS_PG_MMAP && (call.arg2 & 4 /* PROT_EXEC */)) || kind == HS_PG_MREMAP))
+        page_count(g, HS_PGC_CODE_MAPS);
     void *ring = page_events_of.lookup(&g->slot);
     struct hs_page_event *e = t_reserve(ring, sizeof(struct hs_page_event));
     /* Linux 6.15+ takes the ring's lock with a resilient spinlock, which can fail while the ring has room: try
