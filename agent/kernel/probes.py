@@ -238,6 +238,16 @@ class HeapProbes(LiveProbes):
         trim_heap()
         return self
 
+    def _blocks_left(self) -> int:
+        """The live blocks the target leaves in the shared block table (how soon they must be forgotten: see
+        ProgramShape.give_back); unknown counts as many."""
+        if not self._globals_size:
+            return 1 << 62
+        try:
+            return self.counters().blocks
+        except HeapscopeError:
+            return 1 << 62
+
     def _open_globals(self) -> None:
         """The reader of struct hs_global, made once here: made lazily at the first read, a sampling thread and an
         HTTP thread reading at once could each see it half made (a codec not set yet failed a profile in the fleet
@@ -276,6 +286,7 @@ class HeapProbes(LiveProbes):
     def close(self) -> None:
         if self._maps is not None and self.stopped():
             self.resume()  # never leave the target held at an event, whatever went wrong
+        blocks_left = self._blocks_left()
         self.detach()
         self._unmap()
         for ring in (self._page_ring, self._sched_ring, self._snap_ring):
@@ -291,7 +302,7 @@ class HeapProbes(LiveProbes):
             with BCC_LOCK:
                 for cpu in list(events._open_key_fds):
                     del events[cpu]  # its perf reader, and its entry
-            shape.give_back(maps, self.settings.target_tgid)
+            shape.give_back(maps, self.settings.target_tgid, blocks_left)
         if shape is not None:
             shape.release(keep=self.settings.keep_programs)
         if self._shared_rows is not None:  # the program is gone: its objects' rows may be reused

@@ -121,6 +121,12 @@ class TargetMaps:
         self._owned.clear()
 
 
+# Detached targets' blocks are forgotten in batches: one pass over the block table (15 ms in exact mode) for this
+# many detaches; a target that leaves this many live blocks or more has its own pass at once.
+PURGE_BATCH = 8
+PURGE_NOW_BLOCKS = 1 << 16
+
+
 class ProgramShape:
     """A compiled and loaded heap program and the slots of its targets. Get one with ProgramShape.acquire and give
     it back with release: the last release unloads it."""
@@ -137,6 +143,10 @@ class ProgramShape:
         self.lock = threading.Lock()
         self.slots = slots
         self._free = list(range(slots - 1, -1, -1))  # slot 0 first: the first target uses bcc's maps
+        # Slots given back whose blocks are still in the shared tables: forgotten together (one pass over the table
+        # for several detaches), before any of them is used again (_purge_dirty).
+        self._dirty: list[int] = []
+        self._purge_lock = threading.Lock()  # one purge at a time: a slot is free only once its blocks are gone
         self._programs: dict[bytes, Any] = {}
         self._walkers_installed = False
         self.users = 0
@@ -295,6 +305,10 @@ class ProgramShape:
         """A slot for the process tgid, with maps of its own, its counters and control words zeroed, and the
         tracepoints told where it is. Raises EnvironmentProblem when every slot is taken."""
         with self.lock:
+            short = not self._free and bool(self._dirty)
+        if short:
+            self._purge_dirty()
+        with self.lock:
             if not self._free:
                 raise EnvironmentProblem(
                     f"every slot of the BPF program is taken ({self.slots} targets of these settings at once)"
@@ -338,12 +352,14 @@ class ProgramShape:
         for index in range(slot * CTL_COUNT, (slot + 1) * CTL_COUNT):
             control[ctypes.c_int(index)] = ctypes.c_uint64(0)
 
-    def _purge_blocks(self, slot: int) -> None:
-        """Forget the blocks a target left in the shared block tables (its links are gone: nothing adds more), so
-        that the next target of its slot does not find them. The other targets' entries are left as they are: no
-        program of theirs writes an entry that holds another target's key."""
+    def _purge_blocks(self, slots: Sequence[int]) -> None:
+        """Forget the blocks these slots' targets left in the shared block tables (their links are gone: nothing
+        adds more), so that the next target of a slot does not find them. The other targets' entries are left as
+        they are: no program of theirs writes an entry that holds another target's key. One pass over the tables,
+        however many slots: the exact table's scan is some 15 ms."""
         table = self.bpf["block_slots"]
         lib = load_bcc().libbcc.lib
+        gone = np.array(sorted(slots), dtype=np.uint64)
         if table.max_entries > 2:  # exact mode's table (sampled mode's is compiled at its smallest, unused)
             with self.lock:  # mapped once a shape: mapping its 32 MB again at each detach cost more
                 if self._blocks_mem is None:
@@ -353,25 +369,40 @@ class ProgramShape:
                 mem = self._blocks_mem
             entries = np.frombuffer(mem, dtype=np.uint64).reshape(-1, ctypes.sizeof(table.Leaf) // 8)
             addr = entries[:, 0]
-            mine = (addr >> np.uint64(SLOT_SHIFT)) == np.uint64(slot)
-            mine &= addr != 0
-            addr[mine] = 0
-            del entries, addr, mine  # no view may outlive the mapping (closed at the unload)
+            theirs = np.isin(addr >> np.uint64(SLOT_SHIFT), gone)
+            theirs &= addr != 0
+            addr[theirs] = 0
+            del entries, addr, theirs  # no view may outlive the mapping (closed at the unload)
         hashed = self.bpf["blocks"]
         keys = [int(getattr(k, "value", k)) for k in list(hashed)]
+        wanted = set(slots)
         for key in keys:
-            if key >> SLOT_SHIFT == slot and key & ((1 << SLOT_SHIFT) - 1):
+            if key >> SLOT_SHIFT in wanted and key & ((1 << SLOT_SHIFT) - 1):
                 lib.bpf_delete_elem(hashed.map_fd, ctypes.byref(ctypes.c_uint64(key)))
 
-    def give_back(self, maps: TargetMaps, tgid: int) -> None:
-        """A target's detach: its entries and maps go; the slot is free again. Slot 0's maps are bcc's own, which
-        the next target would find full of this one's figures: it is not used again."""
+    def _purge_dirty(self) -> None:
+        """The dirty slots' blocks forgotten, and the slots free again (slot 0 excepted: see give_back)."""
+        with self._purge_lock:
+            with self.lock:
+                dirty, self._dirty = self._dirty, []
+            if not dirty:
+                return
+            self._purge_blocks(dirty)
+            with self.lock:
+                self._free.extend(s for s in dirty if s)
+
+    def give_back(self, maps: TargetMaps, tgid: int, blocks_left: int) -> None:
+        """A target's detach: its entries and maps go; the slot is free again once its blocks are forgotten, with
+        other slots' (PURGE_BATCH at once), or at once when it left many (PURGE_NOW_BLOCKS: their room in the
+        shared table is not held for others) or a new target needs the slot. Slot 0's maps are bcc's own, which the
+        next target would find full of this one's figures: it is not used again."""
         lib = load_bcc().libbcc.lib
         lib.bpf_delete_elem(self.bpf["targets"].map_fd, ctypes.byref(ctypes.c_uint32(tgid)))
         # the programs find no map at the slot from here on
         _in_maps_of_maps([self.bpf[f"{name}_of"].map_fd for name in self.per_target], maps.slot, None)
-        self._purge_blocks(maps.slot)
         maps.close()
-        if maps.slot:
-            with self.lock:
-                self._free.append(maps.slot)
+        with self.lock:
+            self._dirty.append(maps.slot)
+            now = blocks_left >= PURGE_NOW_BLOCKS or len(self._dirty) >= PURGE_BATCH
+        if now:
+            self._purge_dirty()

@@ -14,7 +14,7 @@ import pytest
 from agent.kernel.interface import ProbeSettings
 from agent.kernel.links import uprobe_links_supported
 from agent.kernel.probes import HeapProbes
-from agent.kernel.shapes import ProgramShape
+from agent.kernel.shapes import PURGE_BATCH, ProgramShape
 from agent.model.sampling import DEFAULT_KEEP_PROGRAMS
 from agent.process.discovery import allocator_of_process
 from tests.integration.test_probe_modes import ALLOCS, SITE_BYTES, TRACKED_FREES, UNTRACKED_FREES, Target
@@ -125,5 +125,44 @@ def test_a_daemons_program_outlives_its_last_target_for_the_next_one(
         while shape in ProgramShape.loaded() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(ProgramShape.loaded()) == before, "the program outlived --keep-programs"
+    finally:
+        ProgramShape.unload_kept()
+
+
+class SlotReuseTarget(Target):
+    """slot_reuse.c without address randomization: every process puts its three 5000-byte blocks at the same
+    addresses, allocated after the attach ("leave") or before it and freed after ("free")."""
+
+    def __init__(self, program: Path, how: str) -> None:
+        self.proc = subprocess.Popen(["setarch", "-R", str(program), how], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)  # fmt: skip
+
+
+def test_a_slot_used_again_finds_none_of_its_last_targets_blocks(bpf_ready: None, build: Callable[..., Path]) -> None:
+    """A detached target's blocks stay in the shared block table until a batch of detaches is purged at once
+    (ProgramShape.give_back, PURGE_BATCH); its slot is not used again before. One kept program; PURGE_BATCH targets
+    each leave three tracked blocks live at the same addresses; then targets that freed nothing tracked, taking the
+    slots as they come round again, free three blocks at those addresses that they allocated before the attach:
+    untracked frees, each, and no tracked one (a block of the slot's last target would have been found)."""
+    if not uprobe_links_supported():
+        pytest.skip("targets share a program only through uprobe_multi links (Linux 6.10+)")
+    program = build("slot_reuse.c")
+    slots: dict[str, list[int]] = {"leave": [], "free": []}
+    try:
+        for how in ["leave"] * PURGE_BATCH + ["free"] * 3:
+            t = SlotReuseTarget(program, how)
+            try:
+                t.expect("ready")
+                points = allocator_of_process(t.proc.pid).points(run=False, heap=True)
+                settings = ProbeSettings(target_tgid=t.proc.pid, arm_on_exec=False, keep_programs=60.0)
+                with HeapProbes(settings, points) as probes:
+                    slots[how].append(probes.slot)
+                    t.go()
+                    t.expect("allocated")
+                    want = (15000, 3, 0, 0) if how == "leave" else (100, 1, 0, 3)
+                    assert counted(probes) == want, (how, slots)
+            finally:
+                t.kill()
+        assert set(slots["free"]) <= set(slots["leave"]), f"the later targets did not use the slots again: {slots}"
     finally:
         ProgramShape.unload_kept()
