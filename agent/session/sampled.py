@@ -27,6 +27,7 @@ from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint
 from agent.process.inject import inject, revive
 from agent.process.sampler import (
+    COUNTS,
     SamplerControl,
     build_sampler,
     calls_total_of,
@@ -41,6 +42,12 @@ from agent.process.target import TargetProcess, launch
 
 HOLD_MS = 10_000  # run: how long the preloaded sampler holds the program for heapscope to arm it
 ARM_WAIT = 10.0  # run: seconds to wait for the program to map the preloaded library
+# The per-thread counts are read again at most this often by the profile's tick: its looks (the sampler's poll,
+# MALT's figures) share one read; a table of more than COUNTS_MANY_SLOTS threads (128 bytes each) once a second,
+# for readers too (a thread-per-request server's 16,384 slots are 2 MiB a read).
+COUNTS_FRESH = 0.02
+COUNTS_MANY_SLOTS = 1024
+LARGE_COUNTS_FRESH = 1.0
 
 _HOLD_ENV = "HEAPSCOPE_SAMPLER_HOLD"
 _PRELOAD_ENV = "HEAPSCOPE_SAMPLER_LD_PRELOAD"
@@ -85,6 +92,7 @@ class SamplerLink:
         self.library = build_sampler(libc=self.libc)  # the build for the target's libc
         self.control: SamplerControl | None = None
         self._last_table: bytes | None = None  # the per-thread counts as last read (SamplerControl.count_table)
+        self._read_at = 0.0  # when (time.monotonic)
         self._last_stats: dict[str, int] = {}
         self._lock = threading.Lock()
         self.arm_error: BaseException | None = None
@@ -169,18 +177,28 @@ class SamplerLink:
     # ---- reading ---------------------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Read the counts and the statistics now, while the target is there (they stay readable after)."""
-        self.counts()
+        """Read the counts and the statistics, while the target is there (they stay readable after)."""
+        self._count_table(tick=True)
         self.statistics()
 
-    def _count_table(self) -> bytes | None:
-        """The per-thread counts read now; the last ones read once the sampler is disarmed or the target gone;
-        None before arming. Kept as read, parsed only by what needs the threads (MALT's figures)."""
+    def _count_table(self, tick: bool = False, now: bool = False) -> bytes | None:
+        """The per-thread counts: read now for a reader, as read up to COUNTS_FRESH seconds ago for the profile's
+        own tick (its looks share one read); a table of more than COUNTS_MANY_SLOTS threads as read up to
+        LARGE_COUNTS_FRESH ago for both (a server that starts a thread a request fills 16,384 slots, 2 MiB a read);
+        `now`: read now. The last ones read once the sampler is disarmed or the target gone; None before arming.
+        Kept as read, parsed only by what needs the threads (MALT's figures)."""
         with self._lock:
             if self.control is None:
                 return self._last_table
+            table = self._last_table
+            if table is not None and not now:
+                many = len(table) > COUNTS_MANY_SLOTS * COUNTS.size
+                fresh = LARGE_COUNTS_FRESH if many else COUNTS_FRESH if tick else 0.0
+                if time.monotonic() - self._read_at < fresh:
+                    return table
             try:
                 self._last_table = self.control.count_table()
+                self._read_at = time.monotonic()
             except (OSError, HeapscopeError) as exc:  # the target exited: its last counts stand
                 self._read_failed(exc)
             return self._last_table
@@ -188,7 +206,7 @@ class SamplerLink:
     def thread_calls(self) -> list[ThreadCalls] | None:
         """Exact counts since arming, per thread slot (calls per function: ThreadCalls.by_kind); the last ones
         read once the sampler is disarmed or the target gone; None before arming."""
-        table = self._count_table()
+        table = self._count_table(tick=True)  # MALT's figures, read at the profile's ticks
         return None if table is None else thread_calls_of(table)
 
     def _read_failed(self, exc: BaseException) -> None:
@@ -233,7 +251,7 @@ class SamplerLink:
     def disarm(self) -> None:
         """Restore every patched slot (the target runs on at full speed); keep the last counts. The library
         stays loaded (never dlclosed); attaching again reuses it."""
-        self.counts()
+        self._count_table(now=True)
         self.statistics()
         with self._lock:
             control, self.control = self.control, None

@@ -269,3 +269,49 @@ def test_a_sampler_that_cannot_be_read_is_said_once_with_what_its_descriptors_ar
     assert link.statistics() == {} and link.counts() is None and link.statistics() == {}
     assert said == ["cannot read the sampler in 42 ([Errno 9] Bad file descriptor; memory fd 7: anon_inode:bpf-map, "
                     "lease fd 8: closed by us): its counts stay as last read"]
+
+
+def test_the_per_thread_counts_are_read_once_a_tick_and_a_large_table_once_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sampler's count table is read at each look of a reader (its figures are exact as of the request), but
+    the profile's own looks within COUNTS_FRESH share one read, and a table of more than COUNTS_MANY_SLOTS threads
+    (a thread-per-request server fills 16,384 slots, 2 MiB) is read at most once in LARGE_COUNTS_FRESH by anyone;
+    the disarm reads it whatever its age."""
+    from agent.process.sampler import COUNTS
+    from agent.session import sampled
+    from agent.session.sampled import SamplerLink
+
+    clock = [100.0]
+    monkeypatch.setattr(sampled.time, "monotonic", lambda: clock[0])
+
+    class Control:
+        def __init__(self, slots: int) -> None:
+            self.slots, self.reads = slots, 0
+
+        def count_table(self) -> bytes:
+            self.reads += 1
+            return COUNTS.pack(self.reads, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1) * self.slots
+
+    def link_with(control: Control) -> SamplerLink:
+        link = SamplerLink.__new__(SamplerLink)  # the link's bookkeeping alone: no process, no library
+        link._lock, link._last_table, link._read_at, link.control = threading.Lock(), None, 0.0, control  # type: ignore[assignment]
+        return link
+
+    few = Control(4)
+    link = link_with(few)
+    assert link.counts()["allocs"] == 4 and link.counts()["allocs"] == 8  # a reader reads every time
+    link._count_table(tick=True)
+    assert few.reads == 2  # the profile's look within COUNTS_FRESH of the last read shares it
+    clock[0] += sampled.COUNTS_FRESH * 1.01
+    link._count_table(tick=True)
+    assert few.reads == 3
+    many = Control(sampled.COUNTS_MANY_SLOTS + 1)
+    link = link_with(many)
+    link.counts()
+    clock[0] += sampled.LARGE_COUNTS_FRESH / 2
+    assert link.counts()["allocs"] == many.slots and many.reads == 1  # within the second: the last read
+    clock[0] += sampled.LARGE_COUNTS_FRESH * 0.51
+    assert link.counts()["allocs"] == 2 * many.slots and many.reads == 2
+    link._count_table(now=True)  # the disarm's
+    assert many.reads == 3
