@@ -64,7 +64,8 @@ class SharedRows:
     """The unwind rows of every target of this process, in one BPF array (probes/heap.bpf.c unwind_rows). A
     small holder program declares it as a shared table and is kept for the process's life; each target's
     program refers to it as an extern table. An object's rows are written once whichever targets map it (libc's
-    28,000 rows once, not once a target), and the space of an object no target uses any more is reused. Its
+    28,000 rows once, not once a target); an object no target uses any more keeps its rows, idle, for the next
+    target of the same program, until their space is wanted for another (agent.kernel.rowspace). Its
     size is fixed by the first target (max_rows). It is never unloaded: libbcc's shared table entry shares the
     holder's descriptor, which must stay valid."""
 

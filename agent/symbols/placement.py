@@ -9,6 +9,7 @@ and %rbp (the frame-pointer walk starts there). Pure logic over bytes: no bcc, n
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -83,8 +84,14 @@ def _ends_straight_line(insn: capstone.CsInsn) -> bool:
 def choose_offset(code: bytes, needs: Iterable[str]) -> Placement:
     """Pick the probe offset in a function whose first bytes are `code`.
 
-    `needs` names the argument registers the probe reads; %rsp and %rbp are always needed.
+    `needs` names the argument registers the probe reads; %rsp and %rbp are always needed. Remembered by the bytes:
+    every attach places the same dozen allocation functions of the same libc (a new disassembler and a walk each).
     """
+    return _chosen(code, frozenset(needs))
+
+
+@functools.lru_cache(maxsize=1024)
+def _chosen(code: bytes, needs: frozenset[str]) -> Placement:
     keep = set(needs) | {"rsp", "rbp"}
     md = _disassembler()
     skipped: list[str] = []
