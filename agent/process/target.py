@@ -7,6 +7,8 @@ whether it still runs, and `release()`, which lets a held program exec once the 
 from __future__ import annotations
 
 import os
+import select
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -60,11 +62,34 @@ def attach_to(pid: int, proc: str = "/proc") -> TargetProcess:
     except psutil.Error as exc:
         raise TargetError(f"process {pid} went away: {exc}") from exc
     started = start_time(pid, proc)
+    return TargetProcess(pid, name, " ".join(info.cmdline), allocator, _Alive(pid, started, proc))
 
-    def alive() -> bool:
-        return running(pid, started, proc)
 
-    return TargetProcess(pid, name, " ".join(info.cmdline), allocator, alive)
+class _Alive:
+    """Whether an attached process still runs, asked at every turn of its sampling loop: a poll of a pidfd (one
+    system call: readable once the process has exited) where the kernel gives one for the very process that
+    started at `started`, else a read of /proc/PID/stat (procinfo.running)."""
+
+    def __init__(self, pid: int, started: int | None, proc: str) -> None:
+        self.pid, self.started, self.proc = pid, started, proc
+        self._poll: select.poll | None = None
+        if proc != "/proc":
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return
+        if not running(pid, started, proc):  # the PID was taken again before the pidfd: it is not ours
+            os.close(fd)
+            return
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+        weakref.finalize(self, os.close, fd)  # with this object: no descriptor outlives its profile
+
+    def __call__(self) -> bool:
+        if self._poll is None:
+            return running(self.pid, self.started, self.proc)
+        return not self._poll.poll(0)
 
 
 def launch(argv: Sequence[str], env: dict[str, str] | None = None) -> TargetProcess:

@@ -320,8 +320,10 @@ class Session:
         tick's sample would, and the others stay without one (counted)."""
         assert self.points is not None and self.live is not None
         owed = self.points.take_owed()
+        if not owed:  # most ticks: the log stays in its ring (the kernel wakes us at half full: take_log)
+            return
         p = self.probes
-        n = p.site_count() if owed else 0
+        n = p.site_count()
         now = SiteValues(
             p.site_column("cur_bytes", n, signed=True),
             p.site_column("cur_extra", n, signed=True),

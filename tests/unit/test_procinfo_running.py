@@ -51,3 +51,38 @@ def test_a_thread_limit_is_named_only_when_the_users_tasks_reach_it(tmp_path: Pa
     write_task(tmp_path, 14, 0, 1, "0")
     assert thread_limit(14, str(tmp_path)) is None  # root is exempt
     assert thread_limit(99, str(tmp_path)) is None  # gone
+
+
+def test_an_attached_process_is_watched_through_a_pidfd_until_it_exits(tmp_path: Path) -> None:
+    """attach_to's liveness check: a pidfd poll for a real process (readable from its exit on, zombie or reaped),
+    the /proc read for a /proc of another root; the descriptor goes with the check."""
+    import gc
+    import os
+    import subprocess
+    import time
+
+    from agent.process.target import _Alive
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        alive = _Alive(child.pid, start_time(child.pid), "/proc")
+        assert alive._poll is not None and alive()
+        fds = len(os.listdir("/proc/self/fd"))
+        child.kill()
+        deadline = time.monotonic() + 5
+        while alive() and time.monotonic() < deadline:  # the kill is delivered asynchronously
+            time.sleep(0.001)
+        assert not alive()  # a zombie: exited, not reaped yet
+        child.wait()
+        assert not alive()
+        del alive
+        gc.collect()
+        assert len(os.listdir("/proc/self/fd")) == fds - 1  # its pidfd closed with it
+    finally:
+        child.kill()
+        child.wait()
+    write_stat(tmp_path, 42, "S", 1234)
+    other_root = _Alive(42, 1234, str(tmp_path))
+    assert other_root._poll is None and other_root()
+    write_stat(tmp_path, 42, "Z", 1234)
+    assert not other_root()
