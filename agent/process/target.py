@@ -50,6 +50,8 @@ class TargetProcess:
             self.child.abandon()
         if self.watchdog is not None:
             self.watchdog.dismiss()
+        if isinstance(self.alive, _Alive):
+            self.alive.close()
             self.watchdog = None
 
 
@@ -84,7 +86,13 @@ class _Alive:
             return
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
-        weakref.finalize(self, os.close, fd)  # with this object: no descriptor outlives its profile
+        self._closer = weakref.finalize(self, os.close, fd)  # at the latest with this object
+
+    def close(self) -> None:
+        """The profile is over: the descriptor goes now (asked again, /proc answers)."""
+        if self._poll is not None:
+            self._poll = None
+            self._closer()
 
     def __call__(self) -> bool:
         if self._poll is None:

@@ -75,9 +75,12 @@ def test_an_attached_process_is_watched_through_a_pidfd_until_it_exits(tmp_path:
         assert not alive()  # a zombie: exited, not reaped yet
         child.wait()
         assert not alive()
-        del alive
+        alive.close()  # the profile's end (TargetProcess.abandon)
+        assert len(os.listdir("/proc/self/fd")) == fds - 1 and not alive()
+        again = _Alive(os.getpid(), start_time(os.getpid()), "/proc")
+        del again
         gc.collect()
-        assert len(os.listdir("/proc/self/fd")) == fds - 1  # its pidfd closed with it
+        assert len(os.listdir("/proc/self/fd")) == fds - 1  # one never closed goes with the object
     finally:
         child.kill()
         child.wait()
