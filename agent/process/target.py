@@ -50,9 +50,9 @@ class TargetProcess:
             self.child.abandon()
         if self.watchdog is not None:
             self.watchdog.dismiss()
+            self.watchdog = None
         if isinstance(self.alive, _Alive):
             self.alive.close()
-            self.watchdog = None
 
 
 def attach_to(pid: int, proc: str = "/proc") -> TargetProcess:
