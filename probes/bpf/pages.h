@@ -123,12 +123,6 @@ static __always_inline int page_exit(void *ctx, u32 kind, long ret)
         page_count(g, HS_PGC_CODE_MAPS);
     void *ring = page_events_of.lookup(&g->slot);
     struct hs_page_event *e = t_reserve(ring, sizeof(struct hs_page_event));
-    /* Linux 6.15+ takes the ring's lock with a resilient spinlock, which can fail while the ring has room: try
-     * again, twice */
-    if (!e)
-        e = t_reserve(ring, sizeof(struct hs_page_event));
-    if (!e)
-        e = t_reserve(ring, sizeof(struct hs_page_event));
     if (!e) {
         page_count(g, HS_PGC_LOST);
         return 0;
