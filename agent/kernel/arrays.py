@@ -1,5 +1,6 @@
-"""The array maps user space reads or fills in bulk: an mmapable array mapped as far as it is read (MappedArray), and
-the unwind rows table every target of the process shares (SharedRows)."""
+"""The array maps user space reads or fills in bulk: an mmapable array mapped as far as it is read (MappedArray), a
+small one mapped whole and read in place (MappedWords), and the unwind rows table every target of the process shares
+(SharedRows)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,31 @@ class MappedArray:
             with contextlib.suppress(BufferError):  # a view still exported: the mapping goes with it
                 mapping.close()
         self._mappings.clear()
+
+
+class MappedWords:
+    """A small mmapable array map (BPF_F_MMAPABLE) mapped whole, read-only: a counter or control word is one
+    aligned 8-byte load, not a lookup syscall (the daemon reads a target's counters several times a tick).
+    Writes still go through the map's update call, whose syscall orders them before the loads that follow."""
+
+    def __init__(self, table: Any, entries: int) -> None:
+        # The kernel lays the values out from offset 0 of the mapping, each rounded up to 8 bytes.
+        self.stride = (ctypes.sizeof(table.Leaf) + 7) & ~7
+        length = (self.stride * entries + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        self._mapping = mmap.mmap(table.map_fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self.bytes = memoryview(self._mapping)
+        self.words = self.bytes.cast("Q")
+
+    def value(self, index: int, size: int) -> bytes:
+        """Entry `index`'s first `size` bytes, copied."""
+        at = index * self.stride
+        return bytes(self.bytes[at : at + size])
+
+    def close(self) -> None:
+        """Unmapped now, or, while a reader in another thread still holds a view, when that view goes."""
+        del self.bytes, self.words
+        with contextlib.suppress(BufferError):
+            self._mapping.close()
 
 
 class SharedRows:

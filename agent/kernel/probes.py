@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import functools
 import mmap
+import operator
 import os
 import re
 import signal
@@ -64,7 +65,7 @@ from agent.kernel.abi import (
     THREAD_SLOTS,
     UMAPS_GEN_SHIFT,
 )
-from agent.kernel.arrays import MappedArray, SharedRows
+from agent.kernel.arrays import MappedArray, MappedWords, SharedRows
 from agent.kernel.interface import LiveProbes, MaltSiteFields, ProbeSettings, SiteArray, UnwindMapping, table_sizes
 from agent.kernel.links import UPROBE_LINKS_ENV, link_uprobe, uprobe_links_supported
 from agent.kernel.loader import BCC_LOCK, load_bcc, program_text, trim_heap
@@ -91,10 +92,11 @@ class _CountersCodec:
             fmt += "x" * (offset - at) + self._FORMATS[size]
             at = offset + size
         self._struct = struct.Struct(fmt)
-        self._names = [name for _, _, name in placed]
+        at_field = {name: i for i, (_, _, name) in enumerate(placed)}
+        self._in_field_order = operator.itemgetter(*(at_field[f.name] for f in fields(Counters)))
 
     def decode(self, raw: bytes) -> Counters:
-        return Counters(**dict(zip(self._names, self._struct.unpack_from(raw), strict=True)))
+        return Counters(*self._in_field_order(self._struct.unpack_from(raw)))
 
 
 # Kernel tick rates (CONFIG_HZ) Linux offers; a measured rate is rounded to the nearest.
@@ -187,8 +189,12 @@ class HeapProbes(LiveProbes):
         self._umap_half = 0
         self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
-        self._globals_fd = -1
+        # struct hs_global and the control words, the shape's, read in place at this target's slot; None while
+        # not loaded. The page counters are this target's own array.
+        self._globals: MappedWords | None = None
         self._globals_size = 0  # activity(), counters(): bytes of struct hs_global; 0 while not loaded
+        self._control_words: memoryview | None = None
+        self._page_counters: MappedWords | None = None
         self._counters_codec: _CountersCodec | None = None
         # The raw globals last decoded, and what they decoded to: one tuple, replaced whole, as the sampling
         # thread and HTTP threads read the counters at once.
@@ -214,6 +220,7 @@ class HeapProbes(LiveProbes):
         try:
             maps = self._maps = shape.take_slot(s.target_tgid)
             self.slot = maps.slot
+            self._control_words = shape.control.words
             try:
                 self._sites = MappedArray(maps["sites"], s.max_stacks)
             except (OSError, ValueError) as exc:
@@ -229,6 +236,7 @@ class HeapProbes(LiveProbes):
             self._readers = [shape.bpf.perf_buffers[(id(events), cpu)] for cpu in events._open_key_fds]
             if s.pages:
                 self._page_ring = RingReader(maps["page_events"].map_fd, s.page_ring_bytes, PAGE_EVENT)
+                self._page_counters = MappedWords(maps["page_counters"], PAGE_COUNTER_COUNT)
             self._sched_ring = RingReader(maps["sched_points"].map_fd, SCHED_RING_BYTES, SCHED_POINT)
             self._snap_ring = RingReader(maps["snap_log"].map_fd, self._snap_ring_bytes(), SNAP_RECORD)
             self._open_globals()
@@ -253,10 +261,11 @@ class HeapProbes(LiveProbes):
         HTTP thread reading at once could each see it half made (a codec not set yet failed a profile in the fleet
         soak)."""
         assert self._maps is not None
+        assert self._shape is not None
         table = self._maps["globals"]
         self._counters_codec = _CountersCodec(table.Leaf)
+        self._globals = self._shape.globals
         self._globals_size = ctypes.sizeof(table.Leaf)
-        self._globals_fd = table.map_fd
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -294,6 +303,10 @@ class HeapProbes(LiveProbes):
                 ring.close()
         self._page_ring = self._sched_ring = self._snap_ring = None
         self._globals_size = 0
+        self._globals = self._control_words = None
+        if self._page_counters is not None:
+            self._page_counters.close()
+            self._page_counters = None
         maps, shape = self._maps, self._shape
         self._maps = self._shape = None
         self._readers = []
@@ -467,9 +480,10 @@ class HeapProbes(LiveProbes):
 
     def page_counters(self) -> PageCounters:
         """The kernel side's counts of page events sent and not sent (settings.pages)."""
-        if self._maps is None or not self.settings.pages:
+        table = self._page_counters
+        if table is None:
             return PageCounters()
-        return PageCounters(*self._u64_prefix("page_counters", PAGE_COUNTER_COUNT))
+        return PageCounters(*table.words[:PAGE_COUNTER_COUNT])
 
     def stack_bytes(self) -> int:
         """--stacks=yes: the bytes of every live thread's stack, from its top to the lowest stack pointer seen
@@ -486,15 +500,10 @@ class HeapProbes(LiveProbes):
 
     def _globals_raw(self) -> bytes:
         """struct hs_global as bytes: one map lookup, no Python object per field."""
-        if not self._globals_size:
+        table, size = self._globals, self._globals_size
+        if table is None or not size:
             raise HeapscopeError("probes are not loaded")
-        lib = load_bcc().libbcc.lib
-        # One buffer per read: a shared one could be filled by one thread while another copies it out.
-        buf = ctypes.create_string_buffer(self._globals_size)
-        if lib.bpf_lookup_elem(self._globals_fd, ctypes.byref(ctypes.c_int(self.slot)), buf) != 0:
-            # Never the last figures again as if they were now: a failed read is an error, said by the caller.
-            raise HeapscopeError("cannot read the probes' counters: the lookup in their map failed")
-        return buf.raw
+        return table.value(self.slot, size)
 
     def mapping_calls(self) -> int | None:
         """A count that moves with every call that can map new code (mmap with PROT_EXEC, mremap), or None when page
@@ -591,9 +600,8 @@ class HeapProbes(LiveProbes):
         self._umap_gen = gen
 
     def _control(self, index: int) -> int:
-        if self._maps is None:
-            return 0
-        return int(self._maps["control"][ctypes.c_int(self.slot * CTL_COUNT + index)].value)
+        words = self._control_words
+        return words[self.slot * CTL_COUNT + index] if words is not None else 0
 
     def _set_control(self, index: int, value: int) -> None:
         assert self._maps is not None

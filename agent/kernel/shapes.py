@@ -22,6 +22,7 @@ import numpy as np
 
 from agent.errors import EnvironmentProblem
 from agent.kernel.abi import CTL_COUNT
+from agent.kernel.arrays import MappedWords
 from agent.kernel.links import BPF_TRACE_UPROBE_MULTI
 from agent.kernel.loader import BCC_LOCK, compile_program, load_bcc, trim_heap, unload
 
@@ -158,6 +159,9 @@ class ProgramShape:
         try:
             self.load(self._function_names() if only is None else only)
             self._release_compiler()
+            # Every target's counters and control words, read in place (each slot's at its index).
+            self.globals = MappedWords(self.bpf["globals"], slots)
+            self.control = MappedWords(self.bpf["control"], slots * CTL_COUNT)
         except BaseException:
             unload(self.bpf)
             raise
@@ -241,6 +245,8 @@ class ProgramShape:
             shape._unload_if_idle()
 
     def _unload(self) -> None:
+        self.globals.close()
+        self.control.close()
         if self._blocks_mem is not None:
             self._blocks_mem.close()
             self._blocks_mem = None

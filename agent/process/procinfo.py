@@ -140,6 +140,34 @@ def resident_bytes(pid: int | None = None, proc: str = "/proc") -> int:
         return 0
 
 
+class ResidentReader:
+    """A target's resident memory, read again and again (the memory line, every tick): its statm file opened once
+    and read with pread, a tenth of psutil's open, read and parse. The open file stays the process's it was opened
+    for: once that one is gone, reads say None, never another process's figure under a reused PID."""
+
+    def __init__(self, pid: int, proc: str = "/proc") -> None:
+        try:
+            self._fd: int | None = os.open(f"{proc}/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = None
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def read(self) -> int | None:
+        """Bytes resident now; None if the process is gone."""
+        fd = self._fd
+        if fd is None:
+            return None
+        try:
+            return int(os.pread(fd, 128, 0).split()[1]) * self._page
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
 def release_free_memory() -> None:
     """Give the memory malloc holds free back to the system (glibc's malloc_trim): a profile's tables are large, and
     each target's thread has its own malloc arena, which keeps what it freed otherwise."""

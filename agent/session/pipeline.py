@@ -40,6 +40,7 @@ from agent.model.summary import ProfileSummary, SamplingSummary
 from agent.model.target import ProfileHeader, SiteTotal, TargetState, top_sites
 from agent.process.discovery import HOOK_KINDS
 from agent.process.inject import preflight_sampled
+from agent.process.procinfo import ResidentReader
 from agent.process.target import TargetProcess, launch
 from agent.session.pprof_context import pprof_context
 from agent.session.sampled import SamplerLink, launch_sampled
@@ -254,7 +255,8 @@ class Profile:
                     self.session = session
                     ready()
                     self._open_store(session)
-                    session.run(self._alive_and_recording(session), stop, s.sample_interval)
+                    with contextlib.closing(ResidentReader(self.pid)) as resident:
+                        session.run(self._alive_and_recording(session, resident), stop, s.sample_interval)
                 finally:
                     if link is not None:
                         link.disarm()  # before the probes go: no sample without its probe
@@ -281,13 +283,9 @@ class Profile:
         self.state = "detached" if p.alive() else "exited"
         self.ended_at = time.time()
 
-    def _alive_and_recording(self, session: Session) -> Callable[[], bool]:
+    def _alive_and_recording(self, session: Session, resident: ResidentReader) -> Callable[[], bool]:
         """The target's `alive`, which the session's loop asks at every turn, also recording the memory line
         (mapped bytes and RSS) at most once per sampling interval: the session's own samples carry the heap."""
-        try:
-            proc: psutil.Process | None = psutil.Process(self.pid)
-        except psutil.Error:
-            proc = None
         interval = self.settings.sample_interval
         store_every = self.settings.store.interval if self.settings.store is not None else 0.0
         next_at = next_store = 0.0
@@ -297,7 +295,7 @@ class Profile:
             now = time.monotonic()
             if now >= next_at:
                 next_at = now + interval
-                rss = self._record_memory(session, proc)
+                rss = self._record_memory(session, resident)
                 if self.store is not None and now >= next_store:
                     # Behind after a slow write: the next sample is due an interval from now, none is crowded in.
                     next_store = max(next_store + store_every, now) if next_store else now + store_every
@@ -310,13 +308,8 @@ class Profile:
 
         return check
 
-    def _record_memory(self, session: Session, proc: psutil.Process | None) -> int | None:
-        rss = None
-        if proc is not None:
-            try:
-                rss = proc.memory_info().rss
-            except psutil.Error:
-                rss = None
+    def _record_memory(self, session: Session, resident: ResidentReader) -> int | None:
+        rss = resident.read()
         pages = session.pages
         self.memory.add(MemoryPoint(session.now(session.counters()), pages.total if pages else None, rss))
         return rss

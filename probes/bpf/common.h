@@ -10,11 +10,11 @@
 
 /* targets: tgid -> slot, for the tracepoints (exec, page calls, thread starts and exits) */
 BPF_HASH(targets, u32, u32, HS_TARGETS);
-/* globals: slot -> struct hs_global */
-BPF_ARRAY(globals, struct hs_global, HS_TARGETS);
+/* globals: slot -> struct hs_global (mmapable, as control, page_counters: user space reads them in place) */
+BPF_F_TABLE("array", int, struct hs_global, globals, HS_TARGETS, BPF_F_MMAPABLE);
 /* control: slot * HS_CTL_COUNT + enum hs_control -> u64, written by user space (kept apart so its writes never
  * race counters) */
-BPF_ARRAY(control, u64, HS_TARGETS * HS_CTL_COUNT);
+BPF_F_TABLE("array", int, u64, control, HS_TARGETS * HS_CTL_COUNT, BPF_F_MMAPABLE);
 /* events: enum hs_event, to wake user space at once */
 BPF_PERF_OUTPUT(events);
 BPF_ARRAY_OF_MAPS(events_of, "events", HS_TARGETS);

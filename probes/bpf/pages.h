@@ -9,7 +9,7 @@ BPF_F_TABLE("hash", u32, struct hs_page_call, page_calls, HS_MAX_THREADS, BPF_F_
 BPF_RINGBUF_OUTPUT(page_events, HS_PAGE_RING_PAGES);
 BPF_ARRAY_OF_MAPS(page_events_of, "page_events", HS_TARGETS);
 /* page_counters: enum hs_page_counter -> count */
-BPF_ARRAY(page_counters, u64, HS_PGC_COUNT);
+BPF_F_TABLE("array", int, u64, page_counters, HS_PGC_COUNT, BPF_F_MMAPABLE);
 BPF_ARRAY_OF_MAPS(page_counters_of, "page_counters", HS_TARGETS);
 /* page_walker: 0 -> page_enter_walk, the one copy of the stack walk of the four entry tracepoints (a
  * program array holds programs of one type, so not alloc_walker) */

@@ -1,10 +1,15 @@
-"""procinfo.running: the sampling loop's cheap liveness check, by PID and start time, against a fake /proc."""
+"""procinfo.running: the sampling loop's cheap liveness check, by PID and start time, against a fake /proc; and its
+resident memory reader, against real processes."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
-from agent.process.procinfo import running, start_time, thread_limit
+import psutil
+
+from agent.process.procinfo import ResidentReader, running, start_time, thread_limit
 
 
 def write_stat(proc: Path, pid: int, state: str, started: int, comm: str = "svc (a) b") -> None:
@@ -89,3 +94,27 @@ def test_an_attached_process_is_watched_through_a_pidfd_until_it_exits(tmp_path:
     assert other_root._poll is None and other_root()
     write_stat(tmp_path, 42, "Z", 1234)
     assert not other_root()
+
+
+def test_the_resident_reader_follows_its_process_and_says_none_once_it_is_gone() -> None:
+    """ResidentReader against real processes: a child that touches 64 MiB reads at least that much; once it has
+    exited and been reaped, its open statm says None (not another process's figure under a reused PID)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; b = bytearray(64 << 20); print('ready', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+    reader = ResidentReader(child.pid)
+    try:
+        rss = reader.read()
+        assert rss is not None and rss >= 64 << 20
+        assert abs(rss - psutil.Process(child.pid).memory_info().rss) < 4 << 20
+        child.kill()
+        child.wait()
+        assert reader.read() is None
+    finally:
+        reader.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert ResidentReader(child.pid).read() is None  # opened after the process is gone
