@@ -17,9 +17,8 @@ import os
 import re
 import signal
 import struct
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
 from importlib import resources
 from types import TracebackType
@@ -68,9 +67,10 @@ from agent.kernel.abi import (
 from agent.kernel.arrays import MappedArray, MappedWords, SharedRows
 from agent.kernel.interface import LiveProbes, MaltSiteFields, ProbeSettings, SiteArray, UnwindMapping, table_sizes
 from agent.kernel.links import UPROBE_LINKS_ENV, link_uprobe, uprobe_links_supported
-from agent.kernel.loader import BCC_LOCK, load_bcc, program_text, trim_heap
+from agent.kernel.loader import BCC_LOCK, load_bcc, program_text
 from agent.kernel.rings import RingReader
 from agent.kernel.shapes import ProgramShape, TargetMaps
+from agent.kernel.waits import side_by_side
 from agent.model.counters import Counters, PageCounters
 from agent.model.pages import PageEvent
 from agent.process.discovery import ProbePoint
@@ -243,7 +243,9 @@ class HeapProbes(LiveProbes):
         except BaseException:
             self.close()
             raise
-        trim_heap()
+        # No malloc_trim here: the compile's memory is given back where it is freed (ProgramShape.acquire), and a
+        # daemon gives its targets' back every TRIM_INTERVAL; a trim per attach cost a fleet's churn hundreds of
+        # madvise calls an attach, and the faults that fill the pages again.
         return self
 
     def _blocks_left(self) -> int:
@@ -281,13 +283,10 @@ class HeapProbes(LiveProbes):
         lib = load_bcc().libbcc.lib
         started = time.monotonic()
         # A perf event's removal waits for an RCU grace period in the kernel (~0.1 s here), a link's for far
-        # less: one thread a probe, so the waits overlap (ctypes and os.close let go of the GIL meanwhile).
-        closers = [threading.Thread(target=lib.bpf_close_perf_event_fd, args=(fd,)) for fd in self._fds]
-        closers += [threading.Thread(target=os.close, args=(fd,)) for fd in self._links]
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join()
+        # less: side by side, the waits overlap.
+        closes: list[Callable[[], object]] = [functools.partial(lib.bpf_close_perf_event_fd, fd) for fd in self._fds]
+        closes += [functools.partial(os.close, fd) for fd in self._links]
+        side_by_side(lambda close: close(), closes)
         self.detach_seconds = time.monotonic() - started
         self._fds.clear()
         self._links.clear()

@@ -25,6 +25,7 @@ from agent.kernel.abi import CTL_COUNT
 from agent.kernel.arrays import MappedWords
 from agent.kernel.links import BPF_TRACE_UPROBE_MULTI
 from agent.kernel.loader import BCC_LOCK, compile_program, load_bcc, trim_heap, unload
+from agent.kernel.waits import side_by_side
 
 _SYS_BPF = 321  # x86-64
 SLOT_SHIFT = 56  # a block's key: its address | slot << SLOT_SHIFT (probes/bpf/blocks.h block_key)
@@ -96,8 +97,7 @@ def _in_maps_of_maps(outer_fds: Sequence[int], slot: int, inner_fds: Sequence[in
             return 0
         return int(lib.bpf_update_elem(outer_fds[i], ctypes.byref(key), ctypes.byref(ctypes.c_int(inner_fds[i])), 0))
 
-    with ThreadPoolExecutor(max_workers=max(1, len(outer_fds)), thread_name_prefix="bpf-slot") as pool:
-        failed = [r for r in pool.map(one, range(len(outer_fds))) if r != 0]
+    failed = [r for r in side_by_side(one, range(len(outer_fds))) if r != 0]
     if failed:
         raise EnvironmentProblem(f"cannot give a new target its maps: {os.strerror(abs(failed[0]))}")
 
@@ -375,7 +375,9 @@ class ProgramShape:
                 mem = self._blocks_mem
             entries = np.frombuffer(mem, dtype=np.uint64).reshape(-1, ctypes.sizeof(table.Leaf) // 8)
             addr = entries[:, 0]
-            held = np.flatnonzero(addr)  # the table is mostly empty: look at its entries only (half the time)
+            # The table is mostly empty: look at its entries only. nonzero reads the strided column in place, where
+            # flatnonzero copied it out first (two thirds of a purge's time).
+            held = np.nonzero(addr)[0]
             addr[held[np.isin(addr[held] >> np.uint64(SLOT_SHIFT), gone)]] = 0
             del entries, addr, held  # no view may outlive the mapping (closed at the unload)
         hashed = self.bpf["blocks"]
