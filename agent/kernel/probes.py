@@ -309,17 +309,19 @@ class HeapProbes(LiveProbes):
         maps, shape = self._maps, self._shape
         self._maps = self._shape = None
         self._readers = []
-        if maps is not None and shape is not None:
-            events = maps["events"]
-            with BCC_LOCK:
-                for cpu in list(events._open_key_fds):
-                    del events[cpu]  # its perf reader, and its entry
-            shape.give_back(maps, self.settings.target_tgid, blocks_left)
-        if shape is not None:
-            shape.release(keep=self.settings.keep_programs)
-        if self._shared_rows is not None:  # the program is gone: its objects' rows may be reused
-            self._shared_rows.release(key for key, (_, count) in self._objects.items() if count)
-            self._objects.clear()
+        try:
+            if maps is not None and shape is not None:
+                events = maps["events"]
+                with BCC_LOCK:
+                    for cpu in list(events._open_key_fds):
+                        del events[cpu]  # its perf reader, and its entry
+                shape.give_back(maps, self.settings.target_tgid, blocks_left)
+        finally:  # whatever failed in the give-back, the program is not held for good
+            if shape is not None:
+                shape.release(keep=self.settings.keep_programs)
+            if self._shared_rows is not None:  # the program is gone: its objects' rows may be reused
+                self._shared_rows.release(key for key, (_, count) in self._objects.items() if count)
+                self._objects.clear()
 
     def _unmap(self) -> None:
         if self._sites is not None:

@@ -375,9 +375,10 @@ class ProgramShape:
                 mem = self._blocks_mem
             entries = np.frombuffer(mem, dtype=np.uint64).reshape(-1, ctypes.sizeof(table.Leaf) // 8)
             addr = entries[:, 0]
-            # The table is mostly empty: look at its entries only. nonzero reads the strided column in place, where
-            # flatnonzero copied it out first (two thirds of a purge's time).
-            held = np.nonzero(addr)[0]
+            # The table is mostly empty: look at its entries only. flatnonzero works on a copy of the column: the
+            # live targets' probes change the table meanwhile, and np.nonzero in place, which counts the entries
+            # before it lists them, then fails ("number of non-zero array elements changed").
+            held = np.flatnonzero(addr)
             addr[held[np.isin(addr[held] >> np.uint64(SLOT_SHIFT), gone)]] = 0
             del entries, addr, held  # no view may outlive the mapping (closed at the unload)
         hashed = self.bpf["blocks"]
@@ -394,7 +395,12 @@ class ProgramShape:
                 dirty, self._dirty = self._dirty, []
             if not dirty:
                 return
-            self._purge_blocks(dirty)
+            try:
+                self._purge_blocks(dirty)
+            except BaseException:
+                with self.lock:  # still dirty: never used again before a purge has forgotten their blocks
+                    self._dirty.extend(dirty)
+                raise
             with self.lock:
                 self._free.extend(s for s in dirty if s)
 
