@@ -74,13 +74,9 @@ class MappedWords:
         self.bytes = memoryview(self._mapping)
         self.words = self.bytes.cast("Q")
 
-    def value(self, index: int, size: int) -> bytes:
-        """Entry `index`'s first `size` bytes, copied."""
-        at = index * self.stride
-        return bytes(self.bytes[at : at + size])
-
     def close(self) -> None:
-        """Unmapped now, or, while a reader in another thread still holds a view, when that view goes."""
+        """Unmapped now, or, while a reader still holds a view of it (take `bytes` or `words` into a variable of
+        your own before reading: this deletes them here), when that view goes."""
         del self.bytes, self.words
         with contextlib.suppress(BufferError):
             self._mapping.close()

@@ -189,12 +189,15 @@ class HeapProbes(LiveProbes):
         self._umap_half = 0
         self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
-        # struct hs_global and the control words, the shape's, read in place at this target's slot; None while
-        # not loaded. The page counters are this target's own array.
-        self._globals: MappedWords | None = None
+        # struct hs_global and the control words, the shape's, read in place at this target's slot, and this
+        # target's own page counters: views of their mappings, None while not loaded (a reader takes the view
+        # first; a view still held keeps its mapping after the close).
+        self._globals_view: memoryview | None = None
+        self._globals_stride = 0
         self._globals_size = 0  # activity(), counters(): bytes of struct hs_global; 0 while not loaded
         self._control_words: memoryview | None = None
         self._page_counters: MappedWords | None = None
+        self._page_counter_words: memoryview | None = None
         self._counters_codec: _CountersCodec | None = None
         # The raw globals last decoded, and what they decoded to: one tuple, replaced whole, as the sampling
         # thread and HTTP threads read the counters at once.
@@ -237,6 +240,7 @@ class HeapProbes(LiveProbes):
             if s.pages:
                 self._page_ring = RingReader(maps["page_events"].map_fd, s.page_ring_bytes, PAGE_EVENT)
                 self._page_counters = MappedWords(maps["page_counters"], PAGE_COUNTER_COUNT)
+                self._page_counter_words = self._page_counters.words
             self._sched_ring = RingReader(maps["sched_points"].map_fd, SCHED_RING_BYTES, SCHED_POINT)
             self._snap_ring = RingReader(maps["snap_log"].map_fd, self._snap_ring_bytes(), SNAP_RECORD)
             self._open_globals()
@@ -266,7 +270,7 @@ class HeapProbes(LiveProbes):
         assert self._shape is not None
         table = self._maps["globals"]
         self._counters_codec = _CountersCodec(table.Leaf)
-        self._globals = self._shape.globals
+        self._globals_view, self._globals_stride = self._shape.globals.bytes, self._shape.globals.stride
         self._globals_size = ctypes.sizeof(table.Leaf)
 
     def __exit__(
@@ -302,7 +306,7 @@ class HeapProbes(LiveProbes):
                 ring.close()
         self._page_ring = self._sched_ring = self._snap_ring = None
         self._globals_size = 0
-        self._globals = self._control_words = None
+        self._globals_view = self._control_words = self._page_counter_words = None
         if self._page_counters is not None:
             self._page_counters.close()
             self._page_counters = None
@@ -481,10 +485,10 @@ class HeapProbes(LiveProbes):
 
     def page_counters(self) -> PageCounters:
         """The kernel side's counts of page events sent and not sent (settings.pages)."""
-        table = self._page_counters
-        if table is None:
+        words = self._page_counter_words
+        if words is None:
             return PageCounters()
-        return PageCounters(*table.words[:PAGE_COUNTER_COUNT])
+        return PageCounters(*words[:PAGE_COUNTER_COUNT])
 
     def stack_bytes(self) -> int:
         """--stacks=yes: the bytes of every live thread's stack, from its top to the lowest stack pointer seen
@@ -500,11 +504,12 @@ class HeapProbes(LiveProbes):
         return total
 
     def _globals_raw(self) -> bytes:
-        """struct hs_global as bytes: one map lookup, no Python object per field."""
-        table, size = self._globals, self._globals_size
-        if table is None or not size:
+        """struct hs_global as bytes: one copy out of its mapping, no syscall, no Python object per field."""
+        view, size = self._globals_view, self._globals_size
+        if view is None or not size:
             raise HeapscopeError("probes are not loaded")
-        return table.value(self.slot, size)
+        at = self.slot * self._globals_stride
+        return bytes(view[at : at + size])
 
     def mapping_calls(self) -> int | None:
         """A count that moves with every call that can map new code (mmap with PROT_EXEC, mremap), or None when page

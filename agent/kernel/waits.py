@@ -1,7 +1,7 @@
 """Kernel calls that wait for an RCU grace period doing nothing (an update of a map of maps, the close of a uprobe
 link or perf event), made side by side: the waits of calls made at once end together. The threads that make them
 are kept for the process's life: a pool started for each attach and detach cost some 3 ms of CPU a use in thread
-starts and exits, the most of a fleet's churn."""
+starts and exits (a tenth of a busy target's attach/check/detach cycle)."""
 
 from __future__ import annotations
 
