@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.offline import commands
 from agent.store import PeakState, StoreMeta, StoreReader, StoreSample, StoreWriter
-from agent.store.writer import segment_paths
+from agent.store.files import segment_paths
 from tests.support.store_workload import site_stack
 
 S = 1_000_000_000

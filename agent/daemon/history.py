@@ -26,7 +26,7 @@ from agent.offline import history
 from agent.offline.commands import diff_between, diff_json, diff_text
 from agent.offline.timespec import iso, parse_moment
 from agent.store import StoreReader
-from agent.store.writer import segment_paths
+from agent.store.files import segment_paths
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""Attaching uprobes as BPF uprobe_multi links through raw bpf(2) calls, where the kernel has them (Linux 6.10+)."""
+"""Attaching uprobes as BPF uprobe_multi links through raw bpf(2) calls, where the kernel has them (Linux 6.10+),
+and the raw call itself (bpf_syscall) for what bcc does not do."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ _BPF_LINK_CREATE = 28
 BPF_TRACE_UPROBE_MULTI = 48
 _BPF_F_UPROBE_MULTI_RETURN = 1
 UPROBE_LINKS_ENV = "HEAPSCOPE_UPROBE_LINKS"  # "0": attach through perf events even where links exist
+_libc = ctypes.CDLL(None, use_errno=True)  # once: a CDLL made at each call cost a dlopen a call (8 calls an attach)
+
+
+def bpf_syscall(cmd: int, attr: ctypes.Structure) -> int:
+    """bpf(cmd, &attr): its result, or minus errno."""
+    ret = int(_libc.syscall(_SYS_BPF, cmd, ctypes.byref(attr), ctypes.sizeof(attr)))
+    return ret if ret >= 0 else -ctypes.get_errno()
 
 
 class _UprobeMultiAttr(ctypes.Structure):
@@ -63,6 +71,4 @@ def link_uprobe(prog_fd: int, path: bytes, offset: int, is_return: bool, pid: in
         multi_flags=_BPF_F_UPROBE_MULTI_RETURN if is_return else 0,
         pid=pid,
     )
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = int(libc.syscall(_SYS_BPF, _BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr)))
-    return fd if fd >= 0 else -ctypes.get_errno()
+    return bpf_syscall(_BPF_LINK_CREATE, attr)

@@ -215,8 +215,9 @@ class HeapProbes(LiveProbes):
         # its targets apart (no cookie), so each target then has one of its own.
         key = (*cflags, f"page_stacks={s.page_stacks}", "links" if self._use_links else f"own={id(self)}")
         # One source in every mode, heap.bpf.c with its parts written in: the HS_* defines above choose the parts
-        # that count (sampled mode's programs, the page calls, thread stacks: probes/heap.bpf.c).
-        source = program_text(os.path.join(probes_dir, "heap.bpf.c"))
+        # that count (sampled mode's programs, the page calls, thread stacks: probes/heap.bpf.c). Read only for a
+        # shape not loaded yet.
+        source = functools.partial(program_text, os.path.join(probes_dir, "heap.bpf.c"))
         # A daemon's shape loads every program, for the targets to come; a command's, what its one target needs.
         only = None if s.node_blocks else self._program_names()
         shape = self._shape = ProgramShape.acquire(key, source, cflags, MAX_TARGETS, self._use_links, only)

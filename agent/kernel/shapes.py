@@ -14,7 +14,7 @@ import ctypes
 import mmap
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -23,11 +23,10 @@ import numpy as np
 from agent.errors import EnvironmentProblem
 from agent.kernel.abi import CTL_COUNT
 from agent.kernel.arrays import MappedWords
-from agent.kernel.links import BPF_TRACE_UPROBE_MULTI
+from agent.kernel.links import BPF_TRACE_UPROBE_MULTI, bpf_syscall
 from agent.kernel.loader import BCC_LOCK, compile_program, load_bcc, trim_heap, unload
 from agent.kernel.waits import side_by_side
 
-_SYS_BPF = 321  # x86-64
 SLOT_SHIFT = 56  # a block's key: its address | slot << SLOT_SHIFT (probes/bpf/blocks.h block_key)
 _BPF_MAP_CREATE = 0
 _BPF_OBJ_GET_INFO_BY_FD = 15
@@ -64,20 +63,14 @@ class _CreateAttr(ctypes.Structure):
     ]
 
 
-def _bpf(cmd: int, attr: ctypes.Structure) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    ret = int(libc.syscall(_SYS_BPF, cmd, ctypes.byref(attr), ctypes.sizeof(attr)))
-    return ret if ret >= 0 else -ctypes.get_errno()
-
-
 def clone_map(fd: int) -> int:
     """A new, empty map like the map at fd (type, sizes, flags, name); returns its descriptor."""
     info = _MapInfo()
-    got = _bpf(_BPF_OBJ_GET_INFO_BY_FD, _InfoAttr(fd, ctypes.sizeof(info), ctypes.addressof(info)))
+    got = bpf_syscall(_BPF_OBJ_GET_INFO_BY_FD, _InfoAttr(fd, ctypes.sizeof(info), ctypes.addressof(info)))
     if got < 0:
         raise EnvironmentProblem(f"cannot read a BPF map's description: {os.strerror(-got)}")
     attr = _CreateAttr(info.type, info.key_size, info.value_size, info.max_entries, info.map_flags, 0, 0, info.name)
-    new = _bpf(_BPF_MAP_CREATE, attr)
+    new = bpf_syscall(_BPF_MAP_CREATE, attr)
     if new < 0:
         raise EnvironmentProblem(f"cannot create a map for a new target ({info.name.decode()}): {os.strerror(-new)}")
     return new
@@ -195,14 +188,21 @@ class ProgramShape:
 
     @classmethod
     def acquire(
-        cls, key: tuple[str, ...], source: str, cflags: list[str], slots: int, links: bool, only: set[bytes] | None
+        cls,
+        key: tuple[str, ...],
+        source: Callable[[], str],
+        cflags: list[str],
+        slots: int,
+        links: bool,
+        only: set[bytes] | None,
     ) -> ProgramShape:
-        """The loaded program of this shape, compiled now if no target of this process has it: with every program
-        of its source, or `only` these (a command's one target: the others would only cost their verification)."""
+        """The loaded program of this shape, compiled now (from the text `source` gives: read only then) if no
+        target of this process has it: with every program of its source, or `only` these (a command's one target:
+        the others would only cost their verification)."""
         with cls._shapes_lock:
             shape = cls._shapes.get(key)
             if shape is None:
-                shape = cls._shapes[key] = ProgramShape(key, source, cflags, slots, links, only)
+                shape = cls._shapes[key] = ProgramShape(key, source(), cflags, slots, links, only)
                 trim_heap()
             shape.users += 1
             if shape._idle is not None:  # kept loaded after its last target: in use again

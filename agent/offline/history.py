@@ -16,7 +16,7 @@ from agent.model.snapshot import Snapshot, SnapshotKind, SnapshotSeries
 from agent.model.stack import Frame, SiteCounts, Stack, trim_stack
 from agent.model.tree import HEAP_ROOT_LABEL, IndexedTree, StackIndex, Tree, TreeNode
 from agent.store import SnapshotRef, SnapshotUnavailable, StoredSnapshot, StoreReader
-from agent.store.writer import segment_paths
+from agent.store.files import segment_paths
 
 
 def open_target(store: str | os.PathLike[str], pid: int | None) -> StoreReader:

@@ -25,7 +25,7 @@ import numpy as np
 
 from agent.errors import EnvironmentProblem
 from agent.model.stack import Stack
-from agent.store.files import SEGMENT_RE, segment_paths
+from agent.store.files import next_segment_seq
 from agent.store.retention import Retention, apply_retention
 from agent.store.sample import PeakState, StoreMeta, StoreSample
 from agent.store.segment import N_FIELDS, SegmentFile, fsync_dir
@@ -92,9 +92,9 @@ class StoreWriter:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreWriteError(f"store: cannot create {self.directory}: {exc.strerror}") from None
-        existing = segment_paths(self.directory)
-        self._next_seq = int(SEGMENT_RE.match(existing[-1].name).group(1)) + 1 if existing else 1  # type: ignore[union-attr]
+        self._next_seq = next_segment_seq(self.directory)
         self._segment: SegmentFile | None = None
+        self._closed_one = False  # a segment of this writer's closed since the retention was applied
         self._number: dict[int, int] = {}  # site id -> site number (the order sites were first seen)
         self._lookup = np.full(1024, -1, dtype=np.int64)  # the same for ids below _LOOKUP_LIMIT
         self._stacks: list[Stack] = []  # by site number
@@ -216,7 +216,7 @@ class StoreWriter:
             seg.close(sync=self.sync_policy.mode != "never")
             self._segment = seg = None
             self._dirty_since = None
-            self._maintain()
+            self._closed_one = True
         if seg is None:
             path = self.directory / f"seg-{self._next_seq:08d}.hss"
             seg = SegmentFile(path, self.meta, seq=self._next_seq, checkpoint_every=self.checkpoint_every, extra={})
@@ -224,7 +224,9 @@ class StoreWriter:
             self._segment = seg
             if self.sync_policy.mode != "never":
                 fsync_dir(self.directory)  # the new file's name survives a power loss
-            self._maintain()
+            if self._closed_one or _retention_due(self.directory):
+                self._closed_one = False
+                self._maintain()
         return seg
 
     def _after_write(self, seg: SegmentFile) -> None:
@@ -316,6 +318,28 @@ class StoreWriter:
         self.stats.snapshots_thinned += done.snapshots_thinned
         if done.errors:
             self.stats.last_error = done.errors[-1]
+
+
+# A writer's first segment applies the retention to its directory only if it was not applied there in the last
+# RETENTION_RECHECK seconds (by any writer): what it closes is applied at once. A process attached again and again
+# (a fleet's restarts, its workers recycled) opens a segment at each attach, and one look at its directory each
+# time cost more with every attach; by age or size, ten seconds of history is no more than a rounding.
+RETENTION_RECHECK = 10.0
+_applied_at: dict[Path, float] = {}
+_applied_lock = threading.Lock()
+
+
+def _retention_due(directory: Path) -> bool:
+    """Whether the retention is due in directory (and, if so, noted as applied now)."""
+    now = time.monotonic()
+    with _applied_lock:
+        if now - _applied_at.get(directory, -RETENTION_RECHECK) < RETENTION_RECHECK:
+            return False
+        if len(_applied_at) >= 1024:  # forget the directories not looked at lately
+            for old in [d for d, t in _applied_at.items() if now - t >= RETENTION_RECHECK]:
+                del _applied_at[old]
+        _applied_at[directory] = now
+        return True
 
 
 def _info(sample: StoreSample) -> dict[str, object]:

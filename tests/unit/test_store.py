@@ -25,6 +25,7 @@ from agent.store import (
 )
 from agent.store import format as fmt
 from agent.store import writer as writer_mod
+from agent.store.files import segment_paths
 from agent.store.reader import SegmentReader
 from tests.support.store_workload import Workload, site_stack
 
@@ -131,7 +132,7 @@ def test_awkward_values_round_trip(tmp_path: Path) -> None:
 
 def test_outer_toc_chain_indexes_in_log2_reads(tmp_path: Path) -> None:
     write(tmp_path, Workload(n_sites=5), 77)
-    (path,) = writer_mod.segment_paths(tmp_path)
+    (path,) = segment_paths(tmp_path)
     reads = []
     real = fmt.read_block
 
@@ -155,7 +156,7 @@ def test_outer_toc_chain_indexes_in_log2_reads(tmp_path: Path) -> None:
 def test_segments_rotate_and_each_stands_alone(tmp_path: Path) -> None:
     truth = write(tmp_path, Workload(n_sites=50), 60, retention=Retention(segment_bytes=6000, max_bytes=None),
                   checkpoint_every=7)
-    paths = writer_mod.segment_paths(tmp_path)
+    paths = segment_paths(tmp_path)
     assert len(paths) > 3
     reader = StoreReader(tmp_path)
     refs = reader.snapshots()
@@ -175,7 +176,7 @@ def test_retention_by_size_deletes_oldest_segments(tmp_path: Path) -> None:
                      retention=Retention(segment_bytes=4000, max_bytes=limit)) as w:
         for sample, _ in Workload(n_sites=40).samples(120):
             w.append(sample)
-            sizes = [p.stat().st_size for p in writer_mod.segment_paths(tmp_path)]
+            sizes = [p.stat().st_size for p in segment_paths(tmp_path)]
             # the bound holds after each rotation; the open segment may pass its own size by one snapshot
             assert sum(sizes[:-1]) <= limit
         assert w.stats.segments_deleted > 0
@@ -191,16 +192,62 @@ def test_retention_by_age(tmp_path: Path) -> None:
     samples = Workload(n_sites=30).samples(60)
     for _ in range(20):
         w.append(next(samples)[0])
-    old = writer_mod.segment_paths(tmp_path)[:-1]
+    old = segment_paths(tmp_path)[:-1]
     assert old
     for p in old:
         os.utime(p, (now[0] - 7200, now[0] - 7200))
     for _ in range(20):
         w.append(next(samples)[0])
     w.close()
-    left = writer_mod.segment_paths(tmp_path)
+    left = segment_paths(tmp_path)
     assert not set(old) & set(left)
     assert w.stats.segments_deleted == len(old)
+
+
+def one_segment(directory: Path) -> None:
+    """A writer that opens, writes one snapshot and closes: one more segment, as a process attached once more."""
+    with StoreWriter(directory, META, sync=SyncPolicy("never")) as w:
+        w.append(next(Workload(n_sites=3).samples(1))[0])
+
+
+def test_a_writer_opening_applies_the_retention_once_in_a_while(tmp_path: Path, monkeypatch) -> None:
+    """A process attached again and again opens a segment each time: the retention looks at its directory at most
+    once in RETENTION_RECHECK seconds then, and at once when a writer closes a segment of its own."""
+    clock = [1000.0]
+    monkeypatch.setattr(writer_mod.time, "monotonic", lambda: clock[0])
+    for _ in range(3):
+        one_segment(tmp_path)
+    week_ago = time.time() - 8 * 86400
+    for p in segment_paths(tmp_path):
+        os.utime(p, (week_ago, week_ago))
+    one_segment(tmp_path)  # within ten seconds of the first: not looked at
+    assert len(segment_paths(tmp_path)) == 4
+    clock[0] += writer_mod.RETENTION_RECHECK
+    one_segment(tmp_path)  # later: the week-old ones go (the default max_age is seven days)
+    assert [p.name for p in segment_paths(tmp_path)] == ["seg-00000004.hss", "seg-00000005.hss"]
+    for p in segment_paths(tmp_path):
+        os.utime(p, (week_ago, week_ago))
+    with StoreWriter(tmp_path, META, sync=SyncPolicy("never"), retention=Retention(segment_bytes=1)) as w:
+        for sample, _ in Workload(n_sites=3).samples(2):  # the second append closes the first segment
+            w.append(sample)
+        assert w.stats.segments_deleted == 2  # no ten seconds' wait for what it closed itself
+
+
+def test_retention_reads_a_segment_made_again_under_a_known_name(tmp_path: Path) -> None:
+    """Sizes of closed segments are remembered by name and inode: a file put in place of one (a directory
+    emptied and written again) is read again."""
+    for _ in range(3):
+        one_segment(tmp_path)
+    sizes = [p.stat().st_size for p in segment_paths(tmp_path)]
+    limit = sum(sizes) + 100
+    now = time.time()
+    assert retention.apply_retention(tmp_path, Retention(max_bytes=limit), now, None).segments_deleted == 0
+    first = segment_paths(tmp_path)[0]
+    bigger = tmp_path / "bigger"
+    bigger.write_bytes(first.read_bytes() + b"\0" * 200)
+    os.replace(bigger, first)
+    done = retention.apply_retention(tmp_path, Retention(max_bytes=limit), now, None)
+    assert done.segments_deleted == 1 and not first.exists()
 
 
 def test_thinning_keeps_first_last_and_one_per_interval(tmp_path: Path) -> None:
@@ -444,8 +491,8 @@ def test_a_sweep_deletes_the_old_history_of_processes_no_writer_holds(tmp_path: 
 
     assert (swept.segments_deleted, swept.directories_removed, swept.errors) == (3, 2, [])
     assert not gone.exists() and not old_empty.exists()
-    assert [p.name for p in writer_mod.segment_paths(partly)] == ["seg-00000002.hss"]
-    assert len(writer_mod.segment_paths(held)) == 1
+    assert [p.name for p in segment_paths(partly)] == ["seg-00000002.hss"]
+    assert len(segment_paths(held)) == 1
     assert fresh_empty.is_dir() and other.is_dir()
     again = retention.sweep_ended(tmp_path, 7 * day, busy={"300"}, now=now)
     assert (again.segments_deleted, again.directories_removed) == (0, 0)
@@ -455,6 +502,6 @@ def test_a_sweep_without_an_age_or_a_store_does_nothing(tmp_path: Path) -> None:
     now = time.time()
     d = _history(tmp_path, "100", [400 * 86400.0], now)
     assert retention.sweep_ended(tmp_path, None, busy=set(), now=now).segments_deleted == 0
-    assert len(writer_mod.segment_paths(d)) == 1
+    assert len(segment_paths(d)) == 1
     missing = retention.sweep_ended(tmp_path / "none", 1.0, busy=set(), now=now)
     assert (missing.segments_deleted, missing.errors) == (0, [])

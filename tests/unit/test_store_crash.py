@@ -15,8 +15,8 @@ import pytest
 
 from agent.store import StoreMeta, StoreReader, StoreWriter, SyncPolicy
 from agent.store import format as fmt
+from agent.store.files import segment_paths
 from agent.store.reader import SegmentReader, SnapshotUnavailable
-from agent.store.writer import segment_paths
 from tests.support import store_spec_reader
 from tests.support.store_workload import Workload
 

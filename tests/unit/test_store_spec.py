@@ -9,7 +9,7 @@ from pathlib import Path
 from agent.model.stack import Frame, SiteCounts
 from agent.store import Retention, StoreMeta, StoreReader, StoreSample, StoreWriter, SyncPolicy
 from agent.store import format as fmt
-from agent.store.writer import segment_paths
+from agent.store.files import segment_paths
 from tests.support import store_spec_reader
 from tests.support.store_workload import Workload, site_stack
 
