@@ -4,6 +4,7 @@ them up, and one more process is attached and detached over and over through the
 
     sudo .venv/bin/python bench/fleet_soak.py                     # one hour
     sudo .venv/bin/python bench/fleet_soak.py --duration 300      # five minutes
+    sudo .venv/bin/python bench/fleet_soak.py --cycle-period 8    # the hour at the churn of the first hour
 
 The services are tests/integration/programs/fleet_service.c, built here with gcc: each process allocates a
 1000-byte block every 20 ms into a ring of 8, so once attached a second its live heap is exactly 8000 bytes.
@@ -14,7 +15,9 @@ attach (POST /targets {"pid"}), check, detach (DELETE /targets/PID) on processes
 and sampled mode in turn (sampled at a rate of 1 byte, where every block is sampled at a weight of 1, so that the
 exact answer still holds while the sampler is injected, armed and disarmed every other cycle). --cyclers such
 processes are cycled at once, each by its own thread: attaches overlap other targets' checks and detaches, and
-the daemon meets concurrent attaches, as a fleet's restarts give it.
+the daemon meets concurrent attaches, as a fleet's restarts give it. By default a cycler starts its next cycle as
+soon as the last one ended (a churn that grows as the daemon gets faster: 0.38 cycles a second when each attach
+compiled its program, 1.7 now); --cycle-period paces them, for a figure at a churn of one's choosing.
 
 Reported (JSON on stdout, and bench/results/fleet_soak.json):
 - target crashes: a service or worker that ended other than by the soak's own signals (the parents report their
@@ -324,6 +327,7 @@ class Soak:
         """Attach/detach cycles on one process, back to back until `until`, both modes in turn."""
         sampled = first_sampled
         while time.monotonic() < until and not self.stopping.is_set():
+            started = time.monotonic()
             try:
                 self.attach_detach(manual, sampled)
             except (httpx.HTTPError, SystemExit, ValueError) as exc:  # the daemon gone: the main loop says so
@@ -331,6 +335,8 @@ class Soak:
                     self.wrong.append(f"attach/detach {manual.pid}: {type(exc).__name__}: {exc}")
                 return
             sampled = not sampled
+            if self.args.cycle_period:  # paced: the next cycle starts cycle_period after this one started
+                self.stopping.wait(max(0.0, started + self.args.cycle_period - time.monotonic()))
 
     # ---- the run ----
 
@@ -414,6 +420,7 @@ class Soak:
             "duration_s": round(soak_seconds, 1),
             "period_s": a.period,
             "cyclers": len(manuals),
+            "cycle_period_s": a.cycle_period or None,
             "counts": dict(self.counts),
             "target_crashes": len(self.crashes),
             "crashes": self.crashes,
@@ -446,6 +453,10 @@ def main() -> int:
     p.add_argument("--no-cycles", dest="cycles", action="store_false", help="no attach/detach cycles")
     p.add_argument("--cyclers", type=int, default=3,
                    help="processes attached and detached at once, each by its own thread (default 3)")
+    p.add_argument("--cycle-period", type=float, default=0.0,
+                   help="a cycler starts a cycle at most once in this many seconds (default 0: as soon as the last "
+                        "ended, so a faster daemon makes more cycles; 8 is the churn of the first hour, 1,361 "
+                        "cycles with three cyclers)")
     p.add_argument("--verbose", action="store_true",
                    help="the daemon says what it does (not -q), and its log and work directory are kept")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fleet_soak.json")
