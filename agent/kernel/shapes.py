@@ -23,31 +23,13 @@ import numpy as np
 from agent.errors import EnvironmentProblem
 from agent.kernel.abi import CTL_COUNT
 from agent.kernel.arrays import MappedWords
+from agent.kernel.emptying import MapInfo, empty_map, map_info
 from agent.kernel.links import BPF_TRACE_UPROBE_MULTI, bpf_syscall
 from agent.kernel.loader import BCC_LOCK, compile_program, load_bcc, trim_heap, unload
 from agent.kernel.waits import side_by_side
 
 SLOT_SHIFT = 56  # a block's key: its address | slot << SLOT_SHIFT (probes/bpf/blocks.h block_key)
 _BPF_MAP_CREATE = 0
-_BPF_OBJ_GET_INFO_BY_FD = 15
-
-
-class _MapInfo(ctypes.Structure):
-    """The head of struct bpf_map_info (include/uapi/linux/bpf.h): what a copy of a map needs."""
-
-    _fields_ = [
-        ("type", ctypes.c_uint32),
-        ("id", ctypes.c_uint32),
-        ("key_size", ctypes.c_uint32),
-        ("value_size", ctypes.c_uint32),
-        ("max_entries", ctypes.c_uint32),
-        ("map_flags", ctypes.c_uint32),
-        ("name", ctypes.c_char * 16),
-    ]
-
-
-class _InfoAttr(ctypes.Structure):
-    _fields_ = [("bpf_fd", ctypes.c_uint32), ("info_len", ctypes.c_uint32), ("info", ctypes.c_uint64)]
 
 
 class _CreateAttr(ctypes.Structure):
@@ -65,10 +47,7 @@ class _CreateAttr(ctypes.Structure):
 
 def clone_map(fd: int) -> int:
     """A new, empty map like the map at fd (type, sizes, flags, name); returns its descriptor."""
-    info = _MapInfo()
-    got = bpf_syscall(_BPF_OBJ_GET_INFO_BY_FD, _InfoAttr(fd, ctypes.sizeof(info), ctypes.addressof(info)))
-    if got < 0:
-        raise EnvironmentProblem(f"cannot read a BPF map's description: {os.strerror(-got)}")
+    info = map_info(fd)
     attr = _CreateAttr(info.type, info.key_size, info.value_size, info.max_entries, info.map_flags, 0, 0, info.name)
     new = bpf_syscall(_BPF_MAP_CREATE, attr)
     if new < 0:
@@ -109,11 +88,27 @@ class TargetMaps:
         own = self.tables.get(name)  # (not `or`: a table's truth is its length, and an empty hash map is false)
         return own if own is not None else self.shape.bpf[name]
 
+    def empty(self, infos: dict[str, MapInfo], sites: int) -> None:
+        """Make the maps as empty as new ones for the slot's next target (agent.kernel.emptying); the arrays indexed
+        by site id as far as `sites` ids reach. Only while the slot has no target."""
+        for name, table in self.tables.items():
+            empty_map(table.map_fd, infos[name], sites if name in _BY_SITE else None)
+            if hasattr(table, "_open_key_fds"):  # a perf event array: no reader of the last target's left
+                table._open_key_fds = {}
+                table._cbs = {}
+
     def close(self) -> None:
         for fd in self._owned:
             os.close(fd)
         self._owned.clear()
 
+
+# The per-target arrays indexed by site id: emptied as far as the last target's site ids reached.
+_BY_SITE = frozenset({"sites", "site_flags"})
+# A slot's maps are kept for its next target, emptied, for this many slots at most (those of a fleet's churn);
+# beyond, a detached target's maps are freed, so that the kernel memory a shape holds without targets is bounded.
+KEPT_SLOTS = 8
+_GLOBAL_N_SITES = 1  # struct hs_global: the word after execs is n_sites
 
 # Detached targets' blocks are forgotten in batches: one pass over the block table (15 ms in exact mode) for this
 # many detaches; a target that leaves this many live blocks or more has its own pass at once.
@@ -149,6 +144,8 @@ class ProgramShape:
         # The copy of its address column a purge looks at, kept: made anew at each purge, its 8 MB were faulted in
         # (and zeroed by the kernel) each time, a tenth of the daemon's CPU in a fleet's churn.
         self._blocks_column: np.ndarray | None = None
+        self._kept: dict[int, TargetMaps] = {}  # slot -> the maps its last target had, for its next (give_back)
+        self._infos: dict[str, MapInfo] | None = None  # the per-target maps' descriptions, read at the first reuse
         # The per-target maps: each one that has an array of maps NAME_of (probes/bpf/common.h).
         self.per_target = sorted(name[:-3] for name in self.bpf.tables if name.endswith("_of"))
         self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed
@@ -248,6 +245,10 @@ class ProgramShape:
             shape._unload_if_idle()
 
     def _unload(self) -> None:
+        with self.lock:
+            kept, self._kept = list(self._kept.values()), {}
+        for maps in kept:
+            maps.close()
         self.globals.close()
         self.control.close()
         if self._blocks_mem is not None:
@@ -311,8 +312,9 @@ class ProgramShape:
     # ---- targets --------------------------------------------------------------------------------------
 
     def take_slot(self, tgid: int) -> TargetMaps:
-        """A slot for the process tgid, with maps of its own, its counters and control words zeroed, and the
-        tracepoints told where it is. Raises EnvironmentProblem when every slot is taken."""
+        """A slot for the process tgid, with maps of its own (the slot's last target's, emptied, or new ones), its
+        counters and control words zeroed, and the tracepoints told where it is. Raises EnvironmentProblem when
+        every slot is taken."""
         with self.lock:
             short = not self._free and bool(self._dirty)
         if short:
@@ -323,6 +325,37 @@ class ProgramShape:
                     f"every slot of the BPF program is taken ({self.slots} targets of these settings at once)"
                 )
             slot = self._free.pop()
+            kept = self._kept.pop(slot, None)
+        try:
+            maps = self._emptied(kept, slot) if kept is not None else None
+            if maps is None:
+                maps = self._new_maps(slot)
+            self._reset_slot(slot)
+            self.bpf["targets"][ctypes.c_uint32(tgid)] = ctypes.c_uint32(slot)
+        except BaseException:
+            with self.lock:
+                self._free.append(slot)
+            raise
+        return maps
+
+    def _emptied(self, kept: TargetMaps, slot: int) -> TargetMaps | None:
+        """The slot's kept maps emptied for a new target, or None (closed) when the kernel refused: new ones then."""
+        sites = self.globals.words[slot * self.globals.stride // 8 + _GLOBAL_N_SITES] + 1  # read before the reset
+        try:
+            kept.empty(self._map_infos(), sites)
+        except EnvironmentProblem:
+            kept.close()
+            return None
+        return kept
+
+    def _map_infos(self) -> dict[str, MapInfo]:
+        with self.lock:
+            if self._infos is None:
+                self._infos = {name: map_info(self.bpf[name].map_fd) for name in self.per_target}
+            return self._infos
+
+    def _new_maps(self, slot: int) -> TargetMaps:
+        """New maps for the slot, put in the arrays of maps (slot 0 takes bcc's own, the templates)."""
         tables: dict[str, Any] = {}
         owned: list[int] = []
         try:
@@ -337,18 +370,13 @@ class ProgramShape:
                         own.map_fd = clone_map(template.map_fd)
                         owned.append(own.map_fd)
                     tables[name] = own
-            maps = TargetMaps(self, slot, tables, owned)
-            self._reset_slot(slot)
             outer = [self.bpf[f"{name}_of"].map_fd for name in self.per_target]
             _in_maps_of_maps(outer, slot, [tables[name].map_fd for name in self.per_target])
-            self.bpf["targets"][ctypes.c_uint32(tgid)] = ctypes.c_uint32(slot)
         except BaseException:
             for fd in owned:
                 os.close(fd)
-            with self.lock:
-                self._free.append(slot)
             raise
-        return maps
+        return TargetMaps(self, slot, tables, owned)
 
     def _reset_slot(self, slot: int) -> None:
         """Zero a slot's counters and control words (a slot is used again after its target left) and write its
@@ -412,15 +440,21 @@ class ProgramShape:
                 self._free.extend(s for s in dirty if s)
 
     def give_back(self, maps: TargetMaps, tgid: int, blocks_left: int) -> None:
-        """A target's detach: its entries and maps go; the slot is free again once its blocks are forgotten, with
-        other slots' (PURGE_BATCH at once), or at once when it left many (PURGE_NOW_BLOCKS: their room in the
-        shared table is not held for others) or a new target needs the slot. Slot 0's maps are bcc's own, which the
-        next target would find full of this one's figures: it is not used again."""
+        """A target's detach: its entry goes, and its maps are kept for the slot's next target (KEPT_SLOTS) or
+        freed; the slot is free again once its blocks are forgotten, with other slots' (PURGE_BATCH at once), or at
+        once when it left many (PURGE_NOW_BLOCKS: their room in the shared table is not held for others) or a new
+        target needs the slot. Slot 0's maps are bcc's own, which the next target would find full of this one's
+        figures: it is not used again."""
         lib = load_bcc().libbcc.lib
         lib.bpf_delete_elem(self.bpf["targets"].map_fd, ctypes.byref(ctypes.c_uint32(tgid)))
-        # the programs find no map at the slot from here on
-        _in_maps_of_maps([self.bpf[f"{name}_of"].map_fd for name in self.per_target], maps.slot, None)
-        maps.close()
+        with self.lock:
+            keep = bool(maps.slot) and len(self._kept) < KEPT_SLOTS
+            if keep:  # still in the arrays of maps, found by no program: its links are gone, and so is its entry
+                self._kept[maps.slot] = maps
+        if not keep:
+            # the programs find no map at the slot from here on
+            _in_maps_of_maps([self.bpf[f"{name}_of"].map_fd for name in self.per_target], maps.slot, None)
+            maps.close()
         with self.lock:
             self._dirty.append(maps.slot)
             now = blocks_left >= PURGE_NOW_BLOCKS or len(self._dirty) >= PURGE_BATCH

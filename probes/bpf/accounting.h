@@ -3,7 +3,7 @@
 
 #if HS_IGNORE
 /* site_flags: site id -> enum hs_site_flag, written by user space as it symbolizes sites (--ignore-fn) */
-BPF_ARRAY(site_flags, u8, HS_MAX_STACKS);
+BPF_TARGET_ARRAY(site_flags, u8, HS_MAX_STACKS);
 BPF_ARRAY_OF_MAPS(site_flags_of, "site_flags", HS_TARGETS);
 #endif
 

@@ -8,6 +8,10 @@
  * target's maps (slot 0 has the ones bcc made, the templates) and removes them at its detach, so a target's
  * tables and rings are its own, and a detach leaves the others as they were. */
 
+/* A per-target array, mmapable: user space empties a detached target's arrays in place for the slot's next target
+ * (agent/kernel/emptying.py), where zeroing them by update calls cost more than new maps. */
+#define BPF_TARGET_ARRAY(_name, _leaf_type, _size) BPF_F_TABLE("array", int, _leaf_type, _name, _size, BPF_F_MMAPABLE)
+
 /* targets: tgid -> slot, for the tracepoints (exec, page calls, thread starts and exits) */
 BPF_HASH(targets, u32, u32, HS_TARGETS);
 /* globals: slot -> struct hs_global (mmapable, as control, page_counters: user space reads them in place) */

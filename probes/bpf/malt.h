@@ -6,23 +6,23 @@
 BPF_F_TABLE("hash", u64, u64, size_map, HS_MAX_SIZES, BPF_F_NO_PREALLOC);
 BPF_ARRAY_OF_MAPS(size_map_of, "size_map", HS_TARGETS);
 /* small_sizes: request size -> count, for sizes below HS_SMALL_SIZES (no hashing on the common sizes) */
-BPF_ARRAY(small_sizes, u64, HS_SMALL_SIZES);
+BPF_TARGET_ARRAY(small_sizes, u64, HS_SMALL_SIZES);
 BPF_ARRAY_OF_MAPS(small_sizes_of, "small_sizes", HS_TARGETS);
 BPF_F_TABLE("hash", struct hs_jump, u64, realloc_jump, HS_MAX_JUMPS, BPF_F_NO_PREALLOC);
 BPF_ARRAY_OF_MAPS(realloc_jump_of, "realloc_jump", HS_TARGETS);
 BPF_F_TABLE("hash", u64, struct hs_thread_stat, thread_stats, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
 BPF_ARRAY_OF_MAPS(thread_stats_of, "thread_stats", HS_TARGETS);
 /* thread_slots: (tid mod HS_THREAD_SLOTS) * HS_FN_COUNT + fn -> the owning thread's statistics */
-BPF_ARRAY(thread_slots, struct hs_thread_slot, HS_THREAD_SLOTS * HS_FN_COUNT);
+BPF_TARGET_ARRAY(thread_slots, struct hs_thread_slot, HS_THREAD_SLOTS * HS_FN_COUNT);
 BPF_ARRAY_OF_MAPS(thread_slots_of, "thread_slots", HS_TARGETS);
 /* size_hist: log2(size) -> allocations so far; life_hist: log2(size) * 64 + log2(lifetime ns) -> frees so
  * far. Cumulative: user space takes the difference between two samples, so nothing is ever reset. */
-BPF_ARRAY(size_hist, u64, HS_LOG2_BINS);
+BPF_TARGET_ARRAY(size_hist, u64, HS_LOG2_BINS);
 BPF_ARRAY_OF_MAPS(size_hist_of, "size_hist", HS_TARGETS);
-BPF_ARRAY(life_hist, u64, HS_LOG2_BINS * HS_LOG2_BINS);
+BPF_TARGET_ARRAY(life_hist, u64, HS_LOG2_BINS * HS_LOG2_BINS);
 BPF_ARRAY_OF_MAPS(life_hist_of, "life_hist", HS_TARGETS);
 /* window: 0 -> struct hs_window (the timeline's maximum since the last sample) */
-BPF_ARRAY(window, struct hs_window, 1);
+BPF_TARGET_ARRAY(window, struct hs_window, 1);
 BPF_ARRAY_OF_MAPS(window_of, "window", HS_TARGETS);
 
 static __always_inline u64 log2_bin(u64 v)

@@ -166,3 +166,85 @@ def test_a_slot_used_again_finds_none_of_its_last_targets_blocks(bpf_ready: None
         assert set(slots["free"]) <= set(slots["leave"]), f"the later targets did not use the slots again: {slots}"
     finally:
         ProgramShape.unload_kept()
+
+
+class FillerTarget(Target):
+    """modes_sites.c: dozens of sites, thousands of sizes, two threads: a target that leaves something in every
+    per-target map of a MALT shape."""
+
+    def __init__(self, program: Path) -> None:
+        self.proc = subprocess.Popen([str(program), "1", "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"\n")  # it reads a line
+        self.proc.stdin.flush()
+
+
+def reads(probes: HeapProbes) -> dict[str, object]:
+    """What a target's maps say once it has allocated, but for thread ids and times (another process's)."""
+    per_fn: dict[int, tuple[int, int]] = {}
+    for (_, fn), (count, nbytes, _) in probes.thread_stats().items():
+        c, b = per_fn.get(fn, (0, 0))
+        per_fn[fn] = (c + count, b + nbytes)
+    sites = {k: (m.fn, m.tot_bytes, m.tot_blocks, m.cur_bytes, m.alloc_min, m.alloc_max)
+             for k, m in probes.malt_sites().items()}
+    return {
+        "counted": counted(probes),
+        "site_count": probes.site_count(),
+        "sites": sites,
+        "stacks": {k: probes._read_stack(k) for k in sites},
+        "sizes": probes.size_map(),
+        "jumps": probes.realloc_jumps(),
+        "per_fn": per_fn,
+        "size_histogram": probes.size_histogram(),
+        "lifetimes": sum(probes.life_histogram()),
+        "window": probes.take_window(0),
+        "snapshot_log": len(probes.snapshot_log()),
+    }
+
+
+def test_a_slot_used_again_finds_its_maps_empty(bpf_ready: None, build: Callable[..., Path]) -> None:
+    """A detached target's maps are kept for its slot's next target and emptied then (agent.kernel.emptying), not
+    made again: a target in the slot of one that filled every per-target map (sites and their stacks, MALT's
+    sizes, threads and histograms, the snapshot log) reads what the same program reads in a slot of its own."""
+    if not uprobe_links_supported():
+        pytest.skip("targets share a program only through uprobe_multi links (Linux 6.10+)")
+    program, filler = build("attach_target.c"), build("modes_sites.c")
+
+    def attached(t: Target) -> HeapProbes:
+        points = allocator_of_process(t.proc.pid).points(run=False, heap=True)
+        settings = ProbeSettings(target_tgid=t.proc.pid, arm_on_exec=False, keep_programs=60.0, malt=True)
+        return HeapProbes(settings, points)
+
+    def profiled(t: Target) -> tuple[int, dict[str, object]]:
+        try:
+            t.expect("ready")
+            with attached(t) as probes:
+                t.go()
+                t.expect("allocated")
+                return probes.slot, reads(probes)
+        finally:
+            t.kill()
+
+    try:
+        own_slot, own = profiled(SameAddressTarget(program))
+        f = FillerTarget(filler)
+        try:
+            f.expect("ready")
+            with attached(f) as probes:
+                shape, filled_slot = probes._shape, probes.slot
+                f.go()
+                f.expect("allocated")
+                assert probes.site_count() > 5 and len(probes.size_map()) > 100, "the filler filled too little"
+        finally:
+            f.kill()
+        assert shape is not None
+        assert filled_slot in shape._kept, "the filler's maps were not kept for its slot"
+        shape._purge_dirty()  # the slot free again now, not after PURGE_BATCH detaches
+        again_slot, again = profiled(SameAddressTarget(program))
+        assert again_slot == filled_slot != own_slot
+        assert again == own
+        assert again["counted"] == (SITE_BYTES, ALLOCS, TRACKED_FREES, UNTRACKED_FREES)
+    finally:
+        ProgramShape.unload_kept()
