@@ -108,7 +108,6 @@ _BY_SITE = frozenset({"sites", "site_flags"})
 # A slot's maps are kept for its next target, emptied, for this many slots at most (those of a fleet's churn);
 # beyond, a detached target's maps are freed, so that the kernel memory a shape holds without targets is bounded.
 KEPT_SLOTS = 8
-_GLOBAL_N_SITES = 1  # struct hs_global: the word after execs is n_sites
 
 # Detached targets' blocks are forgotten in batches: one pass over the block table (15 ms in exact mode) for this
 # many detaches; a target that leaves this many live blocks or more has its own pass at once.
@@ -324,8 +323,11 @@ class ProgramShape:
                 raise EnvironmentProblem(
                     f"every slot of the BPF program is taken ({self.slots} targets of these settings at once)"
                 )
-            slot = self._free.pop()
+            # a slot whose maps were kept first, else the last freed
+            slot = next((s for s in reversed(self._free) if s in self._kept), self._free[-1])
+            self._free.remove(slot)
             kept = self._kept.pop(slot, None)
+        maps = None
         try:
             maps = self._emptied(kept, slot) if kept is not None else None
             if maps is None:
@@ -333,6 +335,8 @@ class ProgramShape:
             self._reset_slot(slot)
             self.bpf["targets"][ctypes.c_uint32(tgid)] = ctypes.c_uint32(slot)
         except BaseException:
+            if maps is not None:  # the slot's next target gets new ones
+                maps.close()
             with self.lock:
                 self._free.append(slot)
             raise
@@ -340,7 +344,8 @@ class ProgramShape:
 
     def _emptied(self, kept: TargetMaps, slot: int) -> TargetMaps | None:
         """The slot's kept maps emptied for a new target, or None (closed) when the kernel refused: new ones then."""
-        sites = self.globals.words[slot * self.globals.stride // 8 + _GLOBAL_N_SITES] + 1  # read before the reset
+        n_sites = self.bpf["globals"].Leaf.n_sites.offset // 8
+        sites = self.globals.words[slot * self.globals.stride // 8 + n_sites] + 1  # the last target's, before the reset
         try:
             kept.empty(self._map_infos(), sites)
         except EnvironmentProblem:
