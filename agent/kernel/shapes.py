@@ -45,9 +45,8 @@ class _CreateAttr(ctypes.Structure):
     ]
 
 
-def clone_map(fd: int) -> int:
-    """A new, empty map like the map at fd (type, sizes, flags, name); returns its descriptor."""
-    info = map_info(fd)
+def clone_map(info: MapInfo) -> int:
+    """A new, empty map like the one `info` describes (type, sizes, flags, name); returns its descriptor."""
     attr = _CreateAttr(info.type, info.key_size, info.value_size, info.max_entries, info.map_flags, 0, 0, info.name)
     new = bpf_syscall(_BPF_MAP_CREATE, attr)
     if new < 0:
@@ -144,7 +143,7 @@ class ProgramShape:
         # (and zeroed by the kernel) each time, a tenth of the daemon's CPU in a fleet's churn.
         self._blocks_column: np.ndarray | None = None
         self._kept: dict[int, TargetMaps] = {}  # slot -> the maps its last target had, for its next (give_back)
-        self._infos: dict[str, MapInfo] | None = None  # the per-target maps' descriptions, read at the first reuse
+        self._infos: dict[str, MapInfo] | None = None  # the per-target maps' descriptions, read once (_map_infos)
         # The per-target maps: each one that has an array of maps NAME_of (probes/bpf/common.h).
         self.per_target = sorted(name[:-3] for name in self.bpf.tables if name.endswith("_of"))
         self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed
@@ -363,6 +362,7 @@ class ProgramShape:
         """New maps for the slot, put in the arrays of maps (slot 0 takes bcc's own, the templates)."""
         tables: dict[str, Any] = {}
         owned: list[int] = []
+        infos = self._map_infos() if slot else {}
         try:
             with BCC_LOCK:
                 for name in self.per_target:
@@ -372,7 +372,7 @@ class ProgramShape:
                         own._open_key_fds = {}
                         own._cbs = {}
                     if slot:
-                        own.map_fd = clone_map(template.map_fd)
+                        own.map_fd = clone_map(infos[name])
                         owned.append(own.map_fd)
                     tables[name] = own
             outer = [self.bpf[f"{name}_of"].map_fd for name in self.per_target]
