@@ -301,7 +301,7 @@ class Profile:
                     next_store = max(next_store + store_every, now) if next_store else now + store_every
                     live = session.live
                     token = live.activity() if live is not None else None  # unchanged: a quiet target, not stored
-                    self.store.record(session.store_columns, rss, token, lambda: session.now(session.counters()))
+                    self.store.record(session.store_columns, rss, token, session.time_now)
                 if self._sampler is not None:
                     self._sampler.poll()  # its last counts stand should the target exit unheld
             return self.process.alive()
@@ -311,7 +311,7 @@ class Profile:
     def _record_memory(self, session: Session, resident: ResidentReader) -> int | None:
         rss = resident.read()
         pages = session.pages
-        self.memory.add(MemoryPoint(session.now(session.counters()), pages.total if pages else None, rss))
+        self.memory.add(MemoryPoint(session.time_now(), pages.total if pages else None, rss))
         return rss
 
     # ---- the history store ------------------------------------------------------------------------

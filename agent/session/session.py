@@ -65,6 +65,9 @@ class Recorder(Protocol):
         ...
 
 
+_NO_COUNTERS = Counters()  # for `now` where the unit is the clock
+
+
 @dataclass
 class SessionInfo:
     pid: int
@@ -74,25 +77,45 @@ class SessionInfo:
 
 
 class IdlePace:
-    """How long a sampling loop waits while its target does nothing: the sampling interval for the first few
-    quiet ticks, then twice as long after each further one, up to IDLE_MAX seconds. Any activity brings the
-    loop back to its interval."""
+    """How long a sampling loop waits between looks at its target. A target that did nothing since the last look
+    is looked at as often as the sampling interval for the first few quiet ticks, then twice as long after each
+    further one, up to IDLE_MAX seconds. A light one (fewer than LIGHT_RATE allocator calls a second) the same,
+    up to LIGHT_MAX: a look costs the daemon the same whatever it finds, the kernel counts every call whenever
+    it looks, and a fleet's services spend most of their time making a few calls a second. A busy target brings
+    the loop back to its interval."""
 
     IDLE_MAX = 1.0
-    QUIET_TICKS = 4  # quiet ticks at the full rate before the waits grow
+    LIGHT_MAX = 0.2  # a light target's memory line keeps five points a second
+    LIGHT_RATE = 1000.0  # calls a second
+    QUIET_TICKS = 4  # quiet (or light) ticks at the full rate before the waits grow
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
         self.idle_ticks = 0
+        self.light_ticks = 0
 
     def idle(self) -> float:
         """Another quiet tick: the wait until the next look."""
         self.idle_ticks += 1
-        doublings = max(0, self.idle_ticks - self.QUIET_TICKS)
-        return min(max(self.IDLE_MAX, self.interval), self.interval * (1 << min(doublings, 20)))
+        return self._grown(self.idle_ticks, self.IDLE_MAX)
 
-    def active(self) -> None:
+    def active(self, calls: int = 0, seconds: float = 0.0) -> float:
+        """A look that found `calls` allocator calls made in the `seconds` since the one before: the wait until
+        the next look."""
         self.idle_ticks = 0
+        if seconds > 0 and calls < self.LIGHT_RATE * seconds:
+            self.light_ticks += 1
+            return self._grown(self.light_ticks, self.LIGHT_MAX)
+        self.light_ticks = 0
+        return self.interval
+
+    def paced(self) -> bool:
+        """Whether the last wait was longer than the interval (the next look is then timed from now)."""
+        return self.idle_ticks > self.QUIET_TICKS or self.light_ticks > self.QUIET_TICKS
+
+    def _grown(self, ticks: int, cap: float) -> float:
+        doublings = max(0, ticks - self.QUIET_TICKS)
+        return min(max(cap, self.interval), self.interval * (1 << min(doublings, 20)))
 
 
 class Session:
@@ -138,6 +161,7 @@ class Session:
         self.pages: PageAccount | None = None  # the page map, when the probes trace page syscalls
         self._pages_lock = threading.Lock()
         self.stack_bytes = 0  # --stacks=yes: all threads' stacks at the last sample
+        self.calls_seen = 0  # the allocator calls the kernel had counted at the last sample
         self._lock = threading.Lock()  # readers (HTTP) and the sampler share the model
         # Snapshots on Massif's schedule: the kernel sends a point at each event that reaches the next due time
         # (agent.model.schedule). With --pages-as-heap=yes the heap is the page map's, and the ticks sample it.
@@ -165,6 +189,11 @@ class Session:
         else:
             now_ns = read_ns if read_ns is not None else time.monotonic_ns()
         return (now_ns - self.start_ns) // 1_000_000
+
+    def time_now(self) -> int:
+        """`now` without a tick's counters: read only when the time unit is bytes (milliseconds need the clock
+        alone, and the memory line asks at every tick)."""
+        return self.now(self.counters() if self.opts.time_unit == "B" else _NO_COUNTERS)
 
     def _point_time(self, raw: int) -> int:
         """A schedule point's time in the session's unit (the kernel gives ns for ms)."""
@@ -383,6 +412,7 @@ class Session:
             # meanwhile is then later than the tick (and not counted in c).
             read_ns = time.monotonic_ns()
             c = self.counters()
+            self.calls_seen = c.n_allocs + c.n_frees
             if self.recorder is not None:
                 self.recorder.sample(c, mapped=self.pages.total if self.pages is not None else None)
             t = self.now(c, read_ns)
@@ -461,7 +491,8 @@ class Session:
         self._first_snapshot()
         self.sample()
         pace = IdlePace(interval)
-        next_sample = time.monotonic() + interval
+        looked_at, calls_seen = time.monotonic(), self.calls_seen
+        next_sample = looked_at + interval
         while alive() and not stop.is_set() and not self.exec_ended():
             events = live.wait_events(max(0.001, next_sample - time.monotonic()))
             stopped = live.stopped()
@@ -484,19 +515,23 @@ class Session:
             now = time.monotonic()
             if now >= next_sample:
                 # A target that did nothing since the last tick is not sampled (Massif takes no snapshot
-                # without an allocation either), and it is looked at less and less often, down to IDLE_MAX.
+                # without an allocation either), and it is looked at less and less often, down to IDLE_MAX;
+                # a light one down to LIGHT_MAX (IdlePace).
                 last, token = token, live.activity()
                 if token == last and not events:
                     next_sample = now + pace.idle()
                     continue
-                next_sample = now + interval if pace.idle_ticks else next_sample + interval
-                pace.active()
-                calls = live.mapping_calls()
-                if (calls is None or calls != mapped_at) and alive():
-                    mapped_at = calls
+                was_paced = pace.idle_ticks > 0 or pace.paced()
+                mapping_calls = live.mapping_calls()
+                if (mapping_calls is None or mapping_calls != mapped_at) and alive():
+                    mapped_at = mapping_calls
                     self.sync_mappings()
                 self.sample()
                 self.flag_sites()
+                wait = pace.active(self.calls_seen - calls_seen, now - looked_at)
+                looked_at, calls_seen = now, self.calls_seen
+                # At the interval the looks keep their cadence; a paced look counts from now.
+                next_sample = next_sample + interval if not (was_paced or pace.paced()) else now + wait
         self._ended_ns = time.monotonic_ns()  # the final snapshot's time: not after the detach's seconds
 
     def exec_ended(self) -> bool:

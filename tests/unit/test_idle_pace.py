@@ -1,4 +1,4 @@
-"""IdlePace (agent/session/session.py): how long a sampling loop waits while its target does nothing."""
+"""IdlePace (agent/session/session.py): how long a sampling loop waits while its target does nothing, or little."""
 
 from __future__ import annotations
 
@@ -27,3 +27,28 @@ def test_activity_brings_back_the_interval() -> None:
 def test_an_interval_longer_than_the_cap_is_kept() -> None:
     pace = IdlePace(2.0)
     assert [pace.idle() for _ in range(8)] == [2.0] * 8
+
+
+def test_a_light_target_is_looked_at_less_often_down_to_the_light_cap() -> None:
+    pace = IdlePace(0.05)
+    light = int(IdlePace.LIGHT_RATE * 0.05) - 1  # calls in one interval, under the light rate
+    waits = [pace.active(light, 0.05) for _ in range(10)]
+    quiet = IdlePace.QUIET_TICKS
+    assert waits[:quiet] == [0.05] * quiet and not any(w > IdlePace.LIGHT_MAX for w in waits)
+    assert waits[quiet:quiet + 2] == [0.1, IdlePace.LIGHT_MAX] and waits[-1] == IdlePace.LIGHT_MAX
+    assert pace.paced()
+
+
+def test_a_busy_look_brings_back_the_interval() -> None:
+    pace = IdlePace(0.05)
+    for _ in range(10):
+        pace.active(1, 0.2)
+    busy = int(IdlePace.LIGHT_RATE * 0.2)
+    assert pace.active(busy, 0.2) == 0.05
+    assert not pace.paced() and pace.light_ticks == 0
+
+
+def test_a_quiet_target_waits_longer_than_a_light_one() -> None:
+    quiet, light = IdlePace(0.05), IdlePace(0.05)
+    assert max(quiet.idle() for _ in range(20)) == IdlePace.IDLE_MAX > IdlePace.LIGHT_MAX
+    assert max(light.active(0, 0.05) for _ in range(20)) == IdlePace.LIGHT_MAX
