@@ -175,8 +175,7 @@ class HeapProbes(LiveProbes):
         self._shape: ProgramShape | None = None
         self._maps: TargetMaps | None = None  # this target's maps; None once closed
         self.slot = 0  # the target's slot in its shape's program (the cookie of its links)
-        self._readers: list[int] = []  # the perf readers of its events
-        self._reader_array: ctypes.Array[ctypes.c_void_p] | None = None  # the same, as perf_reader_poll takes them
+        self._readers: ctypes.Array[ctypes.c_void_p] | None = None  # its events' perf readers, for perf_reader_poll
         self._fds: list[int] = []  # perf events of the uprobes (bcc closes them)
         self._links: list[int] = []  # uprobe_multi links (closed with os.close)
         self._use_links = uprobe_links_supported()
@@ -239,8 +238,8 @@ class HeapProbes(LiveProbes):
                 self._set_armed(True)
             events = maps["events"]
             events.open_perf_buffer(self._on_event, page_cnt=8)
-            self._readers = [shape.bpf.perf_buffers[(id(events), cpu)] for cpu in events._open_key_fds]
-            self._reader_array = (ctypes.c_void_p * len(self._readers))(*self._readers)
+            readers = [shape.bpf.perf_buffers[(id(events), cpu)] for cpu in events._open_key_fds]
+            self._readers = (ctypes.c_void_p * len(readers))(*readers)
             if s.pages:
                 self._page_ring = RingReader(maps["page_events"].map_fd, s.page_ring_bytes, PAGE_EVENT)
                 self._page_counters = MappedWords(maps["page_counters"], PAGE_COUNTER_COUNT)
@@ -316,8 +315,7 @@ class HeapProbes(LiveProbes):
             self._page_counters = None
         maps, shape = self._maps, self._shape
         self._maps = self._shape = None
-        self._readers = []
-        self._reader_array = None
+        self._readers = None
         try:
             if maps is not None and shape is not None:
                 events = maps["events"]
@@ -536,11 +534,11 @@ class HeapProbes(LiveProbes):
 
     def wait_events(self, timeout: float) -> list[int]:
         """Events (EV_*) that came within `timeout` seconds; returns at the first one."""
-        assert self._maps is not None and self._reader_array is not None
+        assert self._maps is not None and self._readers is not None
         # Rounded up: a wait cut short by the rounding would come back for the rest of a millisecond, a second
         # wake-up every tick.
         wait_ms = max(1, math.ceil(timeout * 1000))
-        load_bcc().libbcc.lib.perf_reader_poll(len(self._readers), self._reader_array, wait_ms)
+        load_bcc().libbcc.lib.perf_reader_poll(len(self._readers), self._readers, wait_ms)
         events, self._events = self._events, []
         return events
 
