@@ -170,7 +170,7 @@ class Injection:
 
 SYS_MMAP, SYS_MPROTECT, SYS_RESTART = 9, 10, 219
 PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
-MAP_PRIVATE, MAP_ANONYMOUS = 0x02, 0x20
+MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE, MAP_STACK = 0x02, 0x20, 0x4000, 0x20000
 # Kernel-internal return values of an interrupted system call (include/linux/errno.h).
 ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND, ERESTART_RESTARTBLOCK = 512, 513, 514, 516
 PTRACE_SINGLESTEP = 9
@@ -550,11 +550,13 @@ class _Thread:
                 self._defer(os.WSTOPSIG(status))  # delivered after the thread is released
 
     def run_detached(self, stub: Stub, syscall_at: int, function: int, arg0: int, arg1: int, error_function: int,
-                     extra: bytes = b"") -> Callable[[], tuple[int, int]]:
+                     extra: bytes = b"", thread: CallThread | None = None) -> Callable[[], tuple[int, int]]:
         """Start function(arg0, arg1) on this thread through the stub, then let the thread go: the stub puts
         every register back and resumes the thread where it was, whether or not heapscope is still there.
-        `extra` is copied into the stub's data and its address replaces an argument equal to -1. Returns a
-        function that waits for the call to finish and gives (result, error message address)."""
+        `extra` is copied into the stub's data and its address replaces an argument equal to -1. With `thread`,
+        the call runs on a new thread, on a stack mapped here, while this one waits for it. Returns a
+        function that waits for the call to finish and gives (result, error message address); it raises
+        NoCallThread where the new thread could not be made."""
         saved = self.regs()
         saved_x = self.xstate()
         if len(saved_x) > stub.xsave_room:
@@ -566,6 +568,13 @@ class _Thread:
             if page >= (1 << 64) - 4095:
                 err = os.strerror((1 << 64) - page)
                 raise TargetError(f"process {self.pid}: mmap for the injection failed: {err}")
+            stack = 0
+            if thread:  # the call thread's stack: the stub unmaps it after the join
+                stack = self._syscall(syscall_at, saved, SYS_MMAP, 0, CALL_THREAD_STACK, PROT_READ | PROT_WRITE,
+                                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, (1 << 64) - 1, 0)
+                if stack >= (1 << 64) - 4095:
+                    raise TargetError(f"process {self.pid}: mmap for the injection failed: "
+                                      f"{os.strerror((1 << 64) - stack)}")
             data = bytearray(stub.blob)
             extra_at = page + stub.extra
             words = {
@@ -573,6 +582,12 @@ class _Thread:
                 "arg0": extra_at if arg0 == -1 else arg0,
                 "arg1": extra_at if arg1 == -1 else arg1,
                 "error_function": error_function,
+                "thread_create": thread.create if thread else 0,
+                "thread_join": thread.join if thread else 0,
+                "thread_attr_init": thread.attr_init if thread else 0,
+                "thread_attr_setstack": thread.attr_setstack if thread else 0,
+                "thread_stack": stack,
+                "thread_stack_size": CALL_THREAD_STACK if thread else 0,
                 "saved_rflags": context[REG["eflags"]],
                 "saved_rip": context[REG["rip"]],
             }
@@ -608,6 +623,9 @@ class _Thread:
                     done = struct.unpack("<Q", read_memory(pid, done_at, 8))[0]
                     if done:
                         result, error = struct.unpack("<QQ", read_memory(pid, page + stub.labels["result"], 16))
+                        refused = read_memory(pid, page + stub.labels["create_error"], 4)
+                        if thread and refused != bytes(4):
+                            raise NoCallThread(os.strerror(int.from_bytes(refused, "little")))
                         return result, error
                 except OSError as exc:
                     raise TargetError(f"process {pid} went away during the injected call") from exc
@@ -641,6 +659,10 @@ class _Thread:
         self.seized = False
         for other, _ in self.deferred[1:]:
             _tgkill(self.pid, self.tid, other)
+
+
+class NoCallThread(TargetError):
+    """pthread_create refused the thread an injected call was to run on (a thread limit)."""
 
 
 def _tgkill(pid: int, tid: int, sig: int) -> None:
@@ -800,6 +822,31 @@ def _call(pid: int, function: int, wait: float, proc_root: str, rotate: int = 0)
     return result, t.tid
 
 
+@dataclass(frozen=True)
+class CallThread:
+    """The libc functions the stub makes its call's thread with."""
+
+    create: int
+    join: int
+    attr_init: int
+    attr_setstack: int
+
+
+CALL_THREAD_STACK = 1 << 20  # the loader and the library's constructor use a few KiB
+
+
+def _call_thread(pid: int, proc_root: str) -> CallThread | None:
+    """The functions to load the sampler on a thread of its own: what the loader and the library's start allocate
+    then comes from that thread's arena, and the heap the program's threads share keeps the layout it had (a
+    prefork server's workers, forked from it, keep theirs). None before glibc 2.34, whose libc has no
+    pthread_create (it was in libpthread): the loader then runs on the program's thread."""
+    names = ("pthread_create", "pthread_join", "pthread_attr_init", "pthread_attr_setstack")
+    try:
+        return CallThread(*(_libc_function(pid, name, proc_root) for name in names))
+    except TargetError:
+        return None
+
+
 REVIVE_SYMBOL = "hs_sampler_revive"
 
 
@@ -846,12 +893,19 @@ def inject(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc")
         memfd = _memfd_with(pid, library, stub, syscall_at, ranges, wait, proc_root)
         path = b"/proc/self/fd/%d\0" % memfd
 
+    thread = _call_thread(pid, proc_root)
+
     def start(t: _Thread) -> Callable[[], tuple[int, int]]:
-        return t.run_detached(stub, syscall_at, dlopen_at, -1, RTLD_NOW | RTLD_NODELETE, dlerror_at, path)
+        return t.run_detached(stub, syscall_at, dlopen_at, -1, RTLD_NOW | RTLD_NODELETE, dlerror_at, path, thread)
 
     try:
-        waiter, t, tried = _on_safe_thread(pid, ranges, start, wait, proc_root)
-        handle, error = waiter()
+        try:
+            waiter, t, tried = _on_safe_thread(pid, ranges, start, wait, proc_root)
+            handle, error = waiter()
+        except NoCallThread:  # no thread to spare: the loader runs on the program's thread, as it can
+            thread = None
+            waiter, t, tried = _on_safe_thread(pid, ranges, start, wait, proc_root)
+            handle, error = waiter()
     finally:
         if memfd is not None:  # the mapping holds the file now; the descriptor is not the program's to keep
             close_at = _libc_function(pid, "close", proc_root)

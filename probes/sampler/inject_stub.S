@@ -18,17 +18,37 @@ stub_entry:
     lea     old_mask(%rip), %rdx
     mov     $8, %r10d
     syscall
-    mov     arg0(%rip), %rdi
-    mov     arg1(%rip), %rsi
-    call    *function(%rip)
-    mov     %rax, result(%rip)
+    mov     thread_create(%rip), %rax
     test    %rax, %rax
-    jnz     1f
-    mov     error_function(%rip), %rax
-    test    %rax, %rax
-    jz      1f
-    call    *%rax                   /* dlerror(): its message, for heapscope to read */
-    mov     %rax, error(%rip)
+    jnz     2f
+    call    call_function           /* on this thread */
+    jmp     1f
+2:  /* On a thread of its own, this one waiting for it: what the call allocates comes from that thread's heap
+     * (glibc gives a new thread a new arena), not from the one this thread shares with the program. On a stack
+     * heapscope mapped: glibc then frees the thread's TLS vector at the join (it would keep it, allocated from
+     * the program's heap, with a stack of its own making), and the stack is unmapped here after it. */
+    lea     thread_attr(%rip), %rdi /* pthread_attr_init(&thread_attr) */
+    call    *thread_attr_init(%rip)
+    lea     thread_attr(%rip), %rdi /* pthread_attr_setstack(&thread_attr, thread_stack, thread_stack_size) */
+    mov     thread_stack(%rip), %rsi
+    mov     thread_stack_size(%rip), %rdx
+    call    *thread_attr_setstack(%rip)
+    lea     thread(%rip), %rdi      /* pthread_create(&thread, &thread_attr, call_function, NULL) */
+    lea     thread_attr(%rip), %rsi
+    lea     call_function(%rip), %rdx
+    xor     %ecx, %ecx
+    call    *thread_create(%rip)
+    mov     %rax, create_error(%rip)
+    test    %eax, %eax
+    jnz     3f                      /* no thread (a thread limit): heapscope calls again without one */
+    mov     thread(%rip), %rdi      /* pthread_join(thread, NULL) */
+    xor     %esi, %esi
+    call    *thread_join(%rip)
+3:
+    mov     $11, %eax               /* munmap(thread_stack, thread_stack_size) */
+    mov     thread_stack(%rip), %rdi
+    mov     thread_stack_size(%rip), %rsi
+    syscall
 1:
     mov     $14, %eax               /* rt_sigprocmask(SIG_SETMASK, &old_mask, NULL, 8) */
     mov     $2, %edi
@@ -60,6 +80,26 @@ stub_entry:
     mov     saved_rsp(%rip), %rsp
     jmp     *saved_rip(%rip)
 
+/* function(arg0, arg1), and dlerror() in the same thread if it returned NULL; called with a 16-byte aligned
+ * stack plus the return address, as pthread_create's start routine is. */
+call_function:
+    sub     $8, %rsp
+    mov     arg0(%rip), %rdi
+    mov     arg1(%rip), %rsi
+    call    *function(%rip)
+    mov     %rax, result(%rip)
+    test    %rax, %rax
+    jnz     1f
+    mov     error_function(%rip), %rax
+    test    %rax, %rax
+    jz      1f
+    call    *%rax                   /* dlerror(): its message, for heapscope to read */
+    mov     %rax, error(%rip)
+1:
+    add     $8, %rsp
+    xor     %eax, %eax
+    ret
+
     .org    4096
 data_start:
 function:       .quad 0
@@ -69,6 +109,16 @@ error_function: .quad 0
 result:         .quad 0
 error:          .quad 0
 done:           .quad 0
+thread_create:  .quad 0             /* pthread_create, to make the call on a new thread; 0: on this one */
+thread_join:    .quad 0
+thread_attr_init: .quad 0
+thread_attr_setstack: .quad 0
+thread_stack:   .quad 0
+thread_stack_size: .quad 0
+thread:         .quad 0
+create_error:   .quad 0             /* pthread_create's answer */
+    .balign 16
+thread_attr:    .space 64           /* a pthread_attr_t (56 bytes on x86-64) */
 all_mask:       .quad -1
 old_mask:       .quad 0
 saved_rax:      .quad 0

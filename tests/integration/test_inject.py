@@ -224,3 +224,38 @@ def test_controller_killed_in_the_middle_of_the_injected_call(
         finish_stress(conv)
     finally:
         conv.kill()
+
+
+def heap_top_moved(program: Path, lib: Path) -> int:
+    """By how many bytes inject() shrank the program's main heap's top chunk."""
+    conv = Conversation([str(program)])
+    try:
+        conv.expect("ready")
+
+        def top() -> int:
+            conv.say("?")
+            assert conv.proc.stdout is not None
+            return int(conv.proc.stdout.readline().split()[1])
+
+        top()  # stdout's buffer is made at the first line
+        before = top()
+        done = inject(conv.pid, lib)
+        assert not done.reused
+        return before - top()
+    finally:
+        conv.kill()
+
+
+def test_the_loader_runs_on_a_thread_of_its_own_and_leaves_the_main_heap(
+    sampler_lib: Path, build: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dlopen and the library's start on a thread heapscope makes (with a stack of its own): their allocations
+    come from that thread's arena, and the main heap, which a prefork server's workers inherit, keeps its top but
+    for the new thread's TLS vector (one chunk, freed at the join). Twin: with no thread to make (glibc before
+    2.34), the loader runs on the program's thread and takes kilobytes of the main heap."""
+    program = build("main_heap.c")
+    moved = heap_top_moved(program, sampler_lib)
+    assert 0 <= moved <= 1024, moved
+    monkeypatch.setattr("agent.process.inject._call_thread", lambda pid, proc_root: None)
+    moved_on_its_thread = heap_top_moved(program, sampler_lib)
+    assert moved_on_its_thread > 2048, moved_on_its_thread
