@@ -316,7 +316,7 @@ enum hs_event {
     HS_EV_EXIT = 3,       /* the target called exit(): its mappings are about to go */
     HS_EV_SCHEDULE = 4,   /* the point count reached HS_CTL_SCHED_CULL_AT: user space should drain the points
                            * and say the interval after its culling (stops the target only with time in B) */
-    HS_EV_PAGES = 5,      /* the page events' ring is half full: user space should drain it (with
+    HS_EV_PAGES = 5,      /* the page events' ring is a quarter full: user space should drain it (with
                            * HS_STOP_EVENTS the target stops from three quarters on, until it has) */
     HS_EV_SNAP_LOG = 6,   /* the snapshot log's ring is half full: user space should drain it (never stops) */
     HS_EV_SITES = 7,      /* HS_IGNORE: an allocation call from a site user space has not flagged yet: flag the

@@ -102,7 +102,7 @@ class ProfileSettings:
             pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
             page_stacks=o.pages_as_heap or self.malt,  # a page call's site: its tree, MALT's mmap statistics
             # Sampled mode (the daemon's default) keeps a smaller ring of page events: the kernel holds it and the
-            # daemon maps it for every target, however quiet. The kernel wakes the daemon when a ring is half full.
+            # daemon maps it for every target, however quiet. The kernel wakes the daemon when a ring is a quarter full.
             page_ring_bytes=self._page_ring_bytes(),
             stacks=o.stacks,
             schedule_ns=o.time_unit == "ms",  # the snapshot schedule's clock
@@ -119,7 +119,7 @@ class ProfileSettings:
     def _page_ring_bytes(self) -> int:
         if self.mode.sampled:
             return SAMPLED_PAGE_RING_BYTES
-        # A daemon's target is never stopped for its ring: the kernel wakes the daemon at half full instead.
+        # A daemon's target is never stopped for its ring: the kernel wakes the daemon from a quarter full instead.
         return DAEMON_PAGE_RING_BYTES if self.node_blocks else PAGE_RING_BYTES
 
     def outputs(self) -> list[tuple[OutputFormat, str]]:

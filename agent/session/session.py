@@ -499,7 +499,7 @@ class Session:
             if EV_SCHEDULE in events or stopped == EV_SCHEDULE:
                 self.take_points()  # the series culls: the kernel waits for its new interval
             if EV_PAGES in events or stopped:
-                # the page events' ring is half full; or the target waits (`run`: from 3/4 full, the kernel stops
+                # the page events' ring is a quarter full; or the target waits (`run`: from 3/4 full, the kernel stops
                 # it; its stop word may name another reason since): drain before it goes on
                 self.update_pages()
             if EV_SNAP_LOG in events:

@@ -1,6 +1,6 @@
 """Sampled mode's page events go through a small ring (agent.kernel.abi.SAMPLED_PAGE_RING_BYTES), which
 the kernel holds for every target: a burst of page syscalls after a quiet spell, ten times what the ring holds,
-must still reach the page map whole. The ring half full wakes the profile's loop (probes/heap.bpf.c page_exit,
+must still reach the page map whole. The ring a quarter full wakes the profile's loop (probes/heap.bpf.c page_exit,
 HS_EV_PAGES), which otherwise looks at a quiet target only once a second; the daemon reads the ring's data
 through one mapping, so records that wrap are read in two pieces."""
 
