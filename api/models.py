@@ -261,8 +261,12 @@ class PagesOut(BaseModel):
     stacks_bytes: int = Field(description="All threads' stacks at the last sample (--stacks=yes; else 0).")
     brk_folded: int = Field(
         0,
-        description="Sampled mode: brk calls the kernel folded into the break's last and highest values between two "
-        "samples, instead of sending each (not in page_syscalls).",
+        description="Sampled mode: brk calls the kernel folded into the mapped total's last and highest values "
+        "between two samples, instead of sending each (not in page_syscalls).",
+    )
+    unsampled: int = Field(
+        0,
+        description="Sampled mode: mmap, munmap and mremap calls not sampled, folded as brk is (not in page_syscalls).",
     )
 
 
@@ -338,6 +342,7 @@ def target_out(s: TargetStatus) -> TargetOut:
             dropped=s.pages.dropped,
             stacks_bytes=s.pages.stacks,
             brk_folded=s.pages.brk_folded,
+            unsampled=s.pages.unsampled,
         ),
         origin=origin_out(s.origin),
     )

@@ -130,6 +130,10 @@ struct hs_block {
 /* Sampled mode (bpf/sampled.h): one live sampled block, keyed by its address, with what it was recorded at:
  * the bytes and blocks it stands for (its weight) and their Massif extra bytes, so its free takes back
  * exactly that. */
+#ifndef HS_TASK_MM
+#define HS_TASK_MM 0        /* HS_SAMPLED: offsetof(struct task_struct, mm), from the running kernel's BTF */
+#define HS_MM_TOTAL_VM 0    /* HS_SAMPLED: offsetof(struct mm_struct, total_vm) */
+#endif
 #ifndef HS_SAMPLE_RATE
 #define HS_SAMPLE_RATE 524288    /* sampled mode: the sampler's mean bytes between samples */
 #endif
@@ -303,9 +307,9 @@ enum hs_control {
     HS_CTL_SCHED_JIFFY_NS = 13, /* HS_SCHED_NS: nanoseconds a jiffy (0: unknown, the clock is read always) */
     HS_CTL_PAGES_DRAINED = 14, /* page events user space has taken from their ring so far (its wake-up) */
     HS_CTL_SNAP_DRAINED = 15,  /* snapshot log records user space has taken from their ring so far */
-    /* HS_SAMPLED: the break, folded in the kernel instead of an event a brk call (see probes/bpf/pages.h) */
-    HS_CTL_BRK_NOW = 16,  /* the break as the last brk call left it (0: no call yet) */
-    HS_CTL_BRK_HIGH = 17, /* the highest break since user space last zeroed it */
+    /* HS_SAMPLED: the process's mapped bytes, folded in the kernel at every page call (see probes/bpf/pages.h) */
+    HS_CTL_MAPPED_NOW = 16,  /* as the last page call left them */
+    HS_CTL_MAPPED_HIGH = 17, /* the most since user space last zeroed it (0: no call since) */
     HS_CTL_COUNT = 18,
 };
 
@@ -430,10 +434,11 @@ enum hs_page_counter {
     HS_PGC_LOST = 1,        /* the ring buffer was full: event not sent (the page map is then inexact) */
     HS_PGC_CALLS_FULL = 2,  /* the per-thread call table was full at a syscall's entry: event not sent */
     HS_PGC_UNPAIRED = 3,    /* an exit without its entry (the call began before the probes were armed) */
-    HS_PGC_BRK_FOLDED = 4,  /* HS_SAMPLED: brk calls folded into HS_CTL_BRK_NOW/HIGH instead of sent */
+    HS_PGC_BRK_FOLDED = 4,  /* HS_SAMPLED: brk calls folded into HS_CTL_MAPPED_NOW/HIGH instead of sent */
     HS_PGC_CODE_MAPS = 5,   /* mmap calls with PROT_EXEC and mremap calls: what can bring new code (user space reads
                              * the mappings again only when this moves, not at every page call) */
-    HS_PGC_COUNT = 6,
+    HS_PGC_UNSAMPLED = 6,   /* HS_SAMPLED: mmap, munmap and mremap calls not sampled (folded, not sent) */
+    HS_PGC_COUNT = 7,
 };
 
 /* A thread's stack extent (HS_STACKS): its top and the lowest stack pointer seen in the current epoch. */

@@ -17,8 +17,8 @@ CTL_STACK_EPOCH = _CONTROL["HS_CTL_STACK_EPOCH"]
 CTL_STACK_END = _CONTROL["HS_CTL_STACK_END"]
 CTL_PAGES_DRAINED = _CONTROL["HS_CTL_PAGES_DRAINED"]
 CTL_SNAP_DRAINED = _CONTROL["HS_CTL_SNAP_DRAINED"]
-CTL_BRK_NOW = _CONTROL["HS_CTL_BRK_NOW"]  # sampled mode: the break as the last brk call left it
-CTL_BRK_HIGH = _CONTROL["HS_CTL_BRK_HIGH"]  # sampled mode: the highest break since user space zeroed it
+CTL_MAPPED_NOW = _CONTROL["HS_CTL_MAPPED_NOW"]  # sampled mode: the mapped bytes as the last page call left them
+CTL_MAPPED_HIGH = _CONTROL["HS_CTL_MAPPED_HIGH"]  # sampled mode: the most since user space zeroed it
 # Events, and why a `run` target is stopped (enum hs_event).
 _EVENTS = HEAP_H.enum("hs_event")
 EV_EXEC = _EVENTS["HS_EV_EXEC"]

@@ -286,6 +286,10 @@ class LiveProbes(SiteReader):
     @abc.abstractmethod
     def page_events(self) -> list[PageEvent]: ...
 
+    def mapped_fold(self) -> tuple[int, int] | None:
+        """Sampled mode: the mapped bytes now and the most since the last call (None: no page call since)."""
+        return None
+
     @abc.abstractmethod
     def stack_bytes(self) -> int: ...
 

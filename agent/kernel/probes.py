@@ -30,9 +30,9 @@ import numpy as np
 from agent.errors import EnvironmentProblem, HeapscopeError
 from agent.kernel.abi import (
     CTL_ARMED,
-    CTL_BRK_HIGH,
-    CTL_BRK_NOW,
     CTL_COUNT,
+    CTL_MAPPED_HIGH,
+    CTL_MAPPED_NOW,
     CTL_PAGES_DRAINED,
     CTL_SCHED_CULL_AT,
     CTL_SCHED_DUE,
@@ -66,6 +66,7 @@ from agent.kernel.abi import (
     UMAPS_GEN_SHIFT,
 )
 from agent.kernel.arrays import MappedArray, MappedWords, SharedRows
+from agent.kernel.btf import kernel_offset
 from agent.kernel.interface import LiveProbes, MaltSiteFields, ProbeSettings, SiteArray, UnwindMapping, table_sizes
 from agent.kernel.links import UPROBE_LINKS_ENV, link_uprobe, uprobe_links_supported
 from agent.kernel.loader import BCC_LOCK, load_bcc, program_text
@@ -156,7 +157,18 @@ def shape_cflags(s: ProbeSettings, max_rows: int, snap_ring_bytes: int) -> list[
         f"-DHS_SNAP_RING_PAGES={snap_ring_bytes // mmap.PAGESIZE}",
         f"-DHS_SAMPLE_RATE={s.sample_rate}ULL",
         f"-DHS_SAMPLED={int(s.sampled)}",
+        *_task_offsets(s),
         f"-DHS_IGNORE={int(s.ignore)}",
+    ]
+
+
+def _task_offsets(s: ProbeSettings) -> list[str]:
+    """Sampled mode's page calls read the process's mapped total in its mm_struct: the running kernel's offsets."""
+    if not (s.sampled and s.pages):
+        return []
+    return [
+        f"-DHS_TASK_MM={kernel_offset('task_struct', 'mm')}",
+        f"-DHS_MM_TOTAL_VM={kernel_offset('mm_struct', 'total_vm')}",
     ]
 
 
@@ -182,7 +194,6 @@ class HeapProbes(LiveProbes):
         self._sites: MappedArray | None = None  # struct hs_site by site id
         self._events: list[int] = []
         self._page_ring: RingReader | None = None
-        self._brk_told = 0  # sampled mode: the break page_events last reported (0: none yet)
         self._shared_rows: SharedRows | None = None
         self._objects: dict[str, tuple[int, int]] = {}  # object key -> (first row, row count) in the shared rows
         self._sched_ring: RingReader | None = None
@@ -409,25 +420,21 @@ class HeapProbes(LiveProbes):
             if kind == "mmap" and failed:
                 addr = 0
             out.append(PageEvent(kind, time_ns, tid, site, addr, length, new_addr, new_length, flags, prot, failed))
-        if out:  # the kernel wakes us when the ring holds half its room again (probes/heap.bpf.c page_exit)
+        if out:  # the kernel wakes us when the ring holds a quarter of its room again (probes/bpf/pages.h page_exit)
             self._set_control(CTL_PAGES_DRAINED, self._page_ring.taken)
-        if self.settings.sampled:
-            out.extend(self._folded_brk())
         return out
 
-    def _folded_brk(self) -> list[PageEvent]:
-        """Sampled mode's brk calls since the last look, as the kernel folded them (probes/bpf/pages.h brk_folded):
-        a move to the highest break, when it rose above both ends, then to the last; charged to no site."""
-        high = self._control(CTL_BRK_HIGH)  # 0: no call since the last look
+    def mapped_fold(self) -> tuple[int, int] | None:
+        """Sampled mode: the process's mapped bytes as the last page call left them, and the most since the last
+        call (probes/bpf/pages.h fold_mapped); None when no page call came since."""
+        if self._maps is None or not self.settings.sampled:
+            return None
+        high = self._control(CTL_MAPPED_HIGH)  # 0: no call since the last look
         if not high:
-            return []
-        self._set_control(CTL_BRK_HIGH, 0)  # a call landing in between raises it again at its next move
-        now = self._control(CTL_BRK_NOW)
-        t = time.monotonic_ns()  # bpf_ktime_get_ns's clock
-        breaks = [high] if high > max(now, self._brk_told) else []
-        breaks.append(now)
-        self._brk_told = now
-        return [PageEvent("brk", t, 0, 0, b, 0, b, 0, 0, 0, False) for b in breaks]
+            return None
+        self._set_control(CTL_MAPPED_HIGH, 0)  # a call landing in between raises it again
+        now = self._control(CTL_MAPPED_NOW)
+        return now, max(high, now)
 
     def schedule_points(self) -> list[tuple[int, int, int, int, int]]:
         """The snapshot schedule's points (time, heap, extra, kind, epoch) sent since the last call, in time

@@ -66,8 +66,9 @@ class PageCounters:
     lost: int = 0  # ring buffer full: not sent
     calls_full: int = 0  # per-thread call table full at entry: not sent
     unpaired: int = 0  # an exit without its entry (the call began before the probes were armed)
-    brk_folded: int = 0  # sampled mode: brk calls kept as the break's last and highest value, not sent one by one
+    brk_folded: int = 0  # sampled mode: brk calls folded into the mapped total's last and highest value, not sent
     code_maps: int = 0  # mmap calls with PROT_EXEC, and mremap calls: those that can map new code
+    unsampled: int = 0  # sampled mode: mmap, munmap and mremap calls not sampled (folded as brk is, not sent)
 
     @property
     def dropped(self) -> int:

@@ -34,7 +34,8 @@ Mappings that exist when we attach are charged to `PRE_EXISTING_SITE`, never to 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -553,7 +554,8 @@ class PageTotals:
     syscalls: int  # page syscalls applied
     dropped: int  # page syscalls the kernel could not report (event buffer or thread table full)
     stacks: int  # --stacks=yes: all threads' stacks at the last sample (0 without it)
-    brk_folded: int = 0  # sampled mode: brk calls the kernel folded into the break's last and highest values
+    brk_folded: int = 0  # sampled mode: brk calls the kernel folded into the mapped total, not sent
+    unsampled: int = 0  # sampled mode: mmap, munmap and mremap calls not sampled, folded as brk is
 
 
 class PageAccount:
@@ -586,14 +588,7 @@ class PageAccount:
             else:
                 self._apply_scheduled(ev, schedule)
             if (ev.kind == "mmap" or ev.kind == "munmap") and not ev.failed:
-                c = calls.get((ev.site, ev.kind))
-                if c is None:
-                    calls[(ev.site, ev.kind)] = [1, ev.length, ev.length, ev.length]
-                else:
-                    c[0] += 1
-                    c[1] = min(c[1], ev.length)
-                    c[2] = max(c[2], ev.length)
-                    c[3] += ev.length
+                count_call(calls, ev)
             if pm.peak_total > peak_before:
                 self.peak_time_b = self.time_b
                 self.peak_gen += 1
@@ -629,6 +624,14 @@ class PageAccount:
     def total(self) -> int:
         return self.map.total
 
+    @property
+    def peak_total(self) -> int:
+        return self.map.peak_total
+
+    @property
+    def stats(self) -> PageStats:
+        return self.map.stats
+
     def site_counts(self) -> dict[int, SiteCounts]:
         """Per site: bytes mapped now, at the peak, ever, and unmapped since, in SiteCounts' fields (blocks are
         pages). A site whose pages are all gone is still listed: it mapped memory."""
@@ -648,3 +651,64 @@ class PageAccount:
                 peak_bytes=peak.get(site, 0),
             )
         return out
+
+
+def count_call(calls: dict[tuple[int, str], list[int]], ev: PageEvent, weight: int = 1) -> None:
+    """MALT's per-stack statistics of mmap and munmap: one more call of `ev.length` bytes, standing for `weight`
+    calls (min and max are the lengths seen)."""
+    c = calls.get((ev.site, ev.kind))
+    if c is None:
+        calls[(ev.site, ev.kind)] = [weight, ev.length, ev.length, ev.length * weight]
+    else:
+        c[0] += weight
+        c[1] = min(c[1], ev.length)
+        c[2] = max(c[2], ev.length)
+        c[3] += ev.length * weight
+
+
+class FoldedPages:
+    """Sampled mode's page figures, as the kernel folds them (probes/bpf/pages.h).
+
+    The mapped total is the kernel's own (the process's total_vm, which /proc/PID/maps lists: read at the exit of
+    every page call, the last value and the highest since user space looked), so it and its peak need no page map
+    and no event per call. The kernel sends an event only for the calls it samples, by length as the sampler samples
+    allocations: a call of L bytes with probability p = min(1, L / rate). Each stands for 1/p calls (rounded at
+    random, up with the probability of its fraction), so MALT's counts and sums of mmap and munmap calls by stack are
+    unbiased estimates, as the allocations' are.
+    """
+
+    def __init__(self, total: int, rate: int, rand: Callable[[], float] = random.random) -> None:
+        self.rate = rate
+        self.total = total  # from /proc/PID/maps at the attach, until the first page call
+        self.peak_total = total
+        self.peak_time_ns: int | None = None
+        self.stats = PageStats()  # events: the sampled calls; applied: those that succeeded
+        self.calls: dict[tuple[int, str], list[int]] = {}  # as PageAccount.calls, estimated
+        self._rand = rand
+
+    def fold(self, mapped: tuple[int, int] | None, time_ns: int) -> None:
+        """The kernel's mapped bytes now and the most since the last fold (None: no page call since)."""
+        if mapped is None:
+            return
+        now, high = mapped
+        self.total = now
+        if high > self.peak_total:
+            self.peak_total, self.peak_time_ns = high, time_ns
+
+    def weight(self, length: int) -> int:
+        """The calls a sampled call of `length` bytes stands for: 1/p, its fraction rounded at random."""
+        if length <= 0 or length >= self.rate:
+            return 1
+        whole, fraction = divmod(self.rate, length)
+        return whole + (self._rand() * length < fraction)
+
+    def apply(self, events: Iterable[PageEvent]) -> None:
+        st = self.stats
+        for ev in events:
+            st.events += 1
+            if ev.failed or ev.kind not in KINDS:
+                st.failed += ev.failed
+                continue
+            st.applied += 1
+            if ev.kind == "mmap" or ev.kind == "munmap":
+                count_call(self.calls, ev, self.weight(ev.length))

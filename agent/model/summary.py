@@ -160,9 +160,9 @@ def _page_lines(p: PageSummary) -> list[str]:
         + (f" (at the end, {st.mapped_over_bytes} B of pages mapped over with MAP_FIXED, which Massif still "
            "counts)" if st.mapped_over_bytes else "")
     ]
-    if kc.brk_folded:
-        lines.append(f"pages: {kc.brk_folded} brk calls folded in the kernel (sampled mode: the break's last and "
-                     "highest values a sample, not each move)")
+    if kc.brk_folded or kc.unsampled:
+        lines.append(f"pages: {kc.brk_folded} brk and {kc.unsampled} other calls folded in the kernel (sampled mode: "
+                     "the mapped total's last and highest values a sample; the calls above are those it sampled)")
     if kc.dropped:
         lines.append(
             f"pages: NOT COUNTED: {kc.lost} syscalls (event buffer full), {kc.calls_full} (thread table "

@@ -27,6 +27,7 @@ from agent.model.pages import (
     PAGE_SIZE,
     PRE_EXISTING_EXEC_LABEL,
     PRE_EXISTING_LABEL,
+    FoldedPages,
     PageAccount,
     PageMap,
     PageTotals,
@@ -158,7 +159,8 @@ class Session:
         self.final: Snapshot | None = None  # the state at the end, with its tree (finish)
         self._sites_seen = 0  # the kernel's n_sites when the sites were last symbolized
         self._sites_frozen = -1  # the kernel's n_sites when the long-lived objects were last frozen (gc.freeze)
-        self.pages: PageAccount | None = None  # the page map, when the probes trace page syscalls
+        # The page map, when the probes trace page syscalls; sampled mode's: the kernel's folded total.
+        self.pages: PageAccount | FoldedPages | None = None
         self._pages_lock = threading.Lock()
         self.stack_bytes = 0  # --stacks=yes: all threads' stacks at the last sample
         self.calls_seen = 0  # the allocator calls the kernel had counted at the last sample
@@ -249,7 +251,7 @@ class Session:
         """The kernel's counters; with --pages-as-heap=yes, the heap figures are the page map's."""
         c = self.probes.counters()
         pages = self.update_pages()
-        if pages is None or not self.opts.pages_as_heap:
+        if not isinstance(pages, PageAccount) or not self.opts.pages_as_heap:
             return c
         pm = pages.map
         peak_ns = pm.peak_time_ns if pm.peak_time_ns is not None else self.start_ns
@@ -269,18 +271,20 @@ class Session:
 
     def read_sites(self, peak_gen: int) -> dict[int, SiteCounts]:
         """Counters per site (see SiteReader.sites); with --pages-as-heap=yes, the page map's."""
-        if self.opts.pages_as_heap and self.pages is not None:
+        if self.opts.pages_as_heap and isinstance(self.pages, PageAccount):
             with self._pages_lock:
                 return self.pages.site_counts()
         return self.probes.sites(peak_gen)
 
-    def update_pages(self) -> PageAccount | None:
-        """Apply the page syscalls the kernel has reported since the last call."""
+    def update_pages(self) -> PageAccount | FoldedPages | None:
+        """Apply the page syscalls the kernel has reported since the last call (sampled mode: and its total)."""
         if self.pages is None:
             return None
         if self.live is not None:
             with self._pages_lock:
                 self.pages.apply(self.live.page_events())
+                if isinstance(self.pages, FoldedPages):
+                    self.pages.fold(self.live.mapped_fold(), time.monotonic_ns())
         return self.pages
 
     def prepare_attach(self) -> None:
@@ -306,6 +310,9 @@ class Session:
                 return
             massif = self.opts.pages_as_heap  # the profile is of pages: Massif's own counting of them
             pm = PageMap.from_maps(parse_maps_full(maps_text), start_brk=start_brk, massif=massif)
+            if self.live.settings.sampled:  # the kernel folds the total from here on: no map to keep
+                self.pages = FoldedPages(pm.total, self.live.settings.sample_rate)
+                return
             self.pages = PageAccount(pm)
             if massif:
                 # Massif's snapshots at the events, its clock counting the mappings there at the start as its
@@ -606,12 +613,12 @@ class Session:
 
     def _page_scheduled(self) -> bool:
         """--pages-as-heap=yes: the page events take Massif's snapshots (agent.model.pageschedule)."""
-        return self.pages is not None and self.pages.schedule is not None
+        return isinstance(self.pages, PageAccount) and self.pages.schedule is not None
 
     def _give_page_trees(self) -> None:
         """--pages-as-heap=yes: the trees of the snapshots the page events took, each of its own instant (under the
         session lock)."""
-        if self.pages is None or self.pages.schedule is None:
+        if not isinstance(self.pages, PageAccount) or self.pages.schedule is None:
             return
         with self._pages_lock:
             owed = self.pages.schedule.take_owed()
@@ -645,7 +652,7 @@ class Session:
             )
         pages = None
         if self.pages is not None:
-            pm = self.pages.map
+            pm = self.pages
             pages = PageSummary(pm.stats, pm.total, pm.peak_total, self.probes.page_counters())
         unwind = None
         if self.tables is not None:
@@ -667,11 +674,12 @@ class Session:
         counted = self.probes.page_counters()
         return PageTotals(
             mapped=pages.total,
-            peak_mapped=pages.map.peak_total,
-            syscalls=pages.map.stats.applied,
+            peak_mapped=pages.peak_total,
+            syscalls=pages.stats.applied,
             dropped=counted.dropped,
             stacks=self.stack_bytes,
             brk_folded=counted.brk_folded,
+            unsampled=counted.unsampled,
         )
 
     def snapshot_model(self, detailed: bool) -> Snapshot:

@@ -1,7 +1,11 @@
 /* pages.h: page-level memory (HS_PAGES): mmap, munmap, mremap and brk, one event per completed call, charged to
- * the user stack that made it. Sampled mode folds brk instead (brk_folded): glibc moves its break at every trim and
- * growth of the heap's top, tens of thousands of times a second in a server like apache2, and there only the mapped
- * total needs it (the allocations' own samples say who allocated the heap). */
+ * the user stack that made it.
+ * Sampled mode sends an event only for the calls it samples, by length as the sampler samples allocations (a call
+ * of L bytes with probability min(1, L / HS_SAMPLE_RATE): MALT's mmap and munmap statistics, estimated), and
+ * folds every call into the process's mapped total as the kernel keeps it (mm->total_vm, read at each call's
+ * exit: the last value and the highest since user space looked). A server like apache2 moves its break and maps
+ * and unmaps a block at every request, tens of thousands of calls a second: a stack walk and an event each, and
+ * user space applying them to a page map, cost it a fifth of its throughput. */
 
 /* page_calls: thread id -> the page syscall it is in (arguments and site), from entry to exit */
 BPF_F_TABLE("hash", u32, struct hs_page_call, page_calls, HS_MAX_THREADS, BPF_F_NO_PREALLOC);
@@ -20,6 +24,40 @@ static __always_inline void page_count(struct hs_global *g, u32 which)
     count_in(t_lookup(page_counters_of.lookup(&g->slot), &which), 1);
 }
 
+#if HS_SAMPLED
+/* Sampled mode: whether a page call of `length` bytes is sampled (probability min(1, length / HS_SAMPLE_RATE)). */
+static __always_inline int page_call_sampled(u64 length)
+{
+    return length >= HS_SAMPLE_RATE || (((u64)bpf_get_prandom_u32() * HS_SAMPLE_RATE) >> 32) < length;
+}
+
+/* Sampled mode, at every page call's exit: the process's mapped bytes into two control words, the last and the
+ * highest since user space looked (agent/kernel/probes.py mapped_fold). Two threads' exits may land in the other
+ * order than their calls: the next call sets the last value right. True for brk, which is then done. */
+static __always_inline int fold_mapped(u32 kind, long ret)
+{
+    s64 slot = process_slot();
+    if (slot < 0)
+        return kind == HS_PG_BRK;
+    struct hs_global *g = get_globals(slot);
+    if (!g || !is_armed(g))
+        return kind == HS_PG_BRK;
+    u64 mm = 0, pages = 0;
+    bpf_probe_read_kernel(&mm, sizeof(mm), (void *)(bpf_get_current_task() + HS_TASK_MM));
+    if (mm && !bpf_probe_read_kernel(&pages, sizeof(pages), (void *)(mm + HS_MM_TOTAL_VM))) {
+        u64 bytes = pages * 4096;
+        set_control(g, HS_CTL_MAPPED_NOW, bytes);
+        if (bytes > control_word(g, HS_CTL_MAPPED_HIGH))
+            set_control(g, HS_CTL_MAPPED_HIGH, bytes);
+    }
+    if (kind != HS_PG_BRK)
+        return 0;
+    if (ret > 0)
+        page_count(g, HS_PGC_BRK_FOLDED);
+    return 1;
+}
+#endif
+
 /* At a page syscall's entry: keep its arguments and charge it to the user stack that made it. The walk
  * starts at the user's instruction pointer (just past the syscall instruction, in the libc wrapper). */
 static __always_inline int page_enter(void *ctx, u32 kind, u64 a0, u64 a1, u64 a2, u64 a3, u64 a4)
@@ -36,8 +74,17 @@ static __always_inline int page_enter(void *ctx, u32 kind, u64 a0, u64 a1, u64 a
 #if HS_STACKS
     note_stack(g, tid, u.sp, 0);
 #endif
-    if (HS_SAMPLED && kind == HS_PG_BRK)
-        return 0; /* folded at its exit (brk_folded): no site, no call kept */
+#if HS_SAMPLED
+    if (kind == HS_PG_BRK)
+        return 0; /* folded at its exit: no site, no call kept */
+    if (!page_call_sampled(kind == HS_PG_MREMAP && a2 > a1 ? a2 : a1)) {
+        /* Folded at its exit. What can bring new code is counted here: its exit is not followed. */
+        if ((kind == HS_PG_MMAP && (a2 & 4 /* PROT_EXEC */)) || kind == HS_PG_MREMAP)
+            page_count(g, HS_PGC_CODE_MAPS);
+        page_count(g, HS_PGC_UNSAMPLED);
+        return 0;
+    }
+#endif
     struct hs_page_call call = {.tid = tid, .arg0 = a0, .arg1 = a1, .arg2 = a2, .arg3 = a3, .arg4 = a4, .kind = kind,
                                 .slot = slot};
     u32 zero = 0;
@@ -73,29 +120,13 @@ int page_enter_walk(void *ctx)
     return 0;
 }
 
-/* Sampled mode's brk exit: the new break kept in two control words, the last and the highest since user space
- * looked (agent/kernel/probes.py page_events makes them the page map's events). Two threads' exits may land in the
- * other order than their calls: the next call, or the next tick's, sets the word right. */
-static __always_inline int brk_folded(long ret)
-{
-    s64 slot = process_slot();
-    if (slot < 0 || ret <= 0)
-        return 0;
-    struct hs_global *g = get_globals(slot);
-    if (!g || !is_armed(g))
-        return 0;
-    set_control(g, HS_CTL_BRK_NOW, ret);
-    if ((u64)ret > control_word(g, HS_CTL_BRK_HIGH))
-        set_control(g, HS_CTL_BRK_HIGH, ret);
-    page_count(g, HS_PGC_BRK_FOLDED);
-    return 0;
-}
-
 /* At its exit: one event with the arguments and the result, for agent/model/pages.py to apply in order. */
 static __always_inline int page_exit(void *ctx, u32 kind, long ret)
 {
-    if (HS_SAMPLED && kind == HS_PG_BRK)
-        return brk_folded(ret);
+#if HS_SAMPLED
+    if (fold_mapped(kind, ret))
+        return 0;
+#endif
     /* The thread's call first: one its target's detach left (it was in the syscall then) goes too. */
     u32 tid = bpf_get_current_pid_tgid();
     struct hs_page_call *c = page_calls.lookup(&tid);
@@ -111,7 +142,7 @@ static __always_inline int page_exit(void *ctx, u32 kind, long ret)
     if (!g)
         return 0;
     if (!c) {
-        if (is_armed(g))
+        if (!HS_SAMPLED && is_armed(g)) /* sampled mode keeps only the calls it sampled */
             page_count(g, HS_PGC_UNPAIRED);
         return 0;
     }

@@ -1,17 +1,20 @@
 """Sampled mode's page events go through a small ring (agent.kernel.abi.SAMPLED_PAGE_RING_BYTES), which
 the kernel holds for every target: a burst of page syscalls after a quiet spell, ten times what the ring holds,
-must still reach the page map whole. The ring a quarter full wakes the profile's loop (probes/heap.bpf.c page_exit,
+must still reach user space whole. The ring a quarter full wakes the profile's loop (probes/bpf/pages.h page_exit,
 HS_EV_PAGES), which otherwise looks at a quiet target only once a second; the daemon reads the ring's data
-through one mapping, so records that wrap are read in two pieces."""
+through one mapping, so records that wrap are read in two pieces. Sampled mode sends the calls it samples (by
+length, as allocations): mappings at the sample rate are all sent; small ones are folded into the mapped total."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from agent.kernel.abi import SAMPLED_PAGE_RING_BYTES
+from agent.model.sampling import DEFAULT_SAMPLE_RATE
 from tests.support.harness import Completed
 
 pytestmark = pytest.mark.integration
@@ -20,17 +23,59 @@ PAIRS = 30_000
 RECORD = 88 + 8  # struct hs_page_event (80 bytes, rounded to 8) and its ring header, at most
 
 
+def malt_calls(malt: Path, function: str) -> dict[str, int]:
+    """MALT's infos of the one stack whose leaf is `function` called from page_burst.c's main."""
+    doc = json.loads(malt.read_text())
+    strings, instr = doc["sites"]["strings"], doc["sites"]["instr"]
+    found = [
+        s["infos"][function]
+        for s in doc["stacks"]["stats"]
+        if [strings[instr[a]["function"]] for a in s["stack"][:2]] == [function, "main"]
+    ]
+    assert len(found) == 1, (function, found)
+    return found[0]  # type: ignore[no-any-return]
+
+
 def test_page_burst_after_quiet_spell_loses_nothing(
-    build: Callable[..., Path], run_heapscope: Callable[..., Completed]
+    build: Callable[..., Path], run_heapscope: Callable[..., Completed], tmp_path: Path
 ) -> None:
+    """Mappings of the sample rate: every call sampled and sent, MALT's counts exact."""
     assert 2 * PAIRS > 10 * SAMPLED_PAGE_RING_BYTES // RECORD  # the burst is ten rings' worth and more
     program = build("page_burst.c")
-    done = run_heapscope(program, args=(str(PAIRS),), options=("--mode=sampled",))
+    malt = tmp_path / "malt.json"
+    done = run_heapscope(program, args=(str(PAIRS), str(DEFAULT_SAMPLE_RATE)),
+                         options=("--mode=sampled", f"--malt-out-file={malt}", "--malt-format=1.6"))
     assert done.returncode == 0, done.stderr
     kernel = done.summary["pages"]["kernel"]
     assert kernel["lost"] == 0 and kernel["calls_full"] == 0, (kernel, done.stderr)
-    assert kernel["events"] >= 2 * PAIRS, kernel
+    assert kernel["events"] >= 2 * PAIRS and kernel["unsampled"] < 100, kernel  # the loader's few small ones
     assert "pages: NOT COUNTED" not in done.stderr
+    for function in ("mmap", "munmap"):
+        size = DEFAULT_SAMPLE_RATE
+        assert malt_calls(malt, function) == {"count": PAIRS, "min": size, "max": size, "sum": PAIRS * size}
+
+
+def test_small_mappings_are_sampled_by_length(
+    build: Callable[..., Path], run_heapscope: Callable[..., Completed], tmp_path: Path
+) -> None:
+    """The default twin: pages of 4 KiB, each sent with probability p = 4096 / rate; the others folded, counted.
+    MALT's counts of them are estimates: each sample stands for 1/p calls."""
+    program = build("page_burst.c")
+    malt = tmp_path / "malt.json"
+    options = ("--mode=sampled", f"--malt-out-file={malt}", "--malt-format=1.6")
+    done = run_heapscope(program, args=(str(PAIRS),), options=options)
+    assert done.returncode == 0, done.stderr
+    kernel = done.summary["pages"]["kernel"]
+    expected = 2 * PAIRS * 4096 / DEFAULT_SAMPLE_RATE  # 469 calls; the loader's and the sampler's few on top
+    assert expected - 5 * expected**0.5 < kernel["events"] < expected + 5 * expected**0.5 + 50, kernel
+    assert kernel["events"] + kernel["unsampled"] >= 2 * PAIRS, kernel
+    assert kernel["lost"] == 0 and kernel["calls_full"] == 0, kernel
+    p = 4096 / DEFAULT_SAMPLE_RATE
+    sigma = (PAIRS * (1 - p) / p) ** 0.5  # a Horvitz-Thompson count's standard error: 1,950 calls (6.5%)
+    for function in ("mmap", "munmap"):
+        got = malt_calls(malt, function)
+        assert abs(got["count"] - PAIRS) < 5 * sigma, (function, got)
+        assert got["min"] == got["max"] == 4096 and got["sum"] == 4096 * got["count"], (function, got)
 
 
 TRIM_CYCLES = 500
@@ -40,9 +85,10 @@ def test_sampled_mode_folds_brk_and_keeps_the_mapped_peak(
     build: Callable[..., Path], run_heapscope: Callable[..., Completed]
 ) -> None:
     """glibc moves its break at every growth and trim of the heap's top (apache2's workers: tens of thousands of
-    times a second). Sampled mode folds those calls in the kernel (probes/bpf/pages.h brk_folded) instead of sending
-    each: the mapped total at the end and its peak (one cycle grows four times higher, between two ticks) are
-    exact mode's, which sends every call; the default mode's run is the twin."""
+    times a second). Sampled mode folds those calls in the kernel (probes/bpf/pages.h fold_mapped: the process's
+    mapped total, read at each call) instead of sending each: the mapped total at the end and its peak (one cycle
+    grows four times higher, between two ticks) are exact mode's, which sends every call; the default mode's run is
+    the twin."""
     program = build("heap_trim.c")
     runs = {}
     for mode in ("sampled", "exact"):
