@@ -149,6 +149,7 @@ class ProgramShape:
         self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed
         try:
             self.load(self._function_names() if only is None else only)
+            self._tracepoints = list(self.bpf.tracepoint_fds)  # attached by bcc at the compile
             self._release_compiler()
             # Every target's counters and control words, read in place (each slot's at its index).
             self.globals = MappedWords(self.bpf["globals"], slots)
@@ -202,10 +203,11 @@ class ProgramShape:
             if shape is None:
                 shape = cls._shapes[key] = ProgramShape(key, source(), cflags, slots, links, only)
                 trim_heap()
-            shape.users += 1
             if shape._idle is not None:  # kept loaded after its last target: in use again
+                shape._attach_tracepoints()
                 shape._idle.cancel()
                 shape._idle = None
+            shape.users += 1
             return shape
 
     def release(self, keep: float = 0.0) -> None:
@@ -217,12 +219,32 @@ class ProgramShape:
             if self.users > 0:
                 return
             if keep > 0:
+                self._detach_tracepoints()
                 self._idle = threading.Timer(keep, self._unload_if_idle)
                 self._idle.daemon = True
                 self._idle.start()
                 return
             self._shapes.pop(self.key, None)
         self._unload()
+
+    def _detach_tracepoints(self) -> None:
+        """A shape kept loaded without a target leaves its tracepoints until its next target: an attached system call
+        tracepoint costs every system call on the machine (tens of nanoseconds each), not only the targets'. The
+        programs stay loaded, so attaching them again takes milliseconds."""
+        with BCC_LOCK:
+            for tp in self._tracepoints:
+                if tp in self.bpf.tracepoint_fds:
+                    self.bpf.detach_tracepoint(tp)
+
+    def _attach_tracepoints(self) -> None:
+        with BCC_LOCK:
+            for tp in self._tracepoints:
+                if tp in self.bpf.tracepoint_fds:
+                    continue
+                try:  # bcc's program of a TRACEPOINT_PROBE, loaded with the others at the compile
+                    self.bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + tp.replace(b":", b"__"))
+                except Exception as e:  # bcc raises Exception itself
+                    raise EnvironmentProblem(f"cannot attach to the tracepoint {tp.decode()}: {e}") from None
 
     def _unload_if_idle(self) -> None:
         with self._shapes_lock:  # held through the unload: whoever sees it gone finds it unloaded

@@ -46,7 +46,7 @@ import os
 import signal
 import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -549,6 +549,14 @@ class _Thread:
             if os.WIFSTOPPED(status) and (status >> 16) == 0:
                 self._defer(os.WSTOPSIG(status))  # delivered after the thread is released
 
+    def _map(self, syscall_at: int, saved: list[int], size: int, flags: int) -> int:
+        """An anonymous read-write mapping of `size` bytes made by this thread's mmap (extra `flags`)."""
+        addr = self._syscall(syscall_at, saved, SYS_MMAP, 0, size, PROT_READ | PROT_WRITE,
+                             MAP_PRIVATE | MAP_ANONYMOUS | flags, (1 << 64) - 1, 0)
+        if addr >= (1 << 64) - 4095:
+            raise TargetError(f"process {self.pid}: mmap for the injection failed: {os.strerror((1 << 64) - addr)}")
+        return addr
+
     def run_detached(self, stub: Stub, syscall_at: int, function: int, arg0: int, arg1: int, error_function: int,
                      extra: bytes = b"", thread: CallThread | None = None) -> Callable[[], tuple[int, int]]:
         """Start function(arg0, arg1) on this thread through the stub, then let the thread go: the stub puts
@@ -563,18 +571,9 @@ class _Thread:
             raise TargetError(f"thread {self.tid}: its XSAVE area ({len(saved_x)} bytes) does not fit the stub")
         context = _resume_context(saved)
         try:
-            page = self._syscall(syscall_at, saved, SYS_MMAP, 0, len(stub.blob), PROT_READ | PROT_WRITE,
-                                 MAP_PRIVATE | MAP_ANONYMOUS, (1 << 64) - 1, 0)
-            if page >= (1 << 64) - 4095:
-                err = os.strerror((1 << 64) - page)
-                raise TargetError(f"process {self.pid}: mmap for the injection failed: {err}")
-            stack = 0
-            if thread:  # the call thread's stack: the stub unmaps it after the join
-                stack = self._syscall(syscall_at, saved, SYS_MMAP, 0, CALL_THREAD_STACK, PROT_READ | PROT_WRITE,
-                                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, (1 << 64) - 1, 0)
-                if stack >= (1 << 64) - 4095:
-                    raise TargetError(f"process {self.pid}: mmap for the injection failed: "
-                                      f"{os.strerror((1 << 64) - stack)}")
+            page = self._map(syscall_at, saved, len(stub.blob), 0)
+            # The call thread's stack: the stub unmaps it after the join.
+            stack = self._map(syscall_at, saved, CALL_THREAD_STACK, MAP_NORESERVE | MAP_STACK) if thread else 0
             data = bytearray(stub.blob)
             extra_at = page + stub.extra
             words = {
@@ -681,12 +680,21 @@ def _verdict(t: _Thread, ranges: UnsafeRanges, maps: list[MapsEntry], rules: Rul
 # ---- the injection -------------------------------------------------------------------------------------
 
 
-def _libc_function(pid: int, name: str, proc_root: str) -> int:
+def _libc_functions(pid: int, names: Sequence[str], proc_root: str) -> list[int]:
+    """The addresses of glibc's functions `names` in process `pid` (its maps and its libc read once)."""
     libc = _libc_mapping(read_map_lines(pid))
-    found = open_elf(_seen_as(pid, libc.path, proc_root)).find_symbol(name) if libc else None
-    if libc is None or found is None:
-        raise TargetError(f"process {pid} has no glibc {name}")
-    return libc.start + found[0]
+    elf = open_elf(_seen_as(pid, libc.path, proc_root)) if libc else None
+    out = []
+    for name in names:
+        found = elf.find_symbol(name) if elf else None
+        if libc is None or found is None:
+            raise TargetError(f"process {pid} has no glibc {name}")
+        out.append(libc.start + found[0])
+    return out
+
+
+def _libc_function(pid: int, name: str, proc_root: str) -> int:
+    return _libc_functions(pid, (name,), proc_root)[0]
 
 
 def _on_safe_thread(
@@ -842,7 +850,7 @@ def _call_thread(pid: int, proc_root: str) -> CallThread | None:
     pthread_create (it was in libpthread): the loader then runs on the program's thread."""
     names = ("pthread_create", "pthread_join", "pthread_attr_init", "pthread_attr_setstack")
     try:
-        return CallThread(*(_libc_function(pid, name, proc_root) for name in names))
+        return CallThread(*_libc_functions(pid, names, proc_root))
     except TargetError:
         return None
 

@@ -4,6 +4,7 @@ the other recording, its figures unchanged."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -33,6 +34,14 @@ class SameAddressTarget(Target):
 
 def heap_of(pid: int) -> str:
     return next(line.split()[0] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "[heap]" in line)
+
+
+def perf_event(fd: int) -> bool:
+    """Whether this process's descriptor `fd` is open on a perf event (a tracepoint's attachment)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[perf_event]"
+    except FileNotFoundError:
+        return False
 
 
 def counted(probes: HeapProbes) -> tuple[int, int, int, int]:
@@ -97,7 +106,8 @@ def test_a_daemons_program_outlives_its_last_target_for_the_next_one(
 ) -> None:
     """serve --keep-programs: a shape stays loaded after its last target, so that the next target of the same
     settings (a recycled worker, the same service attached again) compiles and verifies nothing; once kept that
-    long without a target it is unloaded."""
+    long without a target it is unloaded. Kept, it leaves its tracepoints (the system calls' cost every process's
+    calls) and takes them again with its next target."""
     if not uprobe_links_supported():
         pytest.skip("targets share a program only through uprobe_multi links (Linux 6.10+)")
     program = build("attach_target.c")
@@ -113,12 +123,15 @@ def test_a_daemons_program_outlives_its_last_target_for_the_next_one(
                 with HeapProbes(settings, points) as probes:
                     assert shape is None or probes._shape is shape, "the next target compiled its program again"
                     shape = probes._shape
+                    tracepoints = dict(shape.bpf.tracepoint_fds)
+                    assert len(tracepoints) >= 8 and all(map(perf_event, tracepoints.values())), tracepoints
                     t.go()
                     t.expect("allocated")
                     assert counted(probes) == (SITE_BYTES, ALLOCS, TRACKED_FREES, UNTRACKED_FREES)
             finally:
                 t.kill()
             assert shape in ProgramShape.loaded(), "the program was unloaded with its last target"
+            assert not shape.bpf.tracepoint_fds and not any(map(perf_event, tracepoints.values())), tracepoints
         if keep == DEFAULT_KEEP_PROGRAMS:
             return
         deadline = time.monotonic() + keep + 10
