@@ -124,7 +124,7 @@ def test_a_daemons_program_outlives_its_last_target_for_the_next_one(
                     assert shape is None or probes._shape is shape, "the next target compiled its program again"
                     shape = probes._shape
                     tracepoints = dict(shape.bpf.tracepoint_fds)
-                    assert len(tracepoints) >= 8 and all(map(perf_event, tracepoints.values())), tracepoints
+                    assert tracepoints and all(map(perf_event, tracepoints.values())), tracepoints
                     t.go()
                     t.expect("allocated")
                     assert counted(probes) == (SITE_BYTES, ALLOCS, TRACKED_FREES, UNTRACKED_FREES)
