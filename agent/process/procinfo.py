@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import weakref
 from collections.abc import Iterator
 
 from agent.model.cgroup import parse_proc_cgroup
@@ -150,22 +151,30 @@ class ResidentReader:
             self._fd: int | None = os.open(f"{proc}/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             self._fd = None
+        else:  # closed with the reader if nobody closes it first
+            self._closer = weakref.finalize(self, os.close, self._fd)
         self._page = os.sysconf("SC_PAGE_SIZE")
 
     def read(self) -> int | None:
         """Bytes resident now; None if the process is gone."""
+        sizes = self.sizes()
+        return sizes[0] if sizes is not None else None
+
+    def sizes(self) -> tuple[int, int] | None:
+        """(bytes resident, bytes mapped) now; None if the process is gone."""
         fd = self._fd
         if fd is None:
             return None
         try:
-            return int(os.pread(fd, 128, 0).split()[1]) * self._page
-        except (OSError, IndexError, ValueError):
+            size, resident = os.pread(fd, 128, 0).split()[:2]
+            return int(resident) * self._page, int(size) * self._page
+        except (OSError, ValueError):
             return None
 
     def close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        if self._fd is not None:
+            self._fd = None
+            self._closer()
 
 
 def release_free_memory() -> None:
