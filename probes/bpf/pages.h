@@ -25,10 +25,15 @@ static __always_inline void page_count(struct hs_global *g, u32 which)
 }
 
 #if HS_SAMPLED
+/* Rates run to 2^40 bytes: shifted by this, the rate and a length below it fit 32 bits. */
+#define HS_RATE_SHIFT (HS_SAMPLE_RATE > 0xffffffffULL ? 8 : 0)
+
 /* Sampled mode: whether a page call of `length` bytes is sampled (probability min(1, length / HS_SAMPLE_RATE)). */
 static __always_inline int page_call_sampled(u64 length)
 {
-    return length >= HS_SAMPLE_RATE || (((u64)bpf_get_prandom_u32() * HS_SAMPLE_RATE) >> 32) < length;
+    if (length >= HS_SAMPLE_RATE)
+        return 1;
+    return bpf_get_prandom_u32() < ((length >> HS_RATE_SHIFT) << 32) / (HS_SAMPLE_RATE >> HS_RATE_SHIFT);
 }
 
 /* Sampled mode, at every page call's exit: the process's mapped bytes into two control words, the last and the

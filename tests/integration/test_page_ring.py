@@ -55,27 +55,31 @@ def test_page_burst_after_quiet_spell_loses_nothing(
         assert malt_calls(malt, function) == {"count": PAIRS, "min": size, "max": size, "sum": PAIRS * size}
 
 
+@pytest.mark.parametrize(
+    ("size", "rate"), [(4096, DEFAULT_SAMPLE_RATE), (1 << 30, 1 << 33)], ids=["default-rate", "rate-above-4GiB"]
+)
 def test_small_mappings_are_sampled_by_length(
-    build: Callable[..., Path], run_heapscope: Callable[..., Completed], tmp_path: Path
+    build: Callable[..., Path], run_heapscope: Callable[..., Completed], tmp_path: Path, size: int, rate: int
 ) -> None:
     """The default twin: pages of 4 KiB, each sent with probability p = 4096 / rate; the others folded, counted.
-    MALT's counts of them are estimates: each sample stands for 1/p calls."""
+    MALT's counts of them are estimates: each sample stands for 1/p calls. A rate past 32 bits (mappings of 1 GiB at
+    8 GiB: p = 1/8) takes the kernel's other arithmetic."""
     program = build("page_burst.c")
     malt = tmp_path / "malt.json"
-    options = ("--mode=sampled", f"--malt-out-file={malt}", "--malt-format=1.6")
-    done = run_heapscope(program, args=(str(PAIRS),), options=options)
+    options = ("--mode=sampled", f"--sample-rate={rate}", f"--malt-out-file={malt}", "--malt-format=1.6")
+    done = run_heapscope(program, args=(str(PAIRS), str(size)), options=options)
     assert done.returncode == 0, done.stderr
     kernel = done.summary["pages"]["kernel"]
-    expected = 2 * PAIRS * 4096 / DEFAULT_SAMPLE_RATE  # 469 calls; the loader's and the sampler's few on top
-    assert expected - 5 * expected**0.5 < kernel["events"] < expected + 5 * expected**0.5 + 50, kernel
+    p = size / rate
+    calls, spread = 2 * PAIRS * p, (2 * PAIRS * p * (1 - p)) ** 0.5  # 469 +- 22 calls; 7,500 +- 81
+    assert calls - 5 * spread < kernel["events"] < calls + 5 * spread + 50, kernel  # the loader's few on top
     assert kernel["events"] + kernel["unsampled"] >= 2 * PAIRS, kernel
     assert kernel["lost"] == 0 and kernel["calls_full"] == 0, kernel
-    p = 4096 / DEFAULT_SAMPLE_RATE
-    sigma = (PAIRS * (1 - p) / p) ** 0.5  # a Horvitz-Thompson count's standard error: 1,950 calls (6.5%)
+    sigma = (PAIRS * (1 - p) / p) ** 0.5  # a Horvitz-Thompson count's standard error: 1,950 calls (6.5%); 458
     for function in ("mmap", "munmap"):
         got = malt_calls(malt, function)
         assert abs(got["count"] - PAIRS) < 5 * sigma, (function, got)
-        assert got["min"] == got["max"] == 4096 and got["sum"] == 4096 * got["count"], (function, got)
+        assert got["min"] == got["max"] == size and got["sum"] == size * got["count"], (function, got)
 
 
 TRIM_CYCLES = 500
