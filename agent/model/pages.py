@@ -679,7 +679,7 @@ class FoldedPages:
 
     def __init__(self, total: int, rate: int, rand: Callable[[], float] = random.random) -> None:
         self.rate = rate
-        self.total = total  # from /proc/PID/maps at the attach, until the first page call
+        self.total = total  # from /proc/PID/statm at the attach, until the first page call
         self.peak_total = total
         self.peak_time_ns: int | None = None
         self.stats = PageStats()  # events: the sampled calls; applied: those that succeeded

@@ -9,6 +9,7 @@ and a way to tell whether the target still runs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -40,6 +41,7 @@ from agent.model.stack import Frame, SiteCounts, Stack
 from agent.model.summary import PageSummary, ProfileSummary, ScheduleSummary
 from agent.model.tree import HEAP_ROOT_LABEL, PAGES_ROOT_LABEL, IndexedTree
 from agent.process.maps import MapsRecorder
+from agent.process.procinfo import ResidentReader
 from agent.session.sites import Ignored, SiteTrees
 from agent.session.storerec import StoreColumns
 from agent.session.tables import UnwindTables
@@ -301,6 +303,14 @@ class Session:
             return
         with self._pages_lock:
             self.live.page_events()
+            if self.live.settings.sampled:
+                # The kernel's own total (total_vm, statm's first figure), which its page calls fold from here on:
+                # no map to build.
+                with contextlib.closing(ResidentReader(self.info.pid, self.proc)) as statm:
+                    sizes = statm.sizes()
+                if sizes is not None:  # else the target is gone: nothing to seed
+                    self.pages = FoldedPages(sizes[1], self.live.settings.sample_rate)
+                return
             try:
                 with open(f"{self.proc}/{self.info.pid}/maps") as f:
                     maps_text = f.read()
@@ -310,9 +320,6 @@ class Session:
                 return
             massif = self.opts.pages_as_heap  # the profile is of pages: Massif's own counting of them
             pm = PageMap.from_maps(parse_maps_full(maps_text), start_brk=start_brk, massif=massif)
-            if self.live.settings.sampled:  # the kernel folds the total from here on: no map to keep
-                self.pages = FoldedPages(pm.total, self.live.settings.sample_rate)
-                return
             self.pages = PageAccount(pm)
             if massif:
                 # Massif's snapshots at the events, its clock counting the mappings there at the start as its
