@@ -42,6 +42,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import functools
 import os
 import signal
 import struct
@@ -343,11 +344,11 @@ def _symbol_ranges(obj: ElfObject, debug: ElfObject | None) -> list[tuple[int, i
     return obj.memoized(f"unsafe ranges, {with_debug}", read)
 
 
-def unsafe_ranges(pid: int, proc_root: str = "/proc") -> UnsafeRanges:
-    """Address ranges of the target where a thread must not be (or return to) when it runs the call."""
+def unsafe_ranges(pid: int, proc_root: str = "/proc", allocator: str | None = None) -> UnsafeRanges:
+    """Address ranges of the target where a thread must not be (or return to) when it runs the call. `allocator`:
+    the object that defines the process's malloc, when the caller found it already (found again otherwise)."""
     maps = read_map_lines(pid)
-    allocator = allocator_of_process(pid, proc_root)
-    allocator_file = file_identity(allocator.path)
+    allocator_file = file_identity(allocator or allocator_of_process(pid, proc_root).path)
     out: list[tuple[int, int, str]] = []
     view = ProcessView.of(pid, proc_root)  # read once: every mapped object goes through it
     by_path: dict[str, list[MapsEntry]] = {}
@@ -789,13 +790,20 @@ def _syscall_instruction(pid: int, proc_root: str) -> int:
     """Address of a `syscall` instruction in the target's libc (inside its syscall() function)."""
     libc = _libc_mapping(read_map_lines(pid))
     obj = open_elf(_seen_as(pid, libc.path, proc_root)) if libc else None
-    found = obj.find_symbol("syscall") if obj else None
-    if libc is None or obj is None or found is None:
+    if libc is None or obj is None:
         raise TargetError(f"process {pid} has no glibc syscall()")
-    at = obj.code_bytes(found[0], max(found[1], 16)).find(b"\x0f\x05")
-    if at < 0:
+
+    def offset() -> int | None:  # kept with the file: every call into a process of it asks
+        found = obj.find_symbol("syscall")
+        if found is None:
+            raise TargetError(f"process {pid} has no glibc syscall()")
+        at = obj.code_bytes(found[0], max(found[1], 16)).find(b"\x0f\x05")
+        return found[0] + at if at >= 0 else None
+
+    at = obj.memoized("syscall instruction", offset)
+    if at is None:
         raise TargetError(f"process {pid}: no syscall instruction in libc's syscall()")
-    return libc.start + found[0] + at
+    return libc.start + at
 
 
 def _single_threaded(pid: int, proc_root: str) -> bool:
@@ -808,7 +816,15 @@ def _single_threaded(pid: int, proc_root: str) -> bool:
 
 
 def _stub() -> Stub:
-    return load_stub(build_stub())
+    built = build_stub()
+    st = os.stat(built)
+    return _loaded_stub(str(built), (st.st_ino, st.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _loaded_stub(path: str, stamp: tuple[int, int]) -> Stub:
+    """The stub read once while its file stays the same (every call into a target asks for it)."""
+    return load_stub(Path(path))
 
 
 def call_function(pid: int, name: str, wait: float = 5.0, proc_root: str = "/proc", rotate: int = 0) -> tuple[int, int]:
@@ -818,11 +834,12 @@ def call_function(pid: int, name: str, wait: float = 5.0, proc_root: str = "/pro
     return _call(pid, _libc_function(pid, name, proc_root), wait, proc_root, rotate)
 
 
-def _call(pid: int, function: int, wait: float, proc_root: str, rotate: int = 0) -> tuple[int, int]:
+def _call(pid: int, function: int, wait: float, proc_root: str, rotate: int = 0,
+          allocator: str | None = None) -> tuple[int, int]:
     """function() (no arguments) run on a thread at a safe point; (rax, thread)."""
     stub = _stub()
     syscall_at = _syscall_instruction(pid, proc_root)
-    ranges = unsafe_ranges(pid, proc_root)
+    ranges = unsafe_ranges(pid, proc_root, allocator)
     waiter, t, _ = _on_safe_thread(
         pid, ranges, lambda t: t.run_detached(stub, syscall_at, function, 0, 0, 0), wait, proc_root, rotate
     )
@@ -858,16 +875,17 @@ def _call_thread(pid: int, proc_root: str) -> CallThread | None:
 REVIVE_SYMBOL = "hs_sampler_revive"
 
 
-def revive(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc") -> bool:
+def revive(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc", allocator: str | None = None) -> bool:
     """Start the sampler again in a forked child of a process it was loaded in (a prefork server's worker, a
     database's backend): the child has the library, but no control thread. Called like dlopen, at a safe point.
-    False where that is not what is wrong (the library failed to start in its own process, or runs)."""
+    False where that is not what is wrong (the library failed to start in its own process, or runs).
+    `allocator` as for unsafe_ranges."""
     library = Path(os.path.realpath(library))
     base = mapped_base(pid, library)
     if base is None:
         return False
     preflight_ptrace(pid)
-    result, _ = _call(pid, base + symbol_value(library, REVIVE_SYMBOL), wait, proc_root)
+    result, _ = _call(pid, base + symbol_value(library, REVIVE_SYMBOL), wait, proc_root, allocator=allocator)
     if result >= 1 << 63 and (1 << 64) - result not in (errno.ENOTSUP, errno.EALREADY):
         why = thread_limit(pid, proc_root) or os.strerror((1 << 64) - result)
         raise TargetError(f"process {pid}: its sampler could not be started again: {why}; use --mode=exact")
@@ -877,17 +895,20 @@ def revive(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc")
 MFD_CLOEXEC = 1
 
 
-def inject(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc") -> Injection:
+def inject(
+    pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc", allocator: str | None = None
+) -> Injection:
     """Load `library` into process `pid` (no-op if it is loaded already). A process that cannot see it at its
     path (a container, a chroot) is handed it in a memfd: made in the process, filled from here through
-    /proc/PID/fd, dlopen'ed as /proc/self/fd/N, then closed. Nothing is written into its filesystem."""
+    /proc/PID/fd, dlopen'ed as /proc/self/fd/N, then closed. Nothing is written into its filesystem.
+    `allocator` as for unsafe_ranges."""
     library = Path(os.path.realpath(library))
     if mapped_base(pid, library) is not None:
         return Injection(pid, library, reused=True)
     preflight(pid, library, proc_root)
     single = _single_threaded(pid, proc_root)
     stub = _stub()
-    ranges = unsafe_ranges(pid, proc_root)
+    ranges = unsafe_ranges(pid, proc_root, allocator)
     libc = _libc_mapping(read_map_lines(pid))
     dlopen_name = _dlopen_of(open_elf(_seen_as(pid, libc.path, proc_root))) if libc else None
     dlopen_at = _libc_function(pid, dlopen_name or "dlopen", proc_root)

@@ -93,7 +93,8 @@ _node = _NodeReadings(max_age=0.1)
 
 class MaltRecorder:
     def __init__(self, probes: LiveProbes, pid: int, points: int = 512, mode: ProfileMode | None = None,
-                 exact_calls: Callable[[], list[ThreadCalls] | None] | None = None) -> None:
+                 exact_calls: Callable[[], list[ThreadCalls] | None] | None = None,
+                 resident: ResidentReader | None = None) -> None:
         self.probes = probes
         self.pid = pid
         self.points = points
@@ -111,7 +112,8 @@ class MaltRecorder:
         self.total_memory = vm.total
         self.free_at_start = vm.free
         self.cached_at_start = getattr(vm, "cached", 0)
-        self._statm = ResidentReader(pid)  # every tick: psutil's memory_info cost ten times its pread
+        # every tick: psutil's memory_info cost ten times its pread; the profile's own reader where it has one
+        self._statm = resident or ResidentReader(pid)
 
     def sample(self, c: Counters, mapped: int | None = None) -> None:
         """One point of the memory, system and bandwidth timelines, and the sizes allocated since the last.

@@ -224,7 +224,8 @@ class Profile:
                 # attach: injected now, before the probes; run: preloaded, armed once the program maps it
                 link = self._sampler = SamplerLink(p, s.mode, self.say)
                 points = link.points + [pt for pt in alloc_points if pt.kind in HOOK_KINDS]
-            with HeapProbes(s.probe_settings(p.pid, p.launched), points) as probes:
+            resident = ResidentReader(p.pid)  # the memory line's and MALT's statm, read through one descriptor
+            with contextlib.closing(resident), HeapProbes(s.probe_settings(p.pid, p.launched), points) as probes:
                 session = Session(
                     s.opts,
                     probes,
@@ -240,7 +241,11 @@ class Profile:
                     from agent.session.maltrec import MaltRecorder
 
                     session.recorder = MaltRecorder(
-                        probes, p.pid, mode=s.mode, exact_calls=link.thread_calls if link is not None else None
+                        probes,
+                        p.pid,
+                        mode=s.mode,
+                        exact_calls=link.thread_calls if link is not None else None,
+                        resident=resident,
                     )
                 if not p.launched:
                     session.prepare_attach()
@@ -255,8 +260,7 @@ class Profile:
                     self.session = session
                     ready()
                     self._open_store(session)
-                    with contextlib.closing(ResidentReader(self.pid)) as resident:
-                        session.run(self._alive_and_recording(session, resident), stop, s.sample_interval)
+                    session.run(self._alive_and_recording(session, resident), stop, s.sample_interval)
                 finally:
                     if link is not None:
                         link.disarm()  # before the probes go: no sample without its probe

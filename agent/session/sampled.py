@@ -100,7 +100,7 @@ class SamplerLink:
         self.read_error: str | None = None  # the first read of the sampler that failed while its process lived
         self.delivery = "preloaded"  # how the library reached the target, for /targets
         if not process.launched:
-            injection = inject(self.pid, self.library)
+            injection = inject(self.pid, self.library, allocator=process.allocator.path)
             if injection.reused and self._forked_child():
                 self.delivery = "inherited from its parent, started again"
                 say(f"sampler inherited by {self.pid} from the process it was forked from: started again")
@@ -126,7 +126,7 @@ class SamplerLink:
                 return False
         finally:
             control.close()
-        return revive(self.pid, self.library)
+        return revive(self.pid, self.library, allocator=self.process.allocator.path)
 
     def describe(self) -> str:
         """Which build of the sampler the target got, and how: "glibc build, memfd"."""
