@@ -49,6 +49,7 @@ from agent.model.selector import ProcessFacts, Selector, first_match
 from agent.model.target import TargetState, TargetStatus
 from agent.process.procinfo import (
     cgroup_of,
+    children_of,
     process_ids,
     read_facts,
     release_free_memory,
@@ -537,7 +538,8 @@ class FleetManager(TargetManager):
 
     def _adopt_children(self, t: Target) -> None:
         """Children the target forked before its forks were watched (a prefork server found running)."""
-        for pid in process_ids(self.proc):
+        children = children_of(t.pid, self.proc)
+        for pid in children if children is not None else process_ids(self.proc):
             facts = read_facts(pid, self.proc, cmdline=False, cgroup=False)
             if facts is not None and facts.ppid == t.pid:
                 self._enqueue(_Job(pid, "fork", t.origin.selector, t.pid, facts.start_time))

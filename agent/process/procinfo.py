@@ -83,6 +83,26 @@ def process_ids(proc: str = "/proc") -> Iterator[int]:
     yield from sorted(int(n) for n in names if n.isdigit())
 
 
+def children_of(pid: int, proc: str = "/proc") -> list[int] | None:
+    """The processes `pid` has forked that run now, from each of its threads' children file: a few reads, where
+    a scan of /proc reads every process's. None where the kernel keeps no such file (CONFIG_PROC_CHILDREN)."""
+    try:
+        tids = os.listdir(f"{proc}/{pid}/task")
+    except OSError:
+        return []  # gone: no children to find
+    out: list[int] = []
+    for tid in tids:
+        try:
+            with open(f"{proc}/{pid}/task/{tid}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+        except FileNotFoundError:
+            if os.path.isdir(f"{proc}/{pid}/task/{tid}"):
+                return None  # the thread is there, the file is not
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+    return out
+
+
 def is_thread_group_leader(pid: int, proc: str = "/proc") -> bool:
     """Whether `pid` is a process rather than a thread of one (threads are reachable as /proc/TID too)."""
     try:

@@ -3,13 +3,15 @@ resident memory reader, against real processes."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import psutil
 
-from agent.process.procinfo import ResidentReader, running, start_time, thread_limit
+from agent.process.procinfo import ResidentReader, children_of, running, start_time, thread_limit
 
 
 def write_stat(proc: Path, pid: int, state: str, started: int, comm: str = "svc (a) b") -> None:
@@ -118,3 +120,29 @@ def test_the_resident_reader_follows_its_process_and_says_none_once_it_is_gone()
             child.kill()
             child.wait()
     assert ResidentReader(child.pid).read() is None  # opened after the process is gone
+
+
+def test_children_of_a_real_process_and_of_a_kernel_without_the_file(tmp_path: Path) -> None:
+    """The children files of every thread of the process; None (scan /proc instead) where the kernel has none."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, threading\n"
+         "kids = [subprocess.Popen(['sleep', '30']) for _ in range(2)]\n"
+         "t = threading.Thread(target=lambda: kids.append(subprocess.Popen(['sleep', '30'])))\n"
+         "t.start(); t.join(); print(' '.join(str(k.pid) for k in kids), flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    kids: set[int] = set()
+    try:
+        assert parent.stdout is not None
+        kids = {int(p) for p in parent.stdout.readline().split()}
+        assert len(kids) == 3
+        assert set(children_of(parent.pid) or ()) == kids  # the one forked by the other thread too
+        assert children_of(min(kids)) == []
+    finally:
+        for pid in kids:
+            os.kill(pid, signal.SIGKILL)
+        parent.kill()
+        parent.wait()
+    assert children_of(parent.pid) == []  # gone
+    (tmp_path / "7" / "task" / "7").mkdir(parents=True)  # a thread without a children file
+    assert children_of(7, str(tmp_path)) is None
