@@ -23,7 +23,7 @@ from agent.errors import TargetError
 from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS
 from agent.model.maps import Mapping, parse_maps
 from agent.process.view import ProcessView
-from agent.symbols.elf import ElfError, ElfObject, FileCache, file_identity, open_elf
+from agent.symbols.elf import ElfError, ElfObject, FileCache, NotElfError, file_identity, open_elf
 from agent.symbols.placement import Placement, choose_offset
 
 # Not allocation functions: `run` stops the target at exit() to record its mappings before they go, and
@@ -114,6 +114,8 @@ def _read_facts(path: str) -> ElfFacts:
                     elif kind in ("DT_RPATH", "DT_RUNPATH"):
                         dirs = value["rpath" if kind == "DT_RPATH" else "runpath"]
                         facts.rpath += [d for d in dirs.split(":") if d]
+    except NotElfError:
+        raise  # remembered with the file (elf_facts says it as any other)
     except (OSError, ElfError, ELFError) as exc:
         raise TargetError(f"cannot read {path}: {exc}") from exc
     # A dynamic object exports through .dynsym only; a static executable has just .symtab.
@@ -123,7 +125,10 @@ def _read_facts(path: str) -> ElfFacts:
     return facts
 
 
-_facts: FileCache[ElfFacts] = FileCache(_read_facts, lambda facts, path: replace(facts, obj=open_elf(path)))
+# A mapped data file (a locale, a database's shared memory) is remembered as not ELF: each process maps a dozen.
+_facts: FileCache[ElfFacts] = FileCache(
+    _read_facts, lambda facts, path: replace(facts, obj=open_elf(path)), remembered=(NotElfError,)
+)
 
 
 @lru_cache(maxsize=1)
@@ -346,7 +351,10 @@ def allocator_of_process(pid: int, proc: str = "/proc") -> Allocator:
     root = f"{proc}/{pid}/root"
     preload = [p for p in re.split(r"[ :]", info.environ.get("LD_PRELOAD", "")) if p]
     view = ProcessView.of(pid, proc)  # a chroot's maps show the host's paths: made relative to its root
-    mapped = mapped_finder([replace(m, path=view.through(m.path)) for m in read_maps(pid, proc)], "")
+    firsts: dict[str, Mapping] = {}  # each file once (it has a mapping a segment), in the maps' order
+    for m in read_maps(pid, proc):
+        firsts.setdefault(m.path, m)
+    mapped = mapped_finder([replace(m, path=view.through(m.path)) for m in firsts.values()], "")
     # Caught at its exec, a process has only its program and the loader mapped: its libraries are found as the
     # loader is about to find them (probes are set on the files, and fire once they are mapped).
     on_disk = library_finder(info.environ, root)

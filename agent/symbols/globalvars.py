@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from agent.model.malt import GlobalVariable
-from agent.symbols.elf import ElfError, ElfSymbol, FileCache, open_elf
+from agent.symbols.elf import ElfError, ElfSymbol, FileCache, NotElfError, open_elf
 from agent.symbols.names import demangle
 
 # st_info types (ELF gABI).
@@ -87,7 +87,9 @@ def _read_variables(path: str) -> list[GlobalVariable]:
 
 
 # Kept as read; each caller gives them the name it knows the file by (_named), once.
-_variables: FileCache[list[GlobalVariable]] = FileCache(_read_variables, lambda variables, _path: variables)
+_variables: FileCache[list[GlobalVariable]] = FileCache(
+    _read_variables, lambda variables, _path: variables, remembered=(NotElfError,)
+)
 
 
 def global_variables(objects: Mapping[str, str]) -> dict[str, list[GlobalVariable]]:

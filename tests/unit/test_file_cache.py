@@ -15,6 +15,7 @@ import pytest
 
 from agent.errors import TargetError
 from agent.process import discovery
+from agent.symbols import globalvars
 from agent.symbols.elf import FileCache, NotElfError, open_elf
 
 
@@ -123,6 +124,25 @@ def test_a_file_that_is_not_elf_is_read_once_and_its_error_names_each_path(
     assert reads == [str(data)]
     with pytest.raises(TargetError, match="is not an ELF file"):  # discovery says it as before
         discovery.elf_facts(str(data))
+
+
+def test_discovery_and_malt_remember_a_data_file_as_not_elf(tmp_path: Path, child: subprocess.Popen[bytes]) -> None:
+    """A process maps a dozen data files (locales, a database's shared memory): each attach and each MALT profile
+    of a fleet's processes asked again for every one of them. Now each is read once, whatever path it is asked by."""
+    data = tmp_path / "LC_CTYPE"
+    data.write_bytes(b"not an object" * 100)
+    paths = [str(data), f"/proc/{child.pid}/root{data}"]
+    facts_reads, variables_reads = len(discovery._facts), len(globalvars._variables)
+    for path in paths * 2:
+        with pytest.raises(TargetError, match=f"^cannot read {path}: {path} is not an ELF file"):
+            discovery.elf_facts(path)
+    assert len(discovery._facts) == facts_reads + 1  # one entry, the error, kept with the file
+    assert globalvars.global_variables({p: "LC_CTYPE" for p in paths}) == {}  # left out, as before
+    assert len(globalvars._variables) == variables_reads + 1
+    data.write_bytes(b"changed")  # another file now: read again
+    with pytest.raises(TargetError):
+        discovery.elf_facts(str(data))
+    assert len(discovery._facts) == facts_reads + 2
 
 
 def test_discovery_reads_a_program_once_for_every_process_of_it(child: subprocess.Popen[bytes]) -> None:
