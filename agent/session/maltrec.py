@@ -223,7 +223,8 @@ class MaltRecorder:
         # The kernel names the site that set each interval's maximum by id; MALT by its stack.
         memory.callsites = [keys.get(cs, cs) if isinstance(cs, int) else cs for cs in memory.callsites]
         mappings = session.maps.mappings
-        objects = {m.path: m.name for m in sorted(mappings, key=lambda m: m.name) if os.path.isfile(m.path)}
+        named = {m.path: m.name for m in sorted(mappings, key=lambda m: m.name)}  # a file once, not a segment
+        objects = {path: name for path, name in named.items() if os.path.isfile(path)}
         runtime = time.monotonic_ns() - self.start_ns
         return MaltProfile(
             run=MaltRun(
