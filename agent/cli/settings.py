@@ -194,7 +194,8 @@ def add_profile_options(p: argparse.ArgumentParser, mode: Mode = "exact") -> Non
         default=0.05,
         metavar="SECONDS",
         help="how often the kernel's counters are sampled for snapshots (default 0.05); a target that makes no "
-        "call is looked at down to once a second, one that makes fewer than 1,000 a second down to five times",
+        "call is looked at down to once a second, one that makes fewer than 1,000 a second (sampled mode: any) "
+        "down to five times",
     )
     h.add_argument(
         "--max-blocks",

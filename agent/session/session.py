@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import threading
 import time
 from collections.abc import Callable, Container, Sequence
@@ -85,15 +86,17 @@ class IdlePace:
     further one, up to IDLE_MAX seconds. A light one (fewer than LIGHT_RATE allocator calls a second) the same,
     up to LIGHT_MAX: a look costs the daemon the same whatever it finds, the kernel counts every call whenever
     it looks, and a fleet's services spend most of their time making a few calls a second. A busy target brings
-    the loop back to its interval."""
+    the loop back to its interval. `light_rate`: the calls a second from which a target is busy (sampled mode:
+    none is, below)."""
 
     IDLE_MAX = 1.0
     LIGHT_MAX = 0.2  # a light target's memory line keeps five points a second
     LIGHT_RATE = 1000.0  # calls a second
     QUIET_TICKS = 4  # quiet (or light) ticks at the full rate before the waits grow
 
-    def __init__(self, interval: float) -> None:
+    def __init__(self, interval: float, light_rate: float = LIGHT_RATE) -> None:
         self.interval = interval
+        self.light_rate = light_rate
         self.idle_ticks = 0
         self.light_ticks = 0
 
@@ -106,7 +109,7 @@ class IdlePace:
         """A look that found `calls` allocator calls made in the `seconds` since the one before: the wait until
         the next look."""
         self.idle_ticks = 0
-        if seconds > 0 and calls < self.LIGHT_RATE * seconds:
+        if seconds > 0 and calls < self.light_rate * seconds:
             self.light_ticks += 1
             return self._grown(self.light_ticks, self.LIGHT_MAX)
         self.light_ticks = 0
@@ -504,7 +507,11 @@ class Session:
         token = live.activity()  # before the first look: calls made while it reads are seen at the next tick
         self._first_snapshot()
         self.sample()
-        pace = IdlePace(interval)
+        # Sampled mode: a busy target is looked at as a light one, five times a second. The kernel sums its samples
+        # whenever it looks, and what a look reads (the schedule's points, the memory line, MALT's timelines; the
+        # kernel keeps each interval's peak) needs no more. Under pgbench, heapscope took 15% of a core for postgres
+        # at 20 looks a second a target, 8-12% at 5.
+        pace = IdlePace(interval, math.inf if live.settings.sampled else IdlePace.LIGHT_RATE)
         looked_at, calls_seen = time.monotonic(), self.calls_seen
         next_sample = looked_at + interval
         while alive() and not stop.is_set() and not self.exec_ended():

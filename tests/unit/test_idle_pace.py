@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from agent.session.session import IdlePace
 
 
@@ -52,3 +54,15 @@ def test_a_quiet_target_waits_longer_than_a_light_one() -> None:
     quiet, light = IdlePace(0.05), IdlePace(0.05)
     assert max(quiet.idle() for _ in range(20)) == IdlePace.IDLE_MAX > IdlePace.LIGHT_MAX
     assert max(light.active(0, 0.05) for _ in range(20)) == IdlePace.LIGHT_MAX
+
+
+def test_sampled_mode_looks_at_a_busy_target_as_at_a_light_one() -> None:
+    """Sampled mode (no light rate): however many calls the kernel counts, the waits grow to the light cap; a
+    quiet target still waits longer."""
+    pace = IdlePace(0.05, light_rate=math.inf)
+    waits = [pace.active(1_000_000, 0.05) for _ in range(10)]
+    quiet = IdlePace.QUIET_TICKS
+    assert waits[:quiet] == [0.05] * quiet and waits[-1] == IdlePace.LIGHT_MAX and pace.paced()
+    assert max(pace.idle() for _ in range(20)) == IdlePace.IDLE_MAX
+    exact = IdlePace(0.05)  # its twin on the default: the same calls keep the interval
+    assert [exact.active(1_000_000, 0.05) for _ in range(10)] == [0.05] * 10
