@@ -14,7 +14,8 @@ each process; a process not armed within --armed-timeout is counted and its /tar
 the same warm-up, then the load runs alternate between them, the order turned round every repeat, so that drift on
 the machine falls on both alike; the ratio is the median of each repeat's profiled rate over its untraced rate (the
 two runs of a repeat are next to each other, so slow drift cancels in each ratio). The load tools run on the same
-two cores as the servers and heapscope, so heapscope's CPU comes out of the throughput.
+two cores as the servers and heapscope, so heapscope's CPU comes out of the throughput. The daemon keeps no
+history store (--no-store) unless --store is given: serve's default keeps one.
 
 Goal (issue 31): a ratio of at least 0.97 on every service. Run it when `uptime` shows a load below 1.
 """
@@ -69,14 +70,15 @@ class Row:
 
 
 class Daemon:
-    """`heapscope serve` in sampled mode (its default), on a free loopback port, with no history store."""
+    """`heapscope serve` in sampled mode (its default), on a free loopback port; with no history store unless
+    `store` (serve's default: each target's history under the output directory)."""
 
-    def __init__(self, scratch: Path) -> None:
+    def __init__(self, scratch: Path, store: bool = False) -> None:
         self.port = free_port()
         self.log = scratch / "daemon.log"
         env = {**os.environ, "HEAPSCOPE_TOKEN": TOKEN}
         cmd = [*heapscope_cmd(), "serve", "--http", f"127.0.0.1:{self.port}", "--output-dir", str(scratch / "out"),
-               "--no-store"]  # fmt: skip
+               *(() if store else ("--no-store",))]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"), env=env)
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", headers=AUTH, timeout=60)
         deadline = time.monotonic() + START_TIMEOUT
@@ -155,7 +157,7 @@ def attach(daemon: Daemon, svc: Service, timeout: float, row: Row) -> None:
                 row.errors += [f"  daemon: {ln}" for ln in daemon.lines_about(pid)]
 
 
-def measure(name: str, seconds: float, repeats: int, armed_timeout: float) -> Row:
+def measure(name: str, seconds: float, repeats: int, armed_timeout: float, store: bool = False) -> Row:
     cls = SERVICES[name]
     row = Row(name, cls.tool)
     missing = cls.missing()
@@ -164,7 +166,7 @@ def measure(name: str, seconds: float, repeats: int, armed_timeout: float) -> Ro
         return row
     with tempfile.TemporaryDirectory(prefix=f"heapscope-panel-bench-{name}-") as tmp, cls() as plain, \
             cls() as profiled:  # fmt: skip
-        daemon = Daemon(Path(tmp))
+        daemon = Daemon(Path(tmp), store)
         try:
             attach(daemon, profiled, armed_timeout, row)
             for svc in (plain, profiled):  # the same warm-up for both (and heapscope's first stacks)
@@ -226,6 +228,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="runs per instance (default 3, --quick 2)")
     ap.add_argument("--armed-timeout", type=float, default=60.0, help="seconds to wait for every sampler armed")
     ap.add_argument("--json", type=Path, help="write the rows there as JSON")
+    ap.add_argument("--store", action="store_true",
+                    help="the daemon keeps its history, as serve does by default (else --no-store)")
     args = ap.parse_args()
     names = [n for n in args.services.split(",") if n]
     unknown = [n for n in names if n not in SERVICES]
@@ -235,11 +239,12 @@ def main() -> None:
     repeats = args.repeats if args.repeats is not None else 2 if args.quick else 3
     if os.geteuid() != 0:
         raise SystemExit("bench/service_panel.py needs root (heapscope attaches, the services switch users)")
-    print(f"load average at start: {os.getloadavg()[0]:.2f}; {seconds:g} s runs, {repeats} repeats", flush=True)
+    print(f"load average at start: {os.getloadavg()[0]:.2f}; {seconds:g} s runs, {repeats} repeats; history store "
+          f"{'on' if args.store else 'off'}", flush=True)
     rows = []
     for name in names:
         try:
-            row = measure(name, seconds, repeats, args.armed_timeout)
+            row = measure(name, seconds, repeats, args.armed_timeout, args.store)
         except ServiceError as e:
             row = Row(name, SERVICES[name].tool, errors=[str(e)])
         rows.append(row)
