@@ -15,6 +15,7 @@ import mmap
 import os
 
 from agent.errors import EnvironmentProblem
+from agent.kernel.arrays import mapping_length
 from agent.kernel.links import bpf_syscall
 
 _BPF_MAP_LOOKUP_AND_DELETE_BATCH = 25
@@ -101,8 +102,7 @@ def _zero_mapped(fd: int, info: MapInfo, rows: int) -> None:
     size = rows * ((info.value_size + 7) & ~7)
     if not size:
         return
-    length = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-    with mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mem:
+    with mmap.mmap(fd, mapping_length(size), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mem:
         values = (ctypes.c_char * size).from_buffer(mem)
         ctypes.memset(values, 0, size)
         del values  # the mapping closes only once nothing points into it

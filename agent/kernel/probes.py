@@ -65,7 +65,7 @@ from agent.kernel.abi import (
     THREAD_SLOTS,
     UMAPS_GEN_SHIFT,
 )
-from agent.kernel.arrays import MappedArray, MappedWords, SharedRows
+from agent.kernel.arrays import MappedArray, MappedWords, SharedRows, mapped_prefix
 from agent.kernel.btf import kernel_offset
 from agent.kernel.interface import LiveProbes, MaltSiteFields, ProbeSettings, SiteArray, UnwindMapping, table_sizes
 from agent.kernel.links import UPROBE_LINKS_ENV, link_uprobe, uprobe_links_supported
@@ -175,21 +175,6 @@ def _task_offsets(s: ProbeSettings) -> list[str]:
 def _int(value: object) -> int:
     """A map key as an int: batch lookups give ints, per-entry lookups give ctypes values."""
     return int(getattr(value, "value", value))  # type: ignore[call-overload]
-
-
-def _mapped_prefix(table: Any, count: int) -> bytes | None:
-    """Entries 0..count-1 of an mmapable array (BPF_F_MMAPABLE: every per-target array) copied from a mapping of
-    it: a memory copy, where the batch lookup copies each value out of the kernel apart (some 300 ns a value here;
-    MALT's end reads 13,000 of them). None where the map cannot be mapped, or pads its values."""
-    size = ctypes.sizeof(table.Leaf)
-    if size % 8 or count > table.max_entries:  # the kernel lays values out rounded up to 8 bytes
-        return None
-    length = (count * size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-    try:
-        with mmap.mmap(table.map_fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapping:
-            return mapping[: count * size]
-    except (OSError, ValueError):  # EINVAL: not mmapable
-        return None
 
 
 class HeapProbes(LiveProbes):
@@ -739,7 +724,7 @@ class HeapProbes(LiveProbes):
         table = self._maps[name]
         if count <= 0:
             return table.Leaf, b"", 0
-        raw = _mapped_prefix(table, count)
+        raw = mapped_prefix(table, count)
         if raw is not None:
             return table.Leaf, raw, count
         keys = (table.Key * count)()

@@ -23,6 +23,7 @@ import struct
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -168,8 +169,8 @@ def build_sampler(directory: Path | None = None, cc: str = "gcc", libc: str = "g
 
 def libc_of_process(pid: int) -> str:
     """ "musl" for a process whose loader is musl's (its libc), else "glibc"."""
-    text = "\n".join(line for line in read_maps_text(pid).splitlines() if "/ld-musl" in line)  # the few to parse
-    return "musl" if any(os.path.basename(m.path).startswith("ld-musl") for m in parse_maps_full(text)) else "glibc"
+    musl = read_map_lines(pid, keep=lambda line: "/ld-musl" in line)
+    return "musl" if any(os.path.basename(m.path).startswith("ld-musl") for m in musl) else "glibc"
 
 
 def libc_of_program(path: str) -> str:
@@ -207,18 +208,19 @@ def _build(directory: Path | None, cc: str, source: str, stem: str, suffix: str,
 # ---- finding it in a target ----------------------------------------------------------------------------
 
 
-def read_maps_text(pid: int) -> str:
+def read_map_lines(pid: int, keep: Callable[[str], bool] | None = None) -> list[MapsEntry]:
+    """The process's mappings; with `keep`, only the lines it keeps are parsed (a database's backend maps hundreds
+    of lines, and an attach asks for the sampler's own several times)."""
     try:
         with open(f"/proc/{pid}/maps") as f:
-            return f.read()
+            text = f.read()
     except FileNotFoundError as exc:
         raise TargetError(f"process {pid} exited") from exc
     except PermissionError as exc:
         raise TargetError(f"no permission to read /proc/{pid}/maps (heapscope needs root)", 4) from exc
-
-
-def read_map_lines(pid: int) -> list[MapsEntry]:
-    return parse_maps_full(read_maps_text(pid))
+    if keep is not None:
+        text = "\n".join(line for line in text.splitlines() if keep(line))
+    return parse_maps_full(text)
 
 
 def _library_lines(pid: int, library: Path) -> list[MapsEntry]:
@@ -227,11 +229,8 @@ def _library_lines(pid: int, library: Path) -> list[MapsEntry]:
     st = os.stat(library)
     wanted = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
     memfd = f"/memfd:{library.name}"
-    # Only the lines that can be its own are parsed: a database's backend maps hundreds of lines, and this is
-    # asked several times an attach.
     inode = f" {st.st_ino} "
-    text = "\n".join(line for line in read_maps_text(pid).splitlines() if inode in line or memfd in line)
-    return [m for m in parse_maps_full(text)
+    return [m for m in read_map_lines(pid, keep=lambda line: inode in line or memfd in line)
             if (*m.device, m.inode) == wanted or m.path in (memfd, memfd + " (deleted)")]
 
 

@@ -1,6 +1,6 @@
-"""Reading an array map in bulk (agent/kernel/probes.py): an mmapable array is copied from a mapping of it, and
-what comes back is what the kernel's batch lookup gives, value for value; an array that cannot be mapped is read
-by the batch lookup. A real map, loaded by bcc."""
+"""Reading an array map in bulk (agent/kernel/arrays.py mapped_prefix): an mmapable array is copied from a mapping
+of it, and what comes back is what the kernel's batch lookup gives, value for value; an array that cannot be mapped
+is read by the batch lookup. A real map, loaded by bcc."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from agent.kernel.arrays import mapped_prefix
 from agent.kernel.loader import load_bcc
-from agent.kernel.probes import _mapped_prefix
 
 pytestmark = pytest.mark.integration
 
@@ -38,13 +38,13 @@ def test_a_mapped_read_equals_the_batch_lookup() -> None:
         for i in range(0, 3000, 7):  # values past the first page, none at a page's edge alone
             table[ctypes.c_int(i)] = table.Leaf(i + 1, 2 * i, 3 * i + 5, 1 << 40 | i)
         for count in (1, 127, 128, 129, 3000):  # 32-byte values: 128 a page
-            got = _mapped_prefix(table, count)
+            got = mapped_prefix(table, count)
             assert got is not None and len(got) == count * 32
             assert got == batch(table, count)
         assert got[7 * 32 : 7 * 32 + 8] == (8).to_bytes(8, "little")  # entry 7's tid, as written
-        assert _mapped_prefix(table, 3001) is None  # past the end: the caller's batch says how far it got
+        assert mapped_prefix(table, 3001) is None  # past the end: the caller's batch says how far it got
         plain = bpf["unmapped"]
         plain[ctypes.c_int(3)] = ctypes.c_uint64(9)
-        assert _mapped_prefix(plain, 100) is None  # not mmapable: read by the batch lookup instead
+        assert mapped_prefix(plain, 100) is None  # not mmapable: read by the batch lookup instead
     finally:
         bpf.cleanup()
