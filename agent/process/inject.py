@@ -18,7 +18,7 @@ How a call is made safe:
 - The call goes through a small stub (probes/sampler/inject_stub.S) that heapscope writes into a fresh
   mapping of the target (the mmap and mprotect for it are single system calls, single-stepped on a `syscall`
   instruction of libc). heapscope fills the stub's data with the thread's own registers, the general ones
-  and the whole XSAVE area (x87, SSE, AVX, AVX-512), points the thread at the stub with a stack below its
+  and the whole XSAVE area (x87, SSE, AVX, AVX-512, AMX), points the thread at the stub with a stack below its
   red zone, and lets it go (PTRACE_DETACH) before the call runs. The stub blocks signals, makes the call,
   puts the signal mask back, restores every register itself and jumps back. So if heapscope dies during
   the call, even by SIGKILL, the thread still resumes exactly where it was; heapscope only reads a `done`

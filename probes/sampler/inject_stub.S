@@ -2,7 +2,7 @@
  * put every register of the thread back and jump to where it was, by itself. heapscope detaches before the
  * call runs, so if heapscope dies meanwhile, even by SIGKILL, the thread still comes back exactly.
  *
- * One blob, one section: page 0 is code (made read+exec), pages 1-3 data (read+write). heapscope fills the
+ * One blob, one section: page 0 is code (made read+exec), pages 1-5 data (read+write). heapscope fills the
  * data (labels below, found by name in the assembled object; local, so the assembler resolves every
  * reference itself) and sets %rip = stub_entry and %rsp to a
  * 16-byte aligned spot below the thread's red zone. Everything is %rip-relative: no relocation.
@@ -139,7 +139,7 @@ saved_r14:      .quad 0
 saved_r15:      .quad 0
 saved_rflags:   .quad 0
 saved_rip:      .quad 0
-    .org    8192                    /* XRSTOR wants 64-byte alignment; two pages hold any XSAVE layout */
-xsave_area:
-    .org    16384
+    .org    8192                    /* XRSTOR wants 64-byte alignment */
+xsave_area:                         /* four pages: AMX's tile data alone is 8 KiB (11,008 bytes in all with it) */
+    .org    8192 + 16384
 blob_end:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from agent.errors import TargetError
-from agent.process.inject import call_function, inject
-from agent.process.sampler import SamplerControl, build_sampler, mapped_base
+from agent.process.inject import XSTATE_MAX, call_function, inject, load_stub
+from agent.process.sampler import SamplerControl, build_sampler, build_stub, mapped_base
 from tests.support.capability import require
 from tests.support.conversation import Conversation
 from tests.support.sampler_sites import check_sites, run_sites
@@ -259,3 +259,34 @@ def test_the_loader_runs_on_a_thread_of_its_own_and_leaves_the_main_heap(
     monkeypatch.setattr("agent.process.inject._call_thread", lambda pid, proc_root: None)
     moved_on_its_thread = heap_top_moved(program, sampler_lib)
     assert moved_on_its_thread > 2048, moved_on_its_thread
+
+
+def test_the_stub_holds_any_xsave_area_the_kernel_hands_over() -> None:
+    """The stub keeps the thread's whole XSAVE area: as much as heapscope reads of it (on a CPU with AMX, 11,008
+    bytes, past the two pages it once had)."""
+    stub = load_stub(build_stub())
+    assert stub.xsave_room >= XSTATE_MAX
+    assert stub.xsave % 64 == 0  # XRSTOR's alignment
+
+
+def test_a_thread_holding_amx_tiles_gets_them_back(sampler_lib: Path, build: Callable[..., Path]) -> None:
+    """A thread with live AMX tile data, waiting in read(), runs the injection and then finds its tile as it was."""
+    conv = Conversation([str(build("amx_tiles.c", flags=("-g", "-O1")))])
+    try:
+        assert conv.proc.stdout is not None
+        first = conv.proc.stdout.readline().strip()
+        if first == "noamx":
+            conv.finish()
+            pytest.skip("no AMX on this CPU or kernel")
+        assert first == "ready"
+        time.sleep(0.1)  # in read()
+        injected = inject(conv.pid, sampler_lib)
+        assert not injected.reused
+        rax, _ = call_function(conv.pid, "getpid")
+        assert rax == conv.pid
+        conv.say("check")
+        conv.expect("ok")
+        conv.say("exit")
+        assert conv.finish() == 0
+    finally:
+        conv.kill()
