@@ -50,8 +50,8 @@ CFLAGS = (
     "-Wl,-z,now", "-Wl,-z,relro", "-Wl,-z,nodelete",
 )  # fmt: skip
 # libdl and libpthread held dlsym and pthread_create before glibc 2.34 (empty since): needed, used or not.
-LIBS = ("-Wl,--no-as-needed", "-l:libdl.so.2", "-l:libpthread.so.0", "-lm", "-Wl,--as-needed")
-MUSL_LIBS = ("-lm",)  # musl's libc holds all of it
+LIBS = ("-Wl,--no-as-needed", "-l:libdl.so.2", "-l:libpthread.so.0", "-Wl,--as-needed")
+MUSL_LIBS: tuple[str, ...] = ()  # musl's libc holds all of it
 # musl: no -fexceptions, whose cleanup personality pulls in GCC's unwinder, built for glibc (_dl_find_object).
 # The hooks keep their unwind tables; what is lost is only the reset of a hook's busy flag when a C++
 # operator new throws through it (bad_alloc), which leaves that thread's later calls uncounted.

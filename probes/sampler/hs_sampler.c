@@ -29,7 +29,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <link.h>
-#include <math.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -50,15 +49,15 @@
 
 /* The library loads into any glibc from 2.17 on (a test reads its dynamic symbol table): each glibc function it
  * calls is bound to the oldest version that has it, where the build machine's glibc would pick a newer default
- * (2.34 moved dl* and pthread_* into libc, 2.29 gave log a new version). The libraries that held them before
- * 2.34 are linked (libdl, libpthread; empty on newer glibc); getrandom and fstat are made as system calls. */
+ * (2.34 moved dl* and pthread_* into libc). The libraries that held them before 2.34 are linked (libdl,
+ * libpthread; empty on newer glibc); getrandom and fstat are made as system calls; libm is not linked at all
+ * (the arithmetic of sampling, below). */
 #if defined(__GLIBC__)
 __asm__(".symver dladdr,dladdr@GLIBC_2.2.5");
 __asm__(".symver dlsym,dlsym@GLIBC_2.2.5");
 __asm__(".symver pthread_create,pthread_create@GLIBC_2.2.5");
 __asm__(".symver pthread_attr_setstacksize,pthread_attr_setstacksize@GLIBC_2.2.5");
 __asm__(".symver pthread_sigmask,pthread_sigmask@GLIBC_2.2.5");
-__asm__(".symver log,log@GLIBC_2.2.5");
 #endif
 
 #define EXPORT __attribute__((visibility("default")))
@@ -362,13 +361,52 @@ static inline uint64_t next_random(struct thread_state *t)
     return x * 0x2545F4914F6CDD1DULL;
 }
 
+/* ---- the arithmetic of sampling, without libm ------------------------------------------------------------
+ * The library links no libm: loading libm into a process changes where glibc's malloc puts later blocks, and a
+ * prefork server's workers, forked from a master that had it loaded, then grew and trimmed their heap at every
+ * request (apache2 with mod_deflate: 33 page faults a request instead of 3, 0.7x its throughput, even after
+ * heapscope had gone). Both functions are exact to a few units in the last place, for arguments in (0, 1]. */
+
+/* ln(u) for u in (0, 1]: u = m * 2^e with m in [sqrt(1/2), sqrt(2)), ln(m) = 2 atanh(s), s = (m - 1) / (m + 1),
+ * |s| < 0.172: eleven terms of the series are below 2^-53. */
+static double hs_log(double u)
+{
+    union { double d; uint64_t bits; } v = {.d = u};
+    int e = (int)((v.bits >> 52) & 0x7ff) - 1023;
+    if (e == -1023) /* subnormal: scale into the normal range first */
+        return hs_log(u * 0x1.0p54) - 54 * 0x1.62e42fefa39efp-1;
+    v.bits = (v.bits & 0x000fffffffffffffULL) | 0x3ff0000000000000ULL; /* m in [1, 2) */
+    if (v.d > 1.4142135623730951) {
+        v.d *= 0.5;
+        e++;
+    }
+    double s = (v.d - 1.0) / (v.d + 1.0), s2 = s * s, sum = 0.0;
+    for (int k = 21; k >= 3; k -= 2)
+        sum = (sum + 1.0 / k) * s2;
+    return 2.0 * s * (1.0 + sum) + e * 0x1.62e42fefa39efp-1;
+}
+
+/* e^-x - 1 for x in (0, 1]: a short series at x / 2^12, then twelve doublings, e^2y - 1 = (e^y - 1)(e^y + 1),
+ * which keep the relative precision (no 1 - e^-x cancellation for a small x). */
+static double hs_expm1_neg(double x)
+{
+    double y = -x * 0x1.0p-12;
+    double m = y * (1.0 + y * (1.0 / 2 + y * (1.0 / 6 + y * (1.0 / 24 + y * (1.0 / 120)))));
+    for (int i = 0; i < 12; i++)
+        m = m * (m + 2.0);
+    return m;
+}
+
 /* A distance drawn from an exponential distribution with mean T, rounded up to whole bytes: an allocation
  * of n bytes crosses ceil(X) exactly when it crosses X, so rounding keeps p(n) = 1 - e^(-n/T). */
 static int64_t draw_distance(struct thread_state *t, uint64_t rate)
 {
     double u = (double)((next_random(t) >> 11) + 1) * 0x1.0p-53; /* in (0, 1] */
-    double x = -log(u) * (double)rate;
-    return x >= 9.0e18 ? INT64_MAX : (int64_t)ceil(x);
+    double x = -hs_log(u) * (double)rate;
+    if (x >= 9.0e18)
+        return INT64_MAX;
+    int64_t whole = (int64_t)x; /* x >= 0: truncation is the floor */
+    return whole + ((double)whole < x);
 }
 
 static void seed_thread(struct thread_state *t)
@@ -385,8 +423,8 @@ EXPORT uint64_t hs_weight(uint64_t size, uint64_t rate)
 {
     if (size >= rate)
         return size;
-    double p = -expm1(-(double)size / (double)rate);
-    return (uint64_t)floor((double)size / p + 0.5);
+    double p = -hs_expm1_neg((double)size / (double)rate);
+    return (uint64_t)((double)size / p + 0.5); /* positive: truncation is the floor */
 }
 
 static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, void *p, size_t n, unsigned fn)
