@@ -12,10 +12,16 @@ the daemon follows them in production. The time to armed runs from the POST of t
 idle) to the moment every process of the instance has its sampler armed, read from the sampler's control block in
 each process; a process not armed within --armed-timeout is counted and its /targets error shown. Each instance gets
 the same warm-up, then the load runs alternate between them, the order turned round every repeat, so that drift on
-the machine falls on both alike; the ratio is the median of each repeat's profiled rate over its untraced rate (the
-two runs of a repeat are next to each other, so slow drift cancels in each ratio). The load tools run on the same
-two cores as the servers and heapscope, so heapscope's CPU comes out of the throughput. The daemon keeps no
-history store (--no-store) unless --store is given: serve's default keeps one.
+the machine falls on both alike (the two runs of a repeat are next to each other, so slow drift cancels in each
+repeat's ratio of the profiled rate over the untraced one).
+
+Two instances of one service on two shared cores are not equal either (one's processes may sit on the CPU that
+takes the interrupts): the instances swap roles half way (a crossover). The first is profiled for the first half
+of the repeats, then detached (selector and targets deleted) and the second profiled for the rest; the ratio is
+the geometric mean of the two halves' median ratios, in which an instance's own advantage cancels. --control
+attaches nothing, with the same crossover: its ratio is the bench's own spread. The load tools run on the same two
+cores as the servers and heapscope, so heapscope's CPU comes out of the throughput. The daemon keeps no history
+store (--no-store) unless --store is given: serve's default keeps one.
 
 Goal (issue 31): a ratio of at least 0.97 on every service. Run it when `uptime` shows a load below 1.
 """
@@ -60,13 +66,19 @@ class Row:
     time_to_armed_s: float | None = None  # every process armed; None: not all were
     untraced: list[float] = field(default_factory=list)  # the load tool's rate, per run
     profiled: list[float] = field(default_factory=list)
+    swapped_at: int | None = None  # the first run with the other instance profiled (the crossover)
+    time_to_armed_swapped_s: float | None = None  # the second instance's
     errors: list[str] = field(default_factory=list)  # load runs that failed, processes not armed
     daemon_cpu_percent: float | None = None  # heapscope's CPU during the profiled runs, % of a core
 
     @property
     def ratio(self) -> float | None:
-        pairs = [p / u for u, p in zip(self.untraced, self.profiled, strict=False) if u > 0]
-        return statistics.median(pairs) if pairs else None
+        """The geometric mean of the two halves' median ratios (one half alone before the swap)."""
+        pairs = [p / u if u > 0 else None for u, p in zip(self.untraced, self.profiled, strict=False)]
+        cut = len(pairs) if self.swapped_at is None else self.swapped_at
+        halves = [[r for r in half if r is not None] for half in (pairs[:cut], pairs[cut:])]
+        medians = [statistics.median(h) for h in halves if h]
+        return statistics.geometric_mean(medians) if medians else None
 
 
 class Daemon:
@@ -119,9 +131,21 @@ class Daemon:
                 self.proc.wait()
 
 
+def detach(daemon: Daemon, svc: Service, timeout: float) -> None:
+    """DELETE every selector and target, and wait until no process of the instance has its sampler armed."""
+    for sel in daemon.client.get("/selectors").json():
+        daemon.client.delete(f"/selectors/{sel['id']}")
+    for pid in daemon.targets():
+        daemon.client.delete(f"/targets/{pid}")
+    deadline = time.monotonic() + timeout
+    while any(sampler_state(p) == "armed" for p in svc.pids()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{svc.name}: still armed {timeout:.0f} s after the detach")
+        time.sleep(0.05)
 
-def attach(daemon: Daemon, svc: Service, timeout: float, row: Row) -> None:
-    """POST the selector and time every process of the instance to armed."""
+
+def attach(daemon: Daemon, svc: Service, timeout: float, row: Row) -> float | None:
+    """POST the selector and time every process of the instance to armed: the time, None if not all were."""
     pids = svc.pids()
     row.processes = len(pids)
     start = time.monotonic()
@@ -141,10 +165,9 @@ def attach(daemon: Daemon, svc: Service, timeout: float, row: Row) -> None:
                 break
         time.sleep(0.02)
     row.armed = len(armed)
-    if armed:
+    if armed and row.time_to_first_armed_s is None:
         row.time_to_first_armed_s = min(armed.values())
-    if len(armed) == len(pids):
-        row.time_to_armed_s = max(armed.values())
+    everyone = max(armed.values()) if len(armed) == len(pids) else None
     roles = svc.processes()
     have = daemon.targets()
     for pid in pids:
@@ -155,25 +178,39 @@ def attach(daemon: Daemon, svc: Service, timeout: float, row: Row) -> None:
                               f"sampler {sampler_state(pid)}; {why}")
             if t is None or not t["error"]:  # else /targets said why
                 row.errors += [f"  daemon: {ln}" for ln in daemon.lines_about(pid)]
+    return everyone
 
 
-def measure(name: str, seconds: float, repeats: int, armed_timeout: float, store: bool = False) -> Row:
+def measure(name: str, seconds: float, repeats: int, armed_timeout: float, store: bool = False,
+            control: bool = False) -> Row:  # fmt: skip
     cls = SERVICES[name]
     row = Row(name, cls.tool)
     missing = cls.missing()
     if missing:
         row.errors.append(f"not installed: {', '.join(missing)}")
         return row
-    with tempfile.TemporaryDirectory(prefix=f"heapscope-panel-bench-{name}-") as tmp, cls() as plain, \
-            cls() as profiled:  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix=f"heapscope-panel-bench-{name}-") as tmp, cls() as first, \
+            cls() as second:  # fmt: skip
         daemon = Daemon(Path(tmp), store)
+        plain, profiled = second, first
         try:
-            attach(daemon, profiled, armed_timeout, row)
+            if not control:
+                row.time_to_armed_s = attach(daemon, profiled, armed_timeout, row)
             for svc in (plain, profiled):  # the same warm-up for both (and heapscope's first stacks)
                 svc.load(min(seconds, 2.0))
             wait_idle(daemon.proc.pid)
             cpu = wall = 0.0
             for rep in range(repeats):
+                if rep == (repeats + 1) // 2 and repeats > 1:  # the crossover: the other instance profiled
+                    row.swapped_at = len(row.profiled)
+                    plain, profiled = first, second
+                    if not control:
+                        detach(daemon, plain, armed_timeout)
+                        armed, processes = row.armed, row.processes  # the table shows the first instance's
+                        row.time_to_armed_swapped_s = attach(daemon, profiled, armed_timeout, row)
+                        row.armed, row.processes = armed, processes
+                        profiled.load(min(seconds, 2.0))
+                        wait_idle(daemon.proc.pid)
                 for svc in (plain, profiled) if rep % 2 == 0 else (profiled, plain):
                     cpu0, t0 = cpu_seconds(daemon.proc.pid), time.monotonic()
                     got = svc.load(seconds)
@@ -185,9 +222,9 @@ def measure(name: str, seconds: float, repeats: int, armed_timeout: float, store
                         row.errors.append(f"{label} run {rep + 1}: {got.error}")
                     (row.profiled if svc is profiled else row.untraced).append(got.rate)
             row.daemon_cpu_percent = 100 * cpu / wall if wall else None
-            for svc in (plain, profiled):
+            for svc in (first, second):
                 if not svc.answers():
-                    row.errors.append(f"the {'profiled' if svc is profiled else 'untraced'} instance stopped answering")
+                    row.errors.append(f"the {'first' if svc is first else 'second'} instance stopped answering")
         finally:
             daemon.stop()
     return row
@@ -206,6 +243,8 @@ def table(rows: list[Row]) -> str:
         # Not all armed: the time the first one took, if any was.
         to_armed = fmt_s(r.time_to_armed_s) if r.time_to_armed_s is not None else (
             f"- (first {fmt_s(r.time_to_first_armed_s)})" if r.armed else "-")
+        if r.swapped_at is not None and r.time_to_armed_s is not None:  # and the second instance's, after the swap
+            to_armed += f" / {fmt_s(r.time_to_armed_swapped_s)}"
         lines.append((
             r.service, r.tool, str(r.processes), f"{r.armed}/{r.processes}", to_armed,
             f"{statistics.median(r.untraced):,.0f}" if r.untraced else "-",
@@ -230,6 +269,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the rows there as JSON")
     ap.add_argument("--store", action="store_true",
                     help="the daemon keeps its history, as serve does by default (else --no-store)")
+    ap.add_argument("--control", action="store_true",
+                    help="attach nothing: the ratio of two untraced instances (the bench's own spread)")
     args = ap.parse_args()
     names = [n for n in args.services.split(",") if n]
     unknown = [n for n in names if n not in SERVICES]
@@ -240,16 +281,17 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("bench/service_panel.py needs root (heapscope attaches, the services switch users)")
     print(f"load average at start: {os.getloadavg()[0]:.2f}; {seconds:g} s runs, {repeats} repeats; history store "
-          f"{'on' if args.store else 'off'}", flush=True)
+          f"{'on' if args.store else 'off'}{'; control: nothing attached' if args.control else ''}", flush=True)
     rows = []
     for name in names:
         try:
-            row = measure(name, seconds, repeats, args.armed_timeout, args.store)
+            row = measure(name, seconds, repeats, args.armed_timeout, args.store, args.control)
         except ServiceError as e:
             row = Row(name, SERVICES[name].tool, errors=[str(e)])
         rows.append(row)
         ratio = row.ratio
-        print(f"{name}: {row.armed}/{row.processes} armed, time to armed {fmt_s(row.time_to_armed_s)}, ratio "
+        print(f"{name}: {row.armed}/{row.processes} armed, time to armed {fmt_s(row.time_to_armed_s)} (the second "
+              f"instance {fmt_s(row.time_to_armed_swapped_s)}, from run {row.swapped_at}), ratio "
               f"{'-' if ratio is None else f'{ratio:.3f}'} (untraced {row.untraced}, profiled {row.profiled})",
               flush=True)
         for problem in row.errors:
