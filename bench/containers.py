@@ -149,7 +149,9 @@ def main() -> int:
             for pipeline in PIPELINES:
                 for i in range((ns.repeats + 1 - half) // 2 if ns.repeats > 1 else 1):
                     got = {}
-                    for name in (plain, traced) if i % 2 == 0 else (traced, plain):  # neither always the warmer
+                    # Which goes first alternates, and the other way round in the second half: an odd count of
+                    # repeats in a half then favours neither role over the two halves.
+                    for name in (plain, traced) if (i + half) % 2 == 0 else (traced, plain):
                         got[name] = rates(ports[name], boxes[name].pid, ns.requests, pipeline)
                     for t in ("SET", "GET"):
                         pair = halves.setdefault(f"{t} -P {pipeline}", [[], []])[half]

@@ -4,12 +4,13 @@ service panel, untraced, before and after its master's heap is moved by a few by
 
     sudo .venv/bin/python bench/heap_layout.py [--shift 2000] [--seconds 3]
 
-Sampled mode loads a library into the master (dlopen: its link map, names and scopes come from the master's main
-heap), and the workers fork from it, so every worker's heap starts a few KiB higher. glibc's malloc gives the top of
-its heap back to the kernel once the free top passes M_TRIM_THRESHOLD; a worker that allocates and frees zlib's
-state at every gzipped response sits, in this configuration, a few hundred bytes below that line. Moved above it,
-it trims and grows its heap again at every request, and the pages it grows into are faulted in again: same
-requests, same code, more system time.
+glibc's malloc gives the top of its heap back to the kernel once the free top passes M_TRIM_THRESHOLD; a worker
+that allocates and frees zlib's state at every gzipped response sits, in this configuration, a few hundred bytes
+below that line. Anything that stays in the master's heap moves every worker forked from it: above the line, it
+trims and grows its heap again at every request, and the pages it grows into are faulted in again: same requests,
+same code, more system time. Sampled mode loads a library into the master; it did move the workers over the line
+until its dlopen ran on a thread of its own (the loader's blocks then come from that thread's arena) and the
+library stopped linking libm (whose loading alone did it: docs/benchmarks.md, "The service panel").
 
 The runs, on the panel's apache2 (tests/support/services.py, its workers never replaced here so the pool is the
 same throughout):
