@@ -147,7 +147,7 @@ def main() -> int:
             for name in (plain, traced):
                 rates(ports[name], boxes[name].pid, ns.requests // 4, 16)  # warm-up
             for pipeline in PIPELINES:
-                for i in range((ns.repeats + 1 - half) // 2 if ns.repeats > 1 else 1):
+                for i in range((ns.repeats + 1 - half) // 2):
                     got = {}
                     # Which goes first alternates, and the other way round in the second half: an odd count of
                     # repeats in a half then favours neither role over the two halves.

@@ -46,19 +46,10 @@ class Apache(SERVICES["apache2"]):  # type: ignore[misc,valid-type]
     MAX_CONNECTIONS_PER_CHILD = 0  # never replaced by the master: the same workers through a run
 
 
-def minor_faults(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            total += int(f.read().rsplit(")", 1)[1].split()[7])
-    return total
-
-
 def measure(svc: Service, seconds: float, label: str) -> None:
-    workers = svc.workers_now()
-    before = minor_faults(workers)
+    before = svc.minor_faults()
     got = svc.load(seconds)
-    faults = minor_faults(workers) - before
+    faults = svc.minor_faults() - before
     per_request = faults / max(1.0, got.rate * seconds)
     print(f"{label:<48} {got.rate:>9,.0f} requests/s {per_request:6.1f} minor faults a request", flush=True)
 

@@ -165,7 +165,7 @@ def attach(daemon: Daemon, svc: Service, timeout: float, row: Row) -> float | No
                 break
         time.sleep(0.02)
     row.armed = len(armed)
-    if armed and row.time_to_first_armed_s is None:
+    if armed:
         row.time_to_first_armed_s = min(armed.values())
     everyone = max(armed.values()) if len(armed) == len(pids) else None
     roles = svc.processes()
@@ -206,9 +206,9 @@ def measure(name: str, seconds: float, repeats: int, armed_timeout: float, store
                     plain, profiled = first, second
                     if not control:
                         detach(daemon, plain, armed_timeout)
-                        armed, processes = row.armed, row.processes  # the table shows the first instance's
-                        row.time_to_armed_swapped_s = attach(daemon, profiled, armed_timeout, row)
-                        row.armed, row.processes = armed, processes
+                        swapped = Row(name, cls.tool)  # the table shows the first instance's counts
+                        row.time_to_armed_swapped_s = attach(daemon, profiled, armed_timeout, swapped)
+                        row.errors += swapped.errors
                         profiled.load(min(seconds, 2.0))
                         wait_idle(daemon.proc.pid)
                 for svc in (plain, profiled) if rep % 2 == 0 else (profiled, plain):

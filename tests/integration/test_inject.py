@@ -294,23 +294,11 @@ def test_a_thread_holding_amx_tiles_gets_them_back(sampler_lib: Path, build: Cal
 
 
 def _faults_a_request(svc: Apache) -> float:
-    """Page faults of apache2's processes a request over a short load: the master's own and its reaped workers'
-    (cminflt), and the live workers' (minflt)."""
-
-    def faults() -> int:
-        total = 0
-        for pid in svc.pids():
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # a worker that ended in between: the master's cminflt has it once it is reaped
-            total += int(fields[7]) + (int(fields[8]) if pid == svc.main_pid else 0)
-        return total
-
-    before = faults()
+    """Page faults of apache2's processes a request over a short load (reaped workers' included)."""
+    before = svc.minor_faults()
     got = svc.load(2.0)
     assert got.ok and got.requests, got
-    return (faults() - before) / got.requests
+    return (svc.minor_faults() - before) / got.requests
 
 
 def test_a_prefork_servers_workers_allocate_as_before_the_injection(sampler_lib: Path) -> None:

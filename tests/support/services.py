@@ -223,6 +223,19 @@ class Service:
     def processes(self) -> dict[int, str]:
         return roles(self.pids())
 
+    def minor_faults(self) -> int:
+        """Minor page faults of its processes: the main process's own and its reaped children's (minflt, cminflt),
+        and each live descendant's own (minflt). A process that ended in between is left out (once reaped, its
+        parent's cminflt has it, if its parent is the main process)."""
+        total = 0
+        for pid in self.pids():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[7]) + (int(fields[8]) if pid == self.main_pid else 0)
+        return total
+
     def steady_pids(self) -> list[int]:
         """Its processes but the ones that come and go by themselves (postgres's autovacuum workers)."""
         return sorted(p for p, r in self.processes().items() if r not in self.transient_roles)
