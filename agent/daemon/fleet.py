@@ -140,7 +140,9 @@ class FleetManager(TargetManager):
         # selected processes that could not be attached, not retried: in /targets as refused, with why
         self._failed: dict[Identity, TargetStatus] = {}
         self._waiting: dict[Identity, _Waiting] = {}  # no safe point yet: tried again later (NoSafePoint)
-        self._released: set[Identity] = set()  # detached by the user: not selected again while they run
+        # detached by the user -> the id the next selector gets: not chosen again while it runs by the selectors
+        # there were then; one POSTed since chooses it (the user asked again)
+        self._released: dict[Identity, int] = {}
         self._in_attach: dict[int, _InAttach] = {}  # chosen or asked for, being attached now: listed as attaching
         self._failures = 0
         self._events = 0
@@ -290,6 +292,9 @@ class FleetManager(TargetManager):
             started = start_time(pid, self.proc)
             if identity is not None and started != identity:
                 raise NoSuchTarget(f"process {pid} went away before it could be attached")
+            if identity is None:  # asked for by the user (POST /targets, --pid): what they let go before is wanted
+                with self._flock:
+                    self._released.pop((pid, started or 0), None)
             placement = placement_of(cgroup_of(pid, self.proc))
             try:
                 t = super().attach(pid, mode)
@@ -321,15 +326,25 @@ class FleetManager(TargetManager):
         self.wait_attached(pid)  # a process being attached is detached once attached
         waited = self._stop_waiting(pid)
         if waited is not None:  # not attached yet: it is no longer tried, nor chosen again while it runs
-            self._released.add((pid, waited.status.origin.start_time))
+            self._release((pid, waited.status.origin.start_time))
             return replace(waited.status, state="detached", ended_at=time.time())
         t = self.get(pid)
         if t.origin.start_time:
-            self._released.add((pid, t.origin.start_time))  # the user let it go: not chosen again
+            self._release((pid, t.origin.start_time))  # the user let it go: not chosen again
         status = super().detach(pid)
         self._unwatch(pid)
         self._trim = True
         return status
+
+    def _release(self, identity: Identity) -> None:
+        with self._flock:
+            self._released[identity] = self._next_id
+
+    def _released_for(self, identity: Identity, selector: int | None) -> bool:
+        """The user detached it, and `selector` (None: the process was asked for before) was there then."""
+        with self._flock:
+            since = self._released.get(identity)
+        return since is not None and (selector is None or selector < since)
 
     def _refusal(self) -> Refusal | None:
         """Why one more target cannot be taken now (agent.model.fleet.Refusal), after forgetting exited targets
@@ -393,7 +408,7 @@ class FleetManager(TargetManager):
             self._stop_waiting(job.pid)
             return
         if job.kind == "asked":
-            if (facts.pid, facts.start_time) not in self._released:  # DELETE'd while its retry was queued
+            if not self._released_for((facts.pid, facts.start_time), None):  # DELETE'd while its retry was queued
                 self._attach_waiting(job, facts, None, None)
             return
         selector, parent = job.selector, job.parent
@@ -414,7 +429,7 @@ class FleetManager(TargetManager):
                 self._stop_waiting(job.pid)
                 return  # the parent's selector was removed meanwhile, or follows no children
         identity = (facts.pid, facts.start_time)
-        if identity in self._failed or identity in self._released or self._profiling(facts):
+        if identity in self._failed or self._released_for(identity, selector) or self._profiling(facts):
             self._stop_waiting(job.pid)
             return
         self._attach_waiting(job, facts, selector, parent)
@@ -723,7 +738,7 @@ class FleetManager(TargetManager):
             alive = {(pid, st) for pid, st in ((i[0], start_time(i[0], self.proc)) for i in self._identities())}
             with self._flock:
                 self._failed = {k: v for k, v in self._failed.items() if k in alive}
-                self._released = {k for k in self._released if k in alive}
+                self._released = {k: v for k, v in self._released.items() if k in alive}
                 self._refusal_said = {k for k in self._refusal_said if k[0] in alive}
                 self._waiting = {k: v for k, v in self._waiting.items() if k in alive}
 

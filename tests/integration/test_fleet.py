@@ -397,3 +397,38 @@ def test_a_process_being_attached_is_listed_and_let_go_by_its_selectors_removal_
         assert asked.pid not in targets(d) and services.running(asked.pid)
     finally:
         stop_daemon(d)
+
+
+def test_a_deleted_target_stays_let_go_until_the_user_asks_for_it_again(
+    heapscope_cmd: list[str], services: Services, tmp_path: Path
+) -> None:
+    """DELETE /targets/PID lets a process go: the selector that chose it does not take it back while it runs. A
+    selector POSTed after that (the same pattern again) is the user asking anew and takes it, as does POST {pid}."""
+    d = start_daemon(heapscope_cmd, tmp_path, "--mode", "exact")
+    try:
+        svc = services.start("svc-again")
+        with d.client() as c:
+            first = c.post("/targets", json={"comm": "^svc-again$"}).json()["id"]
+        wait_for(profiling(d, svc.pid, heap=None), FOUND_WITHIN, "the process profiled through its selector")
+        with d.client() as c:
+            assert c.delete(f"/targets/{svc.pid}").status_code == 200
+        end = time.monotonic() + 3  # the daemon looks again at its processes meanwhile (a rescan, fork events)
+        while time.monotonic() < end:
+            assert targets(d).get(svc.pid, {}).get("state") != "profiling", "taken back by the selector it left"
+            time.sleep(0.2)
+
+        with d.client() as c:
+            assert c.delete(f"/selectors/{first}").status_code == 200
+            second = c.post("/targets", json={"comm": "^svc-again$"}).json()["id"]
+        wait_for(profiling(d, svc.pid, heap=None), FOUND_WITHIN, "the process profiled by the selector POSTed again")
+        assert targets(d)[svc.pid]["origin"]["selector"] == second
+
+        with d.client() as c:
+            assert c.delete(f"/selectors/{second}").status_code == 200
+            assert c.delete(f"/targets/{svc.pid}").status_code == 200
+            again = c.post("/targets", json={"pid": svc.pid})
+        assert again.status_code == 201, again.text
+        wait_for(profiling(d, svc.pid, heap=None), FOUND_WITHIN, "the process profiled when asked for by its PID")
+        assert services.running(svc.pid)
+    finally:
+        stop_daemon(d)
