@@ -345,9 +345,10 @@ def read_maps(pid: int, proc: str = "/proc") -> list[Mapping]:
         raise TargetError(f"no permission to read /proc/{pid}/maps (heapscope needs root)", 4) from exc
 
 
-def allocator_of_process(pid: int, proc: str = "/proc") -> Allocator:
-    """The allocator a running process uses, from the objects it has mapped."""
-    info = read_process(pid, proc)
+def allocator_of_process(pid: int, proc: str = "/proc", info: ProcessInfo | None = None) -> Allocator:
+    """The allocator a running process uses, from the objects it has mapped. `info`: its read_process, when
+    the caller has it."""
+    info = info or read_process(pid, proc)
     root = f"{proc}/{pid}/root"
     preload = [p for p in re.split(r"[ :]", info.environ.get("LD_PRELOAD", "")) if p]
     view = ProcessView.of(pid, proc)  # a chroot's maps show the host's paths: made relative to its root

@@ -58,7 +58,7 @@ class TargetProcess:
 def attach_to(pid: int, proc: str = "/proc") -> TargetProcess:
     """A running process, by PID."""
     info = read_process(pid, proc)
-    allocator = allocator_of_process(pid, proc)
+    allocator = allocator_of_process(pid, proc, info)
     try:
         name = psutil.Process(pid).name()
     except psutil.Error as exc:
