@@ -11,9 +11,11 @@ serve` (sampled mode, its defaults) through a selector of its main process, so t
 the daemon follows them in production. The time to armed runs from the POST of the selector (the daemon is up and
 idle) to the moment every process of the instance has its sampler armed, read from the sampler's control block in
 each process; a process not armed within --armed-timeout is counted and its /targets error shown. Each instance gets
-the same warm-up, then the load runs alternate between them, the order turned round every repeat, so that drift on
-the machine falls on both alike (the two runs of a repeat are next to each other, so slow drift cancels in each
-repeat's ratio of the profiled rate over the untraced one).
+the same warm-up and, before every pair of runs, is settled (Service.settle: postgres vacuums and checkpoints, so
+that one instance's autovacuum and checkpointer do not run in the other's next run); the load runs alternate
+between them, the order turned round every repeat, so that drift on the machine falls on both alike (the two runs
+of a repeat are next to each other, so slow drift cancels in each repeat's ratio of the profiled rate over the
+untraced one).
 
 Two instances of one service on two shared cores are not equal either (one's processes may sit on the CPU that
 takes the interrupts): the instances swap roles half way (a crossover). The first is profiled for the first half
@@ -211,6 +213,8 @@ def measure(name: str, seconds: float, repeats: int, armed_timeout: float, store
                         row.errors += swapped.errors
                         profiled.load(min(seconds, 2.0))
                         wait_idle(daemon.proc.pid)
+                for svc in (plain, profiled):  # what the runs before left in the background, done before these
+                    svc.settle()
                 for svc in (plain, profiled) if rep % 2 == 0 else (profiled, plain):
                     cpu0, t0 = cpu_seconds(daemon.proc.pid), time.monotonic()
                     got = svc.load(seconds)

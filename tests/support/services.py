@@ -295,6 +295,9 @@ class Service:
     def load(self, seconds: float) -> LoadResult:
         raise NotImplementedError
 
+    def settle(self) -> None:
+        """Finish the background work the load leaves behind, before runs that are compared (default: none)."""
+
     @property
     def selector(self) -> str:
         """A regex for the main process's command line (with this instance's unique file or port)."""
@@ -494,6 +497,12 @@ class Postgres(Service):
         # at the processes: in two, a backend seen in the first could be gone from the second, and taken as steady.
         return sorted(p for p, r in self.processes().items()
                       if r not in self.transient_roles and (r != "backend" or p in self.session_backends))
+
+    def settle(self) -> None:
+        """pgbench's updates leave dead rows and WAL: vacuumed and checkpointed now, not by the autovacuum worker
+        and the checkpointer in the middle of the next runs (of this instance or, on shared cores, the other)."""
+        subprocess.run(self._psql("-c", "VACUUM ANALYZE", "-c", "CHECKPOINT"), capture_output=True, timeout=300,
+                       check=True)
 
     def _psql(self, *args: str) -> list[str]:
         return [str(PG_BIN / "psql"), "-X", "-q", "-At", "-h", str(self.sockets), "-p", str(self.port),
