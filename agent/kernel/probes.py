@@ -65,7 +65,7 @@ from agent.kernel.abi import (
     THREAD_SLOTS,
     UMAPS_GEN_SHIFT,
 )
-from agent.kernel.arrays import MappedArray, MappedWords, SharedRows, mapped_prefix, mapping_length
+from agent.kernel.arrays import MappedArray, MappedWords, SharedRows, mapped_prefix
 from agent.kernel.btf import kernel_offset
 from agent.kernel.interface import LiveProbes, MaltSiteFields, ProbeSettings, SiteArray, UnwindMapping, table_sizes
 from agent.kernel.links import UPROBE_LINKS_ENV, link_uprobe, uprobe_links_supported
@@ -192,7 +192,6 @@ class HeapProbes(LiveProbes):
         self._links: list[int] = []  # uprobe_multi links (closed with os.close)
         self._use_links = uprobe_links_supported()
         self._sites: MappedArray | None = None  # struct hs_site by site id
-        self._size_hist: mmap.mmap | None = None  # the size histogram, mapped at its first read: read every sample
         self._events: list[int] = []
         self._page_ring: RingReader | None = None
         self._shared_rows: SharedRows | None = None
@@ -211,6 +210,10 @@ class HeapProbes(LiveProbes):
         self._control_words: memoryview | None = None
         self._page_counters: MappedWords | None = None
         self._page_counter_words: memoryview | None = None
+        # The size histogram, read at every sample: in place (mapping it for each read cost some 1% of a core for a
+        # database's dozen targets). None where it cannot be mapped: read by lookup then.
+        self._size_hist: MappedWords | None = None
+        self._size_hist_words: memoryview | None = None
         self._counters_codec: _CountersCodec | None = None
         # The raw globals last decoded, and what they decoded to: one tuple, replaced whole, as the sampling
         # thread and HTTP threads read the counters at once.
@@ -256,6 +259,9 @@ class HeapProbes(LiveProbes):
                 self._page_ring = RingReader(maps["page_events"].map_fd, s.page_ring_bytes, PAGE_EVENT)
                 self._page_counters = MappedWords(maps["page_counters"], PAGE_COUNTER_COUNT)
                 self._page_counter_words = self._page_counters.words
+            with contextlib.suppress(OSError, ValueError):
+                self._size_hist = MappedWords(maps["size_hist"], LOG2_BINS)
+                self._size_hist_words = self._size_hist.words
             self._sched_ring = RingReader(maps["sched_points"].map_fd, SCHED_RING_BYTES, SCHED_POINT)
             self._snap_ring = RingReader(maps["snap_log"].map_fd, self._snap_ring_bytes(), SNAP_RECORD)
             self._open_globals()
@@ -321,10 +327,11 @@ class HeapProbes(LiveProbes):
                 ring.close()
         self._page_ring = self._sched_ring = self._snap_ring = None
         self._globals_size = 0
-        self._globals_view = self._control_words = self._page_counter_words = None
-        if self._page_counters is not None:
-            self._page_counters.close()
-            self._page_counters = None
+        self._globals_view = self._control_words = self._page_counter_words = self._size_hist_words = None
+        for words in (self._page_counters, self._size_hist):
+            if words is not None:
+                words.close()
+        self._page_counters = self._size_hist = None
         maps, shape = self._maps, self._shape
         self._maps = self._shape = None
         self._readers = None
@@ -346,9 +353,6 @@ class HeapProbes(LiveProbes):
         if self._sites is not None:
             self._sites.close()
         self._sites = None
-        hist, self._size_hist = self._size_hist, None
-        if hist is not None:
-            hist.close()
 
     def _walkers(self) -> list[tuple[str, bytes]]:
         """(program array, program) of the shared copies of the stack walk the probes tail-call."""
@@ -687,18 +691,10 @@ class HeapProbes(LiveProbes):
         return out
 
     def size_histogram(self) -> list[int]:
-        """Cumulative allocations per log2(size): 64 counters, read at every sample, from a mapping kept open (a
-        mapping made and unmapped a sample cost more than the copy: some 1% of a core for a database's dozen
-        targets)."""
-        hist = self._size_hist
-        if hist is None and self._maps is not None:
-            table = self._maps["size_hist"]
-            with contextlib.suppress(OSError, ValueError):  # not mmapable: read by lookup below
-                hist = self._size_hist = mmap.mmap(table.map_fd, mapping_length(LOG2_BINS * 8),
-                                                   flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        if hist is not None:
-            with contextlib.suppress(ValueError):  # unmapped meanwhile: the probes closed
-                return array.array("Q", hist[: LOG2_BINS * 8]).tolist()
+        """Cumulative allocations per log2(size): 64 counters, read at every sample."""
+        words = self._size_hist_words
+        if words is not None:
+            return words[:LOG2_BINS].tolist()
         return self._u64_prefix("size_hist", LOG2_BINS)
 
     def life_histogram(self) -> list[int]:
