@@ -13,6 +13,7 @@ import ctypes
 import errno
 import mmap
 import os
+import threading
 
 from agent.errors import EnvironmentProblem
 from agent.kernel.arrays import mapping_length
@@ -82,18 +83,31 @@ def _empty_hash(fd: int, info: MapInfo) -> None:
     """Delete every entry, a batch per call (a call per entry for a target's thousands of stacks would cost more
     than a new map)."""
     per = max(1, min(info.max_entries, _BATCH_BYTES // max(info.key_size + info.value_size, 1)))
-    keys = ctypes.create_string_buffer(per * info.key_size)
-    values = ctypes.create_string_buffer(per * info.value_size)
+    keys = _scratch(per * (info.key_size + info.value_size))
+    values = ctypes.addressof(keys) + per * info.key_size
     token = ctypes.c_uint64(0)  # where the next batch starts (a bucket index for a hash map)
     start = 0
     while True:
-        attr = _BatchAttr(start, ctypes.addressof(token), ctypes.addressof(keys), ctypes.addressof(values), per, fd)
+        attr = _BatchAttr(start, ctypes.addressof(token), ctypes.addressof(keys), values, per, fd)
         got = bpf_syscall(_BPF_MAP_LOOKUP_AND_DELETE_BATCH, attr)
         if got == -errno.ENOENT:  # the last batch (its entries deleted too)
             return
         if got < 0:
             raise EnvironmentProblem(f"cannot empty the map {info.name.decode()}: {os.strerror(-got)}")
         start = ctypes.addressof(token)
+
+
+_scratches = threading.local()
+
+
+def _scratch(size: int) -> ctypes.Array[ctypes.c_char]:
+    """A buffer of at least `size` bytes for the deleted entries, kept by the thread: one of 256 KiB made for each
+    map of each slot taken (a fleet's every new process) cost its page faults every time. What the kernel writes
+    there is never read."""
+    buf: ctypes.Array[ctypes.c_char] | None = getattr(_scratches, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _scratches.buf = ctypes.create_string_buffer(max(size, _BATCH_BYTES))
+    return buf
 
 
 def _zero_mapped(fd: int, info: MapInfo, rows: int) -> None:

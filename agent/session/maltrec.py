@@ -88,7 +88,9 @@ class _NodeReadings:
             return self._last
 
 
-_node = _NodeReadings(max_age=0.1)
+# Half a second, as often as sampled mode looks at a busy target (IdlePace.SAMPLED_LIGHT_MAX): the node's free memory
+# and swap move slowly, and a prefork server's new workers each read them at their quick first looks.
+_node = _NodeReadings(max_age=0.5)
 
 
 class MaltRecorder:
@@ -301,10 +303,19 @@ def _resolved(path: str) -> str:
 def _function_addresses(points: Sequence[ProbePoint], mappings: Sequence) -> dict[str, int]:  # type: ignore[type-arg]
     """Where each allocation function sits in the target: the leaf frame of MALT's stacks."""
     out: dict[str, int] = {}
-    resolved = {path: _resolved(path) for path in {m.path for m in mappings} | {p.path for p in points}}
+    resolved: dict[str, str] = {}
+
+    def real(path: str) -> str:
+        if path not in resolved:
+            resolved[path] = _resolved(path)
+        return resolved[path]
+
     for p in points:
-        for m in mappings:
-            if resolved[m.path] == resolved[p.path] and m.offset <= p.file_offset < m.offset + (m.end - m.start):
+        # The maps name a file by its real path, as the points mostly do: the links resolved (a lstat each, for
+        # every object of the target) only when no mapping is of the point's path as written.
+        same = [m for m in mappings if m.path == p.path] or [m for m in mappings if real(m.path) == real(p.path)]
+        for m in same:
+            if m.offset <= p.file_offset < m.offset + (m.end - m.start):
                 name = BY_SYMBOL[p.symbol].malt_name if p.symbol in BY_SYMBOL else p.symbol
                 out.setdefault(name, m.start + p.file_offset - p.placement.offset - m.offset)
                 break

@@ -86,19 +86,33 @@ class IdlePace:
     further one, up to IDLE_MAX seconds. A light one (fewer than LIGHT_RATE allocator calls a second) the same,
     up to LIGHT_MAX: a look costs the daemon the same whatever it finds, the kernel counts every call whenever
     it looks, and a fleet's services spend most of their time making a few calls a second. A busy target brings
-    the loop back to its interval. `light_rate`: the calls a second from which a target is busy (sampled mode:
-    none is, below)."""
+    the loop back to its interval. `light_rate`: the calls a second from which a target is busy; sampled mode has
+    none, and paces every target as SAMPLED does (IdlePace.sampled)."""
 
     IDLE_MAX = 1.0
     LIGHT_MAX = 0.2  # a light target's memory line keeps five points a second
     LIGHT_RATE = 1000.0  # calls a second
     QUIET_TICKS = 4  # quiet (or light) ticks at the full rate before the waits grow
+    # Sampled mode: twice a second at most, after one look at the interval. A look costs the daemon 1-2 ms whatever
+    # it finds, and a prefork server's worker that lives two seconds was looked at 15 times, a third of them in its
+    # first 0.2 s. The kernel keeps each interval's peak and sums the samples between looks: the snapshots and
+    # MALT's figures lose nothing; the memory line keeps two points a second.
+    SAMPLED_LIGHT_MAX = 0.5
+    SAMPLED_QUIET_TICKS = 1
 
-    def __init__(self, interval: float, light_rate: float = LIGHT_RATE) -> None:
+    def __init__(self, interval: float, light_rate: float = LIGHT_RATE, light_max: float = LIGHT_MAX,
+                 quiet_ticks: int = QUIET_TICKS) -> None:
         self.interval = interval
         self.light_rate = light_rate
+        self.light_max = light_max
+        self.quiet_ticks = quiet_ticks
         self.idle_ticks = 0
         self.light_ticks = 0
+
+    @classmethod
+    def sampled(cls, interval: float) -> IdlePace:
+        """Sampled mode's pace: no target is busy, and the waits grow sooner and further (SAMPLED_*)."""
+        return cls(interval, math.inf, cls.SAMPLED_LIGHT_MAX, cls.SAMPLED_QUIET_TICKS)
 
     def idle(self) -> float:
         """Another quiet tick: the wait until the next look."""
@@ -111,16 +125,16 @@ class IdlePace:
         self.idle_ticks = 0
         if seconds > 0 and calls < self.light_rate * seconds:
             self.light_ticks += 1
-            return self._grown(self.light_ticks, self.LIGHT_MAX)
+            return self._grown(self.light_ticks, self.light_max)
         self.light_ticks = 0
         return self.interval
 
     def paced(self) -> bool:
         """Whether the last wait was longer than the interval (the next look is then timed from now)."""
-        return self.idle_ticks > self.QUIET_TICKS or self.light_ticks > self.QUIET_TICKS
+        return self.idle_ticks > self.quiet_ticks or self.light_ticks > self.quiet_ticks
 
     def _grown(self, ticks: int, cap: float) -> float:
-        doublings = max(0, ticks - self.QUIET_TICKS)
+        doublings = max(0, ticks - self.quiet_ticks)
         return min(max(cap, self.interval), self.interval * (1 << min(doublings, 20)))
 
 
@@ -507,11 +521,11 @@ class Session:
         token = live.activity()  # before the first look: calls made while it reads are seen at the next tick
         self._first_snapshot()
         self.sample()
-        # Sampled mode: a busy target is looked at as a light one, five times a second. The kernel sums its samples
-        # whenever it looks, and what a look reads (the schedule's points, the memory line, MALT's timelines; the
-        # kernel keeps each interval's peak) needs no more. Under pgbench, heapscope took 15% of a core for postgres
-        # at 20 looks a second a target, 8-12% at 5.
-        pace = IdlePace(interval, math.inf if live.settings.sampled else IdlePace.LIGHT_RATE)
+        # Sampled mode: a busy target is looked at as a light one, down to twice a second. The kernel sums its
+        # samples whenever it looks, and what a look reads (the schedule's points, the memory line, MALT's timelines;
+        # the kernel keeps each interval's peak) needs no more. Under pgbench, heapscope took 15% of a core for
+        # postgres at 20 looks a second a target, 8-12% at 5.
+        pace = IdlePace.sampled(interval) if live.settings.sampled else IdlePace(interval)
         looked_at, calls_seen = time.monotonic(), self.calls_seen
         next_sample = looked_at + interval
         while alive() and not stop.is_set() and not self.exec_ended():
@@ -537,7 +551,7 @@ class Session:
             if now >= next_sample:
                 # A target that did nothing since the last tick is not sampled (Massif takes no snapshot
                 # without an allocation either), and it is looked at less and less often, down to IDLE_MAX;
-                # a light one down to LIGHT_MAX (IdlePace).
+                # a light one down to LIGHT_MAX, and in sampled mode any one down to SAMPLED_LIGHT_MAX (IdlePace).
                 last, token = token, live.activity()
                 if token == last and not events:
                     next_sample = now + pace.idle()

@@ -57,12 +57,24 @@ def test_a_quiet_target_waits_longer_than_a_light_one() -> None:
 
 
 def test_sampled_mode_looks_at_a_busy_target_as_at_a_light_one() -> None:
-    """Sampled mode (no light rate): however many calls the kernel counts, the waits grow to the light cap; a
-    quiet target still waits longer."""
-    pace = IdlePace(0.05, light_rate=math.inf)
+    """Sampled mode (no light rate): however many calls the kernel counts, the waits grow after one look at the
+    interval, to the sampled cap (twice a second); a quiet target still waits longer."""
+    pace = IdlePace.sampled(0.05)
     waits = [pace.active(1_000_000, 0.05) for _ in range(10)]
-    quiet = IdlePace.QUIET_TICKS
-    assert waits[:quiet] == [0.05] * quiet and waits[-1] == IdlePace.LIGHT_MAX and pace.paced()
+    assert waits[:5] == [0.05, 0.1, 0.2, 0.4, IdlePace.SAMPLED_LIGHT_MAX] and waits[-1] == 0.5 and pace.paced()
     assert max(pace.idle() for _ in range(20)) == IdlePace.IDLE_MAX
     exact = IdlePace(0.05)  # its twin on the default: the same calls keep the interval
     assert [exact.active(1_000_000, 0.05) for _ in range(10)] == [0.05] * 10
+
+
+def test_a_sampled_worker_of_two_seconds_is_looked_at_half_as_often_as_before() -> None:
+    """A prefork server's worker that lives two seconds, busy throughout: sampled mode's looks (the first at the
+    attach, then at each wait), against the light pace it had before."""
+    def looks(pace: IdlePace, life: float) -> int:
+        t, n = 0.0, 1
+        while (t := t + pace.active(1_000_000, 0.05)) < life:
+            n += 1
+        return n
+
+    assert looks(IdlePace.sampled(0.05), 2.0) == 7
+    assert looks(IdlePace(0.05, math.inf), 2.0) == 14  # the light pace, capped at LIGHT_MAX
