@@ -19,27 +19,35 @@ untraced one).
 
 Two instances of one service on two shared cores are not equal either (one's processes may sit on the CPU that
 takes the interrupts): the instances swap roles half way (a crossover). The first is profiled for the first half
-of the repeats, then detached (selector and targets deleted) and the second profiled for the rest; the ratio is
-the geometric mean of the two halves' median ratios, in which an instance's own advantage cancels. --control
-attaches nothing, with the same crossover: its ratio is the bench's own spread. The load tools run on the same two
-cores as the servers and heapscope, so heapscope's CPU comes out of the throughput. The daemon keeps no history
-store (--no-store) unless --store is given: serve's default keeps one.
+of the repeats, then detached (selector and targets deleted) and the second profiled for the rest. The ratio is
+the geometric mean of the repeats' ratios, each half and each order weighing alike: an instance's own advantage
+cancels across the halves, the order's within each (Row.ratio). Its 95% interval (±, Row.spread) comes from the
+repeats' scatter. --control attaches nothing, with the same crossover: its ratio is the bench's own spread. The load
+tools run on the same two cores as the servers and heapscope, so heapscope's CPU comes out of the throughput. The
+daemon keeps no history store (--no-store) unless --store is given: serve's default keeps one. --serve-args adds
+options of `heapscope serve` (what one costs: --serve-args="--malt=no").
 
-Goal (issue 31): a ratio of at least 0.97 on every service. Run it when `uptime` shows a load below 1.
+Goal (issue 31): a ratio of at least 0.97 on every service. Run it when `uptime` shows a load below 1. A service
+that replaces its workers as they serve (apache2's MaxConnectionsPerChild) needs runs of several of their lives:
+with 4 s runs, apache2's run after the other instance's was 20% slower than the one after its own, and a repeat's
+ratio scattered by 17% (untraced against untraced); with 10 s runs by 6.5%, and the order no longer showed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,26 +81,52 @@ class Row:
     errors: list[str] = field(default_factory=list)  # load runs that failed, processes not armed
     daemon_cpu_percent: float | None = None  # heapscope's CPU during the profiled runs, % of a core
 
+    def _log_pairs(self) -> list[tuple[int, float]]:
+        """Each repeat's log ratio (profiled rate over untraced) with its group: half (before or after the swap)
+        and order (which instance ran first), 0-3."""
+        cut = len(self.profiled) if self.swapped_at is None else self.swapped_at
+        return [((i >= cut) * 2 + i % 2, math.log(p / u))
+                for i, (u, p) in enumerate(zip(self.untraced, self.profiled, strict=False)) if u > 0 and p > 0]
+
+    def _group_means(self) -> dict[int, float]:
+        groups: dict[int, list[float]] = {}
+        for g, x in self._log_pairs():
+            groups.setdefault(g, []).append(x)
+        return {g: statistics.fmean(xs) for g, xs in groups.items()}
+
     @property
     def ratio(self) -> float | None:
-        """The geometric mean of the two halves' median ratios (one half alone before the swap)."""
-        pairs = [p / u if u > 0 else None for u, p in zip(self.untraced, self.profiled, strict=False)]
-        cut = len(pairs) if self.swapped_at is None else self.swapped_at
-        halves = [[r for r in half if r is not None] for half in (pairs[:cut], pairs[cut:])]
-        medians = [statistics.median(h) for h in halves if h]
-        return statistics.geometric_mean(medians) if medians else None
+        """The geometric mean of the ratios, each order of each half weighing alike: the run that follows the other
+        instance's is the slower by up to 20% (apache2's, with either profiled), so a median of the repeats of both
+        orders could fall in either. An instance's own advantage cancels across the halves, the order's within."""
+        means = self._group_means()
+        return math.exp(statistics.fmean(means.values())) if means else None
+
+    @property
+    def spread(self) -> float | None:
+        """The ratio's 95% interval, as a factor's distance from 1 (0.05: the ratio is known to ±5%): from the
+        repeats' scatter about their group's mean."""
+        pairs, means = self._log_pairs(), self._group_means()
+        free = len(pairs) - len(means)
+        if free < 2:
+            return None
+        var = sum((x - means[g]) ** 2 for g, x in pairs) / free
+        # Each group's mean carries var/n_g; the ratio is the mean of the groups' means.
+        counts = {g: sum(1 for h, _ in pairs if h == g) for g in means}
+        se = math.sqrt(sum(var / n for n in counts.values())) / len(means)
+        return math.exp(1.96 * se) - 1
 
 
 class Daemon:
     """`heapscope serve` in sampled mode (its default), on a free loopback port; with no history store unless
     `store` (serve's default: each target's history under the output directory)."""
 
-    def __init__(self, scratch: Path, store: bool = False) -> None:
+    def __init__(self, scratch: Path, store: bool = False, serve_args: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.log = scratch / "daemon.log"
         env = {**os.environ, "HEAPSCOPE_TOKEN": TOKEN}
         cmd = [*heapscope_cmd(), "serve", "--http", f"127.0.0.1:{self.port}", "--output-dir", str(scratch / "out"),
-               *(() if store else ("--no-store",))]  # fmt: skip
+               *(() if store else ("--no-store",)), *serve_args]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"), env=env)
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", headers=AUTH, timeout=60)
         deadline = time.monotonic() + START_TIMEOUT
@@ -184,7 +218,7 @@ def attach(daemon: Daemon, svc: Service, timeout: float, row: Row) -> float | No
 
 
 def measure(name: str, seconds: float, repeats: int, armed_timeout: float, store: bool = False,
-            control: bool = False) -> Row:  # fmt: skip
+            control: bool = False, serve_args: Sequence[str] = ()) -> Row:  # fmt: skip
     cls = SERVICES[name]
     row = Row(name, cls.tool)
     missing = cls.missing()
@@ -193,7 +227,7 @@ def measure(name: str, seconds: float, repeats: int, armed_timeout: float, store
         return row
     with tempfile.TemporaryDirectory(prefix=f"heapscope-panel-bench-{name}-") as tmp, cls() as first, \
             cls() as second:  # fmt: skip
-        daemon = Daemon(Path(tmp), store)
+        daemon = Daemon(Path(tmp), store, serve_args)
         plain, profiled = second, first
         try:
             if not control:
@@ -253,7 +287,8 @@ def table(rows: list[Row]) -> str:
             r.service, r.tool, str(r.processes), f"{r.armed}/{r.processes}", to_armed,
             f"{statistics.median(r.untraced):,.0f}" if r.untraced else "-",
             f"{statistics.median(r.profiled):,.0f}" if r.profiled else "-",
-            "-" if ratio is None else f"{ratio:.3f}" + ("" if ratio >= 0.97 else " (<0.97)"),
+            "-" if ratio is None else f"{ratio:.3f}" + (f" ±{100 * r.spread:.1f}%" if r.spread is not None else "")
+            + ("" if ratio >= 0.97 else " (<0.97)"),
             "-" if r.daemon_cpu_percent is None else f"{r.daemon_cpu_percent:.1f}%",
         ))  # fmt: skip
     widths = [max(len(h), *(len(ln[i]) for ln in lines)) for i, h in enumerate(head)]
@@ -275,6 +310,8 @@ def main() -> None:
                     help="the daemon keeps its history, as serve does by default (else --no-store)")
     ap.add_argument("--control", action="store_true",
                     help="attach nothing: the ratio of two untraced instances (the bench's own spread)")
+    ap.add_argument("--serve-args", default="", metavar="ARGS",
+                    help="more options of `heapscope serve`, as one string (e.g. \"--malt=no\": what an option costs)")
     args = ap.parse_args()
     names = [n for n in args.services.split(",") if n]
     unknown = [n for n in names if n not in SERVICES]
@@ -285,11 +322,13 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("bench/service_panel.py needs root (heapscope attaches, the services switch users)")
     print(f"load average at start: {os.getloadavg()[0]:.2f}; {seconds:g} s runs, {repeats} repeats; history store "
-          f"{'on' if args.store else 'off'}{'; control: nothing attached' if args.control else ''}", flush=True)
+          f"{'on' if args.store else 'off'}{'; control: nothing attached' if args.control else ''}"
+          f"{f'; serve {args.serve_args}' if args.serve_args else ''}", flush=True)
     rows = []
     for name in names:
         try:
-            row = measure(name, seconds, repeats, args.armed_timeout, args.store, args.control)
+            row = measure(name, seconds, repeats, args.armed_timeout, args.store, args.control,
+                          shlex.split(args.serve_args))
         except ServiceError as e:
             row = Row(name, SERVICES[name].tool, errors=[str(e)])
         rows.append(row)
@@ -304,7 +343,8 @@ def main() -> None:
     print(table(rows))
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     if args.json:
-        args.json.write_text(json.dumps([{**asdict(r), "ratio": r.ratio} for r in rows], indent=2) + "\n")
+        out = [{**asdict(r), "ratio": r.ratio, "spread": r.spread} for r in rows]
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":
