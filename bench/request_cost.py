@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""What sampled mode costs one request of a panel service, and where: the machine's CPU a request, heapscope's
+daemon's, and each of heapscope's BPF programs' (issue 31: a service that forks its workers as it serves).
+
+    sudo .venv/bin/python bench/request_cost.py [--service apache2] [--seconds 10] [--json FILE]
+
+One instance of the service (tests/support/services.py) under its load tool, measured in turn: untraced; with only
+its main process attached by PID (its workers unprofiled: what the machine-wide syscall tracepoints cost them);
+with `heapscope serve` following all of it through a selector, as the panel does (sampled mode, serve's defaults:
+the history store and MALT on, unless --serve-args says otherwise); and after the daemon is stopped. Each state is
+measured twice. A request's CPU is the machine's busy time (/proc/stat) over the requests served, so the load tool's
+share is in it; the daemon's is its own CPU over the same requests; the BPF programs' is their run time with
+kernel.bpf_stats_enabled on (restored after), which leaves out the uprobe traps around them. bench/service_panel.py
+measures the throughput this costs; this says where it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from benchproc import cpu_seconds, wait_idle
+from pair_cost import STATS, bpf_programs
+from service_panel import Daemon, Row, attach
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.support.services import SERVICES, Service  # noqa: E402
+
+
+@dataclass
+class Measure:
+    state: str
+    rate: float  # requests a second
+    machine_us: float  # the machine's CPU a request, in µs
+    daemon_us: float  # heapscope's daemon's
+    bpf_us: dict[str, float] = field(default_factory=dict)  # each BPF program's run time a request, by name
+
+    def line(self) -> str:
+        top = sorted(self.bpf_us.items(), key=lambda kv: -kv[1])[:6]
+        progs = ", ".join(f"{name} {us:.2f}" for name, us in top)
+        return (f"{self.state:12s} {self.rate:9,.0f}/s  machine {self.machine_us:6.1f} µs  daemon "
+                f"{self.daemon_us:5.1f} µs  BPF {sum(self.bpf_us.values()):5.2f} µs" + (f" ({progs})" if progs else ""))
+
+
+def busy_seconds() -> float:
+    """The machine's busy CPU time so far (all CPUs; idle and iowait left out)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def bpf_run_ns() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in bpf_programs().values():
+        name = str(p.get("name", p.get("id")))
+        out[name] = out.get(name, 0) + int(p.get("run_time_ns", 0))  # type: ignore[call-overload]
+    return out
+
+
+def measure(svc: Service, state: str, seconds: float, daemon_pid: int | None) -> Measure:
+    busy0, bpf0 = busy_seconds(), bpf_run_ns()
+    cpu0 = cpu_seconds(daemon_pid) if daemon_pid else 0.0
+    got = svc.load(seconds)
+    busy1, bpf1 = busy_seconds(), bpf_run_ns()
+    cpu1 = cpu_seconds(daemon_pid) if daemon_pid else 0.0
+    if not got.ok:
+        raise SystemExit(f"{state}: the load failed: {got.error}")
+    n = got.rate * seconds
+    bpf = {k: (v - bpf0.get(k, 0)) / n / 1000 for k, v in bpf1.items() if v > bpf0.get(k, 0)}
+    m = Measure(state, got.rate, 1e6 * (busy1 - busy0) / n, 1e6 * (cpu1 - cpu0) / n, bpf)
+    print(m.line(), flush=True)
+    return m
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--service", default="apache2", choices=sorted(SERVICES))
+    ap.add_argument("--seconds", type=float, default=10.0, help="each measure's load run")
+    ap.add_argument("--serve-args", default="", metavar="ARGS", help="more options of `heapscope serve`")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("bench/request_cost.py needs root (BPF statistics, attaching)")
+    with open(STATS) as f:
+        stats_before = f.read().strip()
+    out: list[Measure] = []
+    try:
+        with open(STATS, "w") as f:
+            f.write("1")
+        with tempfile.TemporaryDirectory(prefix="heapscope-request-cost-") as tmp, SERVICES[args.service]() as svc:
+            svc.load(3.0)
+            out += [measure(svc, "untraced", args.seconds, None) for _ in range(2)]
+            daemon = Daemon(Path(tmp), store=True, serve_args=shlex.split(args.serve_args))
+            try:
+                got = daemon.client.post("/targets", json={"pid": svc.main_pid})
+                if got.status_code >= 300:
+                    raise SystemExit(f"cannot attach {svc.main_pid}: {got.text}")
+                svc.load(3.0)
+                wait_idle(daemon.proc.pid)
+                out += [measure(svc, "main only", args.seconds, daemon.proc.pid) for _ in range(2)]
+                daemon.client.delete(f"/targets/{svc.main_pid}")
+                row = Row(args.service, svc.tool)
+                attach(daemon, svc, 60.0, row)
+                if row.errors:
+                    raise SystemExit("; ".join(row.errors))
+                svc.load(3.0)
+                wait_idle(daemon.proc.pid)
+                out += [measure(svc, "all followed", args.seconds, daemon.proc.pid) for _ in range(2)]
+            finally:
+                daemon.stop()
+            svc.load(3.0)
+            out += [measure(svc, "detached", args.seconds, None) for _ in range(2)]
+    finally:
+        with open(STATS, "w") as f:
+            f.write(stats_before)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(m) for m in out], indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
