@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -80,11 +80,16 @@ class ProgramStats:
         """Per program name: (runs, run time in ns), summed over programs of one name."""
         self._stop.set()
         self._thread.join()
-        out: dict[str, tuple[int, int]] = {}
-        for p in self.latest.values():
-            runs, ns = out.get(str(p["name"]), (0, 0))
-            out[str(p["name"])] = (runs + int(p.get("run_cnt", 0)), ns + int(p.get("run_time_ns", 0)))  # type: ignore[call-overload]
-        return out
+        return totals_by_name(self.latest.values())
+
+
+def totals_by_name(programs: Iterable[dict[str, object]]) -> dict[str, tuple[int, int]]:
+    """(runs, run time in ns) per program name, summed over the programs of one name (bpftool's JSON)."""
+    out: dict[str, tuple[int, int]] = {}
+    for p in programs:
+        runs, ns = out.get(str(p["name"]), (0, 0))
+        out[str(p["name"])] = (runs + int(p.get("run_cnt", 0)), ns + int(p.get("run_time_ns", 0)))  # type: ignore[call-overload]
+    return out
 
 
 def heapscope_exact(binary: Path, args: list[str], env: dict[str, str], scratch: Path) -> Measurement:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchproc import cpu_seconds, wait_idle
-from pair_cost import STATS, bpf_programs
+from pair_cost import STATS, bpf_programs, totals_by_name
 from service_panel import Daemon, Row, attach
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,11 +58,8 @@ def busy_seconds() -> float:
 
 
 def bpf_run_ns() -> dict[str, int]:
-    out: dict[str, int] = {}
-    for p in bpf_programs().values():
-        name = str(p.get("name", p.get("id")))
-        out[name] = out.get(name, 0) + int(p.get("run_time_ns", 0))  # type: ignore[call-overload]
-    return out
+    """Every loaded BPF program's run time so far, in ns, by name."""
+    return {name: ns for name, (_, ns) in totals_by_name(bpf_programs().values()).items()}
 
 
 def measure(svc: Service, state: str, seconds: float, daemon_pid: int | None) -> Measure:

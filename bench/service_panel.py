@@ -81,39 +81,35 @@ class Row:
     errors: list[str] = field(default_factory=list)  # load runs that failed, processes not armed
     daemon_cpu_percent: float | None = None  # heapscope's CPU during the profiled runs, % of a core
 
-    def _log_pairs(self) -> list[tuple[int, float]]:
-        """Each repeat's log ratio (profiled rate over untraced) with its group: half (before or after the swap)
-        and order (which instance ran first), 0-3."""
+    def _groups(self) -> dict[int, list[float]]:
+        """The repeats' log ratios (profiled rate over untraced) by group: half (before or after the swap) and order
+        (which instance ran first), 0-3."""
         cut = len(self.profiled) if self.swapped_at is None else self.swapped_at
-        return [((i >= cut) * 2 + i % 2, math.log(p / u))
-                for i, (u, p) in enumerate(zip(self.untraced, self.profiled, strict=False)) if u > 0 and p > 0]
-
-    def _group_means(self) -> dict[int, float]:
         groups: dict[int, list[float]] = {}
-        for g, x in self._log_pairs():
-            groups.setdefault(g, []).append(x)
-        return {g: statistics.fmean(xs) for g, xs in groups.items()}
+        for i, (u, p) in enumerate(zip(self.untraced, self.profiled, strict=False)):
+            if u > 0 and p > 0:
+                groups.setdefault((i >= cut) * 2 + i % 2, []).append(math.log(p / u))
+        return groups
 
     @property
     def ratio(self) -> float | None:
         """The geometric mean of the ratios, each order of each half weighing alike: the run that follows the other
         instance's is the slower by up to 20% (apache2's, with either profiled), so a median of the repeats of both
         orders could fall in either. An instance's own advantage cancels across the halves, the order's within."""
-        means = self._group_means()
-        return math.exp(statistics.fmean(means.values())) if means else None
+        groups = self._groups()
+        return math.exp(statistics.fmean(statistics.fmean(xs) for xs in groups.values())) if groups else None
 
     @property
     def spread(self) -> float | None:
         """The ratio's 95% interval, as a factor's distance from 1 (0.05: the ratio is known to ±5%): from the
         repeats' scatter about their group's mean."""
-        pairs, means = self._log_pairs(), self._group_means()
-        free = len(pairs) - len(means)
+        groups = self._groups()
+        free = sum(len(xs) for xs in groups.values()) - len(groups)
         if free < 2:
             return None
-        var = sum((x - means[g]) ** 2 for g, x in pairs) / free
-        # Each group's mean carries var/n_g; the ratio is the mean of the groups' means.
-        counts = {g: sum(1 for h, _ in pairs if h == g) for g in means}
-        se = math.sqrt(sum(var / n for n in counts.values())) / len(means)
+        var = sum((x - statistics.fmean(xs)) ** 2 for xs in groups.values() for x in xs) / free
+        # Each group's mean carries var/n; the ratio is the mean of the groups' means.
+        se = math.sqrt(sum(var / len(xs) for xs in groups.values())) / len(groups)
         return math.exp(1.96 * se) - 1
 
 

@@ -94,7 +94,7 @@ class IdlePace:
     LIGHT_RATE = 1000.0  # calls a second
     QUIET_TICKS = 4  # quiet (or light) ticks at the full rate before the waits grow
     # Sampled mode: twice a second at most, after one look at the interval. A look costs the daemon 1-2 ms whatever
-    # it finds, and a prefork server's worker that lives two seconds was looked at 15 times, a third of them in its
+    # it finds, and a prefork server's worker that lives two seconds was looked at 14 times, four of them in its
     # first 0.2 s. The kernel keeps each interval's peak and sums the samples between looks: the snapshots and
     # MALT's figures lose nothing; the memory line keeps two points a second.
     SAMPLED_LIGHT_MAX = 0.5
