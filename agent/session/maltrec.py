@@ -303,17 +303,21 @@ def _resolved(path: str) -> str:
 def _function_addresses(points: Sequence[ProbePoint], mappings: Sequence) -> dict[str, int]:  # type: ignore[type-arg]
     """Where each allocation function sits in the target: the leaf frame of MALT's stacks."""
     out: dict[str, int] = {}
-    resolved: dict[str, str] = {}
-
-    def real(path: str) -> str:
-        if path not in resolved:
-            resolved[path] = _resolved(path)
-        return resolved[path]
-
+    by_path: dict[str, list] = {}  # type: ignore[type-arg]
+    for m in mappings:
+        by_path.setdefault(m.path, []).append(m)
+    by_real: dict[str, list] | None = None  # type: ignore[type-arg]
     for p in points:
         # The maps name a file by its real path, as the points mostly do: the links resolved (a lstat each, for
-        # every object of the target) only when no mapping is of the point's path as written.
-        same = [m for m in mappings if m.path == p.path] or [m for m in mappings if real(m.path) == real(p.path)]
+        # every object of the target) only when no mapping is of the point's path as written, and once.
+        same = by_path.get(p.path)
+        if not same:
+            if by_real is None:
+                by_real = {}
+                for path, ms in by_path.items():
+                    if path.startswith("/"):  # not [heap], [stack] or an anonymous mapping
+                        by_real.setdefault(_resolved(path), []).extend(ms)
+            same = by_real.get(_resolved(p.path), [])
         for m in same:
             if m.offset <= p.file_offset < m.offset + (m.end - m.start):
                 name = BY_SYMBOL[p.symbol].malt_name if p.symbol in BY_SYMBOL else p.symbol

@@ -233,5 +233,9 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mremap)
     return page_enter(args, HS_PG_MREMAP, args->addr, args->old_len, args->new_len, args->flags, args->new_addr);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_mremap) { return page_exit(args, HS_PG_MREMAP, args->ret); }
+#if !HS_SAMPLED || HS_STACKS
+/* Sampled mode folds brk at its exit alone: its entry is followed only for --stacks=yes's note of the thread's
+ * stack. Left out, every brk on the machine (apache2's workers make two a request) skips a program run. */
 TRACEPOINT_PROBE(syscalls, sys_enter_brk) { return page_enter(args, HS_PG_BRK, args->brk, 0, 0, 0, 0); }
+#endif
 TRACEPOINT_PROBE(syscalls, sys_exit_brk) { return page_exit(args, HS_PG_BRK, args->ret); }
