@@ -107,7 +107,8 @@ class Row:
         free = sum(len(xs) for xs in groups.values()) - len(groups)
         if free < 2:
             return None
-        var = sum((x - statistics.fmean(xs)) ** 2 for xs in groups.values() for x in xs) / free
+        means = {g: statistics.fmean(xs) for g, xs in groups.items()}
+        var = sum((x - means[g]) ** 2 for g, xs in groups.items() for x in xs) / free
         # Each group's mean carries var/n; the ratio is the mean of the groups' means.
         se = math.sqrt(sum(var / len(xs) for xs in groups.values())) / len(groups)
         return math.exp(1.96 * se) - 1
