@@ -50,6 +50,7 @@ from agent.model.malt import (
 from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint
 from agent.process.procinfo import ResidentReader, resident_bytes
+from agent.symbols.debugfiles import PROCESS_ROOT
 from agent.symbols.globalvars import global_variables
 
 if TYPE_CHECKING:
@@ -300,6 +301,18 @@ def _resolved(path: str) -> str:
         return path
 
 
+def _seen_inside(path: str, by_path: dict[str, list]) -> list:  # type: ignore[type-arg]
+    """The mappings of `path`, a file under a process's /proc/PID/root, by its path inside that root: the maps'
+    own name for it, or a name ending so (the maps name a container's file by its path from the daemon's root)."""
+    inside = PROCESS_ROOT.sub("", path, count=1)
+    if inside == path:
+        return []
+    same = by_path.get(inside)
+    if same:
+        return same
+    return [m for name, ms in by_path.items() if name.endswith(inside) for m in ms]
+
+
 def _function_addresses(points: Sequence[ProbePoint], mappings: Sequence) -> dict[str, int]:  # type: ignore[type-arg]
     """Where each allocation function sits in the target: the leaf frame of MALT's stacks."""
     out: dict[str, int] = {}
@@ -308,9 +321,11 @@ def _function_addresses(points: Sequence[ProbePoint], mappings: Sequence) -> dic
         by_path.setdefault(m.path, []).append(m)
     by_real: dict[str, list] | None = None  # type: ignore[type-arg]
     for p in points:
-        # The maps name a file by its real path, as the points mostly do: the links resolved (a lstat each, for
-        # every object of the target) only when no mapping is of the point's path as written, and once.
-        same = by_path.get(p.path)
+        # The maps name a file by its real path, as the points mostly do; an attached target's points are under
+        # its /proc/PID/root, which no longer resolves once it has ended (when its profile is built): the path
+        # inside its root is the maps' name for it, or (a container's root seen from here) the end of that name.
+        # Only when none of these is a mapping's are every object's links resolved (a lstat each), and once.
+        same = by_path.get(p.path) or _seen_inside(p.path, by_path)
         if not same:
             if by_real is None:
                 by_real = {}

@@ -522,6 +522,12 @@ def _malt_stacks(doc: dict) -> dict[str, dict]:  # type: ignore[type-arg]
     return out
 
 
+def _leaf_functions(doc: dict) -> set[str]:  # type: ignore[type-arg]
+    """The names of the stacks' leaf frames: in MALT's files, the allocation function called."""
+    names, instr = doc["sites"]["strings"], doc["sites"]["instr"]
+    return {names[instr[entry["stack"][0]]["function"]] for entry in doc["stacks"]["stats"] if entry["stack"]}
+
+
 def test_malt_profile_of_a_live_target(daemon: Daemon, target: Target) -> None:
     """GET /malt: MALT's whole profile of a target while it runs, and after it exits; both formats validate
     against the seed's schema, and the numbers are the ones daemon_target.c makes."""
@@ -549,6 +555,9 @@ def test_malt_profile_of_a_live_target(daemon: Daemon, target: Target) -> None:
         wait_for(lambda: client.get("/targets").json()[0]["exited"], what="the target to be marked exited")
         after = client.get("/malt").json()
         assert _malt_stacks(after)["site_big"]["aliveReq"] == 12000
+        # Built after the end too: the leaf frames are the allocation functions (its /proc/PID/root is gone).
+        assert {"malloc", "free"} <= _leaf_functions(doc), _leaf_functions(doc)
+        assert _leaf_functions(after) == _leaf_functions(doc)
 
 
 def test_malt_off_is_a_clear_error(heapscope_cmd: list[str], tmp_path: Path, target: Target) -> None:

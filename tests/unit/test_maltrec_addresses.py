@@ -55,6 +55,27 @@ def test_a_target_that_has_exited_keeps_its_addresses(exited: int) -> None:
     assert got == {"malloc": START + MALLOC_AT - OFFSET}
 
 
+def test_an_ended_attached_target_is_found_by_its_maps_names(exited: int) -> None:
+    """An attached target's probe points are under its /proc/PID/root, its maps name the file as the kernel does
+    (from the root): once it has ended, when its profile is built, the path inside the root is the maps' name. The
+    addresses were empty there: MALT's leaf frames (malloc and free from one line, two stacks) went missing."""
+    inside = os.path.realpath(sys.executable)
+    with pytest.raises(FileNotFoundError):
+        os.path.realpath(f"/proc/{exited}/root{inside}")
+    other = text_of("/usr/lib/other.so")
+    got = _function_addresses([malloc_at(f"/proc/{exited}/root{inside}")], [other, text_of(inside)])
+    assert got == {"malloc": START + MALLOC_AT - OFFSET}
+
+
+def test_a_container_file_is_found_by_the_end_of_its_name(exited: int) -> None:
+    """A container's file, named in its maps by its path from the daemon's root (its root a directory here): the
+    path inside the container's root ends that name. A file that only shares its base name is not it."""
+    point = malloc_at(f"/proc/{exited}/root/usr/lib/x86_64-linux-gnu/libc.so.6")
+    seen = text_of("/srv/containers/c1/rootfs/usr/lib/x86_64-linux-gnu/libc.so.6")
+    assert _function_addresses([point], [seen]) == {"malloc": START + MALLOC_AT - OFFSET}
+    assert _function_addresses([point], [text_of("/srv/other/libc.so.6")]) == {}
+
+
 def test_links_are_still_resolved(tmp_path: Path) -> None:
     """The probe's object named through a link, the mapping by the file's own path: the same object."""
     lib = tmp_path / "libc.so.6"
