@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from collections import deque
+import threading
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -21,7 +23,7 @@ from elftools.elf.segments import InterpSegment
 
 from agent.errors import TargetError
 from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS
-from agent.model.maps import Mapping, parse_maps
+from agent.model.maps import Mapping, parse_maps, parse_maps_full
 from agent.process.view import ProcessView
 from agent.symbols.elf import ElfError, ElfObject, FileCache, NotElfError, file_identity, open_elf
 from agent.symbols.placement import Placement, choose_offset
@@ -336,13 +338,27 @@ def read_process(pid: int, proc: str = "/proc") -> ProcessInfo:
 
 
 def read_maps(pid: int, proc: str = "/proc") -> list[Mapping]:
+    return parse_maps(read_maps_text(pid, proc))
+
+
+def read_maps_text(pid: int, proc: str = "/proc") -> str:
     try:
         with open(f"{proc}/{pid}/maps") as f:
-            return parse_maps(f.read())
+            return f.read()
     except FileNotFoundError as exc:
         raise TargetError(f"process {pid} exited") from exc
     except PermissionError as exc:
         raise TargetError(f"no permission to read /proc/{pid}/maps (heapscope needs root)", 4) from exc
+
+
+# The allocators of processes looked at lately, by what decides one: a prefork server's worker or a database's
+# backend maps its parent's files, and finding the allocator again (some 95 objects' facts, 240 stats through
+# /proc/PID/root) took 2-3 ms of each attach. An entry is trusted for a minute (a file rewritten in place keeps
+# its inode).
+_RECENT_ALLOCATORS_MAX = 64
+_RECENT_ALLOCATORS_SECONDS = 60.0
+_recent_allocators: OrderedDict[tuple[object, ...], tuple[float, str, Allocator]] = OrderedDict()
+_recent_lock = threading.Lock()
 
 
 def allocator_of_process(pid: int, proc: str = "/proc", info: ProcessInfo | None = None) -> Allocator:
@@ -352,15 +368,55 @@ def allocator_of_process(pid: int, proc: str = "/proc", info: ProcessInfo | None
     root = f"{proc}/{pid}/root"
     preload = [p for p in re.split(r"[ :]", info.environ.get("LD_PRELOAD", "")) if p]
     view = ProcessView.of(pid, proc)  # a chroot's maps show the host's paths: made relative to its root
+    text = read_maps_text(pid, proc)
+    # The same root, program, environment for the loader and mapped code (by device and inode): the same answer,
+    # its paths through this process's root. Only code: a backend maps shared memory segments of its own.
+    files = {e.path: (e.dev, e.inode) for e in parse_maps_full(text) if e.is_file and "x" in e.perms}
+    exe = info.exe.removeprefix(root)  # its path inside its root: not this process's own
+    key = (view.root, view.foreign, view.same_ns, view.namespace, exe, tuple(preload),
+           info.environ.get("LD_LIBRARY_PATH"), tuple(files.items()))  # fmt: skip
+    now = time.monotonic()
+    with _recent_lock:
+        known = _recent_allocators.get(key)
+        if known is not None and now - known[0] < _RECENT_ALLOCATORS_SECONDS:
+            _recent_allocators.move_to_end(key)
+            return _rerooted(known[2], known[1], root)
     firsts: dict[str, Mapping] = {}  # each file once (it has a mapping a segment), in the maps' order
-    for m in read_maps(pid, proc):
+    for m in parse_maps(text):
         firsts.setdefault(m.path, m)
     mapped = mapped_finder([replace(m, path=view.through(m.path)) for m in firsts.values()], "")
     # Caught at its exec, a process has only its program and the loader mapped: its libraries are found as the
     # loader is about to find them (probes are set on the files, and fire once they are mapped).
     on_disk = library_finder(info.environ, root)
     order = load_order(info.exe, preload, lambda name, parent: mapped(name, parent) or on_disk(name, parent))
-    return resolve_allocator(order)
+    found = resolve_allocator(order)
+    with _recent_lock:
+        _recent_allocators[key] = (now, root, found)
+        _recent_allocators.move_to_end(key)
+        while len(_recent_allocators) > _RECENT_ALLOCATORS_MAX:
+            _recent_allocators.popitem(last=False)
+    return found
+
+
+def _rerooted(allocator: Allocator, old: str, new: str) -> Allocator:
+    """`allocator`, found through the root `old` (/proc/PID/root of another process), with its paths through
+    `new`: the other process may be gone."""
+    if old == new:
+        return allocator
+
+    def path(p: str) -> str:
+        return new + p[len(old) :] if p.startswith(old + "/") else p
+
+    def point(p: ProbePoint | None) -> ProbePoint | None:
+        return None if p is None else replace(p, path=path(p.path))
+
+    return replace(
+        allocator,
+        path=path(allocator.path),
+        probes=tuple(replace(p, path=path(p.path)) for p in allocator.probes),
+        exit_probe=point(allocator.exit_probe),
+        loader_probe=point(allocator.loader_probe),
+    )
 
 
 def allocator_of_program(exe: str, env: dict[str, str]) -> Allocator:

@@ -46,7 +46,9 @@ import functools
 import os
 import signal
 import struct
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -344,17 +346,46 @@ def _symbol_ranges(obj: ElfObject, debug: ElfObject | None) -> list[tuple[int, i
     return obj.memoized(f"unsafe ranges, {with_debug}", read)
 
 
+# The unsafe ranges of processes looked at lately, by their code's mappings: a prefork server's worker or a
+# database's backend has its parent's (a millisecond of each attach, its objects' symbols matched again). Trusted
+# for a minute, as a debug file installed meanwhile would change them.
+_RECENT_RANGES_MAX = 64
+_RECENT_RANGES_SECONDS = 60.0
+_recent_ranges: OrderedDict[tuple[object, ...], tuple[float, UnsafeRanges]] = OrderedDict()
+_recent_ranges_lock = threading.Lock()
+
+
 def unsafe_ranges(pid: int, proc_root: str = "/proc", allocator: str | None = None) -> UnsafeRanges:
     """Address ranges of the target where a thread must not be (or return to) when it runs the call. `allocator`:
     the object that defines the process's malloc, when the caller found it already (found again otherwise)."""
     maps = read_map_lines(pid)
     allocator_file = file_identity(allocator or allocator_of_process(pid, proc_root).path)
-    out: list[tuple[int, int, str]] = []
     view = ProcessView.of(pid, proc_root)  # read once: every mapped object goes through it
     by_path: dict[str, list[MapsEntry]] = {}
     for m in maps:
         if m.path.startswith("/"):
             by_path.setdefault(m.path, []).append(m)
+    # The same root and code mappings (files by device and inode, where they are): the same ranges.
+    key = (view.root, view.namespace, view.same_ns, allocator_file,
+           tuple(m for lines in by_path.values() if any("x" in m.perms for m in lines) for m in lines))  # fmt: skip
+    now = time.monotonic()
+    with _recent_ranges_lock:
+        known = _recent_ranges.get(key)
+        if known is not None and now - known[0] < _RECENT_RANGES_SECONDS:
+            _recent_ranges.move_to_end(key)
+            return known[1]
+    ranges = _unsafe_ranges(view, by_path, allocator_file)
+    with _recent_ranges_lock:
+        _recent_ranges[key] = (now, ranges)
+        _recent_ranges.move_to_end(key)
+        while len(_recent_ranges) > _RECENT_RANGES_MAX:
+            _recent_ranges.popitem(last=False)
+    return ranges
+
+
+def _unsafe_ranges(view: ProcessView, by_path: dict[str, list[MapsEntry]], allocator_file: object) -> UnsafeRanges:
+    """unsafe_ranges of the objects mapped at `by_path` (the mappings of each, by its path in the maps)."""
+    out: list[tuple[int, int, str]] = []
     for path, lines in by_path.items():
         base = min(m.start for m in lines if m.offset == 0) if any(m.offset == 0 for m in lines) else None
         execs = [m for m in lines if "x" in m.perms]

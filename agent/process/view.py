@@ -23,6 +23,7 @@ class ProcessView:
     root: str  # where the process's root is, as readlink(/proc/PID/root) says ("/" unless chrooted)
     foreign: bool  # its paths are not ours: another mount namespace, or another root
     same_ns: bool = True  # its mount namespace is ours (a chroot's maps name files by our paths)
+    namespace: str = ""  # its mount namespace ("mnt:[4026531841]"), "" for a gone process
 
     @classmethod
     def of(cls, pid: int, proc: str = "/proc") -> ProcessView:
@@ -33,7 +34,7 @@ class ProcessView:
             ours = os.readlink(f"{proc}/self/ns/mnt")
         except OSError:
             return cls(pid, proc, "/", False)
-        return cls(pid, proc, root, theirs != ours or root != "/", theirs == ours)
+        return cls(pid, proc, root, theirs != ours or root != "/", theirs == ours, theirs)
 
     def inside(self, path: str) -> str:
         """`path` as the maps name it, made relative to the process's root (a chroot's prefix taken off)."""
