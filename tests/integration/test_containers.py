@@ -13,6 +13,7 @@ it (its own mount and PID namespaces, its own /proc, pivot_root), and a chroot i
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -149,6 +150,31 @@ def test_exact_mode_in_a_container_gives_the_tree_of_the_same_program_on_the_hos
     assert in_box == on_host and any("site_big (daemon_target.c:" in "/".join(p) for p in in_box), (in_box, on_host)
     for log in (box_log, host_log):
         assert "no table for" not in log and " 0 with no rule" in log, log
+
+
+def test_a_container_program_that_has_ended_keeps_its_global_variables_in_malt(
+    heapscope_cmd: list[str], runner: Path, bookworm: Path, target_program: Path, tmp_path: Path
+) -> None:
+    """A container's files are opened through its /proc/PID/root, which goes when it ends, and MALT's profile is
+    built then: its objects' global variables are read while it lives (sampled mode, the default)."""
+    inside = put(bookworm, target_program)
+    box = Container(runner, bookworm, [inside])
+    malt = tmp_path / "malt.json"
+    try:
+        assert box.proc.stdout is not None and b"ready" in box.proc.stdout.readline()
+        prof = Profile(heapscope_cmd, box.pid, tmp_path, f"--malt-out-file={malt}")
+        prof.wait_for("sampler armed")
+        drive(box.proc.stdin, box.proc.stdout)
+        assert box.proc.stdin is not None
+        box.proc.stdin.close()  # the program's EOF: it exits, and the profile ends with it
+        assert prof.proc.wait(120) == 0, "".join(prof.lines)
+        assert not os.path.exists(f"/proc/{box.pid}/root/{inside}")
+    finally:
+        box.stop()
+    variables = json.loads(malt.read_text())["memStats"]["globalVariables"]
+    ours = {v["name"]: v["size"] for v in variables[inside]}  # under its name in the container
+    assert ours.get("small") == 5 * 8 and ours.get("big") == 3 * 8, ours
+    assert any("libc.so.6" in name and found for name, found in variables.items()), list(variables)
 
 
 def snapshot_of(root: Path) -> dict[str, tuple[int, int]]:
