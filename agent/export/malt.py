@@ -117,7 +117,7 @@ def build_sites(
         row: dict[str, Any] = {"lower": _hex(m.start), "upper": _hex(m.end), "offset": _hex(m.offset)}
         if version == "1.6":
             row["aslrOffset"] = UNKNOWN_ASLR_OFFSET
-        row["file"] = m.path
+        row["file"] = m.name  # as the process names it (a container's, inside it)
         maps.append(row)
     return {"map": maps, "strings": strings.items, "instr": {_hex(a): e for a, e in sorted(instr.items())}}
 

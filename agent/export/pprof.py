@@ -264,7 +264,7 @@ def render_pprof(
                 memory_start=m.start,
                 memory_limit=m.end,
                 file_offset=m.offset,
-                filename=strings(m.path),
+                filename=strings(m.name),  # as the process names it (a container's, inside it)
                 build_id=strings(build_id),
             )
         )
@@ -277,7 +277,7 @@ def render_pprof(
         have held another object before)."""
         address, obj = ip[0].address, ip[-1].obj
         for i, m in enumerate(chosen, start=1):
-            if m.start <= address < m.end and (obj is None or m.path == obj):
+            if m.start <= address < m.end and (obj is None or m.name == obj):
                 return i
         return 0
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import weakref
+from dataclasses import replace
+
 from agent.model.maps import Mapping, parse_maps
 from agent.model.pages import parse_start_stack
 from agent.process.view import ProcessView
@@ -22,6 +26,38 @@ class MapsRecorder:
         # Its frames lie below, in pages the process has used; above argc's page the kernel's random gap may
         # never have been touched, and a read from the BPF side cannot fault it in. 0: unknown.
         self.stack_end = 0
+        # A container's files are opened through /proc/PID/root, which goes with the process, while its profile is
+        # still to be symbolized and written: its root is held open (a mount detached with its namespace stays
+        # readable through it), and its files named through that descriptor once it has ended (hold_files).
+        self._root = f"{proc}/{pid}/root"
+        self._held: str | None = None
+        if self.view.foreign:
+            try:
+                fd = os.open(self._root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                pass
+            else:
+                self._held = f"/proc/self/fd/{fd}"
+                weakref.finalize(self, os.close, fd)
+
+    def hold_files_if_gone(self) -> None:
+        """hold_files, when the process's root no longer opens (it has ended): before its stacks are symbolized."""
+        if self._held is not None and not os.path.exists(self._root + "/"):
+            self.hold_files()
+
+    def hold_files(self) -> None:
+        """The process has ended (or is let go): its files are named through its root held open from now on."""
+        held, root = self._held, self._root
+        if held is None:
+            return
+        self._held = None  # once
+
+        def moved(m: Mapping) -> Mapping:
+            return replace(m, path=held + m.path[len(root) :]) if m.path.startswith(root + "/") else m
+
+        self._seen = {key: moved(m) for key, m in self._seen.items()}
+        self.mappings = tuple(moved(m) for m in self.mappings)
+        self.current = tuple(moved(m) for m in self.current)
 
     def refresh(self) -> bool:
         """Read the maps again; True when something new was mapped."""

@@ -33,7 +33,6 @@ from agent.model.malt import (
     MEMORY_FIELDS,
     SYSTEM_FIELDS,
     CountMinMaxSum,
-    GlobalVariable,
     MaltConfig,
     MaltGlobals,
     MaltLeak,
@@ -48,7 +47,6 @@ from agent.model.malt import (
     ThreadFunctionStats,
     TimelineBinner,
 )
-from agent.model.maps import Mapping
 from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint
 from agent.process.procinfo import ResidentReader, resident_bytes
@@ -119,15 +117,6 @@ class MaltRecorder:
         self.cached_at_start = getattr(vm, "cached", 0)
         # every tick: psutil's memory_info cost ten times its pread; the profile's own reader where it has one
         self._statm = resident or ResidentReader(pid)
-        self.kept_globals: dict[str, list[GlobalVariable]] = {}  # keep_global_variables: by the object's name
-
-    def keep_global_variables(self, mappings: Sequence[Mapping]) -> None:
-        """The global variables of the objects mapped now, read while the target lives: a container's files are
-        opened through its /proc/PID/root, which goes with it, and MALT's profile is built at its end."""
-        objects = _objects(mappings)
-        new = {path: name for path, name in objects.items() if name not in self.kept_globals}
-        if new:
-            self.kept_globals.update(global_variables(new))
 
     def sample(self, c: Counters, mapped: int | None = None) -> None:
         """One point of the memory, system and bandwidth timelines, and the sizes allocated since the last.
@@ -237,10 +226,8 @@ class MaltRecorder:
         # The kernel names the site that set each interval's maximum by id; MALT by its stack.
         memory.callsites = [keys.get(cs, cs) if isinstance(cs, int) else cs for cs in memory.callsites]
         mappings = session.maps.mappings
-        # Each object's, in order of name: read now, or while it lived where it can no longer be opened.
-        found, kept = global_variables(_objects(mappings)), self.kept_globals
-        names = sorted({m.name for m in mappings})
-        variables = {n: found[n] if n in found else kept[n] for n in names if n in found or n in kept}
+        named = {m.path: m.name for m in sorted(mappings, key=lambda m: m.name)}  # a file once, not a segment
+        objects = {path: name for path, name in named.items() if os.path.isfile(path)}
         runtime = time.monotonic_ns() - self.start_ns
         return MaltProfile(
             run=MaltRun(
@@ -274,7 +261,7 @@ class MaltRecorder:
             mappings=mappings,
             size_map=probes.size_map(),
             realloc_jump=probes.realloc_jumps(),
-            global_variables=variables,
+            global_variables=global_variables(objects),
             threads=list(threads.values()),
             memory_timeline=memory,
             system_timeline=self.system.series(),
@@ -297,12 +284,6 @@ def _exact_thread_counts(threads: dict[int, MaltThread], calls: Sequence[ThreadC
             exact[name] = exact.get(name, 0) + n
         for name in set(exact) | set(thread.stats):
             thread.stats.setdefault(name, ThreadFunctionStats()).count = exact.get(name, 0)
-
-
-def _objects(mappings: Sequence[Mapping]) -> dict[str, str]:
-    """The files mapped that can be opened, each once (not a segment each): where it is opened -> its name."""
-    named = {m.path: m.name for m in sorted(mappings, key=lambda m: m.name)}
-    return {path: name for path, name in named.items() if os.path.isfile(path)}
 
 
 def _exe_of(session: Session) -> str:

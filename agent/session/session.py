@@ -23,7 +23,7 @@ import numpy as np
 from agent.kernel.abi import EV_EXEC, EV_EXIT, EV_PAGES, EV_SCHEDULE, EV_SITES, EV_SNAP_LOG, SCHED_PEAK
 from agent.kernel.interface import LiveProbes, SiteReader
 from agent.model.counters import Counters
-from agent.model.maps import Mapping, parse_maps_full
+from agent.model.maps import parse_maps_full
 from agent.model.options import MassifOptions
 from agent.model.pages import (
     PAGE_SIZE,
@@ -61,11 +61,9 @@ _PEAK_OF = {"peak_bytes": "cur_bytes", "peak_extra": "cur_extra"}
 
 class Recorder(Protocol):
     """What the session asks of MALT's recorder (agent.session.maltrec): a sample at each tick, the profile
-    when asked, and a container's global variables while its files can be read."""
+    when asked."""
 
     def sample(self, c: Counters, mapped: int | None = None) -> None: ...
-
-    def keep_global_variables(self, mappings: Sequence[Mapping]) -> None: ...
 
     def build(self, session: Session, c: Counters, probe_points: Sequence[ProbePoint], allocator: str) -> MaltProfile:
         ...
@@ -598,14 +596,13 @@ class Session:
         self.live.set_stack_end(self.maps.stack_end)  # where the stack walk's reads must stop
         if self.tables is not None:
             self.live.publish_unwind(self.tables.entries(self.maps.current))
-        if self.recorder is not None and self.maps.view.foreign:  # its files go with it: MALT reads them now
-            self.recorder.keep_global_variables(self.maps.mappings)
 
     def finish(self) -> None:
         """The target exited or the profile ends. On the kernel's schedule the series ends as Massif's does, at its
         last snapshot (Massif adds none at exit, nor an exact peak); sampled at ticks, the exact peak and the final
         state are added. Either way the final state, with its tree, is kept (`final`: the monitor commands'
         snapshot of an ended profile, the summary's end)."""
+        self.maps.hold_files()  # what is still to be symbolized and written, read through its root held open
         with self._lock:
             if self.series.finished:
                 return

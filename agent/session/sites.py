@@ -81,6 +81,7 @@ class SiteTrees:
         raw = probes.stacks(new)
         if any(ip and not self._mapped(ip) for ips in raw.values() for ip in ips[:1]):
             self.maps.refresh()
+        self.maps.hold_files_if_gone()  # a container's process that has ended: its files through its root held
         for key in new:
             ips = raw.get(key, ())
             if key == PRE_EXISTING_SITE:
