@@ -5,6 +5,7 @@ Real processes, children of the test's own."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ import agent.process.discovery as discovery
 import agent.process.inject as inject
 from agent.process.discovery import allocator_of_process
 from agent.process.inject import unsafe_ranges
+from tests.support.wait import wait_for
 
 
 def _spawn(*argv: str) -> subprocess.Popen[bytes]:
@@ -67,10 +69,7 @@ def _loaded(pid: int) -> bool:
 
 def _ready(*procs: subprocess.Popen[bytes]) -> None:
     for p in procs:
-        for _ in range(500):
-            if _loaded(p.pid):
-                break
-            os.sched_yield()
+        wait_for(functools.partial(_loaded, p.pid), 10, "the program to map its libc")
 
 
 def test_a_forked_child_gets_its_parents_allocator_through_its_own_root(
