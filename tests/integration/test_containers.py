@@ -152,24 +152,27 @@ def test_exact_mode_in_a_container_gives_the_tree_of_the_same_program_on_the_hos
         assert "no table for" not in log and " 0 with no rule" in log, log
 
 
-@pytest.mark.parametrize("rate", [None, 1], ids=["default-rate", "every-call"])
+@pytest.mark.parametrize(
+    "options", [(), ("--sample-rate=1",), ("--mode=exact",)], ids=["default", "sampled-every-call", "exact"]
+)
 def test_a_container_program_that_has_ended_keeps_its_global_variables_in_malt(
-    heapscope_cmd: list[str], runner: Path, bookworm: Path, target_program: Path, tmp_path: Path, rate: int | None
-) -> None:
+    heapscope_cmd: list[str], runner: Path, bookworm: Path, target_program: Path, tmp_path: Path,
+    options: tuple[str, ...],
+) -> None:  # fmt: skip
     """A container's files are opened through its /proc/PID/root, which goes when it ends, and its profile is
     symbolized and written then (sampled mode, the default): its root is held open, and its files read through it.
     MALT's global variables and maps, and pprof's mappings, name its files as the container does. At the default
-    rate its few small blocks are likely not sampled; sampling every call, its stacks, made just before it ends,
-    are named in both files too."""
+    rate its few small blocks are likely not sampled; sampling every call, or in exact mode, its stacks, made just
+    before it ends, are named in both files too."""
     inside = put(bookworm, target_program)
     box = Container(runner, bookworm, [inside])
     malt = tmp_path / "malt.json"
     try:
         assert box.proc.stdout is not None and b"ready" in box.proc.stdout.readline()
         pprof = tmp_path / "heap.pb.gz"
-        options = [f"--malt-out-file={malt}", f"--pprof-out-file={pprof}", *([f"--sample-rate={rate}"] if rate else [])]
-        prof = Profile(heapscope_cmd, box.pid, tmp_path, *options)
-        prof.wait_for("sampler armed")
+        prof = Profile(heapscope_cmd, box.pid, tmp_path, f"--malt-out-file={malt}", f"--pprof-out-file={pprof}",
+                       *options)  # fmt: skip
+        prof.wait_for("probes attached" if "--mode=exact" in options else "sampler armed")
         drive(box.proc.stdin, box.proc.stdout)
         assert box.proc.stdin is not None
         box.proc.stdin.close()  # the program's EOF: it exits, and the profile ends with it
@@ -184,7 +187,7 @@ def test_a_container_program_that_has_ended_keeps_its_global_variables_in_malt(
     assert any("libc.so.6" in name and found for name, found in variables.items()), list(variables)
     files = {row["file"] for row in doc["sites"]["map"]}
     assert inside in files and not any(f.startswith("/proc/") for f in files), files
-    if rate:
+    if options:  # every call recorded
         names = doc["sites"]["strings"]
         functions = {names[e["function"]] for e in doc["sites"]["instr"].values() if "function" in e}
         assert {"site_small", "site_big", "malloc", "free"} <= functions, sorted(functions)
