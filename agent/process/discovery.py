@@ -10,9 +10,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import threading
-import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -24,6 +22,7 @@ from elftools.elf.segments import InterpSegment
 from agent.errors import TargetError
 from agent.model.functions import ALLOC_FUNCTIONS, ENTRY_ONLY_KINDS
 from agent.model.maps import Mapping, parse_maps, parse_maps_full
+from agent.process.recent import RecentAnswers
 from agent.process.view import ProcessView
 from agent.symbols.elf import ElfError, ElfObject, FileCache, NotElfError, file_identity, open_elf
 from agent.symbols.placement import Placement, choose_offset
@@ -337,10 +336,6 @@ def read_process(pid: int, proc: str = "/proc") -> ProcessInfo:
     return ProcessInfo(pid, ProcessView.of(pid, proc).through(exe_link.removesuffix(" (deleted)")), cmdline, environ)
 
 
-def read_maps(pid: int, proc: str = "/proc") -> list[Mapping]:
-    return parse_maps(read_maps_text(pid, proc))
-
-
 def read_maps_text(pid: int, proc: str = "/proc") -> str:
     try:
         with open(f"{proc}/{pid}/maps") as f:
@@ -351,14 +346,9 @@ def read_maps_text(pid: int, proc: str = "/proc") -> str:
         raise TargetError(f"no permission to read /proc/{pid}/maps (heapscope needs root)", 4) from exc
 
 
-# The allocators of processes looked at lately, by what decides one: a prefork server's worker or a database's
-# backend maps its parent's files, and finding the allocator again (some 95 objects' facts, 240 stats through
-# /proc/PID/root) took 2-3 ms of each attach. An entry is trusted for a minute (a file rewritten in place keeps
-# its inode).
-_RECENT_ALLOCATORS_MAX = 64
-_RECENT_ALLOCATORS_SECONDS = 60.0
-_recent_allocators: OrderedDict[tuple[object, ...], tuple[float, str, Allocator]] = OrderedDict()
-_recent_lock = threading.Lock()
+# The allocators of processes looked at lately (finding one again: some 95 objects' facts, 240 stats through
+# /proc/PID/root, 2-3 ms), each with the root its paths go through.
+_recent_allocators: RecentAnswers[tuple[str, Allocator]] = RecentAnswers()
 
 
 def allocator_of_process(pid: int, proc: str = "/proc", info: ProcessInfo | None = None) -> Allocator:
@@ -373,14 +363,10 @@ def allocator_of_process(pid: int, proc: str = "/proc", info: ProcessInfo | None
     # its paths through this process's root. Only code: a backend maps shared memory segments of its own.
     files = {e.path: (e.dev, e.inode) for e in parse_maps_full(text) if e.is_file and "x" in e.perms}
     exe = info.exe.removeprefix(root)  # its path inside its root: not this process's own
-    key = (view.root, view.foreign, view.same_ns, view.namespace, exe, tuple(preload),
-           info.environ.get("LD_LIBRARY_PATH"), tuple(files.items()))  # fmt: skip
-    now = time.monotonic()
-    with _recent_lock:
-        known = _recent_allocators.get(key)
-        if known is not None and now - known[0] < _RECENT_ALLOCATORS_SECONDS:
-            _recent_allocators.move_to_end(key)
-            return _rerooted(known[2], known[1], root)
+    key = (view.root, view.namespace, exe, tuple(preload), info.environ.get("LD_LIBRARY_PATH"), tuple(files.items()))
+    known = _recent_allocators.get(key)
+    if known is not None:
+        return _rerooted(known[1], known[0], root)
     firsts: dict[str, Mapping] = {}  # each file once (it has a mapping a segment), in the maps' order
     for m in parse_maps(text):
         firsts.setdefault(m.path, m)
@@ -390,11 +376,7 @@ def allocator_of_process(pid: int, proc: str = "/proc", info: ProcessInfo | None
     on_disk = library_finder(info.environ, root)
     order = load_order(info.exe, preload, lambda name, parent: mapped(name, parent) or on_disk(name, parent))
     found = resolve_allocator(order)
-    with _recent_lock:
-        _recent_allocators[key] = (now, root, found)
-        _recent_allocators.move_to_end(key)
-        while len(_recent_allocators) > _RECENT_ALLOCATORS_MAX:
-            _recent_allocators.popitem(last=False)
+    _recent_allocators.put(key, (root, found))
     return found
 
 

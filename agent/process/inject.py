@@ -46,9 +46,7 @@ import functools
 import os
 import signal
 import struct
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +58,7 @@ from agent.errors import EnvironmentProblem, NoSafePoint, SamplingRefused, Targe
 from agent.model.maps import MapsEntry
 from agent.process.discovery import allocator_of_process, is_libc_name
 from agent.process.procinfo import status_fields, thread_limit
+from agent.process.recent import RecentAnswers
 from agent.process.safepoint import RuleLookup, UnsafeRanges, Verdict, examine
 from agent.process.sampler import (
     build_sampler,
@@ -346,13 +345,9 @@ def _symbol_ranges(obj: ElfObject, debug: ElfObject | None) -> list[tuple[int, i
     return obj.memoized(f"unsafe ranges, {with_debug}", read)
 
 
-# The unsafe ranges of processes looked at lately, by their code's mappings: a prefork server's worker or a
-# database's backend has its parent's (a millisecond of each attach, its objects' symbols matched again). Trusted
-# for a minute, as a debug file installed meanwhile would change them.
-_RECENT_RANGES_MAX = 64
-_RECENT_RANGES_SECONDS = 60.0
-_recent_ranges: OrderedDict[tuple[object, ...], tuple[float, UnsafeRanges]] = OrderedDict()
-_recent_ranges_lock = threading.Lock()
+# The unsafe ranges of processes looked at lately, by their code's mappings (a millisecond of each attach, its
+# objects' symbols matched again).
+_recent_ranges: RecentAnswers[UnsafeRanges] = RecentAnswers()
 
 
 def unsafe_ranges(pid: int, proc_root: str = "/proc", allocator: str | None = None) -> UnsafeRanges:
@@ -366,20 +361,12 @@ def unsafe_ranges(pid: int, proc_root: str = "/proc", allocator: str | None = No
         if m.path.startswith("/"):
             by_path.setdefault(m.path, []).append(m)
     # The same root and code mappings (files by device and inode, where they are): the same ranges.
-    key = (view.root, view.namespace, view.same_ns, allocator_file,
+    key = (view.root, view.namespace, allocator_file,
            tuple(m for lines in by_path.values() if any("x" in m.perms for m in lines) for m in lines))  # fmt: skip
-    now = time.monotonic()
-    with _recent_ranges_lock:
-        known = _recent_ranges.get(key)
-        if known is not None and now - known[0] < _RECENT_RANGES_SECONDS:
-            _recent_ranges.move_to_end(key)
-            return known[1]
-    ranges = _unsafe_ranges(view, by_path, allocator_file)
-    with _recent_ranges_lock:
-        _recent_ranges[key] = (now, ranges)
-        _recent_ranges.move_to_end(key)
-        while len(_recent_ranges) > _RECENT_RANGES_MAX:
-            _recent_ranges.popitem(last=False)
+    ranges = _recent_ranges.get(key)
+    if ranges is None:
+        ranges = _unsafe_ranges(view, by_path, allocator_file)
+        _recent_ranges.put(key, ranges)
     return ranges
 
 

@@ -29,9 +29,9 @@ class MapsRecorder:
         # A container's files are opened through /proc/PID/root, which goes with the process, while its profile is
         # still to be symbolized and written: its root is held open (a mount detached with its namespace stays
         # readable through it), and its files named through that descriptor once it has ended (hold_files).
-        self._root = f"{proc}/{pid}/root"
+        self._root = self.view.root_prefix()  # "" unless foreign
         self._held: str | None = None
-        if self.view.foreign:
+        if self._root:
             try:
                 fd = os.open(self._root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError:
