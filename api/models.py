@@ -268,6 +268,11 @@ class PagesOut(BaseModel):
         0,
         description="Sampled mode: mmap, munmap and mremap calls not sampled, folded as brk is (not in page_syscalls).",
     )
+    page_calls_traced: bool = Field(
+        True,
+        description="Whether the page calls are traced: exact mode, and sampled mode with --page-calls=yes. Without "
+        "them the mapped total is read from /proc/PID/statm at each look and its peak is the highest a look saw.",
+    )
 
 
 class TargetOut(BaseModel):
@@ -343,6 +348,7 @@ def target_out(s: TargetStatus) -> TargetOut:
             stacks_bytes=s.pages.stacks,
             brk_folded=s.pages.brk_folded,
             unsampled=s.pages.unsampled,
+            page_calls_traced=s.pages.traced,
         ),
         origin=origin_out(s.origin),
     )

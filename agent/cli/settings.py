@@ -161,6 +161,14 @@ def _add_mode_options(p: argparse.ArgumentParser, default: Mode) -> None:
         metavar="BYTES",
         help=f"sampled mode: the mean bytes between samples, Poisson by bytes (default {DEFAULT_SAMPLE_RATE})",
     )
+    m.add_argument(
+        "--page-calls",
+        choices=("yes", "no"),
+        default=None,
+        help="sampled mode: also trace mmap, munmap, mremap and brk, for MALT's mmap statistics and the mapped "
+        "total's highest point between looks (default no: any traced system call makes every process on the "
+        "machine pay at every system call; the mapped total is read at each look); exact mode always traces them",
+    )
 
 
 def add_profile_options(p: argparse.ArgumentParser, mode: Mode = "exact") -> None:
@@ -411,6 +419,8 @@ def mode_from(ns: argparse.Namespace) -> ProfileMode:
     if ns.mode == "sampled" and ns.pages_as_heap:
         raise UsageError("--pages-as-heap=yes profiles mapped pages, which sampled mode does not sample; "
                          "use --mode=exact")
+    if ns.page_calls is not None and ns.mode != "sampled":
+        raise UsageError("--page-calls applies to --mode=sampled: exact mode always traces the page calls")
     return ProfileMode(ns.mode, DEFAULT_SAMPLE_RATE if ns.sample_rate is None else ns.sample_rate)
 
 
@@ -436,6 +446,7 @@ def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> 
         keep_programs=getattr(ns, "keep_programs", 0.0),  # serve's: a shape outlives its last target
         malt=ns.malt == "yes" if daemon else "malt" in files,
         mode=mode_from(ns),
+        page_calls=ns.page_calls == "yes",
         store=store_settings(ns) if ns.command != "serve" else None,  # serve's is under --output-dir (profiling._serve)
     )
 

@@ -556,6 +556,7 @@ class PageTotals:
     stacks: int  # --stacks=yes: all threads' stacks at the last sample (0 without it)
     brk_folded: int = 0  # sampled mode: brk calls the kernel folded into the mapped total, not sent
     unsampled: int = 0  # sampled mode: mmap, munmap and mremap calls not sampled, folded as brk is
+    traced: bool = True  # the page calls are traced (sampled mode: --page-calls=yes); else statm's total at each look
 
 
 class PageAccount:
@@ -667,7 +668,9 @@ def count_call(calls: dict[tuple[int, str], list[int]], ev: PageEvent, weight: i
 
 
 class FoldedPages:
-    """Sampled mode's page figures, as the kernel folds them (probes/bpf/pages.h).
+    """Sampled mode's page figures. By default no page call is traced: the session folds statm's total at each look
+    (its peak is the highest a look saw) and no call is applied. With --page-calls=yes, as the kernel folds them
+    (probes/bpf/pages.h):
 
     The mapped total is the kernel's own (the process's total_vm, which /proc/PID/maps lists: read at the exit of
     every page call, the last value and the highest since user space looked), so it and its peak need no page map

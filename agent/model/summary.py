@@ -19,6 +19,7 @@ class PageSummary:
     mapped: int  # bytes mapped at the end
     peak_mapped: int
     kernel: PageCounters  # events the kernel sent and could not send
+    traced: bool = True  # the page calls were traced (sampled mode: --page-calls=yes); else statm's total at each look
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,9 @@ class ProfileSummary:
 
 def _page_lines(p: PageSummary) -> list[str]:
     st, kc = p.stats, p.kernel
+    if not p.traced:
+        return [f"pages: mapped {p.mapped} B at the end, {p.peak_mapped} B at the highest look (read from statm: "
+                "sampled mode traces no page call without --page-calls=yes)"]
     lines = [
         f"pages: {st.applied} mmap/munmap/mremap/brk calls applied ({st.failed} failed); mapped "
         f"{p.mapped} B at the end, {p.peak_mapped} B at the peak"

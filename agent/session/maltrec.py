@@ -154,7 +154,7 @@ class MaltRecorder:
         """MALT's stacks of mmap and munmap calls, from the page syscalls (with each function's address: the
         system call's instruction in its libc wrapper, the innermost address of these stacks)."""
         pages = session.pages
-        if pages is None:
+        if pages is None or not session.traces_page_calls:
             return [], {}
         sites = sorted({site for site, _ in pages.calls if site > 0})
         raw = self.probes.stacks(sites)
@@ -254,8 +254,9 @@ class MaltRecorder:
                 mmap_count=sum(m.count for m in mmap_calls),
                 mmap_bytes=sum(m.sum for m in mmap_calls),
             ),
-            config=MaltConfig(points=self.points, mmap=session.pages is not None, mode=self.mode.mode,
-                              sample_rate=self.mode.period, exact=EXACT_IN_SAMPLED if calls is not None else ()),
+            config=MaltConfig(points=self.points, mmap=session.pages is not None and session.traces_page_calls,
+                              mode=self.mode.mode, sample_rate=self.mode.period,
+                              exact=EXACT_IN_SAMPLED if calls is not None else ()),
             stacks=stacks,
             function_addresses={**_function_addresses(probe_points, mappings), **page_functions},
             mappings=mappings,

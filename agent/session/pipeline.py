@@ -79,6 +79,7 @@ class ProfileSettings:
     keep_programs: float = 0.0  # serve's: seconds a program shape stays loaded without targets (ProbeSettings)
     malt: bool = False  # keep MALT's statistics in the kernel (GET /malt, --malt-out-file)
     mode: ProfileMode = field(default_factory=ProfileMode)  # exact, or sampled (agent.session.sampled)
+    page_calls: bool = False  # sampled mode: trace the page syscalls too (--page-calls=yes); exact mode always does
     store: StoreSettings | None = None  # keep every sample's history on disk (--store), None: not kept
 
     def probe_settings(self, pid: int, launched: bool) -> ProbeSettings:
@@ -99,7 +100,7 @@ class ProfileSettings:
             max_stacks=self._max_stacks(),
             node_blocks=self.node_blocks,
             keep_programs=self.keep_programs,
-            pages=True,  # page syscalls: the pages-as-heap tree, or the mapped total next to the heap
+            pages=self.traces_page_calls,  # page syscalls: the pages-as-heap tree, or the mapped total's every move
             page_stacks=o.pages_as_heap or self.malt,  # a page call's site: its tree, MALT's mmap statistics
             # Sampled mode (the daemon's default) keeps a smaller ring of page events: the kernel holds it and the
             # daemon maps it for every target, however quiet. The kernel wakes the daemon when a ring is a quarter full.
@@ -108,6 +109,15 @@ class ProfileSettings:
             schedule_ns=o.time_unit == "ms",  # the snapshot schedule's clock
             ignore=bool(o.ignore_fns) and not self.mode.sampled,  # exact mode's reallocs of ignored blocks
         )
+
+    @property
+    def traces_page_calls(self) -> bool:
+        """Whether the kernel follows the target's mmap, munmap, mremap and brk calls. Exact mode always does (the
+        page map, --pages-as-heap). Sampled mode only with --page-calls=yes: a syscall tracepoint sends every system
+        call of every process on the machine through the kernel's slower path and runs a program at every page call
+        of any process, which cost apache2 under ab some 5% of its throughput (docs/benchmarks.md); without it the
+        mapped total is read from /proc/PID/statm at each look, and MALT's profile has no mmap statistics."""
+        return not self.mode.sampled or self.page_calls
 
     def _max_stacks(self) -> int:
         if self.max_stacks is not None:
@@ -314,7 +324,8 @@ class Profile:
 
     def _record_memory(self, session: Session, resident: ResidentReader) -> int | None:
         rss = resident.read()
-        pages = session.pages
+        # Untraced page calls (sampled mode's default): statm's total now, also for a target idle since the last tick
+        pages = session.pages if session.traces_page_calls else session.update_pages()
         self.memory.add(MemoryPoint(session.time_now(), pages.total if pages else None, rss))
         return rss
 

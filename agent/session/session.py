@@ -9,7 +9,6 @@ and a way to tell whether the target still runs.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import threading
@@ -178,8 +177,9 @@ class Session:
         self.final: Snapshot | None = None  # the state at the end, with its tree (finish)
         self._sites_seen = 0  # the kernel's n_sites when the sites were last symbolized
         self._sites_frozen = -1  # the kernel's n_sites when the long-lived objects were last frozen (gc.freeze)
-        # The page map, when the probes trace page syscalls; sampled mode's: the kernel's folded total.
+        # The page map, when the probes trace page syscalls; sampled mode's: its mapped total (FoldedPages).
         self.pages: PageAccount | FoldedPages | None = None
+        self._statm: ResidentReader | None = None  # sampled mode without the page calls: the mapped total's source
         self._pages_lock = threading.Lock()
         self.stack_bytes = 0  # --stacks=yes: all threads' stacks at the last sample
         self.calls_seen = 0  # the allocator calls the kernel had counted at the last sample
@@ -303,8 +303,24 @@ class Session:
             with self._pages_lock:
                 self.pages.apply(self.live.page_events())
                 if isinstance(self.pages, FoldedPages):
-                    self.pages.fold(self.live.mapped_fold(), time.monotonic_ns())
+                    self.pages.fold(self._mapped_now(), time.monotonic_ns())
         return self.pages
+
+    @property
+    def traces_page_calls(self) -> bool:
+        """Whether the kernel follows the target's page syscalls (sampled mode: --page-calls=yes)."""
+        return self.probes.settings.pages
+
+    def _mapped_now(self) -> tuple[int, int] | None:
+        """Sampled mode's mapped bytes now and the most since the last look: the kernel's fold of the page calls
+        (--page-calls=yes), else statm's figure now for both (None: unchanged, or the target is gone)."""
+        assert self.live is not None
+        if self._statm is None:
+            return self.live.mapped_fold()
+        sizes = self._statm.sizes()
+        if sizes is None or not sizes[1]:  # gone, or its memory already given back at its exit (statm reads 0)
+            return None
+        return sizes[1], sizes[1]
 
     def prepare_attach(self) -> None:
         """`attach`, before the probes are said to be live: the page map and the unwind tables of the mappings
@@ -316,17 +332,23 @@ class Session:
         """Start the page map from the target's mappings now: at its exec (run), or at the attach. Events
         already reported are dropped first: the maps read after them hold their effect. An event that lands
         between the two is applied on top, which changes nothing but its site (see agent.model.pages)."""
-        if self.live is None or not self.live.settings.pages or self.pages is not None:
+        live = self.live
+        if live is None or not (live.settings.pages or live.settings.sampled) or self.pages is not None:
             return
+        settings = live.settings
         with self._pages_lock:
-            self.live.page_events()
-            if self.live.settings.sampled:
-                # The kernel's own total (total_vm, statm's first figure), which its page calls fold from here on:
-                # no map to build.
-                with contextlib.closing(ResidentReader(self.info.pid, self.proc)) as statm:
-                    sizes = statm.sizes()
+            live.page_events()
+            if settings.sampled:
+                # The kernel's own total (total_vm, statm's first figure), which its page calls fold from here on
+                # (no map to build); or, with the page calls untraced, statm's figure at each look.
+                statm = ResidentReader(self.info.pid, self.proc)
+                sizes = statm.sizes()
+                if settings.pages:
+                    statm.close()
+                else:
+                    self._statm = statm
                 if sizes is not None:  # else the target is gone: nothing to seed
-                    self.pages = FoldedPages(sizes[1], self.live.settings.sample_rate)
+                    self.pages = FoldedPages(sizes[1], settings.sample_rate)
                 return
             try:
                 with open(f"{self.proc}/{self.info.pid}/maps") as f:
@@ -637,6 +659,8 @@ class Session:
         with self._lock:
             self.probes = copy
             self.live = None
+        if self._statm is not None:
+            self._statm.close()
 
     # ---- what the profile says --------------------------------------------------------------------
 
@@ -682,7 +706,7 @@ class Session:
         pages = None
         if self.pages is not None:
             pm = self.pages
-            pages = PageSummary(pm.stats, pm.total, pm.peak_total, self.probes.page_counters())
+            pages = PageSummary(pm.stats, pm.total, pm.peak_total, self.probes.page_counters(), self.traces_page_calls)
         unwind = None
         if self.tables is not None:
             unwind = self.tables.summary(self.probes.rows_used, self.probes.rows_dropped, self.probes.rows_shared)
@@ -709,6 +733,7 @@ class Session:
             stacks=self.stack_bytes,
             brk_folded=counted.brk_folded,
             unsampled=counted.unsampled,
+            traced=self.traces_page_calls,
         )
 
     def snapshot_model(self, detailed: bool) -> Snapshot:

@@ -1,11 +1,13 @@
 /* pages.h: page-level memory (HS_PAGES): mmap, munmap, mremap and brk, one event per completed call, charged to
  * the user stack that made it.
- * Sampled mode sends an event only for the calls it samples, by length as the sampler samples allocations (a call
- * of L bytes with probability min(1, L / HS_SAMPLE_RATE): MALT's mmap and munmap statistics, estimated), and
- * folds every call into the process's mapped total as the kernel keeps it (mm->total_vm, read at each call's
- * exit: the last value and the highest since user space looked). A server like apache2 moves its break and maps
- * and unmaps a block at every request, tens of thousands of calls a second: a stack walk and an event each, and
- * user space applying them to a page map, cost it a fifth of its throughput. */
+ * Sampled mode compiles this only with --page-calls=yes (ProfileSettings.traces_page_calls): a syscall tracepoint
+ * sends every system call of every process through the kernel's slower path. It then sends an event only for the
+ * calls it samples, by length as the sampler samples allocations (a call of L bytes with probability
+ * min(1, L / HS_SAMPLE_RATE): MALT's mmap and munmap statistics, estimated), and folds every call into the
+ * process's mapped total as the kernel keeps it (mm->total_vm, read at each call's exit: the last value and the
+ * highest since user space looked). A server like apache2 moves its break and maps and unmaps a block at every
+ * request, tens of thousands of calls a second: a stack walk and an event each, and user space applying them to
+ * a page map, cost it a fifth of its throughput. */
 
 /* page_calls: thread id -> the page syscall it is in (arguments and site), from entry to exit */
 BPF_F_TABLE("hash", u32, struct hs_page_call, page_calls, HS_MAX_THREADS, BPF_F_NO_PREALLOC);

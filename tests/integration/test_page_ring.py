@@ -3,7 +3,9 @@ the kernel holds for every target: a burst of page syscalls after a quiet spell,
 must still reach user space whole. The ring a quarter full wakes the profile's loop (probes/bpf/pages.h page_exit,
 HS_EV_PAGES), which otherwise looks at a quiet target only once a second; the daemon reads the ring's data
 through one mapping, so records that wrap are read in two pieces. Sampled mode sends the calls it samples (by
-length, as allocations): mappings at the sample rate are all sent; small ones are folded into the mapped total."""
+length, as allocations): mappings at the sample rate are all sent; small ones are folded into the mapped total.
+Sampled mode traces the page calls only with --page-calls=yes; by default it reads the mapped total at each look
+(the last test here: the default's twin)."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def test_page_burst_after_quiet_spell_loses_nothing(
     program = build("page_burst.c")
     malt = tmp_path / "malt.json"
     done = run_heapscope(program, args=(str(PAIRS), str(DEFAULT_SAMPLE_RATE)),
-                         options=("--mode=sampled", f"--malt-out-file={malt}", "--malt-format=1.6"))
+                         options=("--mode=sampled", "--page-calls=yes", f"--malt-out-file={malt}", "--malt-format=1.6"))
     assert done.returncode == 0, done.stderr
     kernel = done.summary["pages"]["kernel"]
     assert kernel["lost"] == 0 and kernel["calls_full"] == 0, (kernel, done.stderr)
@@ -61,12 +63,13 @@ def test_page_burst_after_quiet_spell_loses_nothing(
 def test_small_mappings_are_sampled_by_length(
     build: Callable[..., Path], run_heapscope: Callable[..., Completed], tmp_path: Path, size: int, rate: int
 ) -> None:
-    """The default twin: pages of 4 KiB, each sent with probability p = 4096 / rate; the others folded, counted.
+    """The default rate's twin: pages of 4 KiB, each sent with probability p = 4096 / rate; the others folded, counted.
     MALT's counts of them are estimates: each sample stands for 1/p calls. A rate past 32 bits (mappings of 1 GiB at
     8 GiB: p = 1/8) takes the kernel's other arithmetic."""
     program = build("page_burst.c")
     malt = tmp_path / "malt.json"
-    options = ("--mode=sampled", f"--sample-rate={rate}", f"--malt-out-file={malt}", "--malt-format=1.6")
+    options = ("--mode=sampled", "--page-calls=yes", f"--sample-rate={rate}", f"--malt-out-file={malt}",
+               "--malt-format=1.6")
     done = run_heapscope(program, args=(str(PAIRS), str(size)), options=options)
     assert done.returncode == 0, done.stderr
     kernel = done.summary["pages"]["kernel"]
@@ -91,12 +94,13 @@ def test_sampled_mode_folds_brk_and_keeps_the_mapped_peak(
     """glibc moves its break at every growth and trim of the heap's top (apache2's workers: tens of thousands of
     times a second). Sampled mode folds those calls in the kernel (probes/bpf/pages.h fold_mapped: the process's
     mapped total, read at each call) instead of sending each: the mapped total at the end and its peak (one cycle
-    grows four times higher, between two ticks) are exact mode's, which sends every call; the default mode's run is
-    the twin."""
+    grows four times higher, between two ticks) are exact mode's, which sends every call (--page-calls=yes: sampled
+    mode's default traces no page call, test_sampled_mode_by_default_reads_the_mapped_total)."""
     program = build("heap_trim.c")
     runs = {}
     for mode in ("sampled", "exact"):
-        done = run_heapscope(program, args=(str(TRIM_CYCLES),), options=(f"--mode={mode}",))
+        traced = ("--page-calls=yes",) if mode == "sampled" else ()
+        done = run_heapscope(program, args=(str(TRIM_CYCLES),), options=(f"--mode={mode}", *traced))
         assert done.returncode == 0, done.stderr
         runs[mode] = done.summary["pages"]
     sampled, exact = runs["sampled"], runs["exact"]
@@ -115,3 +119,29 @@ def test_sampled_mode_folds_brk_and_keeps_the_mapped_peak(
     rise = {m: r["peak_mapped"] - r["mapped"] for m, r in runs.items()}
     assert rise["exact"] >= 4 * 80 * 100_000, runs
     assert abs(rise["sampled"] - rise["exact"]) <= 2 * 4096, runs
+
+
+def test_sampled_mode_by_default_reads_the_mapped_total(
+    build: Callable[..., Path], run_heapscope: Callable[..., Completed], tmp_path: Path
+) -> None:
+    """Sampled mode's default: no page call traced (no event, no fold, nothing counted in the kernel) and no mmap
+    statistics in MALT's profile, while the mapped total is still there, read from /proc/PID/statm at each look: at
+    the end it is the traced run's (the kernel's total_vm either way; the program's last page call is before its
+    last look)."""
+    program = build("heap_trim.c")
+    runs = {}
+    for calls in ("no", "yes"):
+        malt = tmp_path / f"malt-{calls}.json"
+        options = ("--mode=sampled", *(("--page-calls=yes",) if calls == "yes" else ()), f"--malt-out-file={malt}",
+                   "--malt-format=1.6")
+        done = run_heapscope(program, args=(str(TRIM_CYCLES),), options=options)
+        assert done.returncode == 0, done.stderr
+        runs[calls] = done.summary["pages"], json.loads(malt.read_text())["config"], done.stderr
+    (untraced, untraced_malt, said), (traced, traced_malt, _) = runs["no"], runs["yes"]
+    assert "B at the highest look (read from statm" in said and "calls applied" not in said, said
+    assert untraced["traced"] is False and traced["traced"] is True, runs
+    assert untraced["kernel"]["events"] == untraced["kernel"]["brk_folded"] == untraced["kernel"]["code_maps"] == 0
+    assert traced["kernel"]["brk_folded"] >= TRIM_CYCLES * 100, traced
+    assert untraced_malt["c"]["mmap"] is False and traced_malt["c"]["mmap"] is True, (untraced_malt, traced_malt)
+    assert untraced["mapped"] > 0 and abs(untraced["mapped"] - traced["mapped"]) <= 2 * 4096, runs
+    assert untraced["peak_mapped"] >= untraced["mapped"], untraced

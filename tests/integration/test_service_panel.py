@@ -34,6 +34,7 @@ from tests.support.armed import sampler, sampler_state
 from tests.support.capability import unavailable
 from tests.support.daemon import AUTH, Daemon, start_daemon, stop_daemon
 from tests.support.services import SERVICES, Apache, Nginx, Postgres, Service
+from tests.support.tracepoints import syscall_tracepoints
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.integration
@@ -205,6 +206,12 @@ def test_sampled_mode_on_a_real_service(name: str, heapscope_cmd: list[str], tmp
             selector = add_selector(d, svc)
             pids = svc.steady_pids()
             wait_armed(d, svc, pids, "at attach")
+            # Sampled mode's default traces no system call (the page calls only with --page-calls=yes), and still
+            # reads every process's mapped total.
+            assert not syscall_tracepoints(d.proc.pid), syscall_tracepoints(d.proc.pid)
+            pages = {pid: t["pages"] for pid, t in targets(d).items()}
+            assert all(pid in pages and pages[pid]["mapped_bytes"] > 0 for pid in pids), pages
+            assert not any(p["page_calls_traced"] for p in pages.values()), pages
             calls = allocation_calls(d)
             check_load(svc, "while attached")
             wait_armed(d, svc, pids, "after the load")
