@@ -5,7 +5,8 @@ daemon's, and each of heapscope's BPF programs' (issue 31: a service that forks 
     sudo .venv/bin/python bench/request_cost.py [--service apache2] [--seconds 10] [--json FILE]
 
 One instance of the service (tests/support/services.py) under its load tool, measured in turn: untraced; with only
-its main process attached by PID (its workers unprofiled: what the machine-wide syscall tracepoints cost them);
+its main process attached by PID (its workers unprofiled: what heapscope costs processes it does not profile; with
+--serve-args=--page-calls=yes, the machine-wide syscall tracepoints);
 with `heapscope serve` following all of it through a selector, as the panel does (sampled mode, serve's defaults:
 the history store and MALT on, unless --serve-args says otherwise); and after the daemon is stopped. Each state is
 measured twice. A request's CPU is the machine's busy time (/proc/stat) over the requests served, so the load tool's

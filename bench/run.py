@@ -106,7 +106,8 @@ WORKLOADS: dict[str, Workload] = {
             unit="malloc+free pair, after a warm-up",
             env=(("CHURN_WARMUP", "200000"),),
         ),
-        # mmap/munmap pairs: what the page syscall tracepoints cost (heapscope traces them in every mode).
+        # mmap/munmap pairs: what the page syscall tracepoints cost (exact mode traces them; sampled mode with
+        # --page-calls=yes).
         Workload(
             name="mmap-churn",
             source="churn.c",
