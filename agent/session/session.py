@@ -295,15 +295,17 @@ class Session:
                 return self.pages.site_counts()
         return self.probes.sites(peak_gen)
 
-    def update_pages(self) -> PageAccount | FoldedPages | None:
-        """Apply the page syscalls the kernel has reported since the last call (sampled mode: and its total)."""
+    def update_pages(self, statm_mapped: int | None = None) -> PageAccount | FoldedPages | None:
+        """Apply the page syscalls the kernel has reported since the last call (sampled mode: and its total).
+        `statm_mapped`: statm's mapped bytes the caller has just read (sampled mode without the page calls), not read
+        again here."""
         if self.pages is None:
             return None
         if self.live is not None:
             with self._pages_lock:
                 self.pages.apply(self.live.page_events())
                 if isinstance(self.pages, FoldedPages):
-                    self.pages.fold(self._mapped_now(), time.monotonic_ns())
+                    self.pages.fold(self._mapped_now(statm_mapped), time.monotonic_ns())
         return self.pages
 
     @property
@@ -311,16 +313,19 @@ class Session:
         """Whether the kernel follows the target's page syscalls (sampled mode: --page-calls=yes)."""
         return self.probes.settings.pages
 
-    def _mapped_now(self) -> tuple[int, int] | None:
+    def _mapped_now(self, statm_mapped: int | None = None) -> tuple[int, int] | None:
         """Sampled mode's mapped bytes now and the most since the last look: the kernel's fold of the page calls
-        (--page-calls=yes), else statm's figure now for both (None: unchanged, or the target is gone)."""
+        (--page-calls=yes), else statm's figure now for both, `statm_mapped` if the caller read it (None: unchanged,
+        or the target is gone)."""
         assert self.live is not None
         if self._statm is None:
             return self.live.mapped_fold()
-        sizes = self._statm.sizes()
-        if sizes is None or not sizes[1]:  # gone, or its memory already given back at its exit (statm reads 0)
+        if statm_mapped is None:
+            sizes = self._statm.sizes()
+            statm_mapped = sizes[1] if sizes is not None else 0
+        if not statm_mapped:  # gone, or its memory already given back at its exit (statm reads 0)
             return None
-        return sizes[1], sizes[1]
+        return statm_mapped, statm_mapped
 
     def prepare_attach(self) -> None:
         """`attach`, before the probes are said to be live: the page map and the unwind tables of the mappings
