@@ -70,6 +70,14 @@ def _parsed(text: str) -> tuple[MapsEntry, ...]:
     return tuple(out)
 
 
+def code_lines(text: str) -> str:
+    """The lines of executable mappings in /proc/PID/maps text (perms after the first space: `r-xp`). Every
+    address the symbolizer's recorder is asked about is code (a stack's return addresses, the unwind tables'
+    ranges): a data file or anonymous memory mapped and unmapped as a process works changes its maps text but is
+    neither news to it nor worth keeping. A comprehension: a regex took thrice as long."""
+    return "\n".join([line for line in text.splitlines() if (i := line.find(" ")) > 0 and line[i + 3 : i + 4] == "x"])
+
+
 @dataclass(frozen=True)
 class Mapping:
     """A mapping of a file, as the symbolizer looks addresses up in it."""

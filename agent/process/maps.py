@@ -6,22 +6,24 @@ import os
 import weakref
 from dataclasses import replace
 
-from agent.model.maps import Mapping, parse_maps
+from agent.model.maps import Mapping, code_lines, parse_maps
 from agent.model.pages import parse_start_stack
 from agent.process.view import ProcessView
 
 
 class MapsRecorder:
-    """The target's file mappings, recorded while it lives so that it can be symbolized after it exits."""
+    """The target's executable file mappings, recorded while it lives so that it can be symbolized after it
+    exits."""
 
     def __init__(self, pid: int, proc: str = "/proc") -> None:
         self.path = f"{proc}/{pid}/maps"
         self.view = ProcessView.of(pid, proc)  # a container's or a chroot's files: through its own root
         self.stat_path = f"{proc}/{pid}/stat"
-        self._text = ""
+        self._raw = ""  # the maps text as last read
+        self._text = ""  # its code lines
         self._seen: dict[tuple[int, int, int, str], Mapping] = {}
-        self.mappings: tuple[Mapping, ...] = ()  # every mapping ever seen, newest first
-        self.current: tuple[Mapping, ...] = ()  # the mappings at the last refresh
+        self.mappings: tuple[Mapping, ...] = ()  # every code mapping ever seen, newest first
+        self.current: tuple[Mapping, ...] = ()  # the code mappings at the last refresh
         # Where the main thread's stack reads must stop: just above argc, where exec left the stack pointer.
         # Its frames lie below, in pages the process has used; above argc's page the kernel's random gap may
         # never have been touched, and a read from the BPF side cannot fault it in. 0: unknown.
@@ -60,12 +62,16 @@ class MapsRecorder:
         self.current = tuple(moved(m) for m in self.current)
 
     def refresh(self) -> bool:
-        """Read the maps again; True when something new was mapped."""
+        """Read the maps again; True when new code was mapped."""
         try:
             with open(self.path) as f:
-                text = f.read()
+                raw = f.read()
         except OSError:  # the target is gone: keep what was recorded
             return False
+        if raw == self._raw:  # a served process's maps, most looks: one comparison
+            return False
+        self._raw = raw
+        text = code_lines(raw)  # data and anonymous memory mapped per request: no news for the symbolizer
         if text == self._text:
             return False
         self._text = text

@@ -3,7 +3,7 @@ symbolizer, the device for the sampler's lookups."""
 
 from __future__ import annotations
 
-from agent.model.maps import ANON, Mapping, parse_maps, parse_maps_full
+from agent.model.maps import ANON, Mapping, code_lines, parse_maps, parse_maps_full
 
 TEXT = """\
 55d0c0a00000-55d0c0a02000 r--p 00000000 fd:01 1048593                    /usr/bin/cat
@@ -35,3 +35,12 @@ def test_the_symbolizer_gets_the_file_mappings_of_the_same_lines() -> None:
         Mapping(0x55D0C0A02000, 0x55D0C0A07000, 0x2000, "/usr/bin/cat", "r-xp"),
         Mapping(0x7F1E2A200000, 0x7F1E2A228000, 0x28000, "/usr/lib/libc.so.6", "r-xp"),  # (deleted) dropped
     ]
+
+
+def test_code_lines_are_the_executable_ones_whatever_their_width() -> None:
+    """The recorder parses only the executable lines (agent.process.maps.MapsRecorder.refresh): the same code
+    mappings as the whole text gives, for any address width, the malformed lines left out."""
+    code = code_lines(TEXT)
+    assert [line.split()[5] for line in code.splitlines()] == ["/usr/bin/cat", "/usr/lib/libc.so.6", "[vsyscall]"]
+    assert [m for m in parse_maps(TEXT) if "x" in m.perms] == parse_maps(code)
+    assert code_lines("") == "" and code_lines("x\n\n r-xp") == ""

@@ -645,3 +645,28 @@ def test_maps_recorder_keeps_the_main_stack_end(tmp_path: Path) -> None:
     maps.write_text("55d0c0000000-55d0c0001000 r-xp 00000000 08:01 1234 /usr/bin/prog\n")
     rec.refresh()
     assert rec.stack_end == 0  # no stat: no limit known
+
+
+def test_maps_recorder_reads_on_only_for_new_code(tmp_path: Path) -> None:
+    """A server maps data and anonymous memory per request (zlib's state, a file sent with mmap): its maps text
+    changes at each look, but only new code is news to the symbolizer and the stack walk, and only code
+    mappings are kept (the daemon must not grow with every file a server ever mapped)."""
+    from agent.process.maps import MapsRecorder
+
+    (tmp_path / "42").mkdir()
+    maps = tmp_path / "42" / "maps"
+    prog = "55d0c0001000-55d0c0002000 r-xp 00001000 08:01 1234 /usr/bin/prog\n"
+    maps.write_text("55d0c0000000-55d0c0001000 r--p 00000000 08:01 1234 /usr/bin/prog\n" + prog)
+    rec = MapsRecorder(42, proc=str(tmp_path))
+    assert rec.refresh()
+    assert [(m.start, m.path) for m in rec.current] == [(0x55D0C0001000, "/usr/bin/prog")]
+    maps.write_text(
+        prog
+        + "7f0000000000-7f0000042000 rw-p 00000000 00:00 0 \n"
+        + "7f0000100000-7f0000101000 r--s 00000000 08:01 99 /var/www/html/index.html\n"
+    )
+    assert not rec.refresh()  # data and anonymous memory: nothing new
+    assert [m.path for m in rec.mappings] == ["/usr/bin/prog"]
+    maps.write_text(prog + "7f0000200000-7f0000201000 r-xp 00000000 08:01 77 /usr/lib/mod_deflate.so\n")
+    assert rec.refresh()
+    assert [m.path for m in rec.mappings] == ["/usr/lib/mod_deflate.so", "/usr/bin/prog"]  # newest first
