@@ -741,11 +741,9 @@ class Apache(Service):
         run = self.dir / "run"
         run.mkdir(exist_ok=True)
         modules = Path("/usr/lib/apache2/modules")
-        # A fixed pool: as many workers to start, to keep spare and at most, so only MaxConnectionsPerChild (and a
-        # crash) ends a worker, and the master replaces it at once.
         return f"""ServerRoot /etc/apache2
 ServerName 127.0.0.1
-LoadModule mpm_prefork_module {modules}/mod_mpm_prefork.so
+{self.mpm(modules)}
 LoadModule authz_core_module {modules}/mod_authz_core.so
 LoadModule mime_module {modules}/mod_mime.so
 LoadModule filter_module {modules}/mod_filter.so
@@ -759,12 +757,6 @@ ErrorLog {self.dir}/error.log
 LogFormat "%h %l %u %t \\"%r\\" %>s %O" common
 CustomLog {self.dir}/access.log common
 Listen 127.0.0.1:{self.port}
-StartServers {self.workers}
-MinSpareServers {self.workers}
-MaxSpareServers {self.workers + 1}
-ServerLimit {self.workers}
-MaxRequestWorkers {self.workers}
-MaxConnectionsPerChild {self.MAX_CONNECTIONS_PER_CHILD}
 TypesConfig /etc/mime.types
 AddOutputFilterByType DEFLATE text/html text/plain text/xml text/css text/javascript
 DocumentRoot {www}
@@ -775,6 +767,17 @@ DocumentRoot {www}
     Require all granted
 </Directory>
 """
+
+    def mpm(self, modules: Path) -> str:
+        # A fixed pool: as many workers to start, to keep spare and at most, so only MaxConnectionsPerChild (and a
+        # crash) ends a worker, and the master replaces it at once.
+        return f"""LoadModule mpm_prefork_module {modules}/mod_mpm_prefork.so
+StartServers {self.workers}
+MinSpareServers {self.workers}
+MaxSpareServers {self.workers + 1}
+ServerLimit {self.workers}
+MaxRequestWorkers {self.workers}
+MaxConnectionsPerChild {self.MAX_CONNECTIONS_PER_CHILD}"""
 
     def command(self) -> list[str]:
         self.conf.write_text(self.config())
@@ -833,6 +836,43 @@ DocumentRoot {www}
             got = self.load(1.0)
             if not got.ok:
                 raise ServiceError(f"apache2: load while recycling workers: {got}")
+        return self.settled_workers()
+
+
+class ApacheEvent(Apache):
+    """Apache as Debian's package sets it up: the event MPM (its default: `a2query -M`), each child a listener and
+    ThreadsPerChild worker threads, with mods-available/mpm_event.conf's figures, MaxConnectionsPerChild 0 among
+    them (no child is replaced for the connections it served). Two children under ab's 8 connections (spare threads
+    stay between MinSpareThreads and MaxSpareThreads). A reload is Debian's `apachectl graceful` (SIGUSR1): the
+    children finish and new ones are forked from the master."""
+
+    name = "apache2-event"
+    MAX_CONNECTIONS_PER_CHILD = 0
+
+    def __init__(self) -> None:
+        super().__init__(workers=2)
+
+    def mpm(self, modules: Path) -> str:
+        return f"""LoadModule mpm_event_module {modules}/mod_mpm_event.so
+StartServers {self.workers}
+MinSpareThreads 25
+MaxSpareThreads 75
+ThreadLimit 64
+ThreadsPerChild 25
+MaxRequestWorkers 150
+MaxConnectionsPerChild {self.MAX_CONNECTIONS_PER_CHILD}"""
+
+    def reload(self) -> list[int]:
+        """`apachectl graceful`: new children, forked from the master, take the old ones' place. Returns them, once
+        the pool has settled."""
+        old = set(self.workers_now())
+        os.kill(self.main_pid, signal.SIGUSR1)
+        deadline = time.monotonic() + READY_TIMEOUT
+        while old & set(self.workers_now()):
+            if time.monotonic() > deadline:
+                raise ServiceError(f"apache2: children {sorted(old & set(self.workers_now()))} still there after a "
+                                   f"graceful restart: {self.log_tail()}")
+            time.sleep(0.1)
         return self.settled_workers()
 
 
@@ -912,5 +952,6 @@ class HAProxyNoChroot(HAProxy):
 
 
 SERVICES: dict[str, type[Service]] = {
-    s.name: s for s in (Nginx, Postgres, PythonHttp, Memcached, Redis, Lighttpd, Apache, HAProxy, HAProxyNoChroot)
+    s.name: s
+    for s in (Nginx, Postgres, PythonHttp, Memcached, Redis, Lighttpd, Apache, ApacheEvent, HAProxy, HAProxyNoChroot)
 }
