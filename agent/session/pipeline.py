@@ -326,7 +326,7 @@ class Profile:
         sizes = resident.sizes()  # (resident, mapped): one read of statm for both
         rss = sizes[0] if sizes is not None else None
         # Untraced page calls (sampled mode's default): statm's total now, also for a target idle since the last tick
-        pages = session.pages if session.traces_page_calls else session.update_pages(sizes[1] if sizes else None)
+        pages = session.pages if session.traces_page_calls else session.update_pages(sizes[1] if sizes else 0)
         self.memory.add(MemoryPoint(session.time_now(), pages.total if pages else None, rss))
         return rss
 

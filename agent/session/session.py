@@ -297,8 +297,8 @@ class Session:
 
     def update_pages(self, statm_mapped: int | None = None) -> PageAccount | FoldedPages | None:
         """Apply the page syscalls the kernel has reported since the last call (sampled mode: and its total).
-        `statm_mapped`: statm's mapped bytes the caller has just read (sampled mode without the page calls), not read
-        again here."""
+        `statm_mapped`: statm's mapped bytes the caller has just read (sampled mode without the page calls; 0: the
+        read failed), not read again here."""
         if self.pages is None:
             return None
         if self.live is not None:
