@@ -827,6 +827,8 @@ MaxConnectionsPerChild {self.MAX_CONNECTIONS_PER_CHILD}"""
     def recycle_workers(self) -> list[int]:
         """Load until every worker has served its MaxConnectionsPerChild connections and been replaced by a new one
         (ab opens a connection a request). Returns the new workers, once the pool has settled."""
+        if not self.MAX_CONNECTIONS_PER_CHILD:  # apache2-event: no worker ends for its count (reload() instead)
+            raise ServiceError(f"{self.name}: MaxConnectionsPerChild 0 replaces no worker; reload() does")
         old = set(self.workers_now())
         deadline = time.monotonic() + READY_TIMEOUT
         while old & set(self.workers_now()):
