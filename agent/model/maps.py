@@ -78,6 +78,11 @@ def code_lines(text: str) -> str:
     return "\n".join([line for line in text.splitlines() if (i := line.find(" ")) > 0 and line[i + 3 : i + 4] == "x"])
 
 
+def is_code_line(line: str) -> bool:
+    """One line of code_lines' (where a predicate is asked for: code_lines keeps its test inline, for speed)."""
+    return (i := line.find(" ")) > 0 and line[i + 3 : i + 4] == "x"
+
+
 @dataclass(frozen=True)
 class Mapping:
     """A mapping of a file, as the symbolizer looks addresses up in it."""

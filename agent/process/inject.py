@@ -34,7 +34,8 @@ How a call is made safe:
 Refused, with one line and an exit code: ptrace forbidden (yama ptrace_scope 3, or already traced), a
 target under seccomp (its filter may kill the process on a system call dlopen or the sampler makes), a
 process without glibc's dlopen (static, musl), an allocator linked into the executable (its calls do not go
-through the GOT), a sampler library the target cannot see through its own root (containers).
+through the GOT). A sampler library the target cannot see through its own root (containers) is handed over in a
+memfd, or, with no /proc there either (a bare chroot), by its folder (agent.process.handover).
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ from elftools.elf.elffile import ELFFile
 
 from agent.errors import EnvironmentProblem, NoSafePoint, SamplingRefused, TargetError
 from agent.model.maps import MapsEntry
+from agent.process import handover
 from agent.process.discovery import allocator_of_process, is_libc_name
-from agent.process.procinfo import status_fields, thread_limit
+from agent.process.procinfo import status_fields
 from agent.process.recent import RecentAnswers
 from agent.process.safepoint import RuleLookup, UnsafeRanges, Verdict, examine
 from agent.process.sampler import (
@@ -157,20 +159,21 @@ class Injection:
     # bench/churn.c: about +0.05 µs per malloc+free pair. Callers should say so.
     was_single_threaded: bool = False
     memfd: bool = False  # handed over in a memfd (the process could not see the library's path)
+    folder: bool = False  # loaded from its folder, handed over (no /proc in the process's root either)
 
     @property
     def warnings(self) -> list[str]:
         if not self.was_single_threaded:
             return []
         return [
-            f"process {self.pid} was single-threaded: the sampler's control thread makes its libc's malloc take its "
-            "locks from now on (a few tens of ns per call), also after detaching"
+            f"process {self.pid} was single-threaded: the sampler's control thread (or its try at one) makes its "
+            "libc's malloc take its locks from now on (a few tens of ns per call), also after detaching"
         ]
 
 
 # ---- the stub -----------------------------------------------------------------------------------------
 
-SYS_MMAP, SYS_MPROTECT, SYS_RESTART = 9, 10, 219
+SYS_MMAP, SYS_MPROTECT, SYS_MUNMAP, SYS_RESTART = 9, 10, 11, 219
 PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE, MAP_STACK = 0x02, 0x20, 0x4000, 0x20000
 # Kernel-internal return values of an interrupted system call (include/linux/errno.h).
@@ -283,20 +286,35 @@ def sees_library(pid: int, library: Path, proc_root: str = "/proc") -> bool:
     return (inside.st_dev, inside.st_ino) == (ours.st_dev, ours.st_ino)
 
 
+def needs_folder(pid: int, library: Path, proc_root: str = "/proc") -> bool:
+    """Whether the process gets the library by its folder, handed over (agent.process.handover): it cannot see it
+    through its own root, and has no /proc there for a memfd (a bare chroot)."""
+    return not sees_library(pid, library, proc_root) and not os.path.lexists(f"{proc_root}/{pid}/root/proc/self")
+
+
 def preflight(pid: int, library: Path, proc_root: str = "/proc") -> None:
     """Refuse, with one line, where injecting cannot be made safe."""
     preflight_ptrace(pid)
-    if not sees_library(pid, library, proc_root) and not os.path.lexists(f"{proc_root}/{pid}/root/proc/self"):
+    if needs_folder(pid, library, proc_root) and not handover.same_network_namespace(pid, proc_root):
         raise SamplingRefused(
-            f"process {pid} cannot see the sampler library through its own root, and has no /proc there to be "
-            "handed it through a memfd; use --mode=exact"
+            f"process {pid} cannot see the sampler library through its own root, has no /proc there to be handed "
+            "it through a memfd, and is in another network namespace, where heapscope cannot hand it the library's "
+            "folder; use --mode=exact"
         )
     maps = read_map_lines(pid)
     libc = _libc_mapping(maps)
-    if libc is None or _dlopen_of(open_elf(_seen_as(pid, libc.path, proc_root))) is None:
+    libc_elf = open_elf(_seen_as(pid, libc.path, proc_root)) if libc else None
+    if libc_elf is None or _dlopen_of(libc_elf) is None:
         raise SamplingRefused(
             f"process {pid} has no libc with a dlopen (a static program, or a libc that is neither glibc nor musl); "
             "use --mode=exact"
+        )
+    glibc = libc_elf.find_symbol("gnu_get_libc_version") is not None
+    if needs_folder(pid, library, proc_root) and glibc and libc_elf.find_symbol("pthread_create") is None:
+        raise SamplingRefused(
+            f"process {pid} cannot see the sampler library through its own root and has no /proc there: it is "
+            "handed the library's folder, but its glibc (before 2.34) would need libdl and libpthread loaded from "
+            "inside its root; use --mode=exact"
         )
     allocator = allocator_of_process(pid, proc_root)
     if file_identity(allocator.path) == file_identity(f"{proc_root}/{pid}/exe"):
@@ -853,13 +871,13 @@ def call_function(pid: int, name: str, wait: float = 5.0, proc_root: str = "/pro
 
 
 def _call(pid: int, function: int, wait: float, proc_root: str, rotate: int = 0,
-          allocator: str | None = None) -> tuple[int, int]:
-    """function() (no arguments) run on a thread at a safe point; (rax, thread)."""
+          allocator: str | None = None, args: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+    """function(*args) run on a thread at a safe point; (rax, thread)."""
     stub = _stub()
     syscall_at = _syscall_instruction(pid, proc_root)
     ranges = unsafe_ranges(pid, proc_root, allocator)
     waiter, t, _ = _on_safe_thread(
-        pid, ranges, lambda t: t.run_detached(stub, syscall_at, function, 0, 0, 0), wait, proc_root, rotate
+        pid, ranges, lambda t: t.run_detached(stub, syscall_at, function, *args, 0), wait, proc_root, rotate
     )
     result, _ = waiter()
     return result, t.tid
@@ -896,8 +914,8 @@ REVIVE_SYMBOL = "hs_sampler_revive"
 def revive(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc", allocator: str | None = None) -> bool:
     """Start the sampler again in a forked child of a process it was loaded in (a prefork server's worker, a
     database's backend): the child has the library, but no control thread. Called like dlopen, at a safe point.
-    False where that is not what is wrong (the library failed to start in its own process, or runs).
-    `allocator` as for unsafe_ranges."""
+    False where that is not what is wrong (the library failed to start in its own process, or runs). A child that
+    may start no thread gets its sampler threadless (sampler.py). `allocator` as for unsafe_ranges."""
     library = Path(os.path.realpath(library))
     base = mapped_base(pid, library)
     if base is None:
@@ -905,9 +923,27 @@ def revive(pid: int, library: Path, wait: float = 5.0, proc_root: str = "/proc",
     preflight_ptrace(pid)
     result, _ = _call(pid, base + symbol_value(library, REVIVE_SYMBOL), wait, proc_root, allocator=allocator)
     if result >= 1 << 63 and (1 << 64) - result not in (errno.ENOTSUP, errno.EALREADY):
-        why = thread_limit(pid, proc_root) or os.strerror((1 << 64) - result)
-        raise TargetError(f"process {pid}: its sampler could not be started again: {why}; use --mode=exact")
-    return result == 0
+        raise TargetError(f"process {pid}: its sampler could not be started again: "
+                          f"{os.strerror((1 << 64) - result)}; use --mode=exact")
+    return result in (0, 1)  # 1: threadless
+
+
+SAMPLER_CALL_SYMBOL = "hs_sampler_call"
+
+
+def call_sampler(pid: int, library: Path, request: int, arg: int = 0, wait: float = 5.0, proc_root: str = "/proc",
+                 allocator: str | None = None) -> int:
+    """A request to a threadless sampler (one whose process could start no control thread): hs_sampler_call
+    (request, arg) called on one of its threads at a safe point, like dlopen; its result (negative: -errno).
+    `allocator` as for unsafe_ranges."""
+    library = Path(os.path.realpath(library))
+    base = mapped_base(pid, library)
+    if base is None:
+        raise TargetError(f"the sampler is not loaded in process {pid}")
+    preflight_ptrace(pid)
+    function = base + symbol_value(library, SAMPLER_CALL_SYMBOL)
+    result, _ = _call(pid, function, wait, proc_root, allocator=allocator, args=(request, arg))
+    return result - (1 << 64) if result >= 1 << 63 else result
 
 
 MFD_CLOEXEC = 1
@@ -934,15 +970,21 @@ def inject(
     syscall_at = _syscall_instruction(pid, proc_root)
     started = time.monotonic()
     memfd = None
-    if sees_library(pid, library, proc_root):
+    by_folder = needs_folder(pid, library, proc_root)
+    if by_folder:  # dlopen'ed by its name, from its folder made the thread's working directory meanwhile
+        path = b"./" + os.fsencode(library.name) + b"\0"
+    elif sees_library(pid, library, proc_root):
         path = os.fsencode(library) + b"\0"
     else:
         memfd = _memfd_with(pid, library, stub, syscall_at, ranges, wait, proc_root)
         path = b"/proc/self/fd/%d\0" % memfd
 
     thread = _call_thread(pid, proc_root)
+    entered: list[tuple[int, int]] = []  # (thread, its working directory's descriptor) to put back
 
     def start(t: _Thread) -> Callable[[], tuple[int, int]]:
+        if by_folder:
+            entered.append((t.tid, _enter_folder(t, syscall_at, str(library.parent))))
         return t.run_detached(stub, syscall_at, dlopen_at, -1, RTLD_NOW | RTLD_NODELETE, dlerror_at, path, thread)
 
     try:
@@ -954,6 +996,8 @@ def inject(
             waiter, t, tried = _on_safe_thread(pid, ranges, start, wait, proc_root)
             handle, error = waiter()
     finally:
+        for tid, cwd in entered:
+            _leave_folder(pid, tid, cwd, syscall_at, proc_root)
         if memfd is not None:  # the mapping holds the file now; the descriptor is not the program's to keep
             close_at = _libc_function(pid, "close", proc_root)
             _on_safe_thread(pid, ranges, lambda t: t.run_detached(stub, syscall_at, close_at, memfd, 0, 0), wait,
@@ -961,10 +1005,63 @@ def inject(
     if handle == 0:
         msg = read_memory(pid, error, 512).split(b"\0", 1)[0].decode(errors="replace") if error else "?"
         raise TargetError(f"dlopen of the sampler failed in process {pid}: {msg}")
+    # Single-threaded still (a threadless sampler's process): its libc keeps its fast paths.
+    single = single and not _single_threaded(pid, proc_root)
     return Injection(
         pid, library, False, t.tid, time.monotonic() - started, tried, [s for s, _ in t.deferred], single,
-        memfd=memfd is not None,
+        memfd=memfd is not None, folder=by_folder,
     )
+
+
+class _SyscallsOf:
+    """A seized thread as agent.process.handover.SyscallThread: its system calls made from `saved` registers."""
+
+    def __init__(self, t: _Thread, syscall_at: int, saved: list[int]) -> None:
+        self.t, self.at, self.saved = t, syscall_at, saved
+
+    def call(self, nr: int, *args: int) -> int:
+        return self.t._syscall(self.at, self.saved, nr, *args)
+
+    def write(self, address: int, data: bytes) -> None:
+        self.t.write(address, data)
+
+    def read(self, address: int, n: int) -> bytes:
+        return self.t.read(address, n)
+
+
+def _enter_folder(t: _Thread, syscall_at: int, folder: str) -> int:
+    """handover.enter on seized thread `t` (a page of its own mapped for it, then unmapped); its registers back."""
+    saved = t.regs()
+    try:
+        page = t._map(syscall_at, saved, 4096, 0)
+        try:
+            return handover.enter(_SyscallsOf(t, syscall_at, saved), t.pid, page, folder)
+        finally:
+            t._syscall(syscall_at, saved, SYS_MUNMAP, page, 4096)
+    finally:
+        t.set_regs(saved)
+
+
+def _leave_folder(pid: int, tid: int, cwd: int, syscall_at: int, proc_root: str) -> None:
+    """handover.leave on thread `tid`, seized again wherever it is (two system calls need no safe point)."""
+    try:
+        mem = os.open(f"{proc_root}/{pid}/mem", os.O_RDWR)
+    except OSError:
+        return  # gone: its working directory went with it
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+    t = _Thread(pid, tid, mem)
+    try:
+        if not t.seize():
+            return  # that thread ended: its own filesystem context went with it
+        saved = t.regs()
+        try:
+            handover.leave(_SyscallsOf(t, syscall_at, saved), pid, cwd)
+        finally:
+            t.set_regs(saved)
+    finally:
+        t.release()
+        os.close(mem)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def memfd_name(library: Path) -> str:

@@ -148,7 +148,7 @@ def thread_limit(pid: int, proc: str = "/proc") -> str | None:
     if tasks < int(soft):
         return None
     return (f"its limit on processes (RLIMIT_NPROC, Max processes {soft}) lets it start no thread: user {uid[0]} "
-            f"runs {tasks} tasks already, and the sampler needs a thread of its own")
+            f"runs {tasks} tasks already")
 
 
 def resident_bytes(pid: int | None = None, proc: str = "/proc") -> int:

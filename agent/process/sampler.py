@@ -9,12 +9,17 @@ Control (probes/sampler/hs_sampler.h): heapscope writes a request into `hs_contr
 and the sampler's control thread, which polls it, answers in the same block. Before arming, heapscope takes
 a duplicate of the lease pipe's write end with pidfd_getfd; the sampler then closes its own copy, so that
 heapscope's exit, even by SIGKILL, closes the pipe and the sampler disarms itself.
+
+A process that can start no thread (RLIMIT_NPROC, as haproxy's workers set it; a cgroup's pids.max) gets its
+sampler threadless: each request is a call into it on one of the program's threads at a safe point, made by the
+caller's `call` (agent.process.inject.call_sampler), and its hooks watch the lease at each sample.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import os
 import shutil
@@ -34,7 +39,6 @@ from agent.errors import EnvironmentProblem, TargetError, UsageError
 from agent.model.callcounts import ThreadCalls
 from agent.model.maps import MapsEntry, parse_maps_full
 from agent.process.discovery import ProbePoint, elf_facts
-from agent.process.procinfo import thread_limit
 from agent.symbols.elf import open_elf
 from agent.symbols.placement import choose_offset
 
@@ -63,6 +67,12 @@ MUSL_CFLAGS = (
     ),
     '-DHS_TLS_MODEL="global-dynamic"',
 )
+# glibc 2.34+ in a bare chroot (haproxy's worker): the library is handed its folder (agent.process.handover) and its
+# loader can open nothing from inside the process's root, so it must need only what the process has loaded: libc
+# (2.34 moved dlsym and pthread_create into it, under the old versions the .symver lines ask for too) and not
+# libgcc_s, which -fexceptions' cleanup personality needs. Lost, as in the musl build: the reset of a hook's busy
+# flag when a C++ operator new throws through it.
+BARE_CFLAGS = tuple("-fasynchronous-unwind-tables" if f == "-fexceptions" else f for f in CFLAGS)
 DEFAULT_CACHE_DIR = "/var/cache/heapscope"
 CONTROL_SYMBOL = "hs_control"
 PROBE_FUNCTIONS = ("hs_sample_alloc", "hs_sample_free")
@@ -103,9 +113,9 @@ def calls_total_of(table: bytes) -> ThreadCalls:
     return ThreadCalls(0, **{name: int(v) for name, v in zip(COUNT_FIELDS, sums, strict=True) if name != "tid"})
 
 
-VERSION = 4
-REQ_ARM, REQ_DISARM = 1, 2
-STATE_NAMES = {0: "loading", 1: "idle", 2: "armed", 3: "broken"}
+VERSION = 5
+REQ_ARM, REQ_DISARM, REQ_LEASE, REQ_RESCAN = 1, 2, 3, 4
+STATE_NAMES = {0: "loading", 1: "idle", 2: "armed", 3: "broken", 4: "threadless"}
 DISARM_REASONS = {0: "none", 1: "requested", 2: "controller gone", 3: "lease descriptor lost"}
 
 _SYS_PIDFD_GETFD = 438  # x86_64
@@ -160,10 +170,13 @@ def build_stub(directory: Path | None = None, cc: str = "gcc") -> Path:
 
 
 def build_sampler(directory: Path | None = None, cc: str = "gcc", libc: str = "glibc") -> Path:
-    """The sampler library for the current source and a target's libc ("glibc", or "musl": the same source
-    built with musl-gcc, for musl's loader to load), built if it is not in the cache yet."""
+    """The sampler library for the current source and a target's libc ("glibc"; "musl": the same source
+    built with musl-gcc, for musl's loader to load; "glibc-bare": for glibc 2.34+ in a bare chroot, needing libc
+    alone), built if it is not in the cache yet."""
     if libc == "musl":
         return _build(directory, "musl-gcc", "hs_sampler.c", "libhs_sampler-musl", ".so", MUSL_CFLAGS, MUSL_LIBS)
+    if libc == "glibc-bare":
+        return _build(directory, cc, "hs_sampler.c", "libhs_sampler-bare", ".so", BARE_CFLAGS, ())
     return _build(directory, cc, "hs_sampler.c", "libhs_sampler", ".so", CFLAGS, LIBS)
 
 
@@ -321,6 +334,11 @@ class ControlState:
     def disarm_reason(self) -> str:
         return DISARM_REASONS.get(self.fields["disarm_reason"], str(self.fields["disarm_reason"]))
 
+    @property
+    def threadless(self) -> bool:
+        """No control thread: idle as "threadless", or armed with no control thread's id."""
+        return self.state == "threadless" or (self.state == "armed" and self.fields["control_tid"] == 0)
+
 
 def _pidfd_getfd(pidfd: int, fd: int) -> int:
     got = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
@@ -330,14 +348,21 @@ def _pidfd_getfd(pidfd: int, fd: int) -> int:
     return int(got)
 
 
+# A threadless sampler's request, made by calling into the process: (request, argument) -> result (-errno).
+SamplerCall = Callable[[int, int], int]
+
+
 class SamplerControl:
     """The sampler loaded in one process. Holding the lease (after arm()) keeps it armed; close() or the
-    end of this process lets it go inert."""
+    end of this process lets it go inert. `call` makes a threadless sampler's requests (none: such a sampler
+    cannot be armed from here)."""
 
-    def __init__(self, pid: int, library: Path, timeout: float = 3.0) -> None:
+    def __init__(self, pid: int, library: Path, timeout: float = 3.0, call: SamplerCall | None = None) -> None:
         self.pid = pid
         self.library = library
         self.timeout = timeout
+        self._call = call
+        self.threadless = False  # armed by calls (known from arm() on)
         base = mapped_base(pid, library)
         if base is None:
             raise TargetError(f"the sampler is not loaded in process {pid}")
@@ -373,11 +398,10 @@ class SamplerControl:
             if st["magic"] != MAGIC or st["version"] != VERSION:
                 raise TargetError(f"process {self.pid}: the sampler's control block is not version {VERSION}")
             if st.state == "broken":
-                why = thread_limit(self.pid) or (
-                    "it failed to start, or this process is a forked child of one it was loaded in, which has no "
-                    "control thread")
-                raise TargetError(f"process {self.pid}: the sampler loaded in it cannot run ({why}); use --mode=exact")
-            if st.state != "loading" and st["control_tid"] != 0:
+                raise TargetError(
+                    f"process {self.pid}: the sampler loaded in it cannot run (it failed to start, or this process "
+                    "is a forked child of one it was loaded in, which has no control thread); use --mode=exact")
+            if st.state != "loading" and (st["control_tid"] != 0 or st.threadless):
                 return st
             if time.monotonic() > deadline:
                 raise TargetError(f"process {self.pid}: the sampler's control thread did not start")
@@ -411,10 +435,44 @@ class SamplerControl:
         if isinstance(rate, bool) or not isinstance(rate, int) or not 1 <= rate <= MAX_RATE:
             raise UsageError(f"--sample-rate must be a whole number of bytes from 1 to {MAX_RATE}, not {rate!r}")
         st = self.wait_ready()
+        if st.threadless:
+            return self._arm_threadless(rate)
         if st.state == "armed":
             raise TargetError(f"process {self.pid}: its sampler is already armed by another heapscope")
         if st["lease_fd"] < 0:
             raise TargetError(f"process {self.pid}: the sampler has no lease to give (held by another heapscope)")
+        self._take_lease(st)
+        self._write("sample_rate", rate)
+        st = self._request(REQ_ARM)
+        if st["result"] != 0:
+            self.close()
+            raise TargetError(f"process {self.pid}: the sampler refused to arm: {os.strerror(-st['result'])}")
+        return st
+
+    def _arm_threadless(self, rate: int) -> ControlState:
+        """Arm by calls: a fresh lease (the last heapscope's lost, if it ended armed), taken; then the arming."""
+        if self._call is None:
+            raise TargetError(f"process {self.pid}: its sampler has no control thread and is armed only by calls")
+        self.threadless = True
+        lease = self._call(REQ_LEASE, 0)
+        if lease == -errno.EBUSY:
+            raise TargetError(f"process {self.pid}: its sampler is already armed by another heapscope")
+        if lease < 0:
+            raise TargetError(f"process {self.pid}: the sampler has no lease to give: {os.strerror(-lease)}")
+        self._take_lease(self.read())
+        result = self._call(REQ_ARM, rate)
+        if result != 0:
+            self.close()
+            raise TargetError(f"process {self.pid}: the sampler refused to arm: {os.strerror(-result)}")
+        return self.read()
+
+    def rescan(self) -> None:
+        """Threadless: patch the objects loaded since arming (the control thread's own poll elsewhere)."""
+        if self._call is not None and self.threadless:
+            self._call(REQ_RESCAN, 0)
+
+    def _take_lease(self, st: ControlState) -> None:
+        """A duplicate of the lease's write end, from then on the only one once the sampler arms."""
         pidfd = os.pidfd_open(self.pid)
         try:
             lease = _pidfd_getfd(pidfd, st["lease_fd"])
@@ -426,12 +484,6 @@ class SamplerControl:
             raise TargetError(f"process {self.pid}: the sampler's lease descriptor was taken over by the program")
         os.set_blocking(lease, False)  # its only write is _wake's, which must never wait
         self._lease = lease
-        self._write("sample_rate", rate)
-        st = self._request(REQ_ARM)
-        if st["result"] != 0:
-            self.close()
-            raise TargetError(f"process {self.pid}: the sampler refused to arm: {os.strerror(-st['result'])}")
-        return st
 
     def count_table(self) -> bytes:
         """The per-thread counts since arming as the sampler keeps them (struct hs_counts a slot: read it with
@@ -452,7 +504,13 @@ class SamplerControl:
         return {"allocs": t.allocs, "frees": t.frees, "alloc_bytes": t.alloc_bytes}
 
     def disarm(self) -> ControlState:
-        st = self._request(REQ_DISARM)
+        if self.threadless and self._call is not None:
+            result = self._call(REQ_DISARM, 0)
+            st = self.read()
+            if result != 0:
+                raise TargetError(f"process {self.pid}: the sampler refused to disarm: {os.strerror(-result)}")
+        else:
+            st = self._request(REQ_DISARM)
         self.close()
         return st
 

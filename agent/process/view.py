@@ -64,9 +64,14 @@ class ProcessView:
 
     def mapping(self, m: Mapping) -> Mapping:
         """`m` with its file opened through the process's root, still shown by the process's own name. A memfd
-        (the sampler handed over in one) has no path anywhere: it is opened through /proc/PID/map_files."""
+        (the sampler handed over in one) has no path anywhere, and a file mapped from outside the process's root
+        and mount namespace none there: each is opened through /proc/PID/map_files."""
+        by_mapping = f"{self.proc}/{self.pid}/map_files/{m.start:x}-{m.end:x}"
         if m.path.startswith("/memfd:"):
-            return replace(m, path=f"{self.proc}/{self.pid}/map_files/{m.start:x}-{m.end:x}", shown=m.path)
+            return replace(m, path=by_mapping, shown=m.path)
         if not self.foreign:
             return m
-        return replace(m, path=self.file(m.path), shown=self.inside(m.path))
+        opened = self.file(m.path)
+        if not os.path.exists(opened):  # mapped from outside its root (the sampler's folder, handed over)
+            opened = by_mapping
+        return replace(m, path=opened, shown=self.inside(m.path))

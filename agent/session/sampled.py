@@ -7,6 +7,10 @@ points, arming it once the kernel's probes are live, its exact call counts, and 
   main() until heapscope has armed it (HEAPSCOPE_SAMPLER_HOLD), and puts the environment back first, so the
   program's children see what they would have seen without heapscope.
 
+A process that can start no thread (haproxy's worker sets its RLIMIT_NPROC to 0) gets the sampler threadless: its
+requests are calls at safe points (agent.process.inject.call_sampler), and the objects it loads while armed are
+patched by such a call too, when its maps show new code (the control thread's own poll elsewhere).
+
 Order: the probes on hs_sample_alloc/hs_sample_free are live before the sampler is armed, and it is disarmed
 before they are removed, so no sample is taken without its probe. A failure after arming never leaves the
 sampler armed: disarm() runs on every way out, and the lease makes it disarm itself if heapscope dies.
@@ -23,9 +27,11 @@ from collections.abc import Callable, Sequence
 from agent.errors import HeapscopeError, SamplingRefused, TargetError
 from agent.kernel.interface import SiteReader
 from agent.model.callcounts import ThreadCalls
+from agent.model.maps import is_code_line
 from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint
-from agent.process.inject import inject, revive
+from agent.process.inject import call_sampler, inject, needs_folder, revive
+from agent.process.procinfo import thread_limit
 from agent.process.sampler import (
     COUNTS,
     SamplerControl,
@@ -36,6 +42,7 @@ from agent.process.sampler import (
     loaded_file,
     mapped_base,
     probe_points,
+    read_map_lines,
     thread_calls_of,
 )
 from agent.process.target import TargetProcess, launch
@@ -48,6 +55,11 @@ ARM_WAIT = 10.0  # run: seconds to wait for the program to map the preloaded lib
 COUNTS_FRESH = 0.02
 COUNTS_MANY_SLOTS = 1024
 LARGE_COUNTS_FRESH = 1.0
+# Threadless: its maps' code looked at this often for objects loaded since the last scan; a scan that left lazy
+# slots unbound is made again after twice as long each time, up to LAZY_RESCAN_MAX (each is a call at a safe
+# point: a thread of the program held for a millisecond or two).
+NEW_CODE_EVERY = 2.0
+LAZY_RESCAN_MAX = 64.0
 
 _HOLD_ENV = "HEAPSCOPE_SAMPLER_HOLD"
 _PRELOAD_ENV = "HEAPSCOPE_SAMPLER_LD_PRELOAD"
@@ -90,6 +102,9 @@ class SamplerLink:
         self.say = say
         self.libc = process.allocator.family if process.allocator.family == "musl" else "glibc"
         self.library = build_sampler(libc=self.libc)  # the build for the target's libc
+        if self.libc == "glibc" and not process.launched and needs_folder(self.pid, self.library):
+            self.libc = "glibc-bare"  # a bare chroot's loader can load nothing more than it has
+            self.library = build_sampler(libc=self.libc)
         self.control: SamplerControl | None = None
         self._last_table: bytes | None = None  # the per-thread counts as last read (SamplerControl.count_table)
         self._read_at = 0.0  # when (time.monotonic)
@@ -99,6 +114,10 @@ class SamplerLink:
         self.disarmed_itself: str | None = None  # why the sampler disarmed without being asked, once it has
         self.read_error: str | None = None  # the first read of the sampler that failed while its process lived
         self.delivery = "preloaded"  # how the library reached the target, for /targets
+        self._code: frozenset[tuple[int, int]] = frozenset()  # threadless: the code mappings at its last scan
+        self._next_look = self._next_lazy = 0.0  # threadless: when its maps, and its lazy slots, are due (monotonic)
+        self._lazy_wait = NEW_CODE_EVERY
+        self._rescan_failed = False  # said once
         if not process.launched:
             injection = inject(self.pid, self.library, allocator=process.allocator.path)
             if injection.reused and self._forked_child():
@@ -108,8 +127,11 @@ class SamplerLink:
                 self.delivery = "already loaded, reused"
                 say(f"sampler already loaded in {self.pid}: reused")
             else:
-                self.delivery = "memfd" if injection.memfd else "dlopen by path"
-                how = " (handed over in a memfd: it cannot see the library's path)" if injection.memfd else ""
+                self.delivery = ("memfd" if injection.memfd else "folder handed over" if injection.folder
+                                 else "dlopen by path")
+                how = (" (handed over in a memfd: it cannot see the library's path)" if injection.memfd
+                       else " (from its folder, handed over: it sees neither the library nor a /proc)"
+                       if injection.folder else "")
                 say(f"sampler ({self.libc} build) loaded into {self.pid} by thread {injection.tid} in "
                     f"{injection.seconds * 1000:.0f} ms{how}")
             for line in injection.warnings:
@@ -146,18 +168,49 @@ class SamplerLink:
         span = library_range(self.pid, self.library)
         if span is not None:
             probes.lead_trim = (span,)  # the hooks' frames lead every sampled stack: not the program's
-        control = SamplerControl(self.pid, self.library)
+        control = SamplerControl(self.pid, self.library, call=self._call)
         try:
             st = control.arm(self.rate)
         except BaseException:
             control.close()
             raise
+        if control.threadless:
+            self._code = self._code_now()
+            self._next_look = self._next_lazy = time.monotonic() + NEW_CODE_EVERY
+            why = thread_limit(self.pid) or "it could start none"
+            self.delivery += ", threadless"
+            self.say(f"sampler in {self.pid} runs without a thread of its own ({why}): it is armed, disarmed and "
+                     "rescanned by calls at safe points, and its hooks watch heapscope's lease")
         with self._lock:
             self.control = control
         self.say(
             f"sampler armed in {self.pid}: one sample per {self.rate} bytes on average; "
             f"{st['slots_patched']} allocation slots patched in {st['objects_scanned']} objects"
         )
+
+    def _call(self, request: int, arg: int) -> int:
+        return call_sampler(self.pid, self.library, request, arg, allocator=self.process.allocator.path)
+
+    def _code_now(self) -> frozenset[tuple[int, int]]:
+        """The process's code mappings, by where they start and their inode."""
+        return frozenset((m.start, m.inode) for m in read_map_lines(self.pid, keep=is_code_line))
+
+    def _rescan_if_due(self, control: SamplerControl) -> None:
+        """Threadless: patch what was loaded since the last scan (new code in its maps), and slots left lazy
+        (looked at again after twice as long each time)."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + NEW_CODE_EVERY
+        code = self._code_now()
+        lazy_due = self._last_stats.get("lazy_skipped", 0) > 0 and now >= self._next_lazy
+        if code == self._code and not lazy_due:
+            return
+        # New code starts the lazy slots' wait over; lazy slots alone double it.
+        self._lazy_wait = NEW_CODE_EVERY if code != self._code else min(LAZY_RESCAN_MAX, self._lazy_wait * 2)
+        self._next_lazy = now + self._lazy_wait
+        self._code = code
+        control.rescan()
 
     def arm_in_background(self, probes: SiteReader) -> threading.Thread:
         """`run`: arm from another thread, while the session lets the program go past its exec and loader
@@ -177,9 +230,20 @@ class SamplerLink:
     # ---- reading ---------------------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Read the counts and the statistics, while the target is there (they stay readable after)."""
+        """Read the counts and the statistics, while the target is there (they stay readable after); a
+        threadless sampler is rescanned when due."""
         self._count_table(tick=True)
         self.statistics()
+        control = self.control
+        if control is not None and control.threadless and self.disarmed_itself is None:
+            try:
+                self._rescan_if_due(control)
+            except HeapscopeError as exc:  # no safe point now, or the target gone: tried again at the next look
+                self._code = frozenset()
+                if self.process.alive() and not self._rescan_failed:
+                    self._rescan_failed = True
+                    self.say(f"sampler in {self.pid}: rescan for new objects not made now, tried again every "
+                             f"{NEW_CODE_EVERY:.0f} s ({exc})")
 
     def _count_table(self, tick: bool = False, now: bool = False) -> bytes | None:
         """The per-thread counts: read now for a reader, as read up to COUNTS_FRESH seconds ago for the profile's
@@ -269,4 +333,3 @@ class SamplerLink:
             control.close()
             if self.process.alive():
                 self.say(f"sampler in {self.pid} did not answer the disarm ({exc}); its lease is closed")
-

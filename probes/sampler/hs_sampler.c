@@ -19,6 +19,10 @@
  *   instead (every 50 ms while armed) and patches new objects.
  * - The lease: heapscope holds the only write end of a pipe (taken with pidfd_getfd). When heapscope exits,
  *   even by SIGKILL, the read end reports POLLHUP and the control thread disarms within one poll period.
+ * - A process that can start no thread (RLIMIT_NPROC, a cgroup's pids.max) runs it threadless: heapscope makes
+ *   each request by calling hs_sampler_call on one of the program's threads at a safe point (where the control
+ *   thread would patch, so may it), and the hooks watch the lease at each sample: its loss makes them pass
+ *   everything through (the slots are restored at the next disarm, by a heapscope that calls).
  * - The library is never unloaded (heapscope dlopens it RTLD_NODELETE); arming again reuses it.
  * - Every function that can be on the stack when a probe fires is named hs_*: a stack from hs_sample_alloc
  *   starts with hs_account_slow and an hs_hook_* function, which user space trims as allocation functions.
@@ -108,7 +112,9 @@ static __thread struct thread_state tls __attribute__((tls_model(HS_TLS_MODEL)))
 
 static uint64_t sample_rate = 524288;
 static int armed;
+static int threadless; /* no control thread: requests come as calls (hs_sampler_call), the hooks watch the lease */
 static uint64_t global_seed;
+static uint64_t threadless_lease_lost(void);
 
 /* ---- the real functions and their hooks ------------------------------------------------------------------ */
 enum hook_id {
@@ -429,6 +435,10 @@ EXPORT uint64_t hs_weight(uint64_t size, uint64_t rate)
 
 static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, void *p, size_t n, unsigned fn)
 {
+    /* Threadless, nobody else notices heapscope's end: a sample due looks at the lease (two system calls, once
+     * per sample), and once it is gone every hook passes through. */
+    if (UNLIKELY(LOAD(threadless)) && threadless_lease_lost())
+        return;
     uint64_t rate = LOAD(sample_rate);
     if (UNLIKELY(!t->seeded)) {
         seed_thread(t);
@@ -1141,7 +1151,31 @@ static void disarm(uint64_t reason)
     pthread_mutex_unlock(&patch_lock);
     STORE(hs_control.disarm_reason, reason);
     new_lease(); /* before the state says idle: whoever sees idle can take the new lease */
-    __atomic_store_n(&hs_control.state, HS_STATE_IDLE, __ATOMIC_RELEASE);
+    __atomic_store_n(&hs_control.state, LOAD(threadless) ? HS_STATE_THREADLESS : HS_STATE_IDLE, __ATOMIC_RELEASE);
+}
+
+/* Threadless and armed: whether heapscope's lease is gone (its write end closed, or the descriptor the program's
+ * now), and if so the hooks stop (armed 0; the slots stay patched, passing through). Called from a hook: no lock,
+ * no allocation, nothing that blocks, errno as it was. The first thread to see the loss says why. */
+static uint64_t threadless_lease_lost(void)
+{
+    int saved = errno;
+    uint64_t reason = HS_DISARM_NONE;
+    if (fd_ino(lease_read_fd) != lease_ino) {
+        reason = HS_DISARM_PIPE_LOST;
+    } else {
+        struct pollfd pfd = {.fd = lease_read_fd, .events = 0};
+        if (syscall(SYS_poll, &pfd, 1, 0) > 0 && (pfd.revents & (POLLHUP | POLLERR | POLLNVAL)))
+            reason = HS_DISARM_CONTROLLER_GONE;
+    }
+    errno = saved;
+    int was_armed = 1;
+    if (reason != HS_DISARM_NONE && __atomic_compare_exchange_n(&armed, &was_armed, 0, 0, __ATOMIC_RELAXED,
+                                                                __ATOMIC_RELAXED)) {
+        STORE(hs_control.disarm_reason, reason);
+        __atomic_store_n(&hs_control.state, HS_STATE_THREADLESS, __ATOMIC_RELEASE);
+    }
+    return reason;
 }
 
 static int64_t arm(uint64_t rate)
@@ -1190,6 +1224,42 @@ static void handle_request(void)
     }
     STORE(hs_control.result, result);
     __atomic_store_n(&hs_control.ack_seq, seq, __ATOMIC_RELEASE);
+}
+
+/* A threadless sampler's requests, each a call heapscope makes on one of the program's threads at a safe point
+ * (outside the allocator, the loader, fork and signal handlers: where the control thread patches, as it would).
+ * LEASE gives a fresh lease's write end for heapscope to take (after a heapscope that ended while armed, whose
+ * loss no sample has seen yet: -EBUSY while another still holds it); ARM and DISARM as the control thread does
+ * them; RESCAN patches objects loaded since (the control thread's poll of the loader). */
+EXPORT int64_t hs_sampler_call(uint64_t request, uint64_t rate)
+{
+    if (!LOAD(threadless))
+        return -EPERM; /* a control thread answers requests in this process */
+    if (request == HS_REQ_LEASE) {
+        if (LOAD(armed) && threadless_lease_lost() == HS_DISARM_NONE)
+            return -EBUSY;
+        if (lease_write_fd < 0 || fd_ino(lease_write_fd) != lease_ino) {
+            int rc = new_lease();
+            if (rc != 0)
+                return rc;
+        }
+        return lease_write_fd;
+    }
+    if (request == HS_REQ_ARM)
+        return arm(rate);
+    if (request == HS_REQ_DISARM) {
+        if (LOAD(armed) || LOAD(hs_control.slots_patched))
+            disarm(HS_DISARM_REQUEST); /* also restores the slots of hooks that stopped at a lost lease */
+        return HS_OK;
+    }
+    if (request == HS_REQ_RESCAN) {
+        pthread_mutex_lock(&patch_lock);
+        if (LOAD(armed))
+            scan_all(0);
+        pthread_mutex_unlock(&patch_lock);
+        return HS_OK;
+    }
+    return -EINVAL;
 }
 
 static int holding; /* the program waits in hold_for_arming (run --mode=sampled) */
@@ -1259,6 +1329,7 @@ static void after_fork_in_child(void)
     close_lease();
     STORE(hs_control.lease_fd, (int64_t)-1);
     STORE(hs_control.control_tid, 0);
+    STORE(threadless, 0); /* heapscope's revive decides again */
     /* The parent's control thread may have held it at the fork: nobody here would ever unlock it. */
     pthread_mutex_init(&patch_lock, NULL);
     forked = 1;
@@ -1267,20 +1338,32 @@ static void after_fork_in_child(void)
 
 static int start_control_thread(void);
 
+/* Idle with no control thread: the process may start none. */
+static void become_threadless(void)
+{
+    STORE(threadless, 1);
+    STORE(hs_control.state, HS_STATE_THREADLESS);
+}
+
 /* A forked child (a prefork server's worker, a database's backend) has the library but no control thread.
  * heapscope brings it back by calling this through its injection, at a safe point of one of the child's
- * threads: a new lease, a new control thread, idle until heapscope arms it. The hooks the child inherited
- * pass everything through meanwhile. Returns 0, or -ENOTSUP where the library failed to start in its own
- * process (that is not mended by starting again), -EALREADY where it runs already. */
+ * threads: a new lease, a new control thread (or, where the child may start none, threadless), idle until
+ * heapscope arms it. The hooks the child inherited pass everything through meanwhile. Returns 0 (1:
+ * threadless), or -ENOTSUP where the library failed to start in its own process (that is not mended by starting
+ * again), -EALREADY where it runs already. */
 EXPORT int64_t hs_sampler_revive(void)
 {
     if (!forked)
         return LOAD(hs_control.state) == HS_STATE_BROKEN ? -ENOTSUP : -EALREADY;
     if (LOAD(hs_control.state) != HS_STATE_BROKEN)
         return -EALREADY;
-    if (new_lease() != 0 || start_control_thread() != 0)
+    if (new_lease() != 0)
         return -EAGAIN;
     forked = 0; /* it runs as in a process of its own now; a fork of this one is a child again */
+    if (start_control_thread() != 0) {
+        become_threadless();
+        return 1;
+    }
     STORE(hs_control.state, HS_STATE_IDLE);
     return 0;
 }
@@ -1298,7 +1381,7 @@ static void broken(void)
 static void hold_for_arming(void)
 {
     const char *hold = getenv("HEAPSCOPE_SAMPLER_HOLD");
-    if (!hold)
+    if (!hold || LOAD(threadless)) /* threadless, heapscope arms by a call, which waits for main() anyway */
         return;
     long ms = strtol(hold, NULL, 10);
     const char *preload = getenv("HEAPSCOPE_SAMPLER_LD_PRELOAD");
@@ -1344,8 +1427,9 @@ __attribute__((constructor)) static void hs_sampler_init(void)
         { broken(); return; }
     pthread_atfork(NULL, NULL, after_fork_in_child);
     if (start_control_thread() != 0)
-        { broken(); return; }
-    STORE(hs_control.state, HS_STATE_IDLE);
+        become_threadless();
+    else
+        STORE(hs_control.state, HS_STATE_IDLE);
     hold_for_arming();
 }
 

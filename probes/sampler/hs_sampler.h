@@ -10,13 +10,19 @@
 #include <stdint.h>
 
 #define HS_CONTROL_MAGIC 0x4853534d504c5231ULL /* "HSSMPLR1" */
-#define HS_CONTROL_VERSION 4
+#define HS_CONTROL_VERSION 5
 
-/* request: what heapscope asks for; it writes the request fields, then request_seq (last). */
-enum hs_request { HS_REQ_NONE = 0, HS_REQ_ARM = 1, HS_REQ_DISARM = 2 };
+/* request: what heapscope asks for; it writes the request fields, then request_seq (last). A sampler with no
+ * control thread (HS_STATE_THREADLESS) is asked by a call instead: hs_sampler_call(request, rate), which heapscope
+ * makes on one of the program's threads at a safe point; LEASE and RESCAN are asked only that way. */
+enum hs_request { HS_REQ_NONE = 0, HS_REQ_ARM = 1, HS_REQ_DISARM = 2, HS_REQ_LEASE = 3, HS_REQ_RESCAN = 4 };
 
-/* state, as the sampler's control thread last left it. */
-enum hs_state { HS_STATE_LOADING = 0, HS_STATE_IDLE = 1, HS_STATE_ARMED = 2, HS_STATE_BROKEN = 3 };
+/* state, as the sampler last left it. THREADLESS: loaded and idle, but the process could start no control thread
+ * (its RLIMIT_NPROC, a cgroup's pids.max): heapscope arms it, rescans and disarms it by calls, and armed without a
+ * thread (state ARMED, control_tid 0) its hooks watch the lease themselves, at each sample. */
+enum hs_state {
+    HS_STATE_LOADING = 0, HS_STATE_IDLE = 1, HS_STATE_ARMED = 2, HS_STATE_BROKEN = 3, HS_STATE_THREADLESS = 4
+};
 
 /* Why the sampler last disarmed. */
 enum hs_disarm_reason {

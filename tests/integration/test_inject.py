@@ -157,12 +157,41 @@ def test_a_library_the_target_cannot_see_is_handed_over_in_a_memfd(
         conv.kill()
 
 
-def test_refuses_a_hidden_library_where_the_target_has_no_proc(sampler_lib: Path, build: Callable[..., Path]) -> None:
-    """No /proc in its root (a bare chroot): no path to dlopen a memfd by. One line that says so."""
+def test_a_hidden_library_where_the_target_has_no_proc_is_loaded_from_its_folder_handed_over(
+    sampler_lib: Path, build: Callable[..., Path]
+) -> None:
+    """No /proc in its root (a bare chroot) and the folder hidden: the folder is handed over (a descriptor through an
+    abstract socket) and made the loading thread's working directory for the dlopen, then put back. Nothing of it
+    stays in the process: no descriptor, the same working directory."""
     program = build("sampler_wait.c")
     hide = f"mount -t tmpfs none {sampler_lib.parent} && mount -t tmpfs none /proc && exec {program}"
-    msg = refused(["unshare", "-m", "--propagation", "private", "sh", "-c", hide], sampler_lib)
-    assert "has no /proc there" in msg
+    conv = Conversation(["unshare", "-m", "--propagation", "private", "sh", "-c", hide])
+    try:
+        conv.expect("ready")
+        cwd = os.readlink(f"/proc/{conv.pid}/cwd")
+        fds_before = sorted(os.listdir(f"/proc/{conv.pid}/fd"))
+        injection = inject(conv.pid, sampler_lib)
+        assert injection.folder and not injection.memfd and not injection.reused
+        assert mapped_base(conv.pid, sampler_lib) is not None
+        assert os.readlink(f"/proc/{conv.pid}/cwd") == cwd
+        new = [os.readlink(f"/proc/{conv.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{conv.pid}/fd")
+               if fd not in fds_before]
+        assert len(new) == 2 and all(f.startswith("pipe:") for f in new), new  # the sampler's lease, no more
+        assert inject(conv.pid, sampler_lib).reused
+        conv.say("x")
+        assert conv.finish() == 0
+    finally:
+        conv.kill()
+
+
+def test_refuses_a_hidden_library_where_the_target_has_no_proc_and_another_network(
+    sampler_lib: Path, build: Callable[..., Path]
+) -> None:
+    """The same in a network namespace of its own: no abstract socket of ours reaches it. One line that says so."""
+    program = build("sampler_wait.c")
+    hide = f"mount -t tmpfs none {sampler_lib.parent} && mount -t tmpfs none /proc && exec {program}"
+    msg = refused(["unshare", "-m", "-n", "--propagation", "private", "sh", "-c", hide], sampler_lib)
+    assert "has no /proc there" in msg and "another network namespace" in msg
 
 
 def test_refusal_is_one_line_and_an_exit_code(sampler_lib: Path, build: Callable[..., Path]) -> None:

@@ -250,15 +250,16 @@ def test_refuses_seccomp_an_executable_allocator_and_a_hidden_library(
 ) -> None:
     assert "seccomp" in _refusal(heapscope_cmd, [str(build("sampler_seccomp.c"))], tmp_path)
     assert "linked into its executable" in _refusal(heapscope_cmd, [str(build("sampler_own_malloc.c"))], tmp_path)
-    # A target in its own mount namespace whose view of the sampler's folder is an empty tmpfs (a container), and
-    # which has no /proc to be handed the library through a memfd (a bare chroot). (With a /proc, it is handed
-    # over: tests/integration/test_containers.py.)
+    # A target in its own mount namespace whose view of the sampler's folder is an empty tmpfs (a container), which
+    # has no /proc to be handed the library through a memfd (a bare chroot), and in a network namespace of its own,
+    # where no abstract socket of heapscope's reaches it to hand it the folder. (With a /proc, or in heapscope's
+    # network namespace, it is handed over: tests/integration/test_containers.py, test_inject.py.)
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o755)
     hide = f"mount -t tmpfs none {cache} && mount -t tmpfs none /proc && exec {build('sampler_wait.c')}"
-    line = _refusal(heapscope_cmd, ["unshare", "-m", "--propagation", "private", "sh", "-c", hide], tmp_path,
+    line = _refusal(heapscope_cmd, ["unshare", "-m", "-n", "--propagation", "private", "sh", "-c", hide], tmp_path,
                     env={"HEAPSCOPE_CACHE_DIR": str(cache)})
-    assert "cannot see the sampler library" in line and "has no /proc there" in line
+    assert "cannot see the sampler library" in line and "another network namespace" in line
 
 
 def test_refuses_a_target_already_traced(

@@ -12,7 +12,7 @@ from agent.errors import TargetError
 from agent.process.sampler import SamplerControl, cache_dir, read_map_lines
 
 # The builds in heapscope's cache (agent.process.sampler.build_sampler): one per source and libc.
-LIBRARY = re.compile(r"libhs_sampler(-musl)?-[0-9a-f]+\.so")
+LIBRARY = re.compile(r"libhs_sampler(-musl|-bare)?-[0-9a-f]+\.so")
 
 
 def loaded_sampler(pid: int) -> Path | None:
@@ -47,3 +47,22 @@ def sampler(pid: int) -> tuple[str, str]:
 
 def sampler_state(pid: int) -> str:
     return sampler(pid)[0]
+
+
+def threadless_armed(pid: int) -> bool:
+    """The process's sampler is armed with no control thread of its own (agent.process.sampler: threadless), so
+    that only its next sample sees heapscope's end."""
+    library = loaded_sampler(pid) if os.path.exists(f"/proc/{pid}") else None
+    if library is None:
+        return False
+    try:
+        control = SamplerControl(pid, library)
+    except TargetError:
+        return False
+    try:
+        st = control.read()
+        return st.state == "armed" and st.threadless
+    except (TargetError, OSError):
+        return False
+    finally:
+        control.close()

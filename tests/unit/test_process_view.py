@@ -31,9 +31,9 @@ def test_a_process_of_ours_keeps_plain_paths(tmp_path: Path) -> None:
 def test_a_containers_paths_are_opened_through_its_root_and_shown_as_it_names_them(tmp_path: Path) -> None:
     proc = fake_proc(tmp_path, "/", "mnt:[4026532999]")  # pivot_root'ed: its root reads as "/"
     v = ProcessView.of(7, proc)
-    assert v.foreign and v.file("/usr/bin/redis-server") == f"{proc}/7/root/usr/bin/redis-server"
-    m = v.mapping(Mapping(0x1000, 0x2000, 0, "/usr/bin/redis-server"))
-    assert m.path == f"{proc}/7/root/usr/bin/redis-server" and m.name == "/usr/bin/redis-server"
+    assert v.foreign and v.file("/usr/bin/env") == f"{proc}/7/root/usr/bin/env"
+    m = v.mapping(Mapping(0x1000, 0x2000, 0, "/usr/bin/env"))  # a file there (its root: ours, made up)
+    assert m.path == f"{proc}/7/root/usr/bin/env" and m.name == "/usr/bin/env"
 
 
 def test_a_chroots_doubled_prefix_is_taken_off(tmp_path: Path) -> None:
@@ -55,6 +55,17 @@ def test_a_memfd_is_opened_through_map_files(tmp_path: Path) -> None:
     proc = fake_proc(tmp_path, "/", "mnt:[4026531841]")
     m = ProcessView.of(7, proc).mapping(Mapping(0x7F00, 0x8F00, 0x2000, "/memfd:libhs_sampler-1.so"))
     assert m.path == f"{proc}/7/map_files/7f00-8f00" and m.name == "/memfd:libhs_sampler-1.so"
+
+
+def test_a_file_from_outside_its_root_and_namespace_is_opened_through_map_files(tmp_path: Path) -> None:
+    """The sampler loaded from its folder handed over to a bare chroot in a mount namespace of its own: the maps
+    name it by a path that is nothing through the process's root."""
+    jail = tmp_path / "jail"
+    jail.mkdir()
+    proc = fake_proc(tmp_path, str(jail), "mnt:[4026532999]")
+    name = "/var/cache/heapscope/libhs_sampler-bare-1.so"
+    m = ProcessView.of(7, proc).mapping(Mapping(0x7F00, 0x8F00, 0, name))
+    assert m.path == f"{proc}/7/map_files/7f00-8f00" and m.name == name
 
 
 def test_a_containers_debug_files_are_looked_for_inside_it_first(monkeypatch: pytest.MonkeyPatch) -> None:
