@@ -33,13 +33,16 @@ TIMEOUT = 60
 
 @pytest.fixture
 def limited(build: Callable[..., Path]) -> Iterator[tuple[Conversation, Path]]:
-    """threadless_target as nobody, whose RLIMIT_NPROC of 1 lets it start no thread; and its program."""
+    """threadless_target as nobody, whose RLIMIT_NPROC of 1 lets it start no thread, with plugin.c to load; and its
+    program."""
     with tempfile.TemporaryDirectory() as shared:  # world-readable: the target runs as nobody
         Path(shared).chmod(0o755)
         exe = Path(shutil.copy(build("threadless_target.c"), shared))
-        exe.chmod(0o755)
+        plugin = Path(shutil.copy(build("plugin.c", shared=True), shared))
+        for f in (exe, plugin):
+            f.chmod(0o755)
         conv = Conversation(["prlimit", "--nproc=1:1", "--", "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                             "--clear-groups", str(exe)])
+                             "--clear-groups", str(exe), str(plugin)])
         try:
             conv.expect("ready")
             yield conv, exe
@@ -124,6 +127,34 @@ def test_sampled_attach_to_a_process_at_its_thread_limit_runs_threadless(
     assert last.tree is not None
     at_site = sum(n.bytes for n in last.tree.walk() if n.depth == 1 and "site_block" in n.label)
     assert at_site >= 0.9 * last.heap_B > 0, (at_site, last.heap_B)
+
+
+def test_an_object_loaded_while_armed_threadless_is_patched_by_a_rescan(
+    heapscope_cmd: list[str], limited: tuple[Conversation, Path], tmp_path: Path
+) -> None:
+    """No control thread polls the loader: heapscope sees the new code in the process's maps and asks for a rescan
+    by a call, after which the object's own calls of malloc go through the hooks (counted)."""
+    conv, _ = limited
+    profiler, said = attach(heapscope_cmd, conv.pid, tmp_path / "massif.out")
+    try:
+        watch = control_of(conv.pid)
+        scans = watch.read()["scans"]
+        conv.say("load")
+        conv.expect("loaded")
+        deadline = time.monotonic() + 15
+        while watch.read()["scans"] == scans:
+            assert time.monotonic() < deadline, "no rescan after a library was loaded"
+            time.sleep(0.1)
+        before = watch.counts()["allocs"]
+        conv.say("plugin")
+        conv.expect("plugged")
+        assert watch.counts()["allocs"] - before >= BLOCKS  # plugin_alloc's own malloc calls, through its GOT
+        detach(profiler, said)
+    finally:
+        ended(profiler)
+    watch.close()
+    conv.say("exit")
+    assert conv.finish() == 7
 
 
 def test_threadless_sampler_lets_go_when_heapscope_is_killed(
