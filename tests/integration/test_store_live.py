@@ -527,10 +527,12 @@ def test_full_disk_is_one_clear_error_and_a_metric_and_the_target_runs_on(
                       if line.startswith("heapscope_store_write_errors_total{") and f'pid="{busy.pid}"' in line]
             assert len(errors) == 1 and float(errors[0].rsplit(" ", 1)[1]) >= 3
             # One line for each streak of refused samples, not one a sample. A refused sample leaves no partial
-            # write behind, so a smaller one may still fit in what is left: a streak then ends with "again".
+            # write behind, so a smaller one may still fit in what is left: a streak then ends with "again" (the
+            # last one too, if a sample fitted just before this look).
             log = d.stderr()
             streaks, resumed = log.count("the disk is full"), log.count("again, after")
-            assert streaks == resumed + 1 and streaks < held(client, busy.pid)["write_errors"], log
+            assert streaks >= 1 and streaks - resumed in (0, 1), log
+            assert streaks < held(client, busy.pid)["write_errors"], log
             # The profile goes on (the live snapshot), and so does the target.
             t = time.monotonic()
             wait_for(lambda: busy.allocations_since(t) > 5_000 or busy.proc.poll() is not None, 30,
