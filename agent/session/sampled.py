@@ -118,6 +118,7 @@ class SamplerLink:
         self._next_look = self._next_lazy = 0.0  # threadless: when its maps, and its lazy slots, are due (monotonic)
         self._lazy_wait = NEW_CODE_EVERY
         self._rescan_failed = False  # said once
+        self._calls = threading.Lock()  # threadless: its requests, made one at a time
         if not process.launched:
             injection = inject(self.pid, self.library, allocator=process.allocator.path)
             if injection.reused and self._forked_child():
@@ -189,7 +190,10 @@ class SamplerLink:
         )
 
     def _call(self, request: int, arg: int) -> int:
-        return call_sampler(self.pid, self.library, request, arg, allocator=self.process.allocator.path)
+        # One call at a time: the profile's tick (a rescan) and a detach (the disarm) may come from two threads,
+        # and a thread of the target is seized by one tracer only.
+        with self._calls:
+            return call_sampler(self.pid, self.library, request, arg, allocator=self.process.allocator.path)
 
     def _code_now(self) -> frozenset[tuple[int, int]]:
         """The process's code mappings, by where they start and their inode."""
