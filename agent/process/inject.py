@@ -996,7 +996,7 @@ def inject(
             waiter, t, tried = _on_safe_thread(pid, ranges, start, wait, proc_root)
             handle, error = waiter()
     finally:
-        for tid, cwd in entered:
+        for tid, cwd in reversed(entered):  # last first: a thread entered twice gets its first directory back
             _leave_folder(pid, tid, cwd, syscall_at, proc_root)
         if memfd is not None:  # the mapping holds the file now; the descriptor is not the program's to keep
             close_at = _libc_function(pid, "close", proc_root)

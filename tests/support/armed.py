@@ -49,6 +49,23 @@ def sampler_state(pid: int) -> str:
     return sampler(pid)[0]
 
 
+def allocated_bytes(pid: int) -> int:
+    """The bytes the process's sampler has counted allocated since it was armed (every call, exactly); 0 without one."""
+    library = loaded_sampler(pid) if os.path.exists(f"/proc/{pid}") else None
+    if library is None:
+        return 0
+    try:
+        control = SamplerControl(pid, library)
+    except TargetError:
+        return 0
+    try:
+        return control.counts()["alloc_bytes"]
+    except (TargetError, OSError):
+        return 0
+    finally:
+        control.close()
+
+
 def threadless_armed(pid: int) -> bool:
     """The process's sampler is armed with no control thread of its own (agent.process.sampler: threadless), so
     that only its next sample sees heapscope's end."""
