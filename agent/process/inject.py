@@ -295,7 +295,8 @@ def needs_folder(pid: int, library: Path, proc_root: str = "/proc") -> bool:
 def preflight(pid: int, library: Path, proc_root: str = "/proc") -> None:
     """Refuse, with one line, where injecting cannot be made safe."""
     preflight_ptrace(pid)
-    if needs_folder(pid, library, proc_root) and not handover.same_network_namespace(pid, proc_root):
+    by_folder = needs_folder(pid, library, proc_root)
+    if by_folder and not handover.same_network_namespace(pid, proc_root):
         raise SamplingRefused(
             f"process {pid} cannot see the sampler library through its own root, has no /proc there to be handed "
             "it through a memfd, and is in another network namespace, where heapscope cannot hand it the library's "
@@ -310,7 +311,7 @@ def preflight(pid: int, library: Path, proc_root: str = "/proc") -> None:
             "use --mode=exact"
         )
     glibc = libc_elf.find_symbol("gnu_get_libc_version") is not None
-    if needs_folder(pid, library, proc_root) and glibc and libc_elf.find_symbol("pthread_create") is None:
+    if by_folder and glibc and libc_elf.find_symbol("pthread_create") is None:
         raise SamplingRefused(
             f"process {pid} cannot see the sampler library through its own root and has no /proc there: it is "
             "handed the library's folder, but its glibc (before 2.34) would need libdl and libpthread loaded from "

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from agent.errors import TargetError
 from agent.process.sampler import SamplerControl, cache_dir, read_map_lines
 
 # The builds in heapscope's cache (agent.process.sampler.build_sampler): one per source and libc.
+T = TypeVar("T")
+
 LIBRARY = re.compile(r"libhs_sampler(-musl|-bare)?-[0-9a-f]+\.so")
 
 
@@ -49,37 +53,30 @@ def sampler_state(pid: int) -> str:
     return sampler(pid)[0]
 
 
-def allocated_bytes(pid: int) -> int:
-    """The bytes the process's sampler has counted allocated since it was armed (every call, exactly); 0 without one."""
-    library = loaded_sampler(pid) if os.path.exists(f"/proc/{pid}") else None
-    if library is None:
-        return 0
+def _read_sampler(pid: int, read: Callable[[SamplerControl], T]) -> T | None:
+    """read(control) of the process's sampler; None when none is loaded or the process is gone."""
     try:
+        library = loaded_sampler(pid)
+        if library is None:
+            return None
         control = SamplerControl(pid, library)
     except TargetError:
-        return 0
+        return None
     try:
-        return control.counts()["alloc_bytes"]
+        return read(control)
     except (TargetError, OSError):
-        return 0
+        return None
     finally:
         control.close()
+
+
+def allocated_bytes(pid: int) -> int:
+    """The bytes the process's sampler has counted allocated since it was armed (every call, exactly); 0 without one."""
+    return _read_sampler(pid, lambda control: control.counts()["alloc_bytes"]) or 0
 
 
 def threadless_armed(pid: int) -> bool:
     """The process's sampler is armed with no control thread of its own (agent.process.sampler: threadless), so
     that only its next sample sees heapscope's end."""
-    library = loaded_sampler(pid) if os.path.exists(f"/proc/{pid}") else None
-    if library is None:
-        return False
-    try:
-        control = SamplerControl(pid, library)
-    except TargetError:
-        return False
-    try:
-        st = control.read()
-        return st.state == "armed" and st.threadless
-    except (TargetError, OSError):
-        return False
-    finally:
-        control.close()
+    st = _read_sampler(pid, SamplerControl.read)
+    return st is not None and st.state == "armed" and st.threadless
