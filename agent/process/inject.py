@@ -41,14 +41,16 @@ memfd, or, with no /proc there either (a bare chroot), by its folder (agent.proc
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import errno
 import functools
 import os
 import signal
 import struct
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -100,6 +102,7 @@ REG_NAMES = (
 )  # fmt: skip
 REG = {name: i for i, name in enumerate(REG_NAMES)}
 RED_ZONE = 128
+WAIT_SPIN = 0.002  # seconds a stop is polled for without sleeping (_Thread._wait)
 XSTATE_MAX = 16384
 SIGINFO_SIZE = 128
 EFLAGS_TF, EFLAGS_DF = 0x100, 0x400
@@ -522,7 +525,12 @@ class _Thread:
         self.deferred.append((sig, bytes(info)))
 
     def _wait(self, timeout: float) -> int | None:
-        deadline = time.monotonic() + timeout
+        # The thread is held stopped until its stop is seen here: a stop that comes at once (an interrupt, a single
+        # step over a system call) is polled for without sleeping for the first WAIT_SPIN seconds. Sleeping from
+        # the start, each of an injection's stops lasted some 0.6 ms more, and a database's backend held a lock
+        # all its clients waited for (bench/target_stops.py measures the stops).
+        now = time.monotonic()
+        deadline, spin_until = now + timeout, now + WAIT_SPIN
         while True:
             try:
                 got, status = os.waitpid(self.tid, WALL | os.WNOHANG)
@@ -533,9 +541,13 @@ class _Thread:
                     self.seized = False
                     raise TargetError(f"process {self.pid} exited during the injection")
                 return status
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 return None
-            time.sleep(0.0005)
+            if now < spin_until:
+                os.sched_yield()  # the other core's thread may be the one about to stop
+            else:
+                time.sleep(0.0005)
 
     def regs(self) -> list[int]:
         buf = (ctypes.c_ulonglong * len(REG_NAMES))()
@@ -735,6 +747,30 @@ def _libc_function(pid: int, name: str, proc_root: str) -> int:
     return _libc_functions(pid, (name,), proc_root)[0]
 
 
+HOLDING_NICE = -10  # the injecting thread's nice while it may hold a target's thread stopped (_holding_priority)
+
+
+@contextlib.contextmanager
+def _holding_priority() -> Iterator[None]:
+    """The calling thread runs at HOLDING_NICE meanwhile: a target thread it seized stays stopped until it lets it
+    go, and on cores the service keeps busy a thread of normal weight waited its turn in the middle of that. Under
+    pgbench on two cores, a new backend's injection held it stopped 6-18 ms in all (3-4 ms with this), while it
+    could hold the row lock every other client waited for. Without the right to raise it (no CAP_SYS_NICE), as
+    it was."""
+    me = threading.get_native_id()
+    try:
+        before = os.getpriority(os.PRIO_PROCESS, me)
+        os.setpriority(os.PRIO_PROCESS, me, min(before, HOLDING_NICE))
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, me, before)
+
+
 def _on_safe_thread(
     pid: int, ranges: UnsafeRanges, work: Callable[[_Thread], T], wait: float, proc_root: str, rotate: int = 0
 ) -> tuple[T, _Thread, int]:
@@ -754,27 +790,29 @@ def _on_safe_thread(
     # restore it: hold them until the thread is released.
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
     try:
-        while time.monotonic() < deadline:
-            tids = sorted(int(t) for t in os.listdir(f"{proc_root}/{pid}/task"))
-            k = rotate % len(tids) if tids else 0
-            for tid in tids[k:] + tids[:k]:
-                t = _Thread(pid, tid, mem)
-                try:
-                    if not t.seize():
-                        continue
-                    verdict = found[tid] = _verdict(t, ranges, maps, rules)
-                    if not verdict.safe:
-                        tried += 1
-                        continue
-                    return work(t), t, tried
-                except OSError as exc:  # ptrace or /proc/PID/mem refused something: one line, not a traceback
-                    raise TargetError(f"injecting into thread {tid} of process {pid} failed: {exc.strerror}") from exc
-                finally:
-                    t.release()
-            time.sleep(0.01)
-            fresh = read_map_lines(pid)
-            if fresh != maps:  # a library loaded or unloaded meanwhile: the rules follow
-                maps, rules = fresh, _FrameRules(pid, fresh, proc_root)
+        with _holding_priority():
+            while time.monotonic() < deadline:
+                tids = sorted(int(t) for t in os.listdir(f"{proc_root}/{pid}/task"))
+                k = rotate % len(tids) if tids else 0
+                for tid in tids[k:] + tids[:k]:
+                    t = _Thread(pid, tid, mem)
+                    try:
+                        if not t.seize():
+                            continue
+                        verdict = found[tid] = _verdict(t, ranges, maps, rules)
+                        if not verdict.safe:
+                            tried += 1
+                            continue
+                        return work(t), t, tried
+                    except OSError as exc:  # ptrace or /proc/PID/mem refused something: one line, not a traceback
+                        why = exc.strerror
+                        raise TargetError(f"injecting into thread {tid} of process {pid} failed: {why}") from exc
+                    finally:
+                        t.release()
+                time.sleep(0.01)
+                fresh = read_map_lines(pid)
+                if fresh != maps:  # a library loaded or unloaded meanwhile: the rules follow
+                    maps, rules = fresh, _FrameRules(pid, fresh, proc_root)
         threads = "; ".join(v.describe(tid) for tid, v in sorted(found.items())) or "no thread could be seized"
         raise NoSafePoint(
             f"no thread of process {pid} reached a safe point (outside the allocator and the loader) in {wait:.0f} s: "

@@ -191,9 +191,20 @@ def libc_of_program(path: str) -> str:
     return "musl" if "ld-musl" in (elf_facts(path).interp or "") else "glibc"
 
 
+_compilers_found: set[str] = set()
+
+
+def _compiler_found(cc: str) -> bool:
+    """Whether `cc` is on the PATH; once found, not looked for again (a PATH walk at each target's attach, twice
+    for each new worker of a prefork server). Not found is looked for again: it may be installed meanwhile."""
+    if cc not in _compilers_found and shutil.which(cc) is not None:
+        _compilers_found.add(cc)
+    return cc in _compilers_found
+
+
 def _build(directory: Path | None, cc: str, source: str, stem: str, suffix: str, flags: tuple[str, ...],
            libs: tuple[str, ...]) -> Path:
-    if shutil.which(cc) is None:
+    if not _compiler_found(cc):
         package = " (musl-tools), for a musl process," if cc == "musl-gcc" else ""
         raise EnvironmentProblem(f"sampled mode builds its sampler with {cc}{package} which is not installed")
     directory = directory or cache_dir()

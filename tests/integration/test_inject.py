@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from agent.errors import TargetError
-from agent.process.inject import XSTATE_MAX, call_function, inject, load_stub
+from agent.process import inject as inject_module
+from agent.process.inject import HOLDING_NICE, XSTATE_MAX, call_function, inject, load_stub
 from agent.process.sampler import SamplerControl, build_sampler, build_stub, mapped_base
 from tests.support.capability import require, unavailable
 from tests.support.conversation import Conversation
@@ -91,6 +93,36 @@ def test_calls_on_every_thread_and_arm_cycles_change_nothing(
         assert final["arm_count"] == 10
         finish_stress(conv)
     finally:
+        conv.kill()
+
+
+def test_a_seized_thread_is_held_at_a_raised_priority_and_the_priority_given_back(
+    build: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a thread of the target is seized, the injecting thread runs at HOLDING_NICE (on cores the service keeps
+    busy it does not wait its turn with the thread stopped); afterwards at its own nice again, whatever it was."""
+    require("root")
+    conv = Conversation([str(build("attach_target.c"))])
+    me = threading.get_native_id()
+    seen: list[int] = []
+    judge = inject_module._verdict
+
+    def watched(*args: object, **kw: object) -> object:
+        seen.append(os.getpriority(os.PRIO_PROCESS, me))  # the target's thread is stopped now
+        return judge(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(inject_module, "_verdict", watched)
+    own = os.getpriority(os.PRIO_PROCESS, me)
+    try:
+        conv.expect("ready")
+        for nice in (5, own):
+            os.setpriority(os.PRIO_PROCESS, me, nice)
+            rax, _ = call_function(conv.pid, "getpid")
+            assert rax == conv.pid
+            assert seen[-1] == HOLDING_NICE
+            assert os.getpriority(os.PRIO_PROCESS, me) == nice
+    finally:
+        os.setpriority(os.PRIO_PROCESS, me, own)
         conv.kill()
 
 
