@@ -754,9 +754,9 @@ HOLDING_NICE = -10  # the injecting thread's nice while it may hold a target's t
 def _holding_priority() -> Iterator[None]:
     """The calling thread runs at HOLDING_NICE meanwhile: a target thread it seized stays stopped until it lets it
     go, and on cores the service keeps busy a thread of normal weight waited its turn in the middle of that. Under
-    pgbench on two cores, a new backend's injection held it stopped 6-18 ms in all (3-4 ms with this), while it
-    could hold the row lock every other client waited for. Without the right to raise it (no CAP_SYS_NICE), as
-    it was."""
+    pgbench on two cores, a new backend was held stopped some 5 ms in all (about 3 ms with this and the polling of
+    _Thread._wait), while it could hold the row lock every other client waited for. Without the right to raise it
+    (no CAP_SYS_NICE), as it was."""
     me = threading.get_native_id()
     try:
         before = os.getpriority(os.PRIO_PROCESS, me)
