@@ -758,17 +758,18 @@ def _holding_priority() -> Iterator[None]:
     _Thread._wait), while it could hold the row lock every other client waited for. Without the right to raise it
     (no CAP_SYS_NICE), as it was."""
     me = threading.get_native_id()
+    own = os.getpriority(os.PRIO_PROCESS, me)
+    before: int | None = own
     try:
-        before = os.getpriority(os.PRIO_PROCESS, me)
-        os.setpriority(os.PRIO_PROCESS, me, min(before, HOLDING_NICE))
+        os.setpriority(os.PRIO_PROCESS, me, min(own, HOLDING_NICE))
     except OSError:
-        yield
-        return
+        before = None  # not raised: nothing to give back
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, me, before)
+        if before is not None:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, me, before)
 
 
 def _on_safe_thread(
