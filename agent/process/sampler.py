@@ -8,7 +8,10 @@ file and a loaded old one is never overwritten. `scripts/setup.sh sampler` build
 Control (probes/sampler/hs_sampler.h): heapscope writes a request into `hs_control` through /proc/PID/mem
 and the sampler's control thread, which polls it, answers in the same block. Before arming, heapscope takes
 a duplicate of the lease pipe's write end with pidfd_getfd; the sampler then closes its own copy, so that
-heapscope's exit, even by SIGKILL, closes the pipe and the sampler disarms itself.
+heapscope's exit, even by SIGKILL, closes the pipe and the sampler disarms itself. A child forked while its
+parent was armed stays armed from its fork on, threadless, on the same lease (it has a copy of the read end):
+heapscope takes a share of the parent's (HeldLeases), so that detaching the parent keeps its profiled children
+armed, and the pipe closes when the last of them lets go.
 
 A process that can start no thread (RLIMIT_NPROC, as haproxy's workers set it; a cgroup's pids.max) gets its
 sampler threadless: each request is a call into it on one of the program's threads at a safe point, made by the
@@ -27,6 +30,7 @@ import stat
 import struct
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,7 +89,7 @@ CONTROL_FIELDS: tuple[tuple[str, str], ...] = (
     ("objects_scanned", "Q"), ("scans", "Q"), ("samples", "Q"), ("sampled_frees", "Q"), ("set_full", "Q"),
     ("realloc_failed_sampled", "Q"), ("control_tid", "Q"), ("hooks_resolved", "Q"), ("lazy_skipped", "Q"),
     ("counts_address", "Q"),
-    ("counts_used", "Q"),
+    ("counts_used", "Q"), ("forked_armed", "Q"),
 )  # fmt: skip
 CONTROL_FORMAT = "<" + "".join(f for _, f in CONTROL_FIELDS)
 CONTROL_SIZE = struct.calcsize(CONTROL_FORMAT)
@@ -113,8 +117,9 @@ def calls_total_of(table: bytes) -> ThreadCalls:
     return ThreadCalls(0, **{name: int(v) for name, v in zip(COUNT_FIELDS, sums, strict=True) if name != "tid"})
 
 
-VERSION = 5
+VERSION = 6
 REQ_ARM, REQ_DISARM, REQ_LEASE, REQ_RESCAN = 1, 2, 3, 4
+FORKED_ARMED, FORKED_CLAIMED = 1, 2  # forked_armed (enum hs_forked)
 STATE_NAMES = {0: "loading", 1: "idle", 2: "armed", 3: "broken", 4: "threadless"}
 DISARM_REASONS = {0: "none", 1: "requested", 2: "controller gone", 3: "lease descriptor lost"}
 
@@ -359,6 +364,56 @@ def _pidfd_getfd(pidfd: int, fd: int) -> int:
     return int(got)
 
 
+class HeldLeases:
+    """The write ends of the leases this heapscope holds, by the pipe's inode, each with how many samplers it keeps
+    armed: a parent's, and those of its children forked while it was armed, which watch the same pipe. The pipe is
+    closed when the last of them lets go."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, list[int]] = {}  # inode -> [descriptor, users]
+
+    def hold(self, ino: int, fd: int) -> int:
+        """A lease just taken: the descriptor that stands for it. A second descriptor of a pipe held already (its
+        inode cannot be another pipe's while one is open) only counts one user more."""
+        with self._lock:
+            entry = self._held.get(ino)
+            if entry is None:
+                self._held[ino] = [fd, 1]
+                return fd
+            entry[1] += 1
+        os.close(fd)
+        return entry[0]
+
+    def share(self, ino: int) -> int | None:
+        """One user more of a lease held: its descriptor; None if this heapscope does not hold it."""
+        with self._lock:
+            entry = self._held.get(ino)
+            if entry is None:
+                return None
+            entry[1] += 1
+            return entry[0]
+
+    def holds(self, ino: int) -> bool:
+        with self._lock:
+            return ino in self._held
+
+    def release(self, ino: int) -> None:
+        """One user fewer; the last one closes the pipe (every sampler on it lets go)."""
+        with self._lock:
+            entry = self._held.get(ino)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del self._held[ino]
+        os.close(entry[0])
+
+
+LEASES = HeldLeases()
+
+
 # A threadless sampler's request, made by calling into the process: (request, argument) -> result (-errno).
 SamplerCall = Callable[[int, int], int]
 
@@ -374,6 +429,7 @@ class SamplerControl:
         self.timeout = timeout
         self._call = call
         self.threadless = False  # armed by calls (known from arm() on)
+        self.inherited = False  # armed since its fork, on its parent's lease (known from arm() on)
         base = mapped_base(pid, library)
         if base is None:
             raise TargetError(f"the sampler is not loaded in process {pid}")
@@ -384,6 +440,7 @@ class SamplerControl:
         except OSError as exc:
             raise TargetError(f"cannot open the memory of process {pid}: {exc.strerror}") from exc
         self._lease: int | None = None
+        self._lease_ino = 0
 
     def read(self) -> ControlState:
         raw = os.pread(self._mem, CONTROL_SIZE, self.address)
@@ -446,6 +503,15 @@ class SamplerControl:
         if isinstance(rate, bool) or not isinstance(rate, int) or not 1 <= rate <= MAX_RATE:
             raise UsageError(f"--sample-rate must be a whole number of bytes from 1 to {MAX_RATE}, not {rate!r}")
         st = self.wait_ready()
+        if st.state == "armed" and st["forked_armed"] and self._share_lease(st):
+            self.threadless = True
+            if st["sample_rate"] == rate:
+                self.inherited = True
+                return st
+            # Armed at its parent's rate, not this profile's: armed again at this one.
+            self._disarm_by_call()
+            self._release_lease()
+            return self._arm_threadless(rate)
         if st.threadless:
             return self._arm_threadless(rate)
         if st.state == "armed":
@@ -482,6 +548,27 @@ class SamplerControl:
         if self._call is not None and self.threadless:
             self._call(REQ_RESCAN, 0)
 
+    def _share_lease(self, st: ControlState) -> bool:
+        """A child forked while its parent was armed under a lease this heapscope holds: a share of it, and the
+        child claimed (another heapscope's LEASE call no longer takes it over)."""
+        if self._call is None:
+            return False  # requests to it are calls, which this control cannot make
+        fd = LEASES.share(st["lease_ino"])
+        if fd is None:
+            return False
+        self._lease, self._lease_ino = fd, st["lease_ino"]
+        self._write("forked_armed", FORKED_CLAIMED)
+        now = self.read()
+        if now.state != "armed" or now["lease_ino"] != st["lease_ino"]:  # taken over meanwhile
+            self._release_lease()
+            return False
+        return True
+
+    def _release_lease(self) -> None:
+        if self._lease is not None:
+            self._lease = None
+            LEASES.release(self._lease_ino)
+
     def _take_lease(self, st: ControlState) -> None:
         """A duplicate of the lease's write end, from then on the only one once the sampler arms."""
         pidfd = os.pidfd_open(self.pid)
@@ -494,7 +581,7 @@ class SamplerControl:
             os.close(lease)  # the program reused that descriptor number: not our pipe
             raise TargetError(f"process {self.pid}: the sampler's lease descriptor was taken over by the program")
         os.set_blocking(lease, False)  # its only write is _wake's, which must never wait
-        self._lease = lease
+        self._lease, self._lease_ino = LEASES.hold(fst.st_ino, lease), fst.st_ino
 
     def count_table(self) -> bytes:
         """The per-thread counts since arming as the sampler keeps them (struct hs_counts a slot: read it with
@@ -515,14 +602,16 @@ class SamplerControl:
         return {"allocs": t.allocs, "frees": t.frees, "alloc_bytes": t.alloc_bytes}
 
     def disarm(self) -> ControlState:
-        if self.threadless and self._call is not None:
-            result = self._call(REQ_DISARM, 0)
-            st = self.read()
-            if result != 0:
-                raise TargetError(f"process {self.pid}: the sampler refused to disarm: {os.strerror(-result)}")
-        else:
-            st = self._request(REQ_DISARM)
+        st = self._disarm_by_call() if self.threadless and self._call is not None else self._request(REQ_DISARM)
         self.close()
+        return st
+
+    def _disarm_by_call(self) -> ControlState:
+        assert self._call is not None
+        result = self._call(REQ_DISARM, 0)
+        st = self.read()
+        if result != 0:
+            raise TargetError(f"process {self.pid}: the sampler refused to disarm: {os.strerror(-result)}")
         return st
 
     def descriptors(self) -> str:
@@ -537,9 +626,7 @@ class SamplerControl:
         return ", ".join(out)
 
     def close(self) -> None:
-        if self._lease is not None:
-            os.close(self._lease)
-            self._lease = None
+        self._release_lease()
         if self._mem >= 0:
             os.close(self._mem)
             self._mem = -1

@@ -34,6 +34,7 @@ from agent.process.inject import call_sampler, inject, needs_folder, revive
 from agent.process.procinfo import thread_limit
 from agent.process.sampler import (
     COUNTS,
+    LEASES,
     SamplerControl,
     build_sampler,
     calls_total_of,
@@ -121,7 +122,12 @@ class SamplerLink:
         self._calls = threading.Lock()  # threadless: its requests, made one at a time
         if not process.launched:
             injection = inject(self.pid, self.library, allocator=process.allocator.path)
-            if injection.reused and self._forked_child():
+            forked = self._forked_child() if injection.reused else None
+            if forked == "armed":
+                self.delivery = "inherited armed from its parent"
+                say(f"sampler inherited armed by {self.pid} from the process it was forked from: sampled since its "
+                    "fork, with no stop")
+            elif forked == "revived":
                 self.delivery = "inherited from its parent, started again"
                 say(f"sampler inherited by {self.pid} from the process it was forked from: started again")
             elif injection.reused:
@@ -140,16 +146,21 @@ class SamplerLink:
         loaded_as = None if process.launched else loaded_file(self.pid, self.library)
         self.points: list[ProbePoint] = probe_points(self.library, loaded_as)
 
-    def _forked_child(self) -> bool:
-        """The library is there but cannot run: a forked child's copy (a prefork worker, a backend) is started
-        again; True when it was."""
+    def _forked_child(self) -> str | None:
+        """A forked child's copy of the library (a prefork worker, a backend): "armed" when it was forked while its
+        parent was armed under this heapscope's lease (it samples since its fork: arm() takes a share of the
+        lease, nothing stops it); "revived" when it was forked while not armed, and is started again; None when it
+        is neither."""
         control = SamplerControl(self.pid, self.library)
         try:
-            if control.read().state != "broken":
-                return False
+            st = control.read()
         finally:
             control.close()
-        return revive(self.pid, self.library, allocator=self.process.allocator.path)
+        if st.state == "armed" and st["forked_armed"] and LEASES.holds(st["lease_ino"]):
+            return "armed"
+        if st.state == "broken" and revive(self.pid, self.library, allocator=self.process.allocator.path):
+            return "revived"
+        return None
 
     def describe(self) -> str:
         """Which build of the sampler the target got, and how: "glibc build, memfd"."""
@@ -178,14 +189,21 @@ class SamplerLink:
         if control.threadless:
             self._code = self._code_now()
             self._next_look = self._next_lazy = time.monotonic() + NEW_CODE_EVERY
-            why = thread_limit(self.pid) or "it could start none"
             self.delivery += ", threadless"
-            self.say(f"sampler in {self.pid} runs without a thread of its own ({why}): it is armed, disarmed and "
-                     "rescanned by calls at safe points, and its hooks watch heapscope's lease")
+            if control.inherited:
+                # Its parent's control thread bound and patched its slots before the fork: lazy ones left are
+                # looked at again only in a child that lives long (each look holds one of its threads).
+                self._lazy_wait = LAZY_RESCAN_MAX
+                self._next_lazy = time.monotonic() + LAZY_RESCAN_MAX
+            else:
+                why = thread_limit(self.pid) or "it could start none"
+                self.say(f"sampler in {self.pid} runs without a thread of its own ({why}): it is armed, disarmed and "
+                         "rescanned by calls at safe points, and its hooks watch heapscope's lease")
         with self._lock:
             self.control = control
+        since = " since its fork (its parent's lease; disarmed and rescanned by calls)" if control.inherited else ""
         self.say(
-            f"sampler armed in {self.pid}: one sample per {self.rate} bytes on average; "
+            f"sampler armed in {self.pid}{since}: one sample per {self.rate} bytes on average; "
             f"{st['slots_patched']} allocation slots patched in {st['objects_scanned']} objects"
         )
 

@@ -444,8 +444,13 @@ static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, vo
         seed_thread(t);
         t->remaining = draw_distance(t, rate);
     }
+    /* A child forked while armed reports its samples only once heapscope has claimed it, after putting its own
+     * probes on it: until then the probe functions' code may be the parent's, as the kernel's uprobe left it
+     * (patched into a call that only the parent's probe set up), and a process the kernel does not trace must
+     * not run it. Its countdown runs on meanwhile: the sampling stays as it would be. */
+    int report = LIKELY(LOAD(hs_control.forked_armed) != HS_FORKED_ARMED);
     if (n >= rate) { /* always sampled, at its size; the countdown is left alone */
-        if (p) {
+        if (p && report) {
             set_insert((uintptr_t)p);
             ADD(hs_control.samples, 1);
             hs_sample_alloc(p, n, n, fn);
@@ -456,7 +461,7 @@ static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, vo
     if (t->remaining > 0)
         return;
     t->remaining = draw_distance(t, rate);
-    if (p && n) {
+    if (p && n && report) {
         set_insert((uintptr_t)p);
         ADD(hs_control.samples, 1);
         hs_sample_alloc(p, n, hs_weight(n, rate), fn);
@@ -1150,6 +1155,7 @@ static void disarm(uint64_t reason)
     STORE(hs_control.slots_patched, 0);
     pthread_mutex_unlock(&patch_lock);
     STORE(hs_control.disarm_reason, reason);
+    STORE(hs_control.forked_armed, 0);
     new_lease(); /* before the state says idle: whoever sees idle can take the new lease */
     __atomic_store_n(&hs_control.state, LOAD(threadless) ? HS_STATE_THREADLESS : HS_STATE_IDLE, __ATOMIC_RELEASE);
 }
@@ -1198,6 +1204,7 @@ static int64_t arm(uint64_t rate)
     STORE(hs_control.set_full, 0);
     STORE(hs_control.realloc_failed_sampled, 0);
     STORE(sample_rate, rate);
+    STORE(hs_control.sample_rate, rate); /* the rate in force, also when armed by a call (a forked child reads it) */
     pthread_mutex_lock(&patch_lock);
     STORE(armed, 1);
     scan_all(0);
@@ -1236,6 +1243,10 @@ EXPORT int64_t hs_sampler_call(uint64_t request, uint64_t rate)
     if (!LOAD(threadless))
         return -EPERM; /* a control thread answers requests in this process */
     if (request == HS_REQ_LEASE) {
+        /* Armed since its fork on its parent's lease, and profiled by no heapscope (none claimed it): this one
+         * takes it over. */
+        if (LOAD(armed) && LOAD(hs_control.forked_armed) == HS_FORKED_ARMED)
+            disarm(HS_DISARM_REQUEST);
         if (LOAD(armed) && threadless_lease_lost() == HS_DISARM_NONE)
             return -EBUSY;
         if (lease_write_fd < 0 || fd_ino(lease_write_fd) != lease_ino) {
@@ -1316,22 +1327,46 @@ static void *control_thread(void *arg)
     return NULL;
 }
 
-/* In a forked child there is no control thread: the hooks stay in place but pass everything through
- * (restoring slots needs the loader's lock, which another thread may have held at the fork), and the child
- * drops its copies of the lease, so that it never keeps a dead heapscope's lease open. A child made by a raw
- * clone() without glibc's fork keeps them until it execs (they are close-on-exec). */
+/* A forked child has no control thread. Forked while armed under heapscope's lease (a prefork server's new
+ * worker, a database's new backend), it stays armed, threadless: its hooks sample from the fork on and watch the
+ * lease it inherited (heapscope holds the only write end, the child a copy of the read end), so that heapscope
+ * profiles it with no stop at all and its end lets the child go at its next sample, as in any threadless process.
+ * Its counts, statistics and set of sampled blocks start empty (the parent's blocks are not the child's samples),
+ * and the forking thread draws a fresh countdown from a fresh seed (no two children sample alike). Forked while
+ * not armed, the hooks pass everything through (restoring slots needs the loader's lock, which another thread may
+ * have held at the fork), the child drops its copies of the lease, so that it never keeps a dead heapscope's
+ * lease open, and heapscope's revive starts it again. A child made by a raw clone() without glibc's fork keeps
+ * them until it execs (they are close-on-exec). */
 static int forked; /* this process is a forked child of the one the library was loaded in */
 
 static void after_fork_in_child(void)
 {
+    /* The parent's control thread may have held it at the fork: nobody here would ever unlock it. */
+    pthread_mutex_init(&patch_lock, NULL);
+    STORE(hs_control.control_tid, 0);
+    if (LOAD(armed) && lease_write_fd < 0 && lease_read_fd >= 0) {
+        set_clear();
+        reset_counts();
+        struct thread_state *t = &tls;
+        if (t->counts && !t->counts_shared)
+            STORE(t->counts->tid, raw_gettid()); /* the forking thread's slot is the child's own thread's now */
+        if (syscall(SYS_getrandom, &global_seed, sizeof global_seed, GRND_NONBLOCK) != sizeof global_seed)
+            global_seed = splitmix64(global_seed ^ raw_gettid());
+        t->seeded = 0;
+        STORE(hs_control.samples, 0);
+        STORE(hs_control.sampled_frees, 0);
+        STORE(hs_control.set_full, 0);
+        STORE(hs_control.realloc_failed_sampled, 0);
+        STORE(threadless, 1);
+        STORE(hs_control.forked_armed, HS_FORKED_ARMED);
+        return; /* state ARMED with no control thread's id: threadless */
+    }
     STORE(armed, 0);
     STORE(live_samples, 0);
     close_lease();
     STORE(hs_control.lease_fd, (int64_t)-1);
-    STORE(hs_control.control_tid, 0);
     STORE(threadless, 0); /* heapscope's revive decides again */
-    /* The parent's control thread may have held it at the fork: nobody here would ever unlock it. */
-    pthread_mutex_init(&patch_lock, NULL);
+    STORE(hs_control.forked_armed, 0);
     forked = 1;
     STORE(hs_control.state, HS_STATE_BROKEN);
 }

@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 #define HS_CONTROL_MAGIC 0x4853534d504c5231ULL /* "HSSMPLR1" */
-#define HS_CONTROL_VERSION 5
+#define HS_CONTROL_VERSION 6
 
 /* request: what heapscope asks for; it writes the request fields, then request_seq (last). A sampler with no
  * control thread (HS_STATE_THREADLESS) is asked by a call instead: hs_sampler_call(request, rate), which heapscope
@@ -64,6 +64,15 @@ struct hs_sampler_control {
     uint64_t lazy_skipped;   /* lazy slots not bound yet, left alone (several objects define the name) */
     uint64_t counts_address; /* struct hs_counts[counts_used]: exact per-thread counts since arming */
     uint64_t counts_used;
+    uint64_t forked_armed; /* enum hs_forked: a child forked while armed, armed since its fork */
+};
+
+/* forked_armed: a child forked while its parent was armed samples from its fork on, threadless, on its parent's
+ * lease (HS_FORKED_ARMED); the heapscope that holds that lease writes HS_FORKED_CLAIMED when it profiles the
+ * child. A LEASE call takes over an unclaimed one (another heapscope than the parent's). Any disarm sets 0. */
+enum hs_forked {
+    HS_FORKED_ARMED = 1,
+    HS_FORKED_CLAIMED = 2,
 };
 
 /* The allocation function a sample came from: the fourth argument of hs_sample_alloc, with the values of

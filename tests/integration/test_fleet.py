@@ -25,6 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
+from agent.process.sampler import FORKED_CLAIMED
+from tests.support.armed import sampler, sampler_fields, sampler_state
 from tests.support.daemon import Daemon, start_daemon, stop_daemon
 from tests.support.harness import PROGRAMS
 from tests.support.wait import wait_for
@@ -240,8 +242,9 @@ def test_services_started_after_the_daemon_are_found_and_marked(
 def test_a_prefork_parent_and_its_children_through_exit_restart_and_exec(
     heapscope_cmd: list[str], services: Services, tmp_path: Path, mode: str
 ) -> None:
-    """In both modes; sampled is the daemon's default. A worker forked after the parent's sampler was loaded has
-    the library but no control thread: the daemon starts it again in the worker."""
+    """In both modes; sampled is the daemon's default. The first workers, forked before the parent's sampler was
+    armed, have the library but no control thread: the daemon starts it again in them. The third, forked from the
+    armed parent, samples from its fork on (the test below)."""
     d = start_daemon(heapscope_cmd, tmp_path, f"--mode={mode}", "--attach-comm", "^svc-prefork$")
     heap = RING_BYTES if mode == "exact" else None  # sampled: estimates
     try:
@@ -265,8 +268,8 @@ def test_a_prefork_parent_and_its_children_through_exit_restart_and_exec(
         wait_for(lambda: targets(d)[first]["state"] == "exited", 30, "the old worker marked exited")
         wait_for(profiling(d, third, heap), FOUND_WITHIN, "the new worker profiled")
         assert targets(d)[third]["origin"]["parent"] == parent.pid
-        if mode == "sampled":  # forked from a sampled parent: its inherited sampler was started again, and counts
-            assert f"sampler inherited by {third} from the process it was forked from: started again" in d.stderr()
+        if mode == "sampled":  # forked from an armed parent: its inherited sampler armed since its fork, and counts
+            assert f"sampler inherited armed by {third} from the process it was forked from" in d.stderr()
             calls = targets(d)[third]["heap"]["allocation_calls"]
             wait_for(lambda: targets(d)[third]["heap"]["allocation_calls"] > calls, 30, "the new worker's calls")
 
@@ -291,6 +294,56 @@ def test_a_prefork_parent_and_its_children_through_exit_restart_and_exec(
         assert targets(d)[third]["state"] == "detached"
         for pid in (parent.pid, second):
             assert services.running(pid)
+    finally:
+        stop_daemon(d)
+
+
+def test_a_worker_forked_from_an_armed_parent_is_sampled_from_its_fork_with_no_stop(
+    heapscope_cmd: list[str], services: Services, tmp_path: Path
+) -> None:
+    """Sampled mode, the daemon's default. A worker the parent forks while its sampler is armed keeps it armed,
+    on the parent's lease: the daemon profiles it with no injection and no thread started in it. Detaching the
+    parent leaves the worker profiled; heapscope's SIGKILL lets both go. At a rate that samples the worker's 50 kB a
+    second several times a second (the panel's nginx and apache2 have forked workers at the default rate)."""
+    d = start_daemon(heapscope_cmd, tmp_path, "--mode=sampled", "--sample-rate=16384", "--attach-comm",
+                     "^svc-forkarmed$")  # fmt: skip
+    try:
+        parent = services.start("svc-forkarmed", workers=1)
+        wait_for(lambda: len(children(parent.pid)) == 1, 10, "a worker")
+        [old] = children(parent.pid)
+        wait_for(profiling(d, parent.pid, None), FOUND_WITHIN, "the parent profiled")
+        wait_for(lambda: sampler_state(parent.pid) == "armed", 30, "the parent's sampler armed")
+        time.sleep(1.5)  # the parent's calls counted before the fork: some 75, none of them the worker's
+        os.kill(old, signal.SIGUSR1)  # a restart: the parent forks a new worker, armed
+        wait_for(lambda: len(set(children(parent.pid)) - {old}) == 1, 10, "a new worker")
+        [new] = set(children(parent.pid)) - {old}
+        wait_for(profiling(d, new, None), FOUND_WITHIN, "the new worker profiled")
+        assert f"sampler inherited armed by {new} from the process it was forked from" in d.stderr()
+        assert not re.search(rf"sampler .*(loaded into|inherited by) {new}\b", d.stderr()), d.stderr()
+        fields = sampler_fields(new)
+        assert sampler_state(new) == "armed" and fields["control_tid"] == 0, fields  # no control thread started
+        assert fields["forked_armed"] == FORKED_CLAIMED, fields  # this daemon took its share of the lease
+        threads = {Path(f"/proc/{new}/task/{t}/comm").read_text().strip() for t in os.listdir(f"/proc/{new}/task")}
+        assert threads == {"fleet-worker"}, threads
+        # Its exact counts start at its fork: one 1000-byte block every 20 ms, not the parent's calls before.
+        born = targets(d)[new]
+        parents_calls = targets(d)[parent.pid]["heap"]["allocation_calls"]
+        assert 0 < born["heap"]["allocation_calls"] < parents_calls - 40, (born["heap"], parents_calls)
+        assert targets(d)[new]["sampler"].endswith("inherited armed from its parent, threadless")
+
+        # The parent detached: the worker stays armed on the lease it shares, and is still counted.
+        with d.client() as c:
+            assert c.delete(f"/targets/{parent.pid}").status_code == 200
+        wait_for(lambda: sampler_state(parent.pid) == "idle", 30, "the parent's sampler disarmed")
+        calls = targets(d)[new]["heap"]["allocation_calls"]
+        wait_for(lambda: targets(d)[new]["heap"]["allocation_calls"] > calls, 30, "the worker's calls after it")
+        assert sampler_state(new) == "armed" and targets(d)[new]["state"] == "profiling"
+
+        # heapscope killed: the lease's last write end goes; the worker lets go at its next sample.
+        d.proc.kill()
+        d.proc.wait(30)
+        wait_for(lambda: sampler(new) == ("threadless", "controller gone"), 30, "the worker's sampler let go")
+        assert services.running(parent.pid) and services.running(new)
     finally:
         stop_daemon(d)
 

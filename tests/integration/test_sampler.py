@@ -28,6 +28,8 @@ from agent.process.sampler import (
     COUNT_FIELDS,
     COUNT_SLOTS,
     COUNTS,
+    FORKED_ARMED,
+    FORKED_CLAIMED,
     OFFSETS,
     PROBE_FUNCTIONS,
     SamplerControl,
@@ -71,6 +73,7 @@ def test_control_layout_and_weights_match_python(sampler_lib: Path, build: Calla
     weights = {}
     counts: dict[str, int] = {}
     fns: dict[str, int] = {}
+    forked: list[int] = []
     for line in out.splitlines():
         kind, *rest = line.split()
         if kind == "field":
@@ -83,9 +86,12 @@ def test_control_layout_and_weights_match_python(sampler_lib: Path, build: Calla
             assert [int(x) for x in rest] == [COUNTS.size, COUNT_SLOTS]
         elif kind == "fn":
             fns[f"HS_{rest[0]}"] = int(rest[1])
+        elif kind == "forked":
+            forked = [int(x) for x in rest]
         elif kind == "weight":
             weights[int(rest[0])] = int(rest[1])
     assert fields == OFFSETS
+    assert forked == [FORKED_ARMED, FORKED_CLAIMED]  # enum hs_forked
     assert list(fields) == [name for name, _ in CONTROL_FIELDS]
     # struct hs_counts as COUNT_FIELDS reads it (C's plural names), and the allocation functions the sampler
     # names to its probe are exact mode's enum hs_fn.
@@ -202,7 +208,7 @@ def test_cxx_operators_and_libraries_loaded_after_arming(
 def test_program_closing_the_lease_and_forking_is_left_alone(sampler_lib: Path, build: Callable[..., Path]) -> None:
     """A program that closes all its descriptors (the sampler's lease among them) and reuses the numbers:
     the sampler notices the lease is gone and disarms, without ever reading or closing the program's new
-    descriptors; a child forked while armed runs on with pass-through hooks."""
+    descriptors; a child forked while armed runs on (armed, reporting no sample: no heapscope claimed it)."""
     program = build("sampler_fds.c")
     conv = Conversation([str(program), str(sampler_lib)])
     try:

@@ -80,3 +80,9 @@ def threadless_armed(pid: int) -> bool:
     that only its next sample sees heapscope's end."""
     st = _read_sampler(pid, SamplerControl.read)
     return st is not None and st.state == "armed" and st.threadless
+
+
+def sampler_fields(pid: int) -> dict[str, int]:
+    """The process's sampler's control block, field by field ({} without one)."""
+    st = _read_sampler(pid, SamplerControl.read)
+    return st.fields if st is not None else {}

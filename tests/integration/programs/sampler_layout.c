@@ -23,7 +23,8 @@ int main(int argc, char **argv)
     F(lease_fd); F(lease_ino); F(disarm_reason); F(arm_count); F(slots_patched); F(slots_unwritable);
     F(objects_scanned); F(scans); F(samples); F(sampled_frees); F(set_full); F(realloc_failed_sampled);
     F(control_tid); F(hooks_resolved); F(lazy_skipped);
-    F(counts_address); F(counts_used);
+    F(counts_address); F(counts_used); F(forked_armed);
+    printf("forked %d %d\n", HS_FORKED_ARMED, HS_FORKED_CLAIMED);
     printf("size %zu\n", sizeof(struct hs_sampler_control));
 #define C(name) printf("count %s %zu\n", #name, offsetof(struct hs_counts, name))
     C(allocs); C(frees); C(alloc_bytes); C(callocs); C(reallocs); C(memaligns); C(posix_memaligns); C(vallocs);
