@@ -389,7 +389,9 @@ class FleetManager(TargetManager):
                 self._do(job)
             except Exception as exc:  # never let a worker die: say it, count it
                 self._failures += 1
-                self.config.say(f"attaching process {job.pid} failed: {type(exc).__name__}: {exc}")
+                # A process that ends during its attach fails wherever its files vanished first (its /proc/PID/root).
+                gone = " (it exited meanwhile)" if read_facts(job.pid, self.proc) is None else ""
+                self.config.say(f"attaching process {job.pid} failed{gone}: {type(exc).__name__}: {exc}")
             finally:
                 with self._flock:
                     self._queued.discard(job.pid)
