@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -323,6 +323,55 @@ def probe_points(library: Path, loaded_as: str | None = None) -> list[ProbePoint
         offset = obj.vaddr_to_file_offset(found[0] + placement.offset)
         points.append(ProbePoint(name, kind, loaded_as or str(library), found[0], offset, placement))
     return points
+
+
+CALL_OPCODE = 0xE8  # call rel32: how the kernel's optimized uprobe reaches its trampoline
+TRAMPOLINE_MAPPING = "[uprobes-trampoline]"
+
+
+def stale_probe_code(found: bytes, own: bytes, address: int, trampolines: Sequence[tuple[int, int]]) -> bool:
+    """Whether the code a process holds at a probe function (`found`, where the library has `own`) is left over
+    from another process's uprobe: its last four bytes are not the library's, and it is not a call into a
+    trampoline this process has. A forked child inherits its parent's optimized uprobe (`e8` and a call's offset)
+    but not the trampoline page; calling it faults, and the kernel, taking a probe that trapped on top of it off
+    again, restores the first byte only (`0f` and the call's offset: an invalid instruction). An int3 on the
+    library's own bytes (a probe not optimized yet) is not stale."""
+    if found[1:] == own[1:]:
+        return False
+    if found[0] == CALL_OPCODE:
+        target = address + len(found) + int.from_bytes(found[1:5], "little", signed=True)
+        return not any(lo <= target < hi for lo, hi in trampolines)
+    return True
+
+
+def mend_probe_code(pid: int, library: Path) -> list[str]:
+    """Put the library's own bytes back at each probe function whose code in process `pid` is stale
+    (stale_probe_code), before heapscope's probes go on it: the kernel then installs, optimizes and, however
+    heapscope ends, removes them cleanly. Only while no thread of the process can run these functions: its sampler
+    disarmed, or armed since its fork and not claimed (it reports no sample). The names of those mended."""
+    base = mapped_base(pid, library)
+    if base is None:
+        return []
+    elf = open_elf(str(library))
+    trampolines = [(m.start, m.end) for m in read_map_lines(pid, keep=lambda line: TRAMPOLINE_MAPPING in line)]
+    mended = []
+    try:
+        mem = os.open(f"/proc/{pid}/mem", os.O_RDWR)
+    except OSError as exc:
+        raise TargetError(f"cannot open the memory of process {pid}: {exc.strerror}") from exc
+    try:
+        for name in PROBE_FUNCTIONS:
+            vaddr = symbol_value(library, name)
+            own = elf.code_bytes(vaddr, 5)
+            found = os.pread(mem, len(own), base + vaddr)
+            if len(found) == len(own) and stale_probe_code(found, own, base + vaddr, trampolines):
+                os.pwrite(mem, own, base + vaddr)
+                mended.append(name)
+    except OSError as exc:
+        raise TargetError(f"process {pid}: cannot put back its sampler's probe functions: {exc.strerror}") from exc
+    finally:
+        os.close(mem)
+    return mended
 
 
 def symbol_value(library: Path, name: str) -> int:

@@ -34,6 +34,7 @@ from agent.process.inject import call_sampler, inject, needs_folder, revive
 from agent.process.procinfo import thread_limit
 from agent.process.sampler import (
     COUNTS,
+    FORKED_ARMED,
     LEASES,
     SamplerControl,
     build_sampler,
@@ -42,6 +43,7 @@ from agent.process.sampler import (
     library_range,
     loaded_file,
     mapped_base,
+    mend_probe_code,
     probe_points,
     read_map_lines,
     thread_calls_of,
@@ -143,6 +145,8 @@ class SamplerLink:
                     f"{injection.seconds * 1000:.0f} ms{how}")
             for line in injection.warnings:
                 say(line)
+            if injection.reused:
+                self._mend_probe_code()
         loaded_as = None if process.launched else loaded_file(self.pid, self.library)
         self.points: list[ProbePoint] = probe_points(self.library, loaded_as)
 
@@ -161,6 +165,22 @@ class SamplerLink:
         if st.state == "broken" and revive(self.pid, self.library, allocator=self.process.allocator.path):
             return "revived"
         return None
+
+    def _mend_probe_code(self) -> None:
+        """A copy of the library it already had (forked with it, or left by an earlier heapscope) may hold another
+        process's uprobe in its probe functions (agent.process.sampler.stale_probe_code): put back before this
+        heapscope's probes go on, while no thread runs them (disarmed, or armed since its fork and unclaimed)."""
+        control = SamplerControl(self.pid, self.library)
+        try:
+            st = control.read()
+        finally:
+            control.close()
+        if st.state == "armed" and st["forked_armed"] != FORKED_ARMED:
+            return  # sampling now: its probe functions run, and are left as they are
+        mended = mend_probe_code(self.pid, self.library)
+        if mended:
+            self.say(f"sampler in {self.pid}: {' and '.join(mended)} put back as its library has them (they held "
+                     "the uprobe of the process it was forked from, which the kernel does not carry into a child)")
 
     def describe(self) -> str:
         """Which build of the sampler the target got, and how: "glibc build, memfd"."""

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from agent.process.sampler import FORKED_CLAIMED
-from tests.support.armed import sampler, sampler_fields, sampler_state
+from tests.support.armed import loaded_sampler, probe_code, sampler, sampler_fields, sampler_state
 from tests.support.daemon import Daemon, start_daemon, stop_daemon
 from tests.support.harness import PROGRAMS
 from tests.support.wait import wait_for
@@ -53,7 +53,9 @@ class Services:
         self.ticks.mkdir(exist_ok=True)
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, name: str, workers: int = 0, cgroup: Path | None = None) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, workers: int = 0, cgroup: Path | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         exe = self.tmp / name
         if not exe.exists():
             exe.write_bytes(self.program.read_bytes())
@@ -64,7 +66,9 @@ class Services:
                 (cgroup / "cgroup.procs").write_text(str(os.getpid()))
 
         p = subprocess.Popen(
-            [str(exe), str(workers)], env={**os.environ, "FLEET_DIR": str(self.ticks)}, preexec_fn=enter_cgroup
+            [str(exe), str(workers)],
+            env={**os.environ, "FLEET_DIR": str(self.ticks), **(env or {})},
+            preexec_fn=enter_cgroup,
         )
         self.procs.append(p)
         return p
@@ -343,6 +347,50 @@ def test_a_worker_forked_from_an_armed_parent_is_sampled_from_its_fork_with_no_s
         d.proc.kill()
         d.proc.wait(30)
         wait_for(lambda: sampler(new) == ("threadless", "controller gone"), 30, "the worker's sampler let go")
+        assert services.running(parent.pid) and services.running(new)
+    finally:
+        stop_daemon(d)
+
+
+def test_a_forked_worker_keeps_its_probe_functions_as_the_library_has_them_through_a_sigkill(
+    heapscope_cmd: list[str], services: Services, tmp_path: Path
+) -> None:
+    """Sampled mode, the daemon's default. The kernel runs a uprobe on the probe functions' 5-byte nop as a call into
+    a trampoline page, which a forked child does not get: the worker inherits a call into nothing, and the kernel,
+    taking a probe that trapped on top of it off again, puts back only its first byte (an invalid instruction, which
+    killed a worker that sampled as heapscope died). The daemon puts the worker's code back as the library has it
+    before its probes go on. A quiet worker (it allocates nothing: no sample between its probes and the SIGKILL)
+    shows it: after the daemon's SIGKILL both processes hold the library's code."""
+    d = start_daemon(heapscope_cmd, tmp_path, "--mode=sampled", "--sample-rate=16384", "--attach-comm",
+                     "^svc-quietfork$")  # fmt: skip
+    try:
+        parent = services.start("svc-quietfork", workers=1, env={"FLEET_QUIET_WORKERS": "1"})
+        wait_for(lambda: len(children(parent.pid)) == 1, 10, "a worker")
+        [old] = children(parent.pid)
+        wait_for(profiling(d, parent.pid, None), FOUND_WITHIN, "the parent profiled")
+        wait_for(lambda: sampler_state(parent.pid) == "armed", 30, "the parent's sampler armed")
+        library = loaded_sampler(parent.pid)
+        assert library is not None
+        own = probe_code(None, library)
+        # The parent's samples (some 3 a second) have its probes optimized: a call into its trampoline.
+        wait_for(lambda: all(c[0] == 0xE8 for c in probe_code(parent.pid, library).values()), 30, "optimized probes")
+        os.kill(old, signal.SIGUSR1)  # a restart: the parent forks a new worker, armed, with the parent's calls
+        wait_for(lambda: len(set(children(parent.pid)) - {old}) == 1, 10, "a new worker")
+        [new] = set(children(parent.pid)) - {old}
+        wait_for(profiling(d, new, None), FOUND_WITHIN, "the new worker profiled")
+        assert sampler_fields(new)["forked_armed"] == FORKED_CLAIMED
+        assert f"sampler in {new}: hs_sample_alloc and hs_sample_free put back as its library has them" in d.stderr()
+        # The daemon's probes on the library's own code: an int3 on its first byte at most, until a first sample.
+        assert all(probe_code(new, library)[n][1:] == own[n][1:] for n in own), (probe_code(new, library), own)
+
+        d.proc.kill()
+        d.proc.wait(30)
+        for pid in (parent.pid, new):
+
+            def as_the_library(pid: int = pid) -> bool:
+                return probe_code(pid, library) == own
+
+            wait_for(as_the_library, 10, f"{pid}'s probe functions as the library's")
         assert services.running(parent.pid) and services.running(new)
     finally:
         stop_daemon(d)

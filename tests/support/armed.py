@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import TypeVar
 
 from agent.errors import TargetError
-from agent.process.sampler import SamplerControl, cache_dir, read_map_lines
+from agent.process.sampler import (
+    PROBE_FUNCTIONS,
+    SamplerControl,
+    cache_dir,
+    mapped_base,
+    read_map_lines,
+    symbol_value,
+)
+from agent.symbols.elf import open_elf
 
 # The builds in heapscope's cache (agent.process.sampler.build_sampler): one per source and libc.
 T = TypeVar("T")
@@ -86,3 +94,15 @@ def sampler_fields(pid: int) -> dict[str, int]:
     """The process's sampler's control block, field by field ({} without one)."""
     st = _read_sampler(pid, SamplerControl.read)
     return st.fields if st is not None else {}
+
+
+def probe_code(pid: int | None, library: Path) -> dict[str, bytes]:
+    """The first 5 bytes of each of the sampler's probe functions, as process `pid` has them in its memory (the
+    kernel's uprobes write there), or as the library's file has them (`pid` None)."""
+    if pid is None:
+        elf = open_elf(str(library))
+        return {name: elf.code_bytes(symbol_value(library, name), 5) for name in PROBE_FUNCTIONS}
+    base = mapped_base(pid, library)
+    assert base is not None, f"the sampler is not loaded in {pid}"
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        return {name: os.pread(mem.fileno(), 5, base + symbol_value(library, name)) for name in PROBE_FUNCTIONS}

@@ -6,7 +6,8 @@
  * Every process, parent and workers alike, allocates one 1000-byte block every 20 ms at ring_alloc into a ring of
  * RING slots, freeing the slot's previous block first: its live heap at ring_alloc is always a multiple of 1000
  * bytes and at most RING * 1000, whenever a profiler attached to it. Every tick it writes its tick count to
- * $FLEET_DIR/PID (if set), so a test can tell it still runs.
+ * $FLEET_DIR/PID (if set), so a test can tell it still runs. With FLEET_QUIET_WORKERS=1 in its environment, the
+ * workers tick without allocating (a process whose sampler takes no sample).
  *
  * Workers name themselves WORKER_NAME (prctl; default "fleet-worker"), so that a selector on the parent's name
  * does not match them by itself. Signals: SIGTERM ends a process (the parent ends its workers first); a worker's
@@ -32,6 +33,7 @@
 static volatile sig_atomic_t stop, quit_worker, reexec, exec_other, child_exited;
 static void *ring[RING];
 static int tick_fd = -1;
+static int quiet; /* allocates nothing (a quiet worker) */
 
 static void on_signal(int sig)
 {
@@ -66,9 +68,11 @@ static void open_tick_file(void)
 static void tick(unsigned long n)
 {
     int slot = (int)(n % RING);
-    free(ring[slot]);
-    ring[slot] = ring_alloc();
-    memset(ring[slot], (int)n, 1000);
+    if (!quiet) {
+        free(ring[slot]);
+        ring[slot] = ring_alloc();
+        memset(ring[slot], (int)n, 1000);
+    }
     if (tick_fd >= 0) {
         char text[32];
         int len = snprintf(text, sizeof text, "%lu\n", n);
@@ -94,6 +98,8 @@ static int worker(const char *self, const char *name)
 {
     if (name)
         prctl(PR_SET_NAME, name, 0, 0, 0);
+    const char *q = getenv("FLEET_QUIET_WORKERS");
+    quiet = q && strcmp(q, "1") == 0;
     open_tick_file();
     for (unsigned long n = 0; !stop && !quit_worker; n++) {
         tick(n);
