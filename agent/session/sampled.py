@@ -234,8 +234,10 @@ class SamplerLink:
             return call_sampler(self.pid, self.library, request, arg, allocator=self.process.allocator.path)
 
     def _code_now(self) -> frozenset[tuple[int, int]]:
-        """The process's code mappings, by where they start and their inode."""
-        return frozenset((m.start, m.inode) for m in read_map_lines(self.pid, keep=is_code_line))
+        """The process's code mappings of files (the objects a scan patches), by where they start and their inode.
+        Anonymous code is left out: the kernel's uprobe trampoline appears at a probe's first optimized hit, and a
+        rescan for it would stop the process for nothing."""
+        return frozenset((m.start, m.inode) for m in read_map_lines(self.pid, keep=is_code_line) if m.inode)
 
     def _rescan_if_due(self, control: SamplerControl) -> None:
         """Threadless: patch what was loaded since the last scan (new code in its maps), and slots left lazy

@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from agent.process.sampler import FORKED_CLAIMED
+from agent.session.sampled import NEW_CODE_EVERY
 from tests.support.armed import loaded_sampler, probe_code, sampler, sampler_fields, sampler_state
 from tests.support.daemon import Daemon, start_daemon, stop_daemon
 from tests.support.harness import PROGRAMS
@@ -327,6 +328,7 @@ def test_a_worker_forked_from_an_armed_parent_is_sampled_from_its_fork_with_no_s
         fields = sampler_fields(new)
         assert sampler_state(new) == "armed" and fields["control_tid"] == 0, fields  # no control thread started
         assert fields["forked_armed"] == FORKED_CLAIMED, fields  # this daemon took its share of the lease
+        scans = fields["scans"]  # its parent's, counted on in the child
         threads = {Path(f"/proc/{new}/task/{t}/comm").read_text().strip() for t in os.listdir(f"/proc/{new}/task")}
         assert threads == {"fleet-worker"}, threads
         # Its exact counts start at its fork: one 1000-byte block every 20 ms, not the parent's calls before.
@@ -334,6 +336,11 @@ def test_a_worker_forked_from_an_armed_parent_is_sampled_from_its_fork_with_no_s
         parents_calls = targets(d)[parent.pid]["heap"]["allocation_calls"]
         assert 0 < born["heap"]["allocation_calls"] < parents_calls - 40, (born["heap"], parents_calls)
         assert targets(d)[new]["sampler"].endswith("inherited armed from its parent, threadless")
+        # Its samples made the kernel's uprobe trampoline in it, anonymous code: no object to patch, so no rescan
+        # (a call, which stops the worker) for it, two looks for new code later.
+        wait_for(lambda: "[uprobes-trampoline]" in Path(f"/proc/{new}/maps").read_text(), 30, "a sample's trampoline")
+        time.sleep(2 * NEW_CODE_EVERY + 0.5)
+        assert sampler_fields(new)["scans"] == scans, (sampler_fields(new), scans)
 
         # The parent detached: the worker stays armed on the lease it shares, and is still counted.
         with d.client() as c:
