@@ -9,7 +9,7 @@ points, arming it once the kernel's probes are live, its exact call counts, and 
 
 A process that can start no thread (haproxy's worker sets its RLIMIT_NPROC to 0) gets the sampler threadless: its
 requests are calls at safe points (agent.process.inject.call_sampler), and the objects it loads while armed are
-patched by such a call too, when its maps show new code (the control thread's own poll elsewhere).
+patched by such a call too, when its maps show a new file's code (the control thread's own poll elsewhere).
 
 Order: the probes on hs_sample_alloc/hs_sample_free are live before the sampler is armed, and it is disarmed
 before they are removed, so no sample is taken without its probe. A failure after arming never leaves the
