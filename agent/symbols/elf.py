@@ -322,7 +322,10 @@ class FileCache(Generic[T]):
     `at_path` makes what was read through one path into the value for another path to the same file (cheap: the
     value's own path changes, what was read is shared). A read that fails with one of `remembered` (a mapped file
     that is not ELF) is remembered too, while the file stays the same. `limit` bounds the files kept, the least
-    recently asked for going first; holders of a value keep it as long as they need it."""
+    recently asked for going first; holders of a value keep it as long as they need it.
+
+    A file is read by one thread at a time: a thread that asks for a file another is reading waits for that read
+    (a prefork server's workers end together, and each one's profile asks for the same libraries at once)."""
 
     def __init__(
         self,
@@ -336,24 +339,37 @@ class FileCache(Generic[T]):
         self._limit = limit
         self._remembered = remembered
         self._files: OrderedDict[_FileId, tuple[str, T | Exception]] = OrderedDict()  # -> (read through, value)
+        self._reading: dict[_FileId, threading.Event] = {}  # the files being read now: set when each read ends
         self._lock = threading.Lock()
 
     def get(self, path: str) -> T:
         """Raises ElfError when the file is missing, and what `read` raises."""
         fid = _file_id(path)
-        with self._lock:
-            entry = self._files.get(fid)
-            if entry is not None:
-                self._files.move_to_end(fid)
+        while True:
+            with self._lock:
+                entry = self._files.get(fid)
+                if entry is not None:
+                    self._files.move_to_end(fid)
+                    break
+                busy = self._reading.get(fid)
+                if busy is None:
+                    mine = self._reading[fid] = threading.Event()
+                    break
+            busy.wait()  # another thread reads it: its value (or its error, if not remembered: read again)
         if entry is None:
             try:
-                entry = (path, self._read(path))
-            except self._remembered as exc:
-                entry = (path, exc)
-            with self._lock:
-                entry = self._files.setdefault(fid, entry)
-                while len(self._files) > self._limit:
-                    self._files.popitem(last=False)
+                try:
+                    entry = (path, self._read(path))
+                except self._remembered as exc:
+                    entry = (path, exc)
+                with self._lock:
+                    self._files[fid] = entry
+                    while len(self._files) > self._limit:
+                        self._files.popitem(last=False)
+            finally:  # kept (a waiter finds it) or failed (a waiter reads it again)
+                with self._lock:
+                    del self._reading[fid]
+                mine.set()
         read_through, value = entry
         if isinstance(value, Exception):
             raise type(value)(str(value).replace(read_through, path))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -70,6 +72,49 @@ def test_a_limit_drops_the_file_asked_for_least_recently(tmp_path: Path) -> None
     assert reads == [paths[0], paths[1], paths[2]]  # 0 was kept
     cache.get(paths[1])
     assert reads == [paths[0], paths[1], paths[2], paths[1]]  # 1 had gone
+
+
+def test_threads_asking_for_one_file_at_once_wait_for_one_read_and_a_failed_read_is_tried_again(
+    tmp_path: Path,
+) -> None:
+    """A prefork server's workers end together, and each one's profile asks for the same libraries at once."""
+    f = tmp_path / "libshared.so"
+    f.write_text("shared")
+    started, release = threading.Event(), threading.Event()
+    reads: list[str] = []
+
+    def slow_read(path: str) -> str:
+        reads.append(path)
+        started.set()
+        release.wait(10)
+        if Path(path).read_text() == "gone":
+            raise OSError(f"cannot read {path}")
+        return f"read {path}"
+
+    cache: FileCache[str] = FileCache(slow_read, lambda value, path: f"read {path}")
+    got: list[str] = []
+    paths = [str(f), *(f"/proc/self/root{f}" for _ in range(3))]
+    threads = [threading.Thread(target=lambda p=p: got.append(cache.get(p))) for p in paths]
+    threads[0].start()
+    assert started.wait(10)
+    for t in threads[1:]:
+        t.start()
+    time.sleep(0.2)  # the three others are waiting, not reading
+    assert reads == [str(f)]
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert sorted(got) == sorted(f"read {p}" for p in paths)
+    assert reads == [str(f)]
+
+    # A read that fails with an error it does not remember leaves nothing behind: the next asker reads again.
+    g = tmp_path / "libgone.so"
+    g.write_text("gone")
+    with pytest.raises(OSError, match="cannot read"):
+        cache.get(str(g))
+    g.write_text("back")
+    assert cache.get(str(g)) == f"read {g}"
+    assert reads == [str(f), str(g), str(g)]
 
 
 def test_one_file_through_two_processes_roots_is_read_once_and_each_value_has_its_own_path(
