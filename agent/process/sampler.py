@@ -613,6 +613,11 @@ class SamplerControl:
             return False
         return True
 
+    @property
+    def lease_ino(self) -> int:
+        """The inode of the lease this control holds a share of (0: none)."""
+        return self._lease_ino if self._lease is not None else 0
+
     def _release_lease(self) -> None:
         if self._lease is not None:
             self._lease = None

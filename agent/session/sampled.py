@@ -31,11 +31,12 @@ from agent.model.maps import is_code_line
 from agent.model.sampling import ProfileMode
 from agent.process.discovery import ProbePoint
 from agent.process.inject import call_sampler, inject, needs_folder, revive
-from agent.process.procinfo import thread_limit
+from agent.process.procinfo import children_of, thread_limit
 from agent.process.sampler import (
     COUNTS,
     FORKED_ARMED,
     LEASES,
+    REQ_DISARM,
     SamplerControl,
     build_sampler,
     calls_total_of,
@@ -365,6 +366,7 @@ class SamplerLink:
             control, self.control = self.control, None
         if control is None:
             return
+        lease_ino = control.lease_ino
         try:
             st = control.disarm()
             if st["set_full"]:
@@ -377,3 +379,32 @@ class SamplerLink:
             control.close()
             if self.process.alive():
                 self.say(f"sampler in {self.pid} did not answer the disarm ({exc}); its lease is closed")
+        if lease_ino:
+            self._disarm_unclaimed_children(lease_ino)
+
+    def _disarm_unclaimed_children(self, lease_ino: int) -> None:
+        """Children forked while this process was armed that no profile claimed (forked as it was let go, or not
+        followed) are armed on its lease since their fork. Without a thread of their own they would notice the
+        lease gone only at their next sample, which an idle worker may never take, and stay armed meanwhile: each
+        is disarmed now, by a call (no stop of this process; one of the child, at a safe point)."""
+        for child in children_of(self.pid) or ():
+            try:
+                control = SamplerControl(child, self.library)
+            except (OSError, HeapscopeError):
+                continue  # gone, or without this library (exec'ed another program)
+            try:
+                st = control.read()
+            except (OSError, HeapscopeError):
+                continue
+            finally:
+                control.close()
+            if st.state != "armed" or st["forked_armed"] != FORKED_ARMED or st["lease_ino"] != lease_ino:
+                continue  # claimed (its own profile lets it go), disarmed, or on another lease
+            try:
+                result = call_sampler(child, self.library, REQ_DISARM, 0, allocator=self.process.allocator.path)
+            except (OSError, HeapscopeError) as exc:
+                self.say(f"sampler in {child}, forked armed by {self.pid} and not profiled, did not answer the "
+                         f"disarm ({exc}): it lets go at its next sample")
+                continue
+            if result == 0:
+                self.say(f"sampler in {child}, forked armed by {self.pid} and not profiled: disarmed with it")

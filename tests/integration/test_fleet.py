@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agent.process.sampler import FORKED_CLAIMED
+from agent.process.sampler import FORKED_ARMED, FORKED_CLAIMED
 from agent.session.sampled import NEW_CODE_EVERY
 from tests.support.armed import loaded_sampler, probe_code, sampler, sampler_fields, sampler_state
 from tests.support.daemon import Daemon, start_daemon, stop_daemon
@@ -398,6 +398,40 @@ def test_a_forked_worker_keeps_its_probe_functions_as_the_library_has_them_throu
                 return probe_code(pid, library) == own
 
             wait_for(as_the_library, 10, f"{pid}'s probe functions as the library's")
+        assert services.running(parent.pid) and services.running(new)
+    finally:
+        stop_daemon(d)
+
+
+def test_a_worker_forked_armed_and_not_profiled_is_disarmed_with_its_parent(
+    heapscope_cmd: list[str], services: Services, tmp_path: Path
+) -> None:
+    """Sampled mode, the daemon's default. A parent attached by its PID alone (no selector follows its forks): a
+    worker it forks while armed is armed on its lease since the fork, unclaimed. Without a thread of its own it
+    would notice the lease gone only at its next sample, which a quiet worker never takes: detaching the parent
+    disarms it too, by a call, and both run on."""
+    d = start_daemon(heapscope_cmd, tmp_path, "--mode=sampled", "--sample-rate=16384")
+    try:
+        parent = services.start("svc-unclaimed", workers=1, env={"FLEET_QUIET_WORKERS": "1"})
+        wait_for(lambda: len(children(parent.pid)) == 1, 10, "a worker")
+        [old] = children(parent.pid)
+        with d.client() as c:
+            assert c.post("/targets", json={"pid": parent.pid}).status_code < 300
+        wait_for(profiling(d, parent.pid, None), FOUND_WITHIN, "the parent profiled")
+        wait_for(lambda: sampler_state(parent.pid) == "armed", 30, "the parent's sampler armed")
+        os.kill(old, signal.SIGUSR1)  # a restart: the parent forks a new worker, armed
+        wait_for(lambda: len(set(children(parent.pid)) - {old}) == 1, 10, "a new worker")
+        [new] = set(children(parent.pid)) - {old}
+        wait_for(lambda: sampler_state(new) == "armed", 10, "the new worker armed since its fork")
+        assert sampler_fields(new)["forked_armed"] == FORKED_ARMED  # unclaimed: nothing follows the parent's forks
+        time.sleep(1.0)
+        assert new not in targets(d) and sampler_state(new) == "armed"
+
+        with d.client() as c:
+            assert c.delete(f"/targets/{parent.pid}").status_code == 200
+        wait_for(lambda: sampler_state(parent.pid) == "idle", 30, "the parent's sampler disarmed")
+        assert sampler(new) == ("threadless", "requested"), sampler_fields(new)
+        assert f"sampler in {new}, forked armed by {parent.pid} and not profiled: disarmed with it" in d.stderr()
         assert services.running(parent.pid) and services.running(new)
     finally:
         stop_daemon(d)
