@@ -23,6 +23,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from agent.errors import HeapscopeError, SamplingRefused, TargetError
 from agent.kernel.interface import SiteReader
@@ -37,6 +38,7 @@ from agent.process.sampler import (
     FORKED_ARMED,
     LEASES,
     REQ_DISARM,
+    ControlState,
     SamplerControl,
     build_sampler,
     calls_total_of,
@@ -94,6 +96,15 @@ def launch_sampled(argv: Sequence[str]) -> TargetProcess:
         process.abandon()
         raise
     return process
+
+
+def _sampler_state(pid: int, library: Path) -> ControlState:
+    """The control block of the sampler loaded in `pid`, read once."""
+    control = SamplerControl(pid, library)
+    try:
+        return control.read()
+    finally:
+        control.close()
 
 
 class SamplerLink:
@@ -156,11 +167,7 @@ class SamplerLink:
         parent was armed under this heapscope's lease (it samples since its fork: arm() takes a share of the
         lease, nothing stops it); "revived" when it was forked while not armed, and is started again; None when it
         is neither."""
-        control = SamplerControl(self.pid, self.library)
-        try:
-            st = control.read()
-        finally:
-            control.close()
+        st = _sampler_state(self.pid, self.library)
         if st.state == "armed" and st["forked_armed"] and LEASES.holds(st["lease_ino"]):
             return "armed"
         if st.state == "broken" and revive(self.pid, self.library, allocator=self.process.allocator.path):
@@ -171,11 +178,7 @@ class SamplerLink:
         """A copy of the library it already had (forked with it, or left by an earlier heapscope) may hold another
         process's uprobe in its probe functions (agent.process.sampler.stale_probe_code): put back before this
         heapscope's probes go on, while no thread runs them (disarmed, or armed since its fork and unclaimed)."""
-        control = SamplerControl(self.pid, self.library)
-        try:
-            st = control.read()
-        finally:
-            control.close()
+        st = _sampler_state(self.pid, self.library)
         if st.state == "armed" and st["forked_armed"] != FORKED_ARMED:
             return  # sampling now: its probe functions run, and are left as they are
         mended = mend_probe_code(self.pid, self.library)
@@ -389,15 +392,9 @@ class SamplerLink:
         is disarmed now, by a call (no stop of this process; one of the child, at a safe point)."""
         for child in children_of(self.pid) or ():
             try:
-                control = SamplerControl(child, self.library)
+                st = _sampler_state(child, self.library)
             except (OSError, HeapscopeError):
                 continue  # gone, or without this library (exec'ed another program)
-            try:
-                st = control.read()
-            except (OSError, HeapscopeError):
-                continue
-            finally:
-                control.close()
             if st.state != "armed" or st["forked_armed"] != FORKED_ARMED or st["lease_ino"] != lease_ino:
                 continue  # claimed (its own profile lets it go), disarmed, or on another lease
             try:
