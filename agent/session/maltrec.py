@@ -89,8 +89,8 @@ class _NodeReadings:
             return self._last
 
 
-# Half a second, as often as sampled mode looks at a busy target (IdlePace.SAMPLED_LIGHT_MAX): the node's free memory
-# and swap move slowly, and a prefork server's new workers each read them at their quick first looks.
+# Half a second: the node's free memory and swap move slowly, and a prefork server's new workers each read them at
+# their first looks (IdlePace.SAMPLED_FIRST_WAIT).
 _node = _NodeReadings(max_age=0.5)
 
 

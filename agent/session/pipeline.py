@@ -11,6 +11,7 @@ is let go, detaches, keeps the last state readable, and renders and writes the o
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -270,7 +271,9 @@ class Profile:
                     self.session = session
                     ready()
                     self._open_store(session)
-                    session.run(self._alive_and_recording(session, resident), stop, s.sample_interval)
+                    # A history asked for more often than sampled mode's pace looks gets a look at each of its samples.
+                    store_every = s.store.interval if s.store is not None else math.inf
+                    session.run(self._alive_and_recording(session, resident), stop, s.sample_interval, store_every)
                 finally:
                     if link is not None:
                         link.disarm()  # before the probes go: no sample without its probe

@@ -92,12 +92,15 @@ class IdlePace:
     LIGHT_MAX = 0.2  # a light target's memory line keeps five points a second
     LIGHT_RATE = 1000.0  # calls a second
     QUIET_TICKS = 4  # quiet (or light) ticks at the full rate before the waits grow
-    # Sampled mode: twice a second at most, after one look at the interval. A look costs the daemon 1-2 ms whatever
-    # it finds, and a prefork server's worker that lives two seconds was looked at 14 times, four of them in its
-    # first 0.2 s. The kernel keeps each interval's peak and sums the samples between looks: the snapshots and
-    # MALT's figures lose nothing; the memory line keeps two points a second.
-    SAMPLED_LIGHT_MAX = 0.5
-    SAMPLED_QUIET_TICKS = 1
+    # Sampled mode: a quarter second after the first look, then half a second, then once a second. A look costs the
+    # daemon 2-3 ms whatever it finds (the counters, the schedule's points, MALT's timelines, the history store, the
+    # maps), and a prefork server's worker that lives two seconds was looked at 8 times, 5 of them in its first
+    # 0.4 s: under ab, apache2's replaced workers made half of the daemon's looks. The kernel keeps each interval's
+    # peak and sums the samples between looks: the snapshots and MALT's figures lose nothing; the memory line keeps
+    # one point a second, and an ended process's last state is read at its exit whenever it comes.
+    SAMPLED_FIRST_WAIT = 0.25
+    SAMPLED_LIGHT_MAX = 1.0
+    SAMPLED_QUIET_TICKS = 0
 
     def __init__(self, interval: float, light_rate: float = LIGHT_RATE, light_max: float = LIGHT_MAX,
                  quiet_ticks: int = QUIET_TICKS) -> None:
@@ -109,9 +112,11 @@ class IdlePace:
         self.light_ticks = 0
 
     @classmethod
-    def sampled(cls, interval: float) -> IdlePace:
-        """Sampled mode's pace: no target is busy, and the waits grow sooner and further (SAMPLED_*)."""
-        return cls(interval, math.inf, cls.SAMPLED_LIGHT_MAX, cls.SAMPLED_QUIET_TICKS)
+    def sampled(cls, interval: float, at_most: float = math.inf) -> IdlePace:
+        """Sampled mode's pace: no target is busy, the first wait is longer, and the waits grow sooner and further
+        (SAMPLED_*), but never past `at_most` (the history's --store-interval: each of its samples is a look)."""
+        first, cap = min(cls.SAMPLED_FIRST_WAIT, at_most), min(cls.SAMPLED_LIGHT_MAX, at_most)
+        return cls(max(interval, first), math.inf, cap, cls.SAMPLED_QUIET_TICKS)
 
     def idle(self) -> float:
         """Another quiet tick: the wait until the next look."""
@@ -536,9 +541,11 @@ class Session:
             self._sites_seen = c.n_sites
             self.symbolize_new(self._used_site_keys())
 
-    def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float) -> None:
+    def run(self, alive: Callable[[], bool], stop: threading.Event, interval: float,
+            busy_at_most: float = math.inf) -> None:
         """Sample every `interval` seconds until the target exits or `stop` is set; between samples, catch up
-        at once with the target's exec, loader changes and exit (agent.kernel.abi EV_*)."""
+        at once with the target's exec, loader changes and exit (agent.kernel.abi EV_*). Sampled mode looks at a
+        busy target at least every `busy_at_most` seconds (IdlePace.sampled)."""
         live = self.live
         assert live is not None, "the session has ended"
         if not self.exec_limit:
@@ -548,11 +555,12 @@ class Session:
         token = live.activity()  # before the first look: calls made while it reads are seen at the next tick
         self._first_snapshot()
         self.sample()
-        # Sampled mode: a busy target is looked at as a light one, down to twice a second. The kernel sums its
+        # Sampled mode: a busy target is looked at as a light one, down to once a second. The kernel sums its
         # samples whenever it looks, and what a look reads (the schedule's points, the memory line, MALT's timelines;
         # the kernel keeps each interval's peak) needs no more. Under pgbench, heapscope took 15% of a core for
-        # postgres at 20 looks a second a target, 8-12% at 5.
-        pace = IdlePace.sampled(interval) if live.settings.sampled else IdlePace(interval)
+        # postgres at 20 looks a second a target, 8-12% at 5. Its pace's interval is its own (IdlePace.sampled).
+        pace = IdlePace.sampled(interval, busy_at_most) if live.settings.sampled else IdlePace(interval)
+        interval = pace.interval
         looked_at, calls_seen = time.monotonic(), self.calls_seen
         next_sample = looked_at + interval
         while alive() and not stop.is_set() and not self.exec_ended():
