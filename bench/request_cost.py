@@ -43,12 +43,19 @@ class Measure:
     machine_us: float  # the machine's CPU a request, in µs
     daemon_us: float  # heapscope's daemon's
     bpf_us: dict[str, float] = field(default_factory=dict)  # each BPF program's run time a request, by name
+    bpf_runs: dict[str, float] = field(default_factory=dict)  # its runs a request (a sampled call: a sample)
 
     def line(self) -> str:
         top = sorted(self.bpf_us.items(), key=lambda kv: -kv[1])[:6]
-        progs = ", ".join(f"{name} {us:.2f}" for name, us in top)
+        progs = ", ".join(f"{name} {us:.2f}" + self._per_run(name, us) for name, us in top)
         return (f"{self.state:12s} {self.rate:9,.0f}/s  machine {self.machine_us:6.1f} µs  daemon "
                 f"{self.daemon_us:5.1f} µs  BPF {sum(self.bpf_us.values()):5.2f} µs" + (f" ({progs})" if progs else ""))
+
+
+    def _per_run(self, name: str, us: float) -> str:
+        """A program's runs a request and time a run: what a sample costs, apart from how many there are."""
+        runs = self.bpf_runs.get(name, 0.0)
+        return f" [{runs:.2f} runs, {1000 * us / runs:,.0f} ns a run]" if runs >= 0.01 else ""
 
 
 def busy_seconds() -> float:
@@ -58,22 +65,24 @@ def busy_seconds() -> float:
     return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def bpf_run_ns() -> dict[str, int]:
-    """Every loaded BPF program's run time so far, in ns, by name."""
-    return {name: ns for name, (_, ns) in totals_by_name(bpf_programs().values()).items()}
+def bpf_runs_and_ns() -> dict[str, tuple[int, int]]:
+    """Every loaded BPF program's runs and run time so far (ns), by name."""
+    return totals_by_name(bpf_programs().values())
 
 
 def measure(svc: Service, state: str, seconds: float, daemon_pid: int | None) -> Measure:
-    busy0, bpf0 = busy_seconds(), bpf_run_ns()
+    busy0, bpf0 = busy_seconds(), bpf_runs_and_ns()
     cpu0 = cpu_seconds(daemon_pid) if daemon_pid else 0.0
     got = svc.load(seconds)
-    busy1, bpf1 = busy_seconds(), bpf_run_ns()
+    busy1, bpf1 = busy_seconds(), bpf_runs_and_ns()
     cpu1 = cpu_seconds(daemon_pid) if daemon_pid else 0.0
     if not got.ok:
         raise SystemExit(f"{state}: the load failed: {got.error}")
     n = got.rate * seconds
-    bpf = {k: (v - bpf0.get(k, 0)) / n / 1000 for k, v in bpf1.items() if v > bpf0.get(k, 0)}
-    m = Measure(state, got.rate, 1e6 * (busy1 - busy0) / n, 1e6 * (cpu1 - cpu0) / n, bpf)
+    ran = {k: (runs - bpf0.get(k, (0, 0))[0], ns - bpf0.get(k, (0, 0))[1]) for k, (runs, ns) in bpf1.items()}
+    bpf = {k: ns / n / 1000 for k, (_, ns) in ran.items() if ns > 0}
+    runs = {k: r / n for k, (r, ns) in ran.items() if ns > 0}
+    m = Measure(state, got.rate, 1e6 * (busy1 - busy0) / n, 1e6 * (cpu1 - cpu0) / n, bpf, runs)
     print(m.line(), flush=True)
     return m
 
