@@ -51,7 +51,6 @@ class Measure:
         return (f"{self.state:12s} {self.rate:9,.0f}/s  machine {self.machine_us:6.1f} µs  daemon "
                 f"{self.daemon_us:5.1f} µs  BPF {sum(self.bpf_us.values()):5.2f} µs" + (f" ({progs})" if progs else ""))
 
-
     def _per_run(self, name: str, us: float) -> str:
         """A program's runs a request and time a run: what a sample costs, apart from how many there are."""
         runs = self.bpf_runs.get(name, 0.0)
@@ -79,9 +78,13 @@ def measure(svc: Service, state: str, seconds: float, daemon_pid: int | None) ->
     if not got.ok:
         raise SystemExit(f"{state}: the load failed: {got.error}")
     n = got.rate * seconds
-    ran = {k: (runs - bpf0.get(k, (0, 0))[0], ns - bpf0.get(k, (0, 0))[1]) for k, (runs, ns) in bpf1.items()}
-    bpf = {k: ns / n / 1000 for k, (_, ns) in ran.items() if ns > 0}
-    runs = {k: r / n for k, (r, ns) in ran.items() if ns > 0}
+    bpf: dict[str, float] = {}
+    runs: dict[str, float] = {}
+    for name, (runs1, ns1) in bpf1.items():
+        runs0, ns0 = bpf0.get(name, (0, 0))
+        if ns1 > ns0:  # the programs that ran during the load: µs and runs a request
+            bpf[name] = (ns1 - ns0) / n / 1000
+            runs[name] = (runs1 - runs0) / n
     m = Measure(state, got.rate, 1e6 * (busy1 - busy0) / n, 1e6 * (cpu1 - cpu0) / n, bpf, runs)
     print(m.line(), flush=True)
     return m

@@ -112,6 +112,11 @@ class ProfileSettings:
         )
 
     @property
+    def store_interval(self) -> float:
+        """Seconds between the history's samples; infinite when no history is kept."""
+        return self.store.interval if self.store is not None else math.inf
+
+    @property
     def traces_page_calls(self) -> bool:
         """Whether the kernel follows the target's mmap, munmap, mremap and brk calls. Exact mode always does (the
         page map, --pages-as-heap). Sampled mode only with --page-calls=yes: a syscall tracepoint sends every system
@@ -272,8 +277,8 @@ class Profile:
                     ready()
                     self._open_store(session)
                     # A history asked for more often than sampled mode's pace looks gets a look at each of its samples.
-                    store_every = s.store.interval if s.store is not None else math.inf
-                    session.run(self._alive_and_recording(session, resident), stop, s.sample_interval, store_every)
+                    session.run(self._alive_and_recording(session, resident), stop, s.sample_interval,
+                                s.store_interval)
                 finally:
                     if link is not None:
                         link.disarm()  # before the probes go: no sample without its probe
@@ -304,7 +309,7 @@ class Profile:
         """The target's `alive`, which the session's loop asks at every turn, also recording the memory line
         (mapped bytes and RSS) at most once per sampling interval: the session's own samples carry the heap."""
         interval = self.settings.sample_interval
-        store_every = self.settings.store.interval if self.settings.store is not None else 0.0
+        store_every = self.settings.store_interval  # used only while a history is kept (self.store)
         next_at = next_store = 0.0
 
         def check() -> bool:
