@@ -144,6 +144,8 @@ class ProgramShape:
         self._blocks_column: np.ndarray | None = None
         self._kept: dict[int, TargetMaps] = {}  # slot -> the maps its last target had, for its next (give_back)
         self._infos: dict[str, MapInfo] | None = None  # the per-target maps' descriptions, read once (_map_infos)
+        # exact mode's shared block tables; sampled mode's are compiled at their smallest, unused (interface.py)
+        self._block_tables = self.bpf["block_slots"].max_entries > 2
         # The per-target maps: each one that has an array of maps NAME_of (probes/bpf/common.h).
         self.per_target = sorted(name[:-3] for name in self.bpf.tables if name.endswith("_of"))
         self._map_fds: list[int] = []  # the maps' own descriptors once bcc's module is freed
@@ -424,7 +426,7 @@ class ProgramShape:
         table = self.bpf["block_slots"]
         lib = load_bcc().libbcc.lib
         gone = np.array(sorted(slots), dtype=np.uint64)
-        if table.max_entries > 2:  # exact mode's table (sampled mode's is compiled at its smallest, unused)
+        if self._block_tables:
             with self.lock:  # mapped once a shape: mapping its 32 MB again at each detach cost more
                 if self._blocks_mem is None:
                     size = table.max_entries * ctypes.sizeof(table.Leaf)
@@ -484,6 +486,9 @@ class ProgramShape:
             maps.close()
         with self.lock:
             self._dirty.append(maps.slot)
-            now = blocks_left >= PURGE_NOW_BLOCKS or len(self._dirty) >= PURGE_BATCH
+            # Without exact mode's block tables there is nothing to forget: the slot, and the maps kept with it, are
+            # free at once (else the next targets took never-used slots and made new maps, 3-4 ms each, a worker's
+            # churn in a prefork server).
+            now = blocks_left >= PURGE_NOW_BLOCKS or len(self._dirty) >= PURGE_BATCH or not self._block_tables
         if now:
             self._purge_dirty()

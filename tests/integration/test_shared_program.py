@@ -18,6 +18,7 @@ from agent.kernel.probes import HeapProbes
 from agent.kernel.shapes import PURGE_BATCH, ProgramShape
 from agent.model.sampling import DEFAULT_KEEP_PROGRAMS
 from agent.process.discovery import allocator_of_process
+from agent.process.sampler import build_sampler, probe_points
 from tests.integration.test_probe_modes import ALLOCS, SITE_BYTES, TRACKED_FREES, UNTRACKED_FREES, Target
 
 pytestmark = pytest.mark.integration
@@ -138,6 +139,38 @@ def test_a_daemons_program_outlives_its_last_target_for_the_next_one(
         while shape in ProgramShape.loaded() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(ProgramShape.loaded()) == before, "the program outlived --keep-programs"
+    finally:
+        ProgramShape.unload_kept()
+
+
+def test_a_sampled_targets_slot_and_maps_are_free_at_its_detach(bpf_ready: None, build: Callable[..., Path]) -> None:
+    """Sampled mode has no shared block table to purge (its blocks are in the target's own maps): a detached target's
+    slot is free at once, with its maps kept, and the next target takes them emptied instead of making new ones, as
+    a prefork server's replaced workers do one after another (exact mode's slots wait for a purge: the test above)."""
+    if not uprobe_links_supported():
+        pytest.skip("targets share a program only through uprobe_multi links (Linux 6.10+)")
+    program = build("attach_target.c")
+    points = probe_points(build_sampler())
+    slots: list[int] = []
+    maps: list[object] = []  # each target's maps
+    shape = None
+    try:
+        for _ in range(3):
+            t = Target(program)
+            try:
+                t.expect("ready")
+                settings = ProbeSettings(target_tgid=t.proc.pid, arm_on_exec=False, sampled=True, keep_programs=60.0)
+                with HeapProbes(settings, points) as probes:
+                    shape = probes._shape
+                    assert shape is not None
+                    slots.append(probes.slot)
+                    maps.append(probes._maps)
+            finally:
+                t.kill()
+            assert not shape._dirty and (slots[-1] == 0 or slots[-1] in shape._free), "the slot waits for a purge"
+        # slot 0 holds bcc's own maps and is not used again; the second target's maps are kept and the third gets them
+        assert slots[0] == 0 and slots[2] == slots[1] != 0, slots
+        assert maps[2] is maps[1], "the third target did not take the kept maps"
     finally:
         ProgramShape.unload_kept()
 
