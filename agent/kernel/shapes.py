@@ -144,7 +144,8 @@ class ProgramShape:
         self._blocks_column: np.ndarray | None = None
         self._kept: dict[int, TargetMaps] = {}  # slot -> the maps its last target had, for its next (give_back)
         self._infos: dict[str, MapInfo] | None = None  # the per-target maps' descriptions, read once (_map_infos)
-        # exact mode's shared block tables; sampled mode's are compiled at their smallest, unused (interface.py)
+        # exact mode's shared block tables (block_slots, blocks); sampled mode's are compiled at their smallest and
+        # unused: its programs and hooks record no block there (interface.py)
         self._block_tables = self.bpf["block_slots"].max_entries > 2
         # The per-target maps: each one that has an array of maps NAME_of (probes/bpf/common.h).
         self.per_target = sorted(name[:-3] for name in self.bpf.tables if name.endswith("_of"))
@@ -422,29 +423,30 @@ class ProgramShape:
         """Forget the blocks these slots' targets left in the shared block tables (their links are gone: nothing
         adds more), so that the next target of a slot does not find them. The other targets' entries are left as
         they are: no program of theirs writes an entry that holds another target's key. One pass over the tables,
-        however many slots: the exact table's scan is some 15 ms."""
+        however many slots: the exact table's scan is some 15 ms. Sampled mode's tables are unused: nothing to do."""
+        if not self._block_tables:
+            return
         table = self.bpf["block_slots"]
         lib = load_bcc().libbcc.lib
         gone = np.array(sorted(slots), dtype=np.uint64)
-        if self._block_tables:
-            with self.lock:  # mapped once a shape: mapping its 32 MB again at each detach cost more
-                if self._blocks_mem is None:
-                    size = table.max_entries * ctypes.sizeof(table.Leaf)
-                    prot = mmap.PROT_READ | mmap.PROT_WRITE
-                    self._blocks_mem = mmap.mmap(table.map_fd, size, flags=mmap.MAP_SHARED, prot=prot)
-                    self._blocks_column = np.empty(table.max_entries, dtype=np.uint64)
-                mem, column = self._blocks_mem, self._blocks_column
-            assert column is not None
-            entries = np.frombuffer(mem, dtype=np.uint64).reshape(-1, ctypes.sizeof(table.Leaf) // 8)
-            addr = entries[:, 0]
-            # The table is mostly empty: look at its entries only, in a copy of the column: the live targets'
-            # probes change the table meanwhile, and np.nonzero in place, which counts the entries before it lists
-            # them, then fails ("number of non-zero array elements changed"). A row seen holding a gone slot's
-            # entry still holds it (nothing removes it but this, nothing else takes a held row).
-            np.copyto(column, addr)
-            held = np.flatnonzero(column)
-            addr[held[np.isin(column[held] >> np.uint64(SLOT_SHIFT), gone)]] = 0
-            del entries, addr, held  # no view may outlive the mapping (closed at the unload)
+        with self.lock:  # mapped once a shape: mapping its 32 MB again at each detach cost more
+            if self._blocks_mem is None:
+                size = table.max_entries * ctypes.sizeof(table.Leaf)
+                prot = mmap.PROT_READ | mmap.PROT_WRITE
+                self._blocks_mem = mmap.mmap(table.map_fd, size, flags=mmap.MAP_SHARED, prot=prot)
+                self._blocks_column = np.empty(table.max_entries, dtype=np.uint64)
+            mem, column = self._blocks_mem, self._blocks_column
+        assert column is not None
+        entries = np.frombuffer(mem, dtype=np.uint64).reshape(-1, ctypes.sizeof(table.Leaf) // 8)
+        addr = entries[:, 0]
+        # The table is mostly empty: look at its entries only, in a copy of the column: the live targets'
+        # probes change the table meanwhile, and np.nonzero in place, which counts the entries before it lists
+        # them, then fails ("number of non-zero array elements changed"). A row seen holding a gone slot's
+        # entry still holds it (nothing removes it but this, nothing else takes a held row).
+        np.copyto(column, addr)
+        held = np.flatnonzero(column)
+        addr[held[np.isin(column[held] >> np.uint64(SLOT_SHIFT), gone)]] = 0
+        del entries, addr, held  # no view may outlive the mapping (closed at the unload)
         hashed = self.bpf["blocks"]
         keys = [int(getattr(k, "value", k)) for k in list(hashed)]
         wanted = set(slots)
