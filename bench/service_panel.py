@@ -79,6 +79,7 @@ class Row:
     swapped_at: int | None = None  # the first run with the other instance profiled (the crossover)
     time_to_armed_swapped_s: float | None = None  # the second instance's
     errors: list[str] = field(default_factory=list)  # load runs that failed, processes not armed
+    exited: int = 0  # processes that exited before they were armed (a prefork server reaps its idle workers)
     daemon_cpu_percent: float | None = None  # heapscope's CPU during the profiled runs, % of a core
 
     def _groups(self) -> dict[int, list[float]]:
@@ -186,25 +187,32 @@ def attach(daemon: Daemon, svc: Service, timeout: float, row: Row) -> float | No
     if r.status_code != 201:
         raise SystemExit(f"{svc.name}: POST /targets: {r.status_code} {r.text}")
     armed: dict[int, float] = {}
+    exited: set[int] = set()  # gone before they were armed: nothing of theirs left to profile
     looked = start
-    while len(armed) < len(pids) and time.monotonic() - start < timeout:
+    while len(armed) + len(exited) < len(pids) and time.monotonic() - start < timeout:
         for pid in pids:
-            if pid not in armed and sampler_state(pid) == "armed":
+            if pid in armed or pid in exited:
+                continue
+            state = sampler_state(pid)
+            if state == "armed":
                 armed[pid] = time.monotonic() - start
+            elif state == "gone" and not os.path.exists(f"/proc/{pid}"):
+                exited.add(pid)
         if time.monotonic() - looked > 1.0:  # every one left refused for good: no need to wait on
             looked = time.monotonic()
             have = daemon.targets()
-            if all(have.get(p, {}).get("state") == "refused" for p in pids if p not in armed):
+            if all(have.get(p, {}).get("state") == "refused" for p in pids if p not in armed and p not in exited):
                 break
         time.sleep(0.02)
     row.armed = len(armed)
+    row.exited = len(exited)
     if armed:
         row.time_to_first_armed_s = min(armed.values())
-    everyone = max(armed.values()) if len(armed) == len(pids) else None
+    everyone = max(armed.values()) if armed and len(armed) + len(exited) == len(pids) else None
     roles = svc.processes()
     have = daemon.targets()
     for pid in pids:
-        if pid not in armed:
+        if pid not in armed and pid not in exited:
             t = have.get(pid)
             why = "not in /targets" if t is None else f"{t['state']}: {t['error']}"
             row.errors.append(f"{pid} ({roles.get(pid, '?')}) not armed after {time.monotonic() - start:.0f} s: "
@@ -280,8 +288,9 @@ def table(rows: list[Row]) -> str:
             f"- (first {fmt_s(r.time_to_first_armed_s)})" if r.armed else "-")
         if r.swapped_at is not None and r.time_to_armed_s is not None:  # and the second instance's, after the swap
             to_armed += f" / {fmt_s(r.time_to_armed_swapped_s)}"
+        armed = f"{r.armed}/{r.processes}" + (f" ({r.exited} exited)" if r.exited else "")
         lines.append((
-            r.service, r.tool, str(r.processes), f"{r.armed}/{r.processes}", to_armed,
+            r.service, r.tool, str(r.processes), armed, to_armed,
             f"{statistics.median(r.untraced):,.0f}" if r.untraced else "-",
             f"{statistics.median(r.profiled):,.0f}" if r.profiled else "-",
             "-" if ratio is None else f"{ratio:.3f}" + (f" ±{100 * r.spread:.1f}%" if r.spread is not None else "")
@@ -330,8 +339,9 @@ def main() -> None:
             row = Row(name, SERVICES[name].tool, errors=[str(e)])
         rows.append(row)
         ratio = row.ratio
-        print(f"{name}: {row.armed}/{row.processes} armed, time to armed {fmt_s(row.time_to_armed_s)} (the second "
-              f"instance {fmt_s(row.time_to_armed_swapped_s)}, from run {row.swapped_at}), ratio "
+        print(f"{name}: {row.armed}/{row.processes} armed ({row.exited} exited before), time to armed "
+              f"{fmt_s(row.time_to_armed_s)} (the second instance {fmt_s(row.time_to_armed_swapped_s)}, from run "
+              f"{row.swapped_at}), ratio "
               f"{'-' if ratio is None else f'{ratio:.3f}'} (untraced {row.untraced}, profiled {row.profiled})",
               flush=True)
         for problem in row.errors:

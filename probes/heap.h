@@ -89,7 +89,8 @@
 #define HS_MAX_ROWS 2097152      /* unwind table rows, all objects together */
 #endif
 #define HS_MAX_UMAPS 512         /* executable mappings with unwind tables (twice: double-buffered) */
-#define HS_UMAPS_GEN_SHIFT 42    /* control[HS_CTL_UMAPS]: the generation's place (see enum hs_control) */
+#define HS_UMAPS_HALF_SHIFT 10   /* control[HS_CTL_UMAPS]: the half's place, above the count (see enum hs_control) */
+#define HS_UMAPS_ID_SHIFT 11     /* and the mapping set's identity's, above the half */
 #define HS_STACK_OVERFLOW 0      /* site id of allocations whose stack was not stored (table full, walk overtaken) */
 
 /* ---- the snapshot schedule: where Massif would take a snapshot, recorded at the event that reaches it ---- */
@@ -243,7 +244,8 @@ struct hs_last_stack {
     __u64 id;
 };
 
-/* The unwind rule found for one pc, valid while control[HS_CTL_UMAPS] still holds `umaps`. */
+/* The unwind rule found for one pc in the mapping set whose identity is `umaps` (control[HS_CTL_UMAPS] >>
+ * HS_UMAPS_ID_SHIFT): good for every target that publishes the same set. */
 struct hs_rule_entry {
     __u64 seq;
     __u64 pc;
@@ -261,6 +263,7 @@ struct hs_stack_copy {
     __u64 frames;
     __u64 fp;
     __u64 no_rule;
+    __u64 searched;
     __u64 walks;  /* walks started on this CPU: one that sees it move was overtaken (see walks_interrupted) */
     __u64 site;   /* a walk's site id, passed through memory (bpf/unwind.h capture_site) */
 };
@@ -284,9 +287,11 @@ struct hs_pending {
 enum hs_control {
     HS_CTL_ARMED = 0,     /* 0 before the target's exec (run), after a later exec, or at detach */
     HS_CTL_STOPPED = 1,   /* enum hs_event while the target is stopped for user space (HS_STOP_EVENTS) */
-    HS_CTL_UMAPS = 2,     /* published unwind mappings: generation << 42 | first index << 32 | count (in
-                           * unwind_maps). The generation (from 1) makes every publication's word new, so
-                           * rules cached under an older word are never used again. */
+    HS_CTL_UMAPS = 2,     /* published unwind mappings: identity << 11 | half << 10 | count (in unwind_maps:
+                           * the half's run of HS_MAX_UMAPS). The identity (never 0 for a set that has any)
+                           * is a hash of the mappings (start, end, bias, object): targets that map the same
+                           * objects at the same places, a prefork server's workers, share cached rules, and a
+                           * rule cached under one set is never used for another. */
     HS_CTL_STACK_EPOCH = 3, /* HS_STACKS: bumped by user space at each sample; starts a new low-water mark */
     HS_CTL_STACK_END = 4, /* where the main thread's stack reads must stop: above argc, where exec left %rsp
                            * (frames lie below; above may be pages never touched) (0: unknown) */
@@ -479,6 +484,7 @@ struct hs_global {
     __u64 unwind_frames;     /* frames unwound with a table rule */
     __u64 unwind_fp;         /* frames unwound by frame pointer: no table covers the code */
     __u64 unwind_no_rule;    /* a table covers the code but has no rule there (falls back to frame pointers) */
+    __u64 unwind_searched;   /* frames whose rule was searched in the tables: not in the CPU's rule cache */
     __u64 unwind_bad_read;   /* a stack read failed: the stack ends there */
     __u64 unwind_depth_cut;  /* stacks cut at HS_MAX_DEPTH */
     __u64 dropped_sizes;     /* MALT sizeMap or reallocJump full: those entries not counted */

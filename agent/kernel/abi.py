@@ -3,7 +3,9 @@ buffers, and the layouts of the records it sends; what probes/heap.h declares is
 
 from __future__ import annotations
 
+import hashlib
 import struct
+from collections.abc import Sequence
 
 from agent.contract import HEAP_H
 
@@ -30,9 +32,9 @@ EV_SITES = _EVENTS["HS_EV_SITES"]  # --ignore-fn: a realloc waits for its sites'
 SITE_COUNTED = HEAP_H.enum("hs_site_flag")["HS_SITE_COUNTED"]
 SITE_IGNORED = HEAP_H.enum("hs_site_flag")["HS_SITE_IGNORED"]
 MAX_UMAPS = HEAP_H.value("HS_MAX_UMAPS")
-# control[CTL_UMAPS] = generation << UMAPS_GEN_SHIFT | first index << 32 | count
-UMAPS_GEN_SHIFT = HEAP_H.value("HS_UMAPS_GEN_SHIFT")
-RULE_CACHE = HEAP_H.value("HS_RULE_CACHE")
+# control[CTL_UMAPS] = identity << UMAPS_ID_SHIFT | half << UMAPS_HALF_SHIFT | count (umaps_word)
+UMAPS_HALF_SHIFT = HEAP_H.value("HS_UMAPS_HALF_SHIFT")
+UMAPS_ID_SHIFT = HEAP_H.value("HS_UMAPS_ID_SHIFT")
 # enum hs_page_kind, by agent.model.pages' names (HS_PG_MMAP -> mmap).
 PAGE_KINDS = {v: k.removeprefix("HS_PG_").lower() for k, v in HEAP_H.enum("hs_page_kind").items()}
 # enum hs_fn: the kind of each allocation call (agent.model.functions), by number (HS_MALLOC -> malloc).
@@ -74,3 +76,15 @@ PENDING_SLOTS = HEAP_H.value("HS_PENDING_SLOTS")  # per-thread call slots of exa
 MAX_SIZES = HEAP_H.value("HS_MAX_SIZES")  # MALT's request sizes and realloc jumps
 SAMPLED_MAX_SIZES = 16384  # sampled mode: MALT's request sizes of 4 KiB and more (smaller ones have an array)
 MAX_THREADS = HEAP_H.value("HS_MAX_THREADS")
+
+
+def umaps_word(mappings: Sequence[tuple[int, int, int, str]], half: int) -> int:
+    """control[CTL_UMAPS] for the published mappings (start, end, bias, object key), in the order published, in
+    `half` of the target's run. The kernel caches the rules it finds under the set's identity, a hash of the
+    mappings: two targets with the same objects at the same places (a prefork server's workers) share them, and a
+    rule found in one set is never taken for another (a slot's next target, a library mapped again elsewhere)."""
+    identity = 0
+    if mappings:
+        digest = hashlib.blake2b(repr(tuple(mappings)).encode(), digest_size=8).digest()
+        identity = (int.from_bytes(digest, "little") >> UMAPS_ID_SHIFT) or 1  # 0: no mappings
+    return identity << UMAPS_ID_SHIFT | half << UMAPS_HALF_SHIFT | len(mappings)

@@ -53,7 +53,6 @@ from agent.kernel.abi import (
     PAGE_COUNTER_COUNT,
     PAGE_EVENT,
     PAGE_KINDS,
-    RULE_CACHE,
     SAMPLED_SNAP_RING_BYTES,
     SCHED_POINT,
     SCHED_RING_BYTES,
@@ -63,7 +62,7 @@ from agent.kernel.abi import (
     SNAP_RECORD,
     SNAP_RING_BYTES,
     THREAD_SLOTS,
-    UMAPS_GEN_SHIFT,
+    umaps_word,
 )
 from agent.kernel.arrays import MappedArray, MappedWords, SharedRows, mapped_prefix
 from agent.kernel.btf import kernel_offset
@@ -199,7 +198,6 @@ class HeapProbes(LiveProbes):
         self._sched_ring: RingReader | None = None
         self._snap_ring: RingReader | None = None
         self._umap_half = 0
-        self._umap_gen = 0  # publications so far, modulo the bits the control word has for them
         self.detach_seconds = 0.0  # each uprobe's removal waits for an RCU grace period
         # struct hs_global and the control words, the shape's, read in place at this target's slot, and this
         # target's own page counters: views of their mappings, None while not loaded (a reader takes the view
@@ -610,20 +608,14 @@ class HeapProbes(LiveProbes):
         umaps = self._maps["unwind_maps"]
         half = 1 - self._umap_half
         first = half * MAX_UMAPS
+        published = []
         for i, (m, (row_begin, row_count)) in enumerate(entries):
-            leaf = umaps.Leaf(m.start, m.end, m.bias & 0xFFFFFFFFFFFFFFFF, row_begin, row_count)
+            bias = m.bias & 0xFFFFFFFFFFFFFFFF
+            leaf = umaps.Leaf(m.start, m.end, bias, row_begin, row_count)
             umaps[ctypes.c_int(self.slot * 2 * MAX_UMAPS + first + i)] = leaf  # the target's run of the table
-        gen = (self._umap_gen + 1) % (1 << (64 - UMAPS_GEN_SHIFT))
-        if gen % (1 << (63 - UMAPS_GEN_SHIFT)) == 0:
-            # The generation wraps: rules the kernel cached under a word that comes again must go first.
-            # Twice a cycle, so that a rule a probe stamped with a word just before one clearing is gone
-            # at the next, long before its word returns.
-            cache = self._maps["rule_cache"]
-            for i in range(RULE_CACHE):
-                cache.clearitem(ctypes.c_int(i))
-        self._set_control(CTL_UMAPS, (gen << UMAPS_GEN_SHIFT) | (first << 32) | len(entries))
+            published.append((m.start, m.end, bias, m.key))
+        self._set_control(CTL_UMAPS, umaps_word(published, half))
         self._umap_half = half
-        self._umap_gen = gen
 
     def _control(self, index: int) -> int:
         words = self._control_words

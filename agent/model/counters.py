@@ -39,6 +39,7 @@ class Counters:
     unwind_frames: int = 0
     unwind_fp: int = 0
     unwind_no_rule: int = 0
+    unwind_searched: int = 0  # frames whose rule the walk searched in the tables (its CPU's rule cache missed)
     unwind_bad_read: int = 0
     unwind_depth_cut: int = 0
     dropped_sizes: int = 0

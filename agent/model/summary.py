@@ -191,7 +191,7 @@ def _unwind_lines(u: UnwindSummary, c: Counters) -> list[str]:
         f"frames: {c.unwind_frames} by table, {c.unwind_fp} by frame pointer (no table), "
         f"{c.unwind_no_rule} with no rule, {c.unwind_bad_read} bad reads "
         f"({c.unwind_short_reads} runs read again to a page end), {c.unwind_depth_cut} stacks cut "
-        "at the depth limit"
+        f"at the depth limit; {c.unwind_searched} rules searched in the tables (the others from the CPUs' rule caches)"
     ]
     if u.rows_shared:
         lines.append(f"unwind: {u.rows_shared} of those rows were in the kernel already for other targets with the "

@@ -15,9 +15,12 @@ BPF_PERCPU_ARRAY(stack_cache, struct hs_last_stack, HS_STACK_CACHE);
 BPF_ARRAY_OF_MAPS(stack_cache_of, "stack_cache", HS_TARGETS);
 /* stack_copy: 0 -> struct hs_stack_copy, per CPU (the run of the user stack the walk reads from) */
 BPF_PERCPU_ARRAY(stack_copy, struct hs_stack_copy, 1);
-/* rule_cache: pc bits -> struct hs_rule_entry, per CPU (hot return addresses skip both binary searches) */
-/* (one cache for every target: an entry's pc carries its target's slot above bit 56, as block keys do; the walk
- * reaches it without a map of maps, which kept the deepest sampled walks within the verifier's limit) */
+/* rule_cache: pc and mapping set bits -> struct hs_rule_entry, per CPU (hot return addresses skip both binary
+ * searches). One cache for every target, its entries keyed by the mapping set's identity rather than the target:
+ * a prefork server's workers, the same objects at the same places, walk the same return addresses, and with a
+ * key of their own each evicted the others' rules at every switch between them (apache2: every sampled walk
+ * searched the tables). The walk reaches it without a map of maps, which kept the deepest sampled walks within
+ * the verifier's limit. */
 BPF_PERCPU_ARRAY(rule_cache, struct hs_rule_entry, HS_RULE_CACHE);
 /* scratch: 0 -> the stack being walked (too big for the BPF stack) */
 BPF_PERCPU_ARRAY(scratch, struct hs_stack, 1);
@@ -44,12 +47,11 @@ struct walk {
     struct hs_stack *st;
     struct hs_global *g;
     struct hs_stack_copy *copy;
-    u64 pc_tag;       /* the target's slot << 56: its entries in rule_cache */
     u64 sp;     /* the caller's %rsp once the current frame returns */
     u64 bp;     /* the caller's %rbp */
     u64 ret;    /* the current frame's return address (ip[n - 1]) */
     u64 h;
-    u64 umaps;  /* control[HS_CTL_UMAPS]: the published mappings the rules were found in */
+    u64 rules_id; /* the published mapping set's identity (control[HS_CTL_UMAPS] >> HS_UMAPS_ID_SHIFT) */
     u64 stack_end; /* control[HS_CTL_STACK_END] */
     u32 n;
     u32 umap_first;
@@ -160,21 +162,21 @@ static __always_inline u64 find_rule(struct walk *w, u64 pc)
     return pack_rule(type, r->flags | HS_RULE_MAPPED, cfa_offset, r->rbp_offset);
 }
 
-static __always_inline u32 rule_slot(u64 pc)
+static __always_inline u32 rule_slot(struct walk *w, u64 pc)
 {
-    return (pc ^ (pc >> 10) ^ (pc >> 20)) & (HS_RULE_CACHE - 1);
+    return (pc ^ (pc >> 10) ^ (pc >> 20) ^ w->rules_id) & (HS_RULE_CACHE - 1);
 }
 
-/* The rule this CPU cached for pc under the same published mappings, or 0 (no rule packs to 0). */
+/* The rule this CPU cached for pc in the same mapping set, or 0 (no rule packs to 0). */
 static __always_inline u64 cached_rule(struct walk *w, u64 pc)
 {
-    u32 idx = rule_slot(pc);
+    u32 idx = rule_slot(w, pc);
     struct hs_rule_entry *e = rule_cache.lookup(&idx);
     if (!e)
         return 0;
     u64 seq = HS_ONCE(e->seq);
     hs_barrier();
-    if (!seq || (seq & 1) || e->pc != (pc | w->pc_tag) || e->umaps != w->umaps)
+    if (!seq || (seq & 1) || e->pc != pc || e->umaps != w->rules_id)
         return 0;
     u64 rule = e->rule;
     hs_barrier();
@@ -183,7 +185,7 @@ static __always_inline u64 cached_rule(struct walk *w, u64 pc)
 
 static __always_inline void cache_rule(struct walk *w, u64 pc, u64 rule)
 {
-    u32 idx = rule_slot(pc);
+    u32 idx = rule_slot(w, pc);
     struct hs_rule_entry *e = rule_cache.lookup(&idx);
     if (!e)
         return;
@@ -192,8 +194,8 @@ static __always_inline void cache_rule(struct walk *w, u64 pc, u64 rule)
         return;
     HS_ONCE(e->seq) = seq + 1;
     hs_barrier();
-    e->pc = pc | w->pc_tag;
-    e->umaps = w->umaps;
+    e->pc = pc;
+    e->umaps = w->rules_id;
     e->rule = rule;
     hs_barrier();
     HS_ONCE(e->seq) = seq + 2;
@@ -310,10 +312,10 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
     w.ret = ret;
     w.h = h;
     w.n = 1;
-    w.pc_tag = (u64)g->slot << 56;
-    w.umaps = control_word(g, HS_CTL_UMAPS);
-    w.umap_first = g->slot * 2 * HS_MAX_UMAPS + ((w.umaps >> 32) & 0x3ff);
-    w.umap_count = (u32)w.umaps;
+    u64 umaps = control_word(g, HS_CTL_UMAPS);
+    w.rules_id = umaps >> HS_UMAPS_ID_SHIFT;
+    w.umap_first = (g->slot * 2 + ((umaps >> HS_UMAPS_HALF_SHIFT) & 1)) * HS_MAX_UMAPS;
+    w.umap_count = umaps & ((1 << HS_UMAPS_HALF_SHIFT) - 1);
     /* Hot return addresses have their rules in this CPU's cache. At the first that does not, the rest
      * of the stack is walked with the tables (caching what they give). Two loops, so the verifier walks
      * the binary searches once per frame, not once per frame and per cache outcome. One step more than
@@ -341,6 +343,7 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
         for (int i = 0; i < HS_MAX_DEPTH; i++) {
             u64 pc = w.ret - 1;
             u64 rule = find_rule(&w, pc);
+            copy->searched++;
             cache_rule(&w, pc, rule);
             if (walk_step(&w, rule))
                 break;
@@ -364,6 +367,11 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
     if (counted) {
         copy->no_rule = 0;
         __sync_fetch_and_add(&g->unwind_no_rule, counted);
+    }
+    counted = copy->searched;
+    if (counted) {
+        copy->searched = 0;
+        __sync_fetch_and_add(&g->unwind_searched, counted);
     }
 #else
     u64 lowest = sp; /* where the next frame may start: above the stack pointer, then above the last frame */

@@ -4,6 +4,7 @@ the other recording, its figures unchanged."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -12,14 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from agent.kernel.abi import CTL_UMAPS, UMAPS_ID_SHIFT
 from agent.kernel.interface import ProbeSettings
 from agent.kernel.links import uprobe_links_supported
 from agent.kernel.probes import HeapProbes
 from agent.kernel.shapes import PURGE_BATCH, ProgramShape
 from agent.model.sampling import DEFAULT_KEEP_PROGRAMS
 from agent.process.discovery import allocator_of_process
-from agent.process.sampler import build_sampler, probe_points
+from agent.process.sampler import build_sampler, probe_points, read_map_lines
+from agent.symbols.elf import open_elf
 from tests.integration.test_probe_modes import ALLOCS, SITE_BYTES, TRACKED_FREES, UNTRACKED_FREES, Target
+from tests.integration.test_sampled_probes import unwind_mappings
+from tests.support.conversation import Conversation
 
 pytestmark = pytest.mark.integration
 
@@ -294,3 +299,53 @@ def test_a_slot_used_again_finds_its_maps_empty(bpf_ready: None, build: Callable
         assert again["counted"] == (SITE_BYTES, ALLOCS, TRACKED_FREES, UNTRACKED_FREES)
     finally:
         ProgramShape.unload_kept()
+
+
+def test_forked_workers_share_the_rule_cache_and_keep_their_own_stacks(
+    bpf_ready: None, build: Callable[..., Path]
+) -> None:
+    """Workers forked from one program (fork_ring.c: three of them taking turns, as a prefork server's take
+    requests) map the same objects at the same places, so they publish one mapping set, and the stack walk's
+    per-CPU rule cache serves each the rules another found (probes/bpf/unwind.h rule_cache). Keyed by target, each
+    walk evicted the rules of the worker before it and searched the tables for every frame. Each worker's stacks
+    are still its own, every frame unwound by table."""
+    if not uprobe_links_supported():
+        pytest.skip("targets share a program only through uprobe_multi links (Linux 6.10+)")
+    program = build("fork_ring.c")
+    ring = Conversation([str(program)])
+    try:
+        line = ring.proc.stdout.readline().split() if ring.proc.stdout else []
+        assert line[:1] == ["ready"], line
+        workers = [int(pid) for pid in line[1:]]
+        value, size = open_elf(str(program)).find_symbol("chain")  # type: ignore[misc]
+        with contextlib.ExitStack() as stack:
+            probes = []
+            for pid in workers:
+                points = allocator_of_process(pid).points(run=False, heap=True)
+                p = stack.enter_context(HeapProbes(ProbeSettings(target_tgid=pid, arm_on_exec=False), points))
+                p.publish_unwind(unwind_mappings(pid))
+                probes.append(p)
+            bases = [next(m.start for m in read_map_lines(pid) if m.offset == 0 and m.path == str(program))
+                     for pid in workers]
+            words = {p._control(CTL_UMAPS) >> UMAPS_ID_SHIFT for p in probes}
+            assert len(words) == 1 and 0 not in words, "forked workers published different mapping sets"
+            ring.say("go")
+            ring.expect("done")
+            counters = [p.counters() for p in probes]
+            chains = []
+            for pid, base, p in zip(workers, bases, probes, strict=True):
+                sites = p.sites(p.counters().peak_gen)
+                stacks = p.stacks([k for k, s in sites.items() if s.tot_blocks >= 3000])
+                assert stacks, f"worker {pid}: no site of its 3,000 allocations"
+                chains += [sum(base + value < ip <= base + value + size for ip in s) for s in stacks.values()]
+        assert ring.finish() == 0
+    finally:
+        ring.kill()
+    frames = sum(c.unwind_frames for c in counters)
+    searched = sum(c.unwind_searched for c in counters)
+    print(f"{frames} frames by table, {searched} rules searched in the tables; chains {chains}")
+    assert all(c.unwind_fp == 0 and c.unwind_no_rule == 0 and c.unwind_bad_read == 0 for c in counters)
+    assert set(chains) == {11}, "a worker's stack lost or gained a frame of its chain of calls"  # DEPTH + 1
+    # 18,000 walks (malloc's and free's) of some 14 frames: a worker that finds the rules of the one before it
+    # searches only what no worker met yet on that CPU.
+    assert frames > 100_000 and searched < frames / 50, (frames, searched)

@@ -97,9 +97,30 @@ def test_control_words_and_events() -> None:
         control["HS_CTL_STACK_EPOCH"],
         control["HS_CTL_STACK_END"],
     ) == (abi.CTL_ARMED, abi.CTL_STOPPED, abi.CTL_UMAPS, abi.CTL_STACK_EPOCH, abi.CTL_STACK_END)
-    # The BPF side reads the first published index as (word >> 32) & (2 * HS_MAX_UMAPS - 1): below the generation.
-    assert (2 * abi.MAX_UMAPS - 1).bit_length() + 32 <= abi.UMAPS_GEN_SHIFT
-    assert f"& {hex(2 * abi.MAX_UMAPS - 1)}" in BPF_SOURCE
+    # The word's count (up to HS_MAX_UMAPS) fits below its half, the half's one bit below the identity.
+    assert abi.MAX_UMAPS < 1 << abi.UMAPS_HALF_SHIFT and abi.UMAPS_ID_SHIFT == abi.UMAPS_HALF_SHIFT + 1
+
+
+def test_the_umaps_word_names_the_mapping_set_not_the_target() -> None:
+    """Two targets that publish the same mappings (a prefork server's workers) get one identity, so they share the
+    kernel's cached rules; any other set gets another (a rule found in one set is never taken for another); the
+    half and the count read back as the kernel reads them."""
+    libc = (0x7F0000001000, 0x7F0000100000, 0x7F0000000000, "build-id:aa")
+    exe = (0x555500001000, 0x555500002000, 0x555500000000, "build-id:bb")
+    word = abi.umaps_word([exe, libc], 1)
+    assert word == abi.umaps_word([exe, libc], 1)
+    assert word & ((1 << abi.UMAPS_HALF_SHIFT) - 1) == 2 and (word >> abi.UMAPS_HALF_SHIFT) & 1 == 1
+    identity = word >> abi.UMAPS_ID_SHIFT
+    assert identity == abi.umaps_word([exe, libc], 0) >> abi.UMAPS_ID_SHIFT  # the half is not the set
+    others = [
+        [exe],  # a mapping fewer
+        [exe, (libc[0] + 0x1000, libc[1] + 0x1000, libc[2] + 0x1000, libc[3])],  # libc elsewhere
+        [exe, (*libc[:3], "build-id:cc")],  # another object at the same place
+        [exe, (libc[0], libc[1], libc[2] + 0x1000, libc[3])],  # another bias
+    ]
+    assert len({identity, *(abi.umaps_word(o, 1) >> abi.UMAPS_ID_SHIFT for o in others)}) == 1 + len(others)
+    assert abi.umaps_word([], 0) == 0  # nothing published: no identity
+    assert all(abi.umaps_word([m], 0) >> abi.UMAPS_ID_SHIFT for m in (exe, libc))  # a set's never 0
 
 
 def test_the_parser_reads_heap_h_forms() -> None:
