@@ -283,6 +283,12 @@ class LiveProbes(SiteReader):
     @abc.abstractmethod
     def mapping_calls(self) -> int | None: ...
 
+    def code_outside(self) -> int | None:
+        """Frames the stack walks met in code outside every mapping with a published unwind table, or None when the
+        walks read no tables (frame pointers only): while it stands still, every stack walked lay in mappings
+        already read (a new mapping of code, if any, was not met)."""
+        return None
+
     @abc.abstractmethod
     def page_events(self) -> list[PageEvent]: ...
 

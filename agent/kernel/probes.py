@@ -537,6 +537,11 @@ class HeapProbes(LiveProbes):
         counted = self.page_counters()
         return counted.code_maps + counted.dropped
 
+    def code_outside(self) -> int | None:
+        if not self.settings.unwind:
+            return None
+        return self.counters().unwind_fp
+
     def activity(self) -> bytes:
         """A token that changes whenever the target does something the profile records: the global counters
         (every allocation call moves them) and the page events' producer position. Read with one map lookup

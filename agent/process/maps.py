@@ -28,6 +28,8 @@ class MapsRecorder:
         # Its frames lie below, in pages the process has used; above argc's page the kernel's random gap may
         # never have been touched, and a read from the BPF side cannot fault it in. 0: unknown.
         self.stack_end = 0
+        self.reads = 0  # of the maps text (refresh)
+        self.version = 0  # moves whenever `current` changes, whoever read the maps (a stale publication's test)
         # A container's files are opened through /proc/PID/root, which goes with the process, while its profile is
         # still to be symbolized and written: its root is held open (a mount detached with its namespace stays
         # readable through it), and its files named through that descriptor once it has ended (hold_files).
@@ -68,6 +70,7 @@ class MapsRecorder:
                 raw = f.read()
         except OSError:  # the target is gone: keep what was recorded
             return False
+        self.reads += 1
         if raw == self._raw:  # a served process's maps, most looks: one comparison
             return False
         self._raw = raw
@@ -77,6 +80,7 @@ class MapsRecorder:
         self._text = text
         fresh = False
         self.current = tuple(self.view.mapping(m) for m in parse_maps(text))
+        self.version += 1
         try:
             with open(self.stat_path) as f:
                 start_stack = parse_start_stack(f.read())

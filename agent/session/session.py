@@ -161,6 +161,7 @@ class Session:
         self.info = info
         self.proc = proc
         self.maps = MapsRecorder(info.pid, proc)
+        self._published_maps = 0  # the maps' version whose unwind tables the kernel has (sync_mappings)
         self.tables = UnwindTables(tables) if tables is not None else None  # None: frame-pointer stacks
         self.exec_limit = exec_limit  # execs the target may make (run: its first one) before the profile ends
         # The mappings the page map starts with: made by the kernel at exec (run) or before the attach.
@@ -551,6 +552,7 @@ class Session:
         if not self.exec_limit:
             self.seed_pages()  # attach: the mappings of now; run seeds at the target's exec (_catch_up)
         mapped_at = live.mapping_calls()  # before the maps are read: a mapping made meanwhile moves it again
+        outside_at = live.code_outside()
         self.sync_mappings()
         token = live.activity()  # before the first look: calls made while it reads are seen at the next tick
         self._first_snapshot()
@@ -592,9 +594,15 @@ class Session:
                     next_sample = now + pace.idle()
                     continue
                 was_paced = pace.idle_ticks > 0 or pace.paced()
-                mapping_calls = live.mapping_calls()
-                if (mapping_calls is None or mapping_calls != mapped_at) and alive():
-                    mapped_at = mapping_calls
+                # Code mapped since the maps were read: a traced page call says so; untraced (sampled mode), a walk
+                # that met code outside every published table (the loader's mappings come as events, above).
+                mapping_calls, outside = live.mapping_calls(), live.code_outside()
+                if mapping_calls is not None:
+                    stale = mapping_calls != mapped_at
+                else:
+                    stale = outside is None or outside != outside_at
+                if stale and alive():
+                    mapped_at, outside_at = mapping_calls, outside
                     self.sync_mappings()
                 self.sample()
                 self.flag_sites()
@@ -625,9 +633,15 @@ class Session:
             live.resume()
 
     def sync_mappings(self) -> None:
-        """Read the target's mappings; give the stack walk the unwind tables of new executable ones."""
-        if self.live is None or not self.maps.refresh():
+        """Read the target's mappings; give the stack walk the unwind tables of new executable ones. By the maps'
+        version, not by what this read found: the symbolizer reads them too, when a stack's address is in none it
+        knows, and a mapping it found first was never published (its frames walked by frame pointers for good)."""
+        if self.live is None:
             return
+        self.maps.refresh()
+        if self.maps.version == self._published_maps:
+            return
+        self._published_maps = self.maps.version
         self.live.set_stack_end(self.maps.stack_end)  # where the stack walk's reads must stop
         if self.tables is not None:
             self.live.publish_unwind(self.tables.entries(self.maps.current))

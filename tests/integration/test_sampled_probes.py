@@ -8,6 +8,8 @@ from __future__ import annotations
 import collections
 import os
 import struct
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +17,11 @@ import pytest
 
 from agent.kernel.interface import ProbeSettings, UnwindMapping
 from agent.kernel.probes import HeapProbes
+from agent.model.options import MassifOptions
+from agent.model.sampling import ProfileMode
 from agent.process.sampler import SamplerControl, build_sampler, read_map_lines
+from agent.process.target import attach_to
+from agent.session.pipeline import Profile, ProfileSettings
 from agent.symbols.elf import open_elf
 from agent.symbols.unwind import load_table
 from tests.support.conversation import Conversation
@@ -129,3 +135,61 @@ def test_kernel_aggregates_sampled_bytes_per_site(
     assert allocated[0] > 0 and after_free[0] == 0
     for site in (1, 2, 3):
         assert after_free[site] == allocated[site]
+
+
+def test_sampled_mode_reads_the_maps_again_only_when_a_walk_meets_unread_code(
+    sampler_lib: Path, build: Callable[..., Path]
+) -> None:
+    """Sampled mode traces no page call, so nothing says when code is mapped; the loader's mappings come as events.
+    The maps are read again at a look only when a stack walk met code outside every published table (the count
+    HeapProbes.code_outside): a served process's maps, which do not change, are read once, not at every look. Code
+    mapped without the loader (code_remap.c maps itself again, as a JIT or a hand-made loader would) is found at the
+    next look, its table published, and its frames unwound by table from then on, though the symbolizer read the
+    maps first (Session.sync_mappings publishes by the maps' version)."""
+    program = build("code_remap.c")
+    conv = Conversation([str(program), "2500", "2000"])
+    stop = threading.Event()
+    profile: Profile | None = None
+    failed: list[BaseException] = []
+    try:
+        conv.expect("ready")
+        settings = ProfileSettings(MassifOptions(), mode=ProfileMode("sampled", 1))  # every allocation a sample
+        profile = Profile(settings, attach_to(conv.pid))
+        ready = threading.Event()
+
+        def run() -> None:
+            try:
+                profile.run(stop, ready=ready.set)  # type: ignore[union-attr]
+            except BaseException as exc:
+                failed.append(exc)
+                ready.set()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        assert ready.wait(60) and not failed, failed
+        session = profile.session
+        assert session is not None
+        conv.say("go")
+        time.sleep(0.5)  # the loop's first read of the maps, and its first look
+        at_start = session.maps.reads
+        line = conv.proc.stdout.readline().split() if conv.proc.stdout else []
+        assert line[:1] == ["remapped"], line
+        before_remap = session.maps.reads  # 2 s more of allocations: looks at 0.75 and 1.75 s
+        moved = int(line[1], 16)
+        conv.expect("done")
+        after_remap = session.maps.reads
+        known = [m for m in session.maps.current if m.start <= moved < m.end]
+        outside = session.probes.code_outside()
+        time.sleep(1.5)  # a look or two more, with every frame in a published table
+        assert session.probes.code_outside() == outside, "frames of the mapped copy were still not unwound by table"
+        conv.say("exit")
+        assert conv.finish() == 0
+    finally:
+        stop.set()
+        conv.kill()
+    thread.join(30)
+    assert not failed, failed
+    print(f"maps read: {at_start} at the start, {before_remap} before the copy, {after_remap} after it")
+    assert before_remap == at_start, "the maps were read again though every walk stayed in published code"
+    assert after_remap > before_remap, "code mapped without the loader was never read"
+    assert known and known[0].path == str(program) and "x" in known[0].perms
