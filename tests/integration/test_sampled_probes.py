@@ -147,7 +147,7 @@ def test_sampled_mode_reads_the_maps_again_only_when_a_walk_meets_unread_code(
     next look, its table published, and its frames unwound by table from then on, though the symbolizer read the
     maps first (Session.sync_mappings publishes by the maps' version)."""
     program = build("code_remap.c")
-    conv = Conversation([str(program), "2500", "2000"])
+    conv = Conversation([str(program), "2500", "4500"])
     stop = threading.Event()
     profile: Profile | None = None
     failed: list[BaseException] = []
@@ -176,12 +176,18 @@ def test_sampled_mode_reads_the_maps_again_only_when_a_walk_meets_unread_code(
         assert line[:1] == ["remapped"], line
         before_remap = session.maps.reads  # 2 s more of allocations: looks at 0.75 and 1.75 s
         moved = int(line[1], 16)
-        conv.expect("done")
+        deadline = time.monotonic() + 10
+        while session.maps.reads == before_remap and time.monotonic() < deadline:
+            time.sleep(0.05)
         after_remap = session.maps.reads
         known = [m for m in session.maps.current if m.start <= moved < m.end]
-        outside = session.probes.code_outside()
-        time.sleep(1.5)  # a look or two more, with every frame in a published table
-        assert session.probes.code_outside() == outside, "frames of the mapped copy were still not unwound by table"
+        # A look more (frames met between that read and the publication move the count once more); then, the
+        # target still allocating through the copy, no frame of it goes by frame pointer.
+        time.sleep(1.3)
+        outside, calls = session.probes.code_outside(), session.probes.counters().n_allocs
+        time.sleep(1.0)
+        still_outside, calls_after = session.probes.code_outside(), session.probes.counters().n_allocs
+        conv.expect("done")
         conv.say("exit")
         assert conv.finish() == 0
     finally:
@@ -193,3 +199,4 @@ def test_sampled_mode_reads_the_maps_again_only_when_a_walk_meets_unread_code(
     assert before_remap == at_start, "the maps were read again though every walk stayed in published code"
     assert after_remap > before_remap, "code mapped without the loader was never read"
     assert known and known[0].path == str(program) and "x" in known[0].perms
+    assert calls_after > calls and still_outside == outside, "the copy's frames were not unwound by table"
