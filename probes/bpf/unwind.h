@@ -51,7 +51,8 @@ struct walk {
     u64 bp;     /* the caller's %rbp */
     u64 ret;    /* the current frame's return address (ip[n - 1]) */
     u64 h;
-    u64 rules_id; /* the published mapping set's identity (control[HS_CTL_UMAPS] >> HS_UMAPS_ID_SHIFT) */
+    u64 umaps;    /* control[HS_CTL_UMAPS] as the walk began: the published mappings it searches */
+    u64 rules_id; /* their set's identity (umaps >> HS_UMAPS_ID_SHIFT): its entries in rule_cache */
     u64 stack_end; /* control[HS_CTL_STACK_END] */
     u32 n;
     u32 umap_first;
@@ -185,6 +186,10 @@ static __always_inline u64 cached_rule(struct walk *w, u64 pc)
 
 static __always_inline void cache_rule(struct walk *w, u64 pc, u64 rule)
 {
+    /* Published again since the walk began: the half it read from may be rewritten under it, and another target
+     * with the walk's set would take what it found. Not cached then. */
+    if (control_word(w->g, HS_CTL_UMAPS) != w->umaps)
+        return;
     u32 idx = rule_slot(w, pc);
     struct hs_rule_entry *e = rule_cache.lookup(&idx);
     if (!e)
@@ -313,6 +318,7 @@ static __always_inline u64 capture_stack_at(int at_entry, u64 ret, u64 sp, u64 b
     w.h = h;
     w.n = 1;
     u64 umaps = control_word(g, HS_CTL_UMAPS);
+    w.umaps = umaps;
     w.rules_id = umaps >> HS_UMAPS_ID_SHIFT;
     w.umap_first = (g->slot * 2 + ((umaps >> HS_UMAPS_HALF_SHIFT) & 1)) * HS_MAX_UMAPS;
     w.umap_count = umaps & ((1 << HS_UMAPS_HALF_SHIFT) - 1);
