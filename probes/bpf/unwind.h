@@ -187,7 +187,8 @@ static __always_inline u64 cached_rule(struct walk *w, u64 pc)
 static __always_inline void cache_rule(struct walk *w, u64 pc, u64 rule)
 {
     /* Published again since the walk began: the half it read from may be rewritten under it, and another target
-     * with the walk's set would take what it found. Not cached then. */
+     * with the walk's set would take what it found. Not cached then. (A publication between this check and the
+     * write below still could: two publications within one walk's few microseconds.) */
     if (control_word(w->g, HS_CTL_UMAPS) != w->umaps)
         return;
     u32 idx = rule_slot(w, pc);
