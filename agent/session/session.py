@@ -142,6 +142,14 @@ class IdlePace:
         return min(max(cap, self.interval), self.interval * (1 << min(doublings, 20)))
 
 
+def _code_news(live: LiveProbes) -> int | None:
+    """A count that moves when code may have been mapped since it was read: the traced page calls' that can map code;
+    untraced (sampled mode), the frames the walks met outside every published table (the loader's mappings come as
+    events). None: nothing says, the maps are read at every look."""
+    calls = live.mapping_calls()
+    return calls if calls is not None else live.code_outside()
+
+
 class Session:
     """Sample, symbolize and record one target's heap."""
 
@@ -551,8 +559,7 @@ class Session:
         assert live is not None, "the session has ended"
         if not self.exec_limit:
             self.seed_pages()  # attach: the mappings of now; run seeds at the target's exec (_catch_up)
-        mapped_at = live.mapping_calls()  # before the maps are read: a mapping made meanwhile moves it again
-        outside_at = live.code_outside()
+        code_at = _code_news(live)  # before the maps are read: a mapping made meanwhile moves it again
         self.sync_mappings()
         token = live.activity()  # before the first look: calls made while it reads are seen at the next tick
         self._first_snapshot()
@@ -594,15 +601,9 @@ class Session:
                     next_sample = now + pace.idle()
                     continue
                 was_paced = pace.idle_ticks > 0 or pace.paced()
-                # Code mapped since the maps were read: a traced page call says so; untraced (sampled mode), a walk
-                # that met code outside every published table (the loader's mappings come as events, above).
-                mapping_calls, outside = live.mapping_calls(), live.code_outside()
-                if mapping_calls is not None:
-                    stale = mapping_calls != mapped_at
-                else:
-                    stale = outside is None or outside != outside_at
-                if stale and alive():
-                    mapped_at, outside_at = mapping_calls, outside
+                code = _code_news(live)
+                if (code is None or code != code_at) and alive():
+                    code_at = code
                     self.sync_mappings()
                 self.sample()
                 self.flag_sites()
