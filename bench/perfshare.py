@@ -1,7 +1,7 @@
 """Where a followed service's CPU goes, from the whole machine sampled by `perf record -a -g` (the cpu-clock event):
 the service's samples, those taken inside heapscope's probes (the uprobe's way into the kernel and the BPF programs
 under it, which kernel.bpf_stats_enabled does not see whole: it times the programs alone), and those in the injected
-sampler's own code. bench/request_cost.py --perf uses it (the daemon's CPU it reads from /proc, whole)."""
+sampler's own code. bench/request_cost.py --perf uses it; the daemon's CPU it reads from /proc."""
 
 from __future__ import annotations
 
