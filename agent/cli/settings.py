@@ -17,7 +17,9 @@ from agent.model.options import MassifOptions
 from agent.model.sampling import (
     DAEMON_EXACT_STACKS,
     DEFAULT_CAPACITY,
+    DEFAULT_MAX_SAMPLES,
     DEFAULT_SAMPLE_RATE,
+    MAX_MAX_SAMPLES,
     MAX_SAMPLE_RATE,
     MODES,
     Mode,
@@ -160,6 +162,15 @@ def _add_mode_options(p: argparse.ArgumentParser, default: Mode) -> None:
         default=None,
         metavar="BYTES",
         help=f"sampled mode: the mean bytes between samples, Poisson by bytes (default {DEFAULT_SAMPLE_RATE})",
+    )
+    m.add_argument(
+        "--max-samples",
+        type=int_between(0, MAX_MAX_SAMPLES),
+        default=None,
+        metavar="N",
+        help="sampled mode: the samples a second each process may take; above it its sampler raises the rate in "
+        "force (the estimates stay unbiased, with fewer samples), and lowers it again, never below --sample-rate. "
+        f"0: no budget (default {DEFAULT_MAX_SAMPLES}: about 1%% of a core)",
     )
     m.add_argument(
         "--page-calls",
@@ -417,12 +428,15 @@ def expand_filename(template: str, pid: int, env: dict[str, str] | None = None) 
 def mode_from(ns: argparse.Namespace) -> ProfileMode:
     if ns.sample_rate is not None and ns.mode != "sampled":
         raise UsageError("--sample-rate applies to --mode=sampled")
+    if ns.max_samples is not None and ns.mode != "sampled":
+        raise UsageError("--max-samples applies to --mode=sampled")
     if ns.mode == "sampled" and ns.pages_as_heap:
         raise UsageError("--pages-as-heap=yes profiles mapped pages, which sampled mode does not sample; "
                          "use --mode=exact")
     if ns.page_calls is not None and ns.mode != "sampled":
         raise UsageError("--page-calls applies to --mode=sampled: exact mode always traces the page calls")
-    return ProfileMode(ns.mode, DEFAULT_SAMPLE_RATE if ns.sample_rate is None else ns.sample_rate)
+    return ProfileMode(ns.mode, DEFAULT_SAMPLE_RATE if ns.sample_rate is None else ns.sample_rate,
+                       DEFAULT_MAX_SAMPLES if ns.max_samples is None else ns.max_samples)
 
 
 def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> ProfileSettings:

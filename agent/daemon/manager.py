@@ -243,6 +243,8 @@ class TargetManager:
 
     def _settings(self, mode: ProfileMode | None) -> ProfileSettings:
         base = self.config.profile
+        if mode is not None:  # a request names the mode and rate; the sampling budget is the daemon's own
+            mode = replace(mode, max_samples=base.mode.max_samples)
         return base if mode is None or mode == base.mode else replace(base, mode=mode)
 
     def launch(self, argv: Sequence[str]) -> Target:

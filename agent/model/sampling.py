@@ -23,6 +23,12 @@ from typing import Literal
 
 DEFAULT_SAMPLE_RATE = 524288  # bytes: jemalloc's lg_prof_sample 19, Go's MemProfileRate, gperftools' advice
 MAX_SAMPLE_RATE = 1 << 40  # the sampler (probes/sampler/hs_sampler.c) refuses more
+# The sampling budget: samples a second a process may take before its sampler raises the rate in force (0: none).
+# A sample costs the service 8-20 us (two probe hits and two stack walks: docs/benchmarks.md), so 500 a second
+# bound its cost to about 1% of a core, whatever it allocates; a service under that keeps the asked rate. Each
+# sample keeps the weight of the rate it was drawn at, so the estimates stay unbiased (JFR throttles so too).
+DEFAULT_MAX_SAMPLES = 500
+MAX_MAX_SAMPLES = 1 << 32
 
 Mode = Literal["exact", "sampled"]
 MODES: tuple[Mode, ...] = ("exact", "sampled")
@@ -55,6 +61,7 @@ class ProfileMode:
 
     mode: Mode = "exact"
     rate: int = DEFAULT_SAMPLE_RATE
+    max_samples: int = DEFAULT_MAX_SAMPLES  # sampled: the budget, samples a second a process (0: none)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -62,6 +69,8 @@ class ProfileMode:
         validate_rate(self.rate)
         if self.rate > MAX_SAMPLE_RATE:
             raise ValueError(f"sample rate must be at most {MAX_SAMPLE_RATE} bytes, not {self.rate}")
+        if isinstance(self.max_samples, bool) or not 0 <= self.max_samples <= MAX_MAX_SAMPLES:
+            raise ValueError(f"max samples must be from 0 to {MAX_MAX_SAMPLES} a second, not {self.max_samples!r}")
 
     @property
     def sampled(self) -> bool:
@@ -86,14 +95,18 @@ class ProfileMode:
         """What massif.out's desc: line says of the mode (ms_print shows it as Massif's arguments)."""
         if not self.sampled:
             return ("--mode=exact",)
-        return ("--mode=sampled", f"--sample-rate={self.rate}", ESTIMATE_NOTE)
+        return ("--mode=sampled", f"--sample-rate={self.rate}", f"--max-samples={self.max_samples}", ESTIMATE_NOTE)
 
     def label(self) -> str:
         """One line for a person: the summary, logs."""
         if not self.sampled:
             return "exact mode: every allocation call counted"
-        return (f"sampled mode, one sample per {self.rate} bytes on average: heap bytes and blocks are estimates, "
-                "call counts exact")
+        return (f"sampled mode, one sample per {self.rate} bytes on average{self.budget_text()}: heap bytes and "
+                "blocks are estimates, call counts exact")
+
+    def budget_text(self) -> str:
+        """The budget, for a line that gives the rate: "" without one."""
+        return f" (at most {self.max_samples} a second: the rate rises to keep it)" if self.max_samples else ""
 
 
 def validate_rate(rate: int) -> int:

@@ -55,6 +55,9 @@ class SamplingSummary:
     samples: int = 0  # allocations sampled
     sampled_frees: int = 0  # frees of sampled blocks
     unseen_frees: int = 0  # samples whose address did not fit the sampler's set: their frees are not seen
+    max_samples: int = 0  # the budget: samples a second (0: none)
+    rate_in_force: int = 0  # the rate as the sampler last had it (rate, or more under the budget)
+    rate_changes: int = 0  # times the budget moved the rate in force
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,10 @@ class ProfileSummary:
                 f"sampled mode, one sample per {sm.rate} bytes on average ({sm.samples} samples, {sm.sampled_frees} "
                 "of their frees): the peak, the live blocks and bytes are ESTIMATES; call counts are exact"
             )
+            if sm.rate_changes:
+                lines.append(f"the sampling budget ({sm.max_samples} samples a second) moved the rate "
+                             f"{sm.rate_changes} times; one sample per {sm.rate_in_force} bytes at the end (each "
+                             "sample weighted at the rate it was drawn at)")
             if sm.unseen_frees:
                 lines.append(f"{sm.unseen_frees} samples did not fit the sampler's address set: their frees "
                              "were not seen (those blocks stay in the estimate)")

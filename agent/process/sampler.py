@@ -89,7 +89,7 @@ CONTROL_FIELDS: tuple[tuple[str, str], ...] = (
     ("objects_scanned", "Q"), ("scans", "Q"), ("samples", "Q"), ("sampled_frees", "Q"), ("set_full", "Q"),
     ("realloc_failed_sampled", "Q"), ("control_tid", "Q"), ("hooks_resolved", "Q"), ("lazy_skipped", "Q"),
     ("counts_address", "Q"),
-    ("counts_used", "Q"), ("forked_armed", "Q"),
+    ("counts_used", "Q"), ("forked_armed", "Q"), ("max_samples", "Q"), ("rate_in_force", "Q"), ("rate_changes", "Q"),
 )  # fmt: skip
 CONTROL_FORMAT = "<" + "".join(f for _, f in CONTROL_FIELDS)
 CONTROL_SIZE = struct.calcsize(CONTROL_FORMAT)
@@ -117,7 +117,7 @@ def calls_total_of(table: bytes) -> ThreadCalls:
     return ThreadCalls(0, **{name: int(v) for name, v in zip(COUNT_FIELDS, sums, strict=True) if name != "tid"})
 
 
-VERSION = 6
+VERSION = 7
 REQ_ARM, REQ_DISARM, REQ_LEASE, REQ_RESCAN = 1, 2, 3, 4
 FORKED_ARMED, FORKED_CLAIMED = 1, 2  # forked_armed (enum hs_forked)
 STATE_NAMES = {0: "loading", 1: "idle", 2: "armed", 3: "broken", 4: "threadless"}
@@ -548,26 +548,28 @@ class SamplerControl:
         with contextlib.suppress(OSError):  # full (never here), or the sampler gone: its answer says so
             os.write(self._lease, b"\0")
 
-    def arm(self, rate: int) -> ControlState:
+    def arm(self, rate: int, max_samples: int = 0) -> ControlState:
+        """Arm at `rate` bytes between samples, with a budget of `max_samples` samples a second (0: none)."""
         if isinstance(rate, bool) or not isinstance(rate, int) or not 1 <= rate <= MAX_RATE:
             raise UsageError(f"--sample-rate must be a whole number of bytes from 1 to {MAX_RATE}, not {rate!r}")
         st = self.wait_ready()
         if st.state == "armed" and st["forked_armed"] and self._share_lease(st):
             self.threadless = True
-            if st["sample_rate"] == rate:
+            if st["sample_rate"] == rate and st["max_samples"] == max_samples:
                 self.inherited = True
                 return st
-            # Armed at its parent's rate, not this profile's: armed again at this one.
+            # Armed at its parent's rate or budget, not this profile's: armed again at this one.
             self._disarm_by_call()
             self._release_lease()
-            return self._arm_threadless(rate)
+            return self._arm_threadless(rate, max_samples)
         if st.threadless:
-            return self._arm_threadless(rate)
+            return self._arm_threadless(rate, max_samples)
         if st.state == "armed":
             raise TargetError(f"process {self.pid}: its sampler is already armed by another heapscope")
         if st["lease_fd"] < 0:
             raise TargetError(f"process {self.pid}: the sampler has no lease to give (held by another heapscope)")
         self._take_lease(st)
+        self._write("max_samples", max_samples)  # read by the arm
         self._write("sample_rate", rate)
         st = self._request(REQ_ARM)
         if st["result"] != 0:
@@ -575,7 +577,7 @@ class SamplerControl:
             raise TargetError(f"process {self.pid}: the sampler refused to arm: {os.strerror(-st['result'])}")
         return st
 
-    def _arm_threadless(self, rate: int) -> ControlState:
+    def _arm_threadless(self, rate: int, max_samples: int) -> ControlState:
         """Arm by calls: a fresh lease (the last heapscope's lost, if it ended armed), taken; then the arming."""
         if self._call is None:
             raise TargetError(f"process {self.pid}: its sampler has no control thread and is armed only by calls")
@@ -586,6 +588,7 @@ class SamplerControl:
         if lease < 0:
             raise TargetError(f"process {self.pid}: the sampler has no lease to give: {os.strerror(-lease)}")
         self._take_lease(self.read())
+        self._write("max_samples", max_samples)  # read by the arm
         result = self._call(REQ_ARM, rate)
         if result != 0:
             self.close()

@@ -114,6 +114,8 @@ class SamplerLink:
         self.process = process
         self.pid = process.pid
         self.rate = mode.rate
+        self.max_samples = mode.max_samples
+        self._budget_said = False  # the first move of the rate in force is said; the rest show in the summary
         self.say = say
         self.libc = process.allocator.family if process.allocator.family == "musl" else "glibc"
         self.library = build_sampler(libc=self.libc)  # the build for the target's libc
@@ -187,8 +189,11 @@ class SamplerLink:
                      "the uprobe of the process it was forked from, which the kernel does not carry into a child)")
 
     def describe(self) -> str:
-        """Which build of the sampler the target got, and how: "glibc build, memfd"."""
-        return f"{self.libc} build, {self.delivery}"
+        """Which build of the sampler the target got, and how: "glibc build, memfd"; and the rate in force when
+        the budget has moved it (as last read)."""
+        in_force = self._last_stats.get("rate_in_force", self.rate)
+        moved = f"; over its budget, one sample per {in_force} bytes now" if in_force > self.rate else ""
+        return f"{self.libc} build, {self.delivery}{moved}"
 
     # ---- arming ----------------------------------------------------------------------------------------
 
@@ -206,7 +211,7 @@ class SamplerLink:
             probes.lead_trim = (span,)  # the hooks' frames lead every sampled stack: not the program's
         control = SamplerControl(self.pid, self.library, call=self._call)
         try:
-            st = control.arm(self.rate)
+            st = control.arm(self.rate, self.max_samples)
         except BaseException:
             control.close()
             raise
@@ -227,7 +232,8 @@ class SamplerLink:
             self.control = control
         since = " since its fork (its parent's lease; disarmed and rescanned by calls)" if control.inherited else ""
         self.say(
-            f"sampler armed in {self.pid}{since}: one sample per {self.rate} bytes on average; "
+            f"sampler armed in {self.pid}{since}: one sample per {self.rate} bytes on average"
+            f"{ProfileMode('sampled', self.rate, self.max_samples).budget_text()}; "
             f"{st['slots_patched']} allocation slots patched in {st['objects_scanned']} objects"
         )
 
@@ -338,7 +344,8 @@ class SamplerLink:
         return {"allocs": t.allocs, "frees": t.frees, "alloc_bytes": t.alloc_bytes, "reallocs": t.realloc,
                 "realloc_frees": t.realloc_frees}  # fmt: skip
 
-    _STATS = ("samples", "sampled_frees", "set_full", "slots_patched", "lazy_skipped")
+    _STATS = ("samples", "sampled_frees", "set_full", "slots_patched", "lazy_skipped", "rate_in_force",
+              "rate_changes")
 
     def statistics(self) -> dict[str, int]:
         """The sampler's own figures since arming (samples, sampled frees, samples whose free cannot be seen...);
@@ -351,6 +358,11 @@ class SamplerLink:
                     self._read_failed(exc)
                 else:
                     self._last_stats = {k: st[k] for k in self._STATS}
+                    if st["rate_changes"] and not self._budget_said:
+                        self._budget_said = True
+                        self.say(f"sampler in {self.pid}: over its budget of {self.max_samples} samples a second, "
+                                 f"its rate in force is now one sample per {st['rate_in_force']} bytes (the "
+                                 "estimates stay unbiased, from fewer samples)")
                     if st.state != "armed" and self.disarmed_itself is None:
                         # Its lease seen closed or lost: from here no allocation is sampled. Said, never silent.
                         self.disarmed_itself = st.disarm_reason

@@ -24,16 +24,18 @@
  */
 
 /* sampled_blocks: block address -> struct hs_sampled_block (the live sampled blocks). Not preallocated: a
- * sampled target holds few blocks here (about its heap / HS_SAMPLE_RATE), so its memory follows them; only the
- * bucket array (16 bytes an entry) is sized from --max-blocks. In sampled mode the exact mode's block tables
+ * sampled target holds few blocks here (about its heap / HS_SAMPLE_RATE, fewer under a budget), so its memory
+ * follows them; only the bucket array (16 bytes an entry) is sized from --max-blocks. In sampled mode the exact mode's block tables
  * (block_slots, blocks) are compiled at their smallest: no program here uses them. */
 BPF_F_TABLE("hash", u64, struct hs_sampled_block, sampled_blocks, HS_MAX_SAMPLED_BLOCKS, BPF_F_NO_PREALLOC);
 BPF_ARRAY_OF_MAPS(sampled_blocks_of, "sampled_blocks", HS_TARGETS);
 
-/* N: 1/p from the weight (weight / size in 16.16 fixed point), its fraction rounded at random. */
+/* N: 1/p from the weight (weight / size in 16.16 fixed point), its fraction rounded at random. From the weight
+ * alone, not the rate: under a sampling budget the rate in force is above the asked one (HS_SAMPLE_RATE), and a
+ * block of more than the asked rate may have been sampled with p < 1. */
 static __always_inline u64 sample_blocks(u64 size, u64 weight)
 {
-    if (size >= HS_SAMPLE_RATE || weight <= size)
+    if (weight <= size)
         return 1;
     u64 fixed = (weight << 16) / size;
     u64 blocks = fixed >> 16;

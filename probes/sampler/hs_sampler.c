@@ -97,6 +97,7 @@ EXPORT __attribute__((noipa, used, optimize("omit-frame-pointer"))) void hs_samp
 /* ---- per-thread state (initial-exec TLS: one %fs-relative access, no __tls_get_addr) --------------------- */
 struct thread_state {
     int64_t remaining;        /* bytes until the next sample; 0 until the thread is seeded */
+    uint64_t drawn_at;        /* the rate in force when `remaining` was drawn: its samples' weights */
     uint64_t rng;             /* xorshift64* state, never 0 once seeded */
     struct hs_counts *counts; /* this thread's exact counts; NULL until its first call */
     uint8_t seeded;
@@ -110,7 +111,12 @@ struct thread_state {
 #endif
 static __thread struct thread_state tls __attribute__((tls_model(HS_TLS_MODEL)));
 
-static uint64_t sample_rate = 524288;
+#define HS_MAX_RATE ((uint64_t)1 << 40) /* the most bytes between samples: agent/process/sampler.py MAX_RATE */
+static uint64_t sample_rate = 524288; /* the rate in force: asked_rate, or more under the budget */
+static uint64_t asked_rate = 524288;  /* the profile's rate: the budget never takes the rate below it */
+static uint64_t max_samples;          /* samples a second (0: no budget) */
+static uint64_t window_start_ns;      /* the budget's window: since when its samples are counted */
+static uint64_t window_samples;
 static int armed;
 static int threadless; /* no control thread: requests come as calls (hs_sampler_call), the hooks watch the lease */
 static uint64_t global_seed;
@@ -433,6 +439,79 @@ EXPORT uint64_t hs_weight(uint64_t size, uint64_t rate)
     return (uint64_t)((double)size / p + 0.5); /* positive: truncation is the floor */
 }
 
+/* The weight of a sample whose countdown was drawn at rate `drawn`, for any size: p = 1 - e^(-n/drawn) still holds
+ * (the exponential has no memory) when the rate in force has risen above the size since the draw. At n >= drawn,
+ * e^-x is (e^-(x/2^k))^(2^k) with x/2^k in (1/2, 1]; 1 - e^-x >= 0.63 there, so no cancellation. */
+EXPORT uint64_t hs_drawn_weight(uint64_t size, uint64_t drawn)
+{
+    if (size < drawn)
+        return hs_weight(size, drawn);
+    double x = (double)size / (double)drawn;
+    int k = 0;
+    while (x > 1.0 && k < 64) {
+        x *= 0.5;
+        k++;
+    }
+    double e = hs_expm1_neg(x) + 1.0; /* e^-x at the scaled x */
+    for (int i = 0; i < k; i++)
+        e *= e;
+    return (uint64_t)((double)size / (1.0 - e) + 0.5);
+}
+
+/* The sampling budget (max_samples, a second): each sample counts in a window that closes after a second, or at
+ * once when it holds a second's budget (a burst costs at most that before the rate follows). The thread that closes
+ * a window sets the rate in force for the next: over budget, it rises so that the window's samples would have come
+ * to three quarters of the budget; under half the budget it falls the same way (at most HS_BUDGET_MAX_FALL times in
+ * one window: a quiet second says little), never below the asked rate, nor above HS_BUDGET_MAX_RISE times it: a
+ * thread's countdown drawn at a raised rate runs out only after that many bytes, so after a burst the rate comes
+ * back down within some 32 MiB of a thread's allocations (at the default rate), not gigabytes. Each sample keeps the
+ * weight of the rate its thread's countdown was drawn at, and a thread draws at the new rate from its next sample
+ * on: every estimate stays unbiased (JFR throttles its allocation samples so). */
+#define HS_BUDGET_WINDOW_NS 1000000000ULL
+#define HS_BUDGET_MAX_FALL 16
+#define HS_BUDGET_MAX_RISE 64
+
+static uint64_t monotonic_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static void budget_start(void)
+{
+    STORE(window_samples, 0);
+    STORE(window_start_ns, monotonic_ns());
+}
+
+static void budget_sample(void)
+{
+    uint64_t cap = LOAD(max_samples);
+    if (!cap)
+        return;
+    uint64_t taken = ADD(window_samples, 1) + 1;
+    uint64_t start = LOAD(window_start_ns), now = monotonic_ns();
+    if ((now - start < HS_BUDGET_WINDOW_NS && taken < cap) || now <= start ||
+        !__atomic_compare_exchange_n(&window_start_ns, &start, now, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+        return; /* the window is open, or another thread closes it */
+    double seen = (double)__atomic_exchange_n(&window_samples, 0, __ATOMIC_RELAXED) * 1e9 / (double)(now - start);
+    uint64_t rate = LOAD(sample_rate), asked = LOAD(asked_rate);
+    if (seen <= (double)cap && (seen >= 0.5 * (double)cap || rate <= asked))
+        return;
+    double factor = seen / (0.75 * (double)cap);
+    if (factor < 1.0 / HS_BUDGET_MAX_FALL)
+        factor = 1.0 / HS_BUDGET_MAX_FALL;
+    double next = (double)rate * factor, ceiling = (double)asked * HS_BUDGET_MAX_RISE;
+    if (ceiling > (double)HS_MAX_RATE)
+        ceiling = (double)HS_MAX_RATE;
+    uint64_t moved = next >= ceiling ? (uint64_t)ceiling : next <= (double)asked ? asked : (uint64_t)next;
+    if (moved == rate)
+        return;
+    STORE(sample_rate, moved);
+    STORE(hs_control.rate_in_force, moved);
+    ADD(hs_control.rate_changes, 1);
+}
+
 static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, void *p, size_t n, unsigned fn)
 {
     /* Threadless, nobody else notices heapscope's end: a sample due looks at the lease (two system calls, once
@@ -442,6 +521,7 @@ static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, vo
     uint64_t rate = LOAD(sample_rate);
     if (UNLIKELY(!t->seeded)) {
         seed_thread(t);
+        t->drawn_at = rate;
         t->remaining = draw_distance(t, rate);
     }
     /* A child forked while armed reports its samples only once heapscope has claimed it, after putting its own
@@ -454,17 +534,21 @@ static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, vo
             set_insert((uintptr_t)p);
             ADD(hs_control.samples, 1);
             hs_sample_alloc(p, n, n, fn);
+            budget_sample();
         }
         return;
     }
     t->remaining -= (int64_t)n;
     if (t->remaining > 0)
         return;
+    uint64_t drawn = t->drawn_at;
+    t->drawn_at = rate;
     t->remaining = draw_distance(t, rate);
     if (p && n && report) {
         set_insert((uintptr_t)p);
         ADD(hs_control.samples, 1);
-        hs_sample_alloc(p, n, hs_weight(n, rate), fn);
+        hs_sample_alloc(p, n, hs_drawn_weight(n, drawn), fn);
+        budget_sample();
     }
 }
 
@@ -1188,7 +1272,7 @@ static int64_t arm(uint64_t rate)
 {
     if (LOAD(armed))
         return -EBUSY;
-    if (rate == 0 || rate > ((uint64_t)1 << 40))
+    if (rate == 0 || rate > HS_MAX_RATE)
         return -EINVAL;
     if (lease_write_fd < 0 || lease_read_fd < 0)
         return -EBADF;
@@ -1203,8 +1287,13 @@ static int64_t arm(uint64_t rate)
     STORE(hs_control.sampled_frees, 0);
     STORE(hs_control.set_full, 0);
     STORE(hs_control.realloc_failed_sampled, 0);
+    STORE(asked_rate, rate);
     STORE(sample_rate, rate);
-    STORE(hs_control.sample_rate, rate); /* the rate in force, also when armed by a call (a forked child reads it) */
+    STORE(hs_control.sample_rate, rate); /* the rate asked, also when armed by a call (a forked child reads it) */
+    STORE(hs_control.rate_in_force, rate);
+    STORE(hs_control.rate_changes, 0);
+    STORE(max_samples, LOAD(hs_control.max_samples));
+    budget_start();
     pthread_mutex_lock(&patch_lock);
     STORE(armed, 1);
     scan_all(0);

@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 #define HS_CONTROL_MAGIC 0x4853534d504c5231ULL /* "HSSMPLR1" */
-#define HS_CONTROL_VERSION 6
+#define HS_CONTROL_VERSION 7
 
 /* request: what heapscope asks for; it writes the request fields, then request_seq (last). A sampler with no
  * control thread (HS_STATE_THREADLESS) is asked by a call instead: hs_sampler_call(request, rate), which heapscope
@@ -41,7 +41,7 @@ struct hs_sampler_control {
     /* written by heapscope */
     uint64_t request_seq;
     uint64_t request;     /* enum hs_request */
-    uint64_t sample_rate; /* mean bytes between samples */
+    uint64_t sample_rate; /* mean bytes between samples asked for (the rate in force is at most this low) */
     /* written by the sampler */
     uint64_t ack_seq; /* request_seq of the last request handled */
     int64_t result;   /* of that request: HS_OK or -errno */
@@ -65,6 +65,11 @@ struct hs_sampler_control {
     uint64_t counts_address; /* struct hs_counts[counts_used]: exact per-thread counts since arming */
     uint64_t counts_used;
     uint64_t forked_armed; /* enum hs_forked: a child forked while armed, armed since its fork */
+    /* the sampling budget: written by heapscope before an arm, read at the arm */
+    uint64_t max_samples; /* samples a second the process may take (0: no cap); the rate in force rises to keep it */
+    /* written by the sampler */
+    uint64_t rate_in_force; /* mean bytes between samples now: sample_rate, or more while the budget holds it up */
+    uint64_t rate_changes;  /* times the budget moved the rate in force since arming */
 };
 
 /* forked_armed: a child forked while its parent was armed samples from its fork on, threadless, on its parent's

@@ -174,6 +174,63 @@ def test_run_sampled_preloads_the_sampler_and_puts_the_environment_back(
     assert env.returncode == 0 and env.stdout.strip() == "[libm.so.6|]", (env.stdout, env.stderr)
 
 
+# ---- the sampling budget -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def churn(build: Callable[..., Path]) -> Path:
+    return build("budget_churn.c")
+
+
+def churn_under_attach(churn: Path, heapscope_cmd: list[str], tmp: Path, *args: str) -> dict:
+    """budget_churn for 4 s under `heapscope attach` at the default rate: its summary, its allocated bytes per
+    function (the xtree's totB, read by callgrind_annotate) and the bytes it says it asked for."""
+    target = Conversation([str(churn), "4"])
+    target.expect("ready")
+    xtree, summary = tmp / "xt.kcg", tmp / "summary.json"
+    try:
+        attach = Attach([*heapscope_cmd, "attach", str(target.pid), "--xtree-memory=full",
+                         f"--xtree-memory-file={xtree}", f"--summary-file={summary}", *args], tmp)
+        attach.wait_for("probes attached")
+        target.say("go")
+        target.expect("done")
+        assert target.proc.stdout is not None
+        asked = int(target.proc.stdout.readline().split()[1])
+        assert attach.end() == 0, attach.stderr
+    finally:
+        target.kill()
+    allocated = {fn: v[2] for (src, fn), v in annotate_inclusive(xtree).items() if src == "budget_churn.c"}
+    return {"summary": json.loads(summary.read_text()), "allocated": allocated.get("site_churn", 0),
+            "asked": asked, "stderr": attach.stderr}
+
+
+def test_the_default_budget_raises_the_rate_of_a_heavy_churn_and_its_estimate_holds(
+    churn: Path, heapscope_cmd: list[str], tmp_path: Path
+) -> None:
+    """The defaults users get: at 512 KiB and 500 samples a second, a churn of 2 GB a second (some 3,600 samples
+    a second at the asked rate) is sampled at a rate raised to keep the budget, and what it allocated is still
+    estimated within 10% (each sample weighted at the rate its thread drew at). Its twin without a budget keeps the
+    rate and takes several times the samples."""
+    capped = churn_under_attach(churn, heapscope_cmd, tmp_path)
+    sampling = capped["summary"]["sampling"]
+    print(f"budgeted: {sampling}, estimate/truth {capped['allocated'] / capped['asked']:.4f}")
+    assert sampling["rate"] == 524288 and sampling["max_samples"] == 500, sampling
+    assert sampling["rate_changes"] >= 1 and 2 * 524288 < sampling["rate_in_force"] < 64 * 524288, sampling
+    assert "over its budget of 500 samples a second" in capped["stderr"], capped["stderr"]
+    assert "the sampling budget (500 samples a second) moved the rate" in capped["stderr"], capped["stderr"]
+    # A window closes at a second or at the budget's 500 samples: about 375 a second once the rate follows.
+    assert 0 < sampling["samples"] < 4 * 500 * 2, sampling
+    assert abs(capped["allocated"] / capped["asked"] - 1) <= 0.10, (capped["allocated"], capped["asked"])
+    free = tmp_path / "unbudgeted"
+    free.mkdir()
+    unbudgeted = churn_under_attach(churn, heapscope_cmd, free, "--max-samples=0")
+    plain = unbudgeted["summary"]["sampling"]
+    print(f"unbudgeted: {plain}, estimate/truth {unbudgeted['allocated'] / unbudgeted['asked']:.4f}")
+    assert plain["max_samples"] == 0 and plain["rate_changes"] == 0 and plain["rate_in_force"] == 524288, plain
+    assert plain["samples"] > 4 * sampling["samples"], (plain, sampling)
+    assert abs(unbudgeted["allocated"] / unbudgeted["asked"] - 1) <= 0.10
+
+
 # ---- exact mode ------------------------------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 import struct
 import subprocess
@@ -65,12 +66,13 @@ def test_probe_functions_start_with_the_optimizable_nop(sampler_lib: Path) -> No
 def test_control_layout_and_weights_match_python(sampler_lib: Path, build: Callable[..., Path]) -> None:
     program = build("sampler_layout.c")
     rate = 65536
-    sizes = [1, 8, 100, 4096, 65535, 65536, 10**6]
+    sizes = [1, 8, 100, 4096, 65535, 65536, 100_000, 10**6, 10**9]
     out = subprocess.run(
         [str(program), str(sampler_lib), str(rate), *map(str, sizes)], capture_output=True, text=True, check=True
     ).stdout
     fields = {}
     weights = {}
+    drawn: dict[int, int] = {}
     counts: dict[str, int] = {}
     fns: dict[str, int] = {}
     forked: list[int] = []
@@ -90,6 +92,8 @@ def test_control_layout_and_weights_match_python(sampler_lib: Path, build: Calla
             forked = [int(x) for x in rest]
         elif kind == "weight":
             weights[int(rest[0])] = int(rest[1])
+        elif kind == "drawn":
+            drawn[int(rest[0])] = int(rest[1])
     assert fields == OFFSETS
     assert forked == [FORKED_ARMED, FORKED_CLAIMED]  # enum hs_forked
     assert list(fields) == [name for name, _ in CONTROL_FIELDS]
@@ -103,6 +107,11 @@ def test_control_layout_and_weights_match_python(sampler_lib: Path, build: Calla
     assert fns and all(hs_fn[name] == value for name, value in fns.items()), (fns, hs_fn)
     for size in sizes:
         assert abs(weights[size] - weight_hint(size, rate)) <= 1, size  # C's exp/log vs Python's: one byte
+        # Drawn at `rate`, sampled once the budget has raised the rate in force: p = 1 - e^(-s/rate) at any size
+        # (at or above `rate` too, where hs_weight says p = 1).
+        expected = size / -math.expm1(-size / rate)
+        assert abs(drawn[size] - expected) <= max(1.0, expected * 1e-12), (size, drawn[size], expected)
+    assert drawn[65536] > weights[65536] == 65536 and drawn[10**9] == 10**9  # e^-15258 is 0
 
 
 def test_sampled_bytes_per_site_via_dlopen(

@@ -41,9 +41,11 @@ def test_the_mode_value() -> None:
     assert exact.desc() == ("--mode=exact",)
     sampled = ProfileMode("sampled", 65536)
     assert sampled.period == 65536 and sampled.sampled
-    assert sampled.desc()[:2] == ("--mode=sampled", "--sample-rate=65536") and "estimates" in sampled.desc()[2]
+    assert sampled.desc()[:3] == ("--mode=sampled", "--sample-rate=65536", "--max-samples=500")
+    assert "estimates" in sampled.desc()[3]
     assert ProfileMode("sampled").rate == DEFAULT_SAMPLE_RATE == 524288
-    for bad in (("fast", 4096), ("sampled", 0), ("sampled", (1 << 40) + 1)):
+    assert "at most 500 a second" in sampled.label() and "a second" not in ProfileMode("sampled", 4096, 0).label()
+    for bad in (("fast", 4096), ("sampled", 0), ("sampled", (1 << 40) + 1), ("sampled", 4096, -1)):
         with pytest.raises(ValueError):
             ProfileMode(*bad)  # type: ignore[arg-type]
 

@@ -3,7 +3,8 @@
  *   sampler_layout LIBRARY RATE SIZE...
  *
  * "field NAME OFFSET" per field, "size N", "count NAME OFFSET" per field of struct hs_counts, "counts SIZE SLOTS",
- * "fn NAME VALUE" per enum hs_sample_fn member, then "weight SIZE W" per size (hs_weight from the library). */
+ * "fn NAME VALUE" per enum hs_sample_fn member, then "weight SIZE W" per size (hs_weight from the library), and
+ * "drawn SIZE W" per size (hs_drawn_weight: a countdown drawn at RATE, the rate in force since risen above SIZE). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stddef.h>
@@ -23,7 +24,7 @@ int main(int argc, char **argv)
     F(lease_fd); F(lease_ino); F(disarm_reason); F(arm_count); F(slots_patched); F(slots_unwritable);
     F(objects_scanned); F(scans); F(samples); F(sampled_frees); F(set_full); F(realloc_failed_sampled);
     F(control_tid); F(hooks_resolved); F(lazy_skipped);
-    F(counts_address); F(counts_used); F(forked_armed);
+    F(counts_address); F(counts_used); F(forked_armed); F(max_samples); F(rate_in_force); F(rate_changes);
     printf("forked %d %d\n", HS_FORKED_ARMED, HS_FORKED_CLAIMED);
     printf("size %zu\n", sizeof(struct hs_sampler_control));
 #define C(name) printf("count %s %zu\n", #name, offsetof(struct hs_counts, name))
@@ -38,10 +39,12 @@ int main(int argc, char **argv)
         return 3;
     }
     uint64_t (*weight)(uint64_t, uint64_t) = (uint64_t (*)(uint64_t, uint64_t))dlsym(lib, "hs_weight");
+    uint64_t (*drawn)(uint64_t, uint64_t) = (uint64_t (*)(uint64_t, uint64_t))dlsym(lib, "hs_drawn_weight");
     uint64_t rate = strtoull(argv[2], NULL, 10);
     for (int i = 3; i < argc; i++) {
         uint64_t size = strtoull(argv[i], NULL, 10);
         printf("weight %llu %llu\n", (unsigned long long)size, (unsigned long long)weight(size, rate));
+        printf("drawn %llu %llu\n", (unsigned long long)size, (unsigned long long)drawn(size, rate));
     }
     return 0;
 }
