@@ -69,7 +69,9 @@ def program(build: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def sampled_run(program: Path, heapscope_cmd: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One `heapscope attach` (no --mode: sampled by default) with every output asked for."""
+    """One `heapscope attach` (no --mode: sampled by default) with every output asked for. Its estimates are
+    judged at the rate it asks for, so without the sampling budget, which would raise that rate for its burst of
+    some 10,000 samples (the budget on the default: test_the_default_budget_raises_the_rate...)."""
     tmp = tmp_path_factory.mktemp("sampled")
     rate = sampling_rate(SCALE)
     files = {
@@ -79,7 +81,8 @@ def sampled_run(program: Path, heapscope_cmd: list[str], tmp_path_factory: pytes
     target = Program(program, SCALE)
     try:
         attach = Attach([
-            *heapscope_cmd, "attach", str(target.pid), f"--sample-rate={rate}", "--time-unit=B", "--threshold=0.0",
+            *heapscope_cmd, "attach", str(target.pid), f"--sample-rate={rate}", "--max-samples=0", "--time-unit=B",
+            "--threshold=0.0",
             "--detailed-freq=1", f"--massif-out-file={files['massif']}", f"--malt-out-file={files['malt']}",
             f"--pprof-out-file={files['pprof']}", "--xtree-memory=allocs", f"--xtree-memory-file={files['xtree']}",
             f"--summary-file={files['summary']}",
@@ -139,7 +142,7 @@ def test_every_output_says_the_mode(sampled_run: dict) -> None:
     assert "--mode=sampled" in desc and f"--sample-rate={rate}" in desc and "estimates" in desc, desc
     printed = subprocess.run(["ms_print", str(files["massif"])], capture_output=True, text=True, check=True).stdout
     args = next(line for line in printed.splitlines() if line.startswith("Massif arguments:"))
-    assert f"--mode=sampled --sample-rate={rate}" in args and "estimates" in args, args
+    assert f"--mode=sampled --sample-rate={rate} --max-samples=0" in args and "estimates" in args, args
     malt = json.loads(files["malt"].read_text())
     assert malt["config"]["heapscope"] == {"mode": "sampled", "sample-rate": rate, "estimates": True,
                                            "exact": list(EXACT_IN_SAMPLED)}  # the per-thread call counts
@@ -161,7 +164,8 @@ def test_run_sampled_preloads_the_sampler_and_puts_the_environment_back(
     armed, so its estimates hold from main() on; the program and its children see the environment heapscope
     was given."""
     rate = sampling_rate(SCALE)
-    got = run_heapscope(program, (str(SCALE),), ("--mode=sampled", f"--sample-rate={rate}"), xtree=True)
+    got = run_heapscope(program, (str(SCALE),), ("--mode=sampled", f"--sample-rate={rate}", "--max-samples=0"),
+                        xtree=True)  # judged at its rate, as sampled_run
     assert got.returncode == 0, got.stderr
     truth = {name: int(v) for _, name, v in (line.split() for line in got.stdout.splitlines())}
     assert got.xtree_out is not None
