@@ -113,6 +113,7 @@ class SamplerLink:
     def __init__(self, process: TargetProcess, mode: ProfileMode, say: Callable[[str], None]) -> None:
         self.process = process
         self.pid = process.pid
+        self.mode = mode
         self.rate = mode.rate
         self.max_samples = mode.max_samples
         self._budget_said = False  # the first move of the rate in force is said; the rest show in the summary
@@ -233,7 +234,7 @@ class SamplerLink:
         since = " since its fork (its parent's lease; disarmed and rescanned by calls)" if control.inherited else ""
         self.say(
             f"sampler armed in {self.pid}{since}: one sample per {self.rate} bytes on average"
-            f"{ProfileMode('sampled', self.rate, self.max_samples).budget_text()}; "
+            f"{self.mode.budget_text()}; "
             f"{st['slots_patched']} allocation slots patched in {st['objects_scanned']} objects"
         )
 

@@ -25,8 +25,8 @@
 
 /* sampled_blocks: block address -> struct hs_sampled_block (the live sampled blocks). Not preallocated: a
  * sampled target holds few blocks here (about its heap / HS_SAMPLE_RATE, fewer under a budget), so its memory
- * follows them; only the bucket array (16 bytes an entry) is sized from --max-blocks. In sampled mode the exact mode's block tables
- * (block_slots, blocks) are compiled at their smallest: no program here uses them. */
+ * follows them; only the bucket array (16 bytes an entry) is sized from --max-blocks. In sampled mode the exact
+ * mode's block tables (block_slots, blocks) are compiled at their smallest: no program here uses them. */
 BPF_F_TABLE("hash", u64, struct hs_sampled_block, sampled_blocks, HS_MAX_SAMPLED_BLOCKS, BPF_F_NO_PREALLOC);
 BPF_ARRAY_OF_MAPS(sampled_blocks_of, "sampled_blocks", HS_TARGETS);
 

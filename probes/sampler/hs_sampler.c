@@ -512,6 +512,15 @@ static void budget_sample(void)
     ADD(hs_control.rate_changes, 1);
 }
 
+/* A sample, reported: its address into the set (its free is looked for), counted, to the probe, and to the budget. */
+static void report_sample(void *p, size_t n, uint64_t weight, unsigned fn)
+{
+    set_insert((uintptr_t)p);
+    ADD(hs_control.samples, 1);
+    hs_sample_alloc(p, n, weight, fn);
+    budget_sample();
+}
+
 static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, void *p, size_t n, unsigned fn)
 {
     /* Threadless, nobody else notices heapscope's end: a sample due looks at the lease (two system calls, once
@@ -531,10 +540,7 @@ static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, vo
     int report = LIKELY(LOAD(hs_control.forked_armed) != HS_FORKED_ARMED);
     if (n >= rate) { /* always sampled, at its size; the countdown is left alone */
         if (p && report) {
-            set_insert((uintptr_t)p);
-            ADD(hs_control.samples, 1);
-            hs_sample_alloc(p, n, n, fn);
-            budget_sample();
+            report_sample(p, n, n, fn);
         }
         return;
     }
@@ -545,10 +551,7 @@ static __attribute__((noinline)) void hs_account_slow(struct thread_state *t, vo
     t->drawn_at = rate;
     t->remaining = draw_distance(t, rate);
     if (p && n && report) {
-        set_insert((uintptr_t)p);
-        ADD(hs_control.samples, 1);
-        hs_sample_alloc(p, n, hs_drawn_weight(n, drawn), fn);
-        budget_sample();
+        report_sample(p, n, hs_drawn_weight(n, drawn), fn);
     }
 }
 
