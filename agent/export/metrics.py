@@ -48,6 +48,8 @@ class MetricsTarget(Protocol):
 
     def counters(self) -> Counters: ...
 
+    def rate_in_force(self) -> tuple[int, int] | None: ...
+
     def top_sites(self, n: int) -> tuple[list[SiteTotal], SiteTotal]: ...
 
     def page_totals(self) -> PageTotals | None: ...
@@ -175,6 +177,17 @@ class HeapscopeCollector(Collector):
         exited = GaugeMetricFamily(
             "heapscope_target_exited", "1 once the process has exited (its last state stays).", labels=TARGET_LABELS
         )
+        rate_now = GaugeMetricFamily(
+            "heapscope_sample_rate_in_force_bytes",
+            "Sampled mode: the mean bytes between samples the sampler samples at now; above sample_rate while "
+            "the sampling budget (--max-samples) has raised it (the estimates stay unbiased, from fewer samples).",
+            labels=TARGET_LABELS,
+        )
+        rate_moves = CounterMetricFamily(
+            "heapscope_sample_rate_changes",
+            "Sampled mode: how often the sampling budget has moved the rate in force.",
+            labels=TARGET_LABELS,
+        )
         gauges = [GaugeMetricFamily(name, doc, labels=TARGET_LABELS) for name, doc, _ in _GAUGES]
         counters = [CounterMetricFamily(name, doc, labels=TARGET_LABELS) for name, doc, _ in _COUNTERS]
         drops = CounterMetricFamily(
@@ -222,6 +235,7 @@ class HeapscopeCollector(Collector):
                 top, other = t.top_sites(self.top_stacks)
                 pages = t.page_totals()
                 store = t.store_status()
+                in_force = t.rate_in_force()
             except HeapscopeError:  # detached or gone between the listing and the read: leave it out
                 continue
             n_targets += 1
@@ -230,6 +244,9 @@ class HeapscopeCollector(Collector):
             info.add_metric(labels, {"state": t.state, "allocator": t.allocator})
             profile.add_metric(labels, {"mode": t.mode, "sample_rate": str(t.sample_rate)})
             exited.add_metric(labels, 1.0 if t.state == "exited" else 0.0)
+            if in_force is not None:
+                rate_now.add_metric(labels, in_force[0])
+                rate_moves.add_metric(labels, in_force[1])
             for fam, (_, _, fld) in zip(gauges, _GAUGES, strict=True):
                 fam.add_metric(labels, max(getattr(c, fld), 0))
             for cfam, (_, _, fld) in zip(counters, _COUNTERS, strict=True):
@@ -257,6 +274,8 @@ class HeapscopeCollector(Collector):
         yield info
         yield profile
         yield exited
+        yield rate_now
+        yield rate_moves
         yield from gauges
         yield from counters
         yield from page_gauges

@@ -45,13 +45,14 @@ class _Point(NamedTuple):
     heap_B: int
     mapped_B: int | None
     rss_B: int | None
+    rate: int | None  # sampled mode: the rate in force at the snapshot
 
     @classmethod
     def of(cls, snap: StoredSnapshot) -> _Point:
         c = snap.counters
         col = fmt.COUNTER_FIELDS.index
         return cls(snap.ref, c[col("cur_bytes")].copy(), c[col("tot_blocks")].copy(), c[col("tot_bytes")].copy(),
-                   snap.heap_B, snap.mapped_B, snap.rss_B)
+                   snap.heap_B, snap.mapped_B, snap.rss_B, snap.rate)
 
 
 class _SiteRows:
@@ -219,7 +220,8 @@ def _site(trends: model.Trends, g: int, name: str, stack: Stack, series: np.ndar
 
 def _mode(reader: StoreReader, pts: _Points) -> tuple[str, int]:
     """The profile's mode over the window (from its segments' descriptions): sampled, with its rate, when any
-    part of it was sampled."""
+    part of it was sampled. The rate is the highest in force at the snapshots read, when the sampling budget
+    raised it: a site's samples are then not overcounted (a site with too few is called so, not judged)."""
     rates = set()
     exact = False
     for seg in {id(p.ref.segment): p.ref.segment for p in pts.snaps}.values():
@@ -232,7 +234,12 @@ def _mode(reader: StoreReader, pts: _Points) -> tuple[str, int]:
         return "exact", 1
     if exact or len(rates) > 1:
         pts.notes.append("the window spans a change of mode: its growth is judged as sampled")
-    return "sampled", max(rates)
+    asked = max(rates)
+    in_force = max((p.rate for p in pts.snaps if p.rate is not None), default=asked)
+    if in_force > asked:
+        pts.notes.append(f"the sampling budget raised the rate to one sample per {in_force} bytes in the window: "
+                         "samples are counted at that rate")
+    return "sampled", max(asked, in_force)
 
 
 def _points(reader: StoreReader, since_ns: int | None, window_s: float | None) -> _Points:

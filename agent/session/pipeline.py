@@ -198,6 +198,12 @@ class Profile:
         link = self._sampler
         return link.describe() if link is not None else None
 
+    def rate_in_force(self) -> tuple[int, int] | None:
+        """Sampled mode: the sampler's rate in force and how often its budget has moved it, as last read at the
+        profile's looks; None in exact mode."""
+        link = self._sampler
+        return (link.rate_in_force, link.rate_changes) if link is not None else None
+
     def continue_from(self, before: Profile) -> None:
         """Continue the history of an earlier profile of the same process (the daemon switching its mode): its
         snapshots come first, the clock goes on from its start, and the memory line goes on. The new profile
@@ -323,7 +329,7 @@ class Profile:
                     next_store = max(next_store + store_every, now) if next_store else now + store_every
                     live = session.live
                     token = live.activity() if live is not None else None  # unchanged: a quiet target, not stored
-                    self.store.record(session.store_columns, rss, token, session.time_now)
+                    self.store.record(session.store_columns, rss, token, session.time_now, self._stored_rate())
                 if self._sampler is not None:
                     self._sampler.poll()  # its last counts stand should the target exit unheld
             return self.process.alive()
@@ -365,10 +371,15 @@ class Profile:
         rss = None
         with contextlib.suppress(psutil.Error):
             rss = psutil.Process(self.pid).memory_info().rss
-        rec.record(session.store_columns, rss)
+        rec.record(session.store_columns, rss, rate=self._stored_rate())
         rec.close()
         self._store_status = rec.status()
         self.store = None
+
+    def _stored_rate(self) -> int | None:
+        """Sampled mode's rate in force, stored with each sample of the history (the growth analysis counts
+        samples at it)."""
+        return self._sampler.rate_in_force if self._sampler is not None else None
 
     def store_status(self) -> StoreStatus:
         """What the history store has done so far (all zero when no store is kept)."""

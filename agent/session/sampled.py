@@ -189,10 +189,20 @@ class SamplerLink:
             self.say(f"sampler in {self.pid}: {' and '.join(mended)} put back as its library has them (they held "
                      "the uprobe of the process it was forked from, which the kernel does not carry into a child)")
 
+    @property
+    def rate_in_force(self) -> int:
+        """The rate the sampler samples at, as last read: the asked rate, or the budget's (never below it)."""
+        return max(self._last_stats.get("rate_in_force", self.rate), self.rate)
+
+    @property
+    def rate_changes(self) -> int:
+        """How often the budget has moved the rate, as last read."""
+        return self._last_stats.get("rate_changes", 0)
+
     def describe(self) -> str:
         """Which build of the sampler the target got, and how: "glibc build, memfd"; and the rate in force when
         the budget has moved it (as last read)."""
-        in_force = self._last_stats.get("rate_in_force", self.rate)
+        in_force = self.rate_in_force
         moved = f"; over its budget, one sample per {in_force} bytes now" if in_force > self.rate else ""
         return f"{self.libc} build, {self.delivery}{moved}"
 

@@ -123,11 +123,12 @@ class StoreRecorder:
         return cls(writer, opts, say, settings.quiet_interval)
 
     def record(self, take: Callable[[Container[int]], StoreColumns], rss: int | None,
-               token: bytes | None = None, now: Callable[[], int] | None = None) -> bool:
+               token: bytes | None = None, now: Callable[[], int] | None = None, rate: int | None = None) -> bool:
         """Store one sample taken by `take` (Session.store_columns: the stacks of sites not in its argument come
         with it). `token` (HeapProbes.activity) and `rss` equal to the last stored sample's mean nothing moved:
         the sample is skipped (`now` gives the profile time of this look) unless `quiet_interval` has passed.
-        False when it could not be stored: counted and said, never raised."""
+        `rate`: sampled mode's rate in force, stored with the sample. False when it could not be stored: counted
+        and said, never raised."""
         if self.closed:
             return False
         if token is not None:
@@ -151,7 +152,7 @@ class StoreRecorder:
                 held = replace(self._last, wall_ns=wall, time=t, new_stacks={})
                 self.writer.append_columns(held, _NO_IDS, _NO_COUNTERS)
             cols = take(self.known)
-            sample = self._sample(cols, rss, time.time_ns())
+            sample = self._sample(cols, rss, time.time_ns(), rate)
             self.writer.append_columns(sample, cols.ids, cols.sites)
             self._token, self._last, self._last_at = token, sample, time.monotonic()
         except StoreWriteError as exc:
@@ -172,7 +173,7 @@ class StoreRecorder:
         self._failing += 1
         return False
 
-    def _sample(self, cols: StoreColumns, rss: int | None, wall_ns: int) -> StoreSample:
+    def _sample(self, cols: StoreColumns, rss: int | None, wall_ns: int, rate: int | None = None) -> StoreSample:
         c = cols.counters
         heap, extra = c.heap, c.extra
         peak_heap, peak_extra = c.peak_heap, c.peak_extra
@@ -202,6 +203,7 @@ class StoreRecorder:
             mapped_B=cols.mapped_B,
             rss_B=rss,
             peak=peak,
+            rate=rate,
         )
 
     def _ignored_mask(self, cols: StoreColumns) -> np.ndarray:

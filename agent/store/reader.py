@@ -118,6 +118,13 @@ class StoredSnapshot:
         return None if v is None else int(v)
 
     @property
+    def rate(self) -> int | None:
+        """Sampled mode: the rate in force when it was taken (the sampling budget may raise it above the asked
+        rate); None in exact mode, and in a history written before it was stored."""
+        v = self.info.get("rate")
+        return None if v is None else int(v)
+
+    @property
     def peak(self) -> PeakState | None:
         return _peak(self.info.get("peak"))
 

@@ -43,6 +43,7 @@ class StoreSample:
     mapped_B: int | None = None  # total mapped bytes (page map), when traced
     rss_B: int | None = None
     peak: PeakState | None = None
+    rate: int | None = None  # sampled mode: the rate in force (bytes between samples) at this sample
 
 
 @dataclass(frozen=True)

@@ -352,6 +352,7 @@ def _info(sample: StoreSample) -> dict[str, object]:
         "mapped": None if sample.mapped_B is None else int(sample.mapped_B),
         "rss": None if sample.rss_B is None else int(sample.rss_B),
         "peak": _peak_json(sample.peak),
+        **({} if sample.rate is None else {"rate": int(sample.rate)}),
     }
 
 

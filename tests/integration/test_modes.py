@@ -23,6 +23,7 @@ import pytest
 
 from agent.process.sampler import SamplerControl, build_sampler
 from agent.session.maltrec import EXACT_IN_SAMPLED
+from agent.store.reader import StoreReader
 from tests.support.annotate import annotate_inclusive
 from tests.support.attach import Attach
 from tests.support.conversation import Conversation
@@ -233,6 +234,40 @@ def test_the_default_budget_raises_the_rate_of_a_heavy_churn_and_its_estimate_ho
     assert plain["max_samples"] == 0 and plain["rate_changes"] == 0 and plain["rate_in_force"] == 524288, plain
     assert plain["samples"] > 4 * sampling["samples"], (plain, sampling)
     assert abs(unbudgeted["allocated"] / unbudgeted["asked"] - 1) <= 0.10
+
+
+def test_the_daemon_serves_and_stores_the_rate_in_force(churn: Path, heapscope_cmd: list[str], tmp_path: Path) -> None:
+    """The daemon's defaults (sampled, the budget, the history): while the budget holds the churn's rate up, the
+    metrics give the rate in force and its moves, and the history stores it with each snapshot."""
+    daemon = start_daemon(heapscope_cmd, tmp_path, "--mode=sampled")
+    target = Conversation([str(churn), "4"])
+    target.expect("ready")
+    try:
+        with daemon.client() as c:
+            r = c.post("/targets", json={"pid": target.pid})
+            assert r.status_code == 201, r.text
+            target.say("go")
+            target.expect("done")
+
+            def in_force() -> tuple[float, float] | None:
+                text = c.get("/metrics").text
+                found = [float(re.search(rf'^{name}{{[^}}]*pid="{target.pid}"[^}}]*}} (\S+)$', text, re.M)[1])
+                         for name in ("heapscope_sample_rate_in_force_bytes", "heapscope_sample_rate_changes_total")]
+                return (found[0], found[1]) if found[1] >= 1 else None
+
+            rate, changes = wait_for(in_force, 30, "the budget's move in the metrics")
+            assert 2 * 524288 < rate < 64 * 524288 and changes >= 1, (rate, changes)
+            assert f"one sample per {int(rate)} bytes now" in c.get("/targets").json()[0]["sampler"]
+            r = c.delete(f"/targets/{target.pid}")
+            assert r.status_code == 200, r.text
+        [store] = {p.parent for p in daemon.out_dir.rglob("seg-*.hss")}
+        reader = StoreReader(store)
+        stored = [reader.load(ref, stacks=False).rate for ref in reader.snapshots()]
+        assert stored and all(x is not None and x >= 524288 for x in stored), stored
+        assert max(x for x in stored if x is not None) > 2 * 524288, stored  # the budget's rate, stored
+    finally:
+        target.kill()
+        stop_daemon(daemon)
 
 
 # ---- exact mode ------------------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class FakeTarget:
     store_dir: Path | None = None  # the target's directory of a history store, when it keeps one
     origin: TargetOrigin = field(default_factory=TargetOrigin)  # identity, cgroup, selector
     error: str | None = None  # why its profiling failed once attached
+    in_force: tuple[int, int] | None = None  # sampled: the rate in force and the budget's moves (else the asked)
     _xt_seq: int = 0
 
     def header(self) -> ProfileHeader:
@@ -100,6 +101,11 @@ class FakeTarget:
             freed_bytes=sum(s.freed_bytes for s in self.sites.values()),
             n_reallocs=3, untracked_frees=2, dropped_blocks=1, dropped_sizes=3,
         )
+
+    def rate_in_force(self) -> tuple[int, int] | None:
+        if self.mode != "sampled":
+            return None
+        return self.in_force if self.in_force is not None else (self.sample_rate, 0)
 
     def page_totals(self) -> PageTotals | None:
         self._check()

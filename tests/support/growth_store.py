@@ -73,6 +73,7 @@ class GrowthStore:
     churn: int = 0
     step_s: float = 1.0
     rate: int | None = None  # sampled mode at this rate; None: exact
+    in_force: int | None = None  # sampled mode: the rate stored as in force (the budget's), if not `rate`
     outside_per_s: int = 0  # bytes a second mapped (and touched) outside malloc
     pid: int = 4242
     start_ns: int = START_NS
@@ -132,6 +133,7 @@ class GrowthStore:
                     wall_ns=wall, time=int(t * 1000), heap_B=heap, extra_B=int(cur_bk.sum()) * 8, stacks_B=0,
                     sites={}, new_stacks=stacks if k == 0 else {}, mapped_B=(64 << 20) + 2 * heap + outside,
                     rss_B=(16 << 20) + heap + outside,
+                    rate=None if self.rate is None else self.in_force or self.rate,
                 )
                 w.append_columns(sample, ids, counters)
         return directory

@@ -244,6 +244,21 @@ def test_growth_in_sampled_mode_says_too_few_samples(tmp_path: Path) -> None:
     assert not any(s["suspect"] for s in sites.values())
 
 
+def test_growth_counts_samples_at_the_rate_the_budget_raised(tmp_path: Path) -> None:
+    """Sampled at 2,048 bytes, the leak has thousands of samples (test above); with the sampling budget's rate of
+    512 KiB stored in force, its samples are counted at that rate: too few to judge, and the notes say why."""
+    service(2048, in_force=524288).write(tmp_path)
+    _, out, _ = growth_cli(str(tmp_path), "--window", "20", "--format", "json", "--top", "0")
+    doc = json.loads(out)
+    leak = by_site(doc)["leak_one"]
+    assert leak["verdict"] == "too few samples" and leak["samples"] < g.MIN_SAMPLES
+    assert any("budget raised the rate to one sample per 524288 bytes" in note for note in doc["notes"]), doc["notes"]
+    service(2048).write(tmp_path / "asked")
+    _, out, _ = growth_cli(str(tmp_path / "asked"), "--window", "20", "--format", "json", "--top", "0")
+    doc = json.loads(out)
+    assert by_site(doc)["leak_one"]["verdict"] == "leak suspect" and not any("budget" in n for n in doc["notes"])
+
+
 def test_growth_text(tmp_path: Path) -> None:
     service().write(tmp_path)
     code, out, _ = growth_cli(str(tmp_path), "--window", "20s", "--top", "3")

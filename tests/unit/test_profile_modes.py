@@ -140,6 +140,22 @@ def test_metrics_info_series_per_target() -> None:
     ]
 
 
+def test_metrics_give_a_sampled_targets_rate_in_force() -> None:
+    raised = FakeTarget(pid=10, command="api", mode="sampled", sample_rate=524288, in_force=(2097152, 3))
+    asked = FakeTarget(pid=11, command="db", mode="sampled", sample_rate=524288)
+    exact = FakeTarget(pid=20, command="worker")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(HeapscopeCollector(FakeManager([raised, asked, exact])))
+    text = generate_latest(registry).decode()
+
+    def values(name: str) -> dict[str, float]:
+        found = re.findall(rf'^{name}{{[^}}]*command="(\w+)"[^}}]*}} (\S+)$', text, re.M)
+        return {command: float(v) for command, v in found}
+
+    assert values("heapscope_sample_rate_in_force_bytes") == {"api": 2097152.0, "db": 524288.0}
+    assert values("heapscope_sample_rate_changes_total") == {"api": 3.0, "db": 0.0}
+
+
 def test_api_attach_with_a_mode_and_switch() -> None:
     manager = FakeManager([FakeTarget(pid=1)])
     manager.attachable[7] = FakeTarget(pid=7)
