@@ -246,6 +246,28 @@ def test_stack_index_tree_keeps_its_numbering() -> None:
         index.tree([1])
 
 
+def test_stack_index_tree_first_read_after_more_stacks() -> None:
+    """A tree taken, then first read only after more stacks came (a detailed point's tree written at the end), is
+    the tree of its own instant, with and without the stacks present then, racy negative reads as 0."""
+    a, b, c, main = _POOL[0], _POOL[1], _POOL[2], _POOL[5]
+    index = StackIndex()
+    index.add((a, main))
+    index.add((b, main))
+    whole = index.tree([100, -5])  # a racy negative read counts as 0
+    some = index.tree([0, 40], present=[False, True])  # stack (a, main) not allocated from by its instant
+    index.add((a,))
+    index.add((c, main))
+    index.add((a, c, main))
+    assert whole.total == 100 and some.total == 40
+    assert _lines(massif_tree(whole, threshold=0.0)) == _lines(
+        massif_tree(HeapTree.from_stacks({(a, main): 100, (b, main): 0}), threshold=0.0)
+    )
+    assert whole.stacks() == {(a, main): 100, (b, main): 0}
+    assert some.stacks() == {(b, main): 40} and set(some.children) == {b.label}
+    later = index.tree([1, 2, 3, 4, 5])
+    assert later.stacks() == {(a, main): 1, (b, main): 2, (a,): 3, (c, main): 4, (a, c, main): 5}
+
+
 SITES_PROGRAM = r"""
 #include <stdlib.h>
 void *keep[200];
