@@ -52,7 +52,23 @@ class _Ctx:
 
 
 def _context(ns: argparse.Namespace, own_args: Sequence[str], daemon: bool) -> _Ctx:
-    return _Ctx(settings_from(ns, massif_desc(own_args), daemon=daemon), ns)
+    ctx = _Ctx(settings_from(ns, massif_desc(own_args), daemon=daemon), ns)
+    if ns.nice is not None:
+        _set_nice(ns.nice)
+    return ctx
+
+
+def _set_nice(level: int) -> None:
+    """heapscope's nice level (--nice), a thread's own on Linux: set on every thread there is (a library's pool
+    started at import), before heapscope starts its own, which take it from the thread that starts them. The
+    injecting thread still raises itself while it holds a target's thread stopped (agent.process.inject)."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(task), level)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+        except OSError as exc:  # lowering it below the current level needs CAP_SYS_NICE
+            raise EnvironmentProblem(f"cannot set heapscope's nice level to {level}: {exc.strerror}") from None
 
 
 class Run:

@@ -238,6 +238,15 @@ def add_profile_options(p: argparse.ArgumentParser, mode: Mode = "exact") -> Non
         default="cfi",
         help="walk stacks with .eh_frame tables (cfi, default) or frame pointers only (fp)",
     )
+    h.add_argument(
+        "--nice",
+        type=int_between(-20, 19),
+        default=None,
+        metavar="N",
+        help="run heapscope at nice level N (-20 to 19; default: as started). 10 has it take the CPU the services "
+        "leave on a busy machine: it reads what its probes counted later, while the probes run in the kernel as "
+        "before, and a thread it holds stopped to get in is held at nice -10 whatever N is",
+    )
     h.add_argument("-q", "--quiet", action="store_true", help="print errors only")
     h.add_argument("-v", "--verbose", action="count", default=0,
                    help="more detail (Massif's -v): where each allocation function's probe sits and how")

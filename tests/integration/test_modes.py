@@ -8,6 +8,7 @@ modes_sites.c holds known bytes at four call sites (its own count of them is pri
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -476,6 +477,40 @@ def test_daemon_switches_a_live_target_between_modes_and_keeps_serving(
         target.truth()
     finally:
         target.kill()
+
+
+def _thread_nices(pid: int) -> dict[int, int]:
+    """The nice level of every thread of a process (/proc/PID/task/TID/stat's 19th field)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            out[int(task.name)] = int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
+    return out
+
+
+@pytest.mark.parametrize("nice", [None, 10])
+def test_the_daemon_runs_at_its_nice_level_and_profiles(
+    nice: int | None, program: Path, heapscope_cmd: list[str], tmp_path: Path
+) -> None:
+    """`serve --nice 10`: every thread of the daemon, the target's own included, runs at 10, and the target is
+    profiled as at the default (twin: no --nice, every thread as the daemon was started: 0 here)."""
+    daemon = start_daemon(heapscope_cmd, tmp_path, "--mode=sampled", *(() if nice is None else (f"--nice={nice}",)))
+    target = Program(program)
+    try:
+        with daemon.client() as c:
+            r = c.post("/targets", json={"pid": target.pid})
+            assert r.status_code == 201, r.text
+            target.go()
+            target.expect("allocated")
+            wait_for(lambda: c.get("/snapshot", params={"pid": target.pid}).text.count("mem_heap_B=0") == 0, 30,
+                     "a snapshot of the allocated heap")
+            nices = _thread_nices(daemon.proc.pid)
+            assert len(nices) > 3 and set(nices.values()) == {nice or 0}, nices
+            assert c.delete(f"/targets/{target.pid}").status_code == 200
+        target.truth()
+    finally:
+        target.kill()
+        stop_daemon(daemon)
 
 
 def run_ms_print(text: str, tmp: Path) -> str:

@@ -144,3 +144,9 @@ def test_stats_are_massifs_from_our_counts() -> None:
     values = {line.split(":")[1].strip(): int(line.rsplit(maxsplit=1)[1]) for line in lines}
     assert values == {"heap allocs": 7, "heap reallocs": 1, "heap frees": 5, "real snapshots": 40,
                       "peak snapshots": 2, "cullings": 1, "kept snapshots": 21, "XPt sites": 3}
+
+
+def test_nice_takes_a_nice_level_and_refuses_others(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse("--nice=10").nice == 10 and parse("--nice=-20").nice == -20 and parse().nice is None
+    assert "--nice: must be at most 19, got 20" in refusal(capsys, "--nice=20")
+    assert "--nice: expected a whole number, got 'low'" in refusal(capsys, "--nice=low")
