@@ -34,7 +34,7 @@ import perfshare
 import psutil
 from benchproc import cpu_seconds, wait_idle
 from pair_cost import STATS, bpf_programs, totals_by_name
-from service_panel import Daemon, Row, attach
+from service_panel import Daemon, follow_all, one_service_options
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -119,9 +119,7 @@ def measure(svc: Service, state: str, seconds: float, daemon_pid: int | None, pe
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--service", default="apache2", choices=sorted(SERVICES))
-    ap.add_argument("--seconds", type=float, default=10.0, help="each measure's load run")
-    ap.add_argument("--serve-args", default="", metavar="ARGS", help="more options of `heapscope serve`")
+    one_service_options(ap, 10.0, "each measure's load run")
     ap.add_argument("--perf", action="store_true", help="also sample the machine with perf: where its CPU goes")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -148,12 +146,7 @@ def main() -> None:
                 wait_idle(daemon.proc.pid)
                 out += [measure(svc, "main only", args.seconds, daemon.proc.pid, perf_dir) for _ in range(2)]
                 daemon.client.delete(f"/targets/{svc.main_pid}")
-                row = Row(args.service, svc.tool)
-                attach(daemon, svc, 60.0, row)
-                if row.errors:
-                    raise SystemExit("; ".join(row.errors))
-                svc.load(3.0)
-                wait_idle(daemon.proc.pid)
+                follow_all(daemon, svc)
                 out += [measure(svc, "all followed", args.seconds, daemon.proc.pid, perf_dir) for _ in range(2)]
             finally:
                 daemon.stop()

@@ -222,6 +222,24 @@ def attach(daemon: Daemon, svc: Service, timeout: float, row: Row) -> float | No
     return everyone
 
 
+
+def follow_all(daemon: Daemon, svc: Service) -> None:
+    """Follow every process of the instance through its selector, then warm it up under its load until the daemon
+    is idle again (its one-time work after the attach left out of what is measured next)."""
+    row = Row(svc.name, svc.tool)
+    attach(daemon, svc, 60.0, row)
+    if row.errors:
+        raise SystemExit("; ".join(row.errors))
+    svc.load(3.0)
+    wait_idle(daemon.proc.pid)
+
+
+def one_service_options(ap: argparse.ArgumentParser, seconds: float, seconds_help: str) -> None:
+    """The options of a bench of one panel service under `heapscope serve`: --service, --seconds, --serve-args."""
+    ap.add_argument("--service", default="apache2", choices=sorted(SERVICES))
+    ap.add_argument("--seconds", type=float, default=seconds, help=seconds_help)
+    ap.add_argument("--serve-args", default="", metavar="ARGS", help="more options of `heapscope serve`")
+
 def measure(name: str, seconds: float, repeats: int, armed_timeout: float, store: bool = False,
             control: bool = False, serve_args: Sequence[str] = ()) -> Row:  # fmt: skip
     cls = SERVICES[name]
