@@ -222,7 +222,6 @@ def attach(daemon: Daemon, svc: Service, timeout: float, row: Row) -> float | No
     return everyone
 
 
-
 def follow_all(daemon: Daemon, svc: Service) -> None:
     """Follow every process of the instance through its selector, then warm it up under its load until the daemon
     is idle again (its one-time work after the attach left out of what is measured next)."""
@@ -239,6 +238,7 @@ def one_service_options(ap: argparse.ArgumentParser, seconds: float, seconds_hel
     ap.add_argument("--service", default="apache2", choices=sorted(SERVICES))
     ap.add_argument("--seconds", type=float, default=seconds, help=seconds_help)
     ap.add_argument("--serve-args", default="", metavar="ARGS", help="more options of `heapscope serve`")
+
 
 def measure(name: str, seconds: float, repeats: int, armed_timeout: float, store: bool = False,
             control: bool = False, serve_args: Sequence[str] = ()) -> Row:  # fmt: skip

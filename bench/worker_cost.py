@@ -76,8 +76,8 @@ def report(threads: list[dict[str, Any]], daemon_cpu: float, seconds: float, rat
     whole = phase_name(PHASES[0][0])
     lives = [t for t in threads if t["started"] and t["ended"] and whole in t["phases"]]
     lines = [
-        f"daemon: {1000 * daemon_cpu / seconds:.1f} ms of CPU a second over the load ({rate:,.0f} requests/s); "
-        f"{len(lives)} followed lives began and ended in it"
+        f"daemon: {1000 * daemon_cpu / seconds:.1f} ms of CPU a second over the load (its load tool: "
+        f"{rate:,.0f} a second); {len(lives)} followed lives began and ended in it"
     ]
     if not lives:
         return [*lines, "no whole life to count: a longer --seconds, or a service that replaces its workers"]
