@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from benchproc import cpu_seconds
-from service_panel import Daemon, Row, attach
+from service_panel import Daemon, attach_all
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -62,10 +62,7 @@ def main() -> None:
         untraced = sessions(svc, args.sessions, args.hold)
         daemon = Daemon(Path(tmp))
         try:
-            row = Row("postgres", "psql")
-            attach(daemon, svc, 60.0, row)
-            if row.errors:
-                raise SystemExit("; ".join(row.errors))
+            attach_all(daemon, svc)
             before = set(daemon.targets())
             idle0, t0 = cpu_seconds(daemon.proc.pid), time.monotonic()
             time.sleep(5.0)

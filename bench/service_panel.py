@@ -222,13 +222,18 @@ def attach(daemon: Daemon, svc: Service, timeout: float, row: Row) -> float | No
     return everyone
 
 
-def follow_all(daemon: Daemon, svc: Service) -> None:
-    """Follow every process of the instance through its selector, then warm it up under its load until the daemon
-    is idle again (its one-time work after the attach left out of what is measured next)."""
+def attach_all(daemon: Daemon, svc: Service) -> None:
+    """Follow every process of the instance through its selector; exit, saying why, if any is not armed."""
     row = Row(svc.name, svc.tool)
     attach(daemon, svc, 60.0, row)
     if row.errors:
         raise SystemExit("; ".join(row.errors))
+
+
+def follow_all(daemon: Daemon, svc: Service) -> None:
+    """attach_all, then warm the instance up under its load until the daemon is idle again (its one-time work after
+    the attach left out of what is measured next)."""
+    attach_all(daemon, svc)
     svc.load(3.0)
     wait_idle(daemon.proc.pid)
 

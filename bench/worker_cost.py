@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.support.services import SERVICES  # noqa: E402
 
+FLEET_THREAD = "the fleet's thread"
 # (phase, where it belongs in a followed process's life), in the order of that life
 PHASES: Sequence[tuple[str, str]] = (
     ("agent.daemon.manager:TargetManager._profile", "whole life"),
@@ -64,7 +65,7 @@ PHASES: Sequence[tuple[str, str]] = (
     ("agent.session.pipeline:Profile._close_store", "end"),
     ("agent.session.pipeline:Profile.write_outputs", "end"),
     ("agent.session.pipeline:Profile.summary", "end"),
-    ("agent.daemon.fleet:FleetManager.attach", "the fleet's thread"),
+    ("agent.daemon.fleet:FleetManager.attach", FLEET_THREAD),
 )
 
 
@@ -89,14 +90,14 @@ def report(threads: list[dict[str, Any]], daemon_cpu: float, seconds: float, rat
     lines.append(f"{'phase':40s} {'part':20s} {'ms a life':>10s} {'runs a life':>12s}")
     for spec, part in PHASES:
         name = phase_name(spec)
-        per = [t["phases"].get(name, [0, 0.0]) for t in lives] if part != "the fleet's thread" else None
-        if per is None:  # another thread's: its total over the lives counted
+        if part == FLEET_THREAD:  # not in a life's thread: its total over the whole load, shared by the lives
             total = [t["phases"][name] for t in threads if name in t["phases"]]
-            calls, cpu = sum(c for c, _ in total), sum(s for _, s in total)
-            lines.append(f"{name:40s} {part:20s} {1000 * cpu / len(lives):10.2f} {calls / len(lives):12.1f}")
-            continue
-        ms = statistics.median(1000 * cpu for _, cpu in per)
-        runs = statistics.median(calls for calls, _ in per)
+            ms = 1000 * sum(cpu for _, cpu in total) / len(lives)
+            runs = sum(calls for calls, _ in total) / len(lives)
+        else:
+            per = [t["phases"].get(name, [0, 0.0]) for t in lives]
+            ms = statistics.median(1000 * cpu for _, cpu in per)
+            runs = statistics.median(calls for calls, _ in per)
         lines.append(f"{name:40s} {part:20s} {ms:10.2f} {runs:12.1f}")
     return lines
 

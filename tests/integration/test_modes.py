@@ -256,7 +256,7 @@ def test_the_daemon_serves_and_stores_the_rate_in_force(churn: Path, heapscope_c
                 text = c.get("/metrics").text
                 found = [float(re.search(rf'^{name}{{[^}}]*pid="{target.pid}"[^}}]*}} (\S+)$', text, re.M)[1])
                          for name in ("heapscope_sample_rate_in_force_bytes", "heapscope_sample_rate_changes_total")]
-                said = f"one sample per {found[0]:.0f} bytes" in c.get("/targets").json()[0]["sampler"]
+                said = f"one sample per {found[0]:.0f} bytes now" in c.get("/targets").json()[0]["sampler"]
                 return (found[0], found[1]) if found[1] >= 1 and said else None
 
             rate, changes = wait_for(in_force, 30, "the budget's move in the metrics and /targets")
