@@ -53,6 +53,10 @@ PHASES: Sequence[tuple[str, str]] = (
     ("agent.session.session:Session.run", "sampling"),
     ("agent.session.session:Session.take_points", "sampling"),
     ("agent.session.session:Session.sample", "sampling"),
+    ("agent.session.session:Session._take_points", "sampling"),  # inside take_points and sample
+    ("agent.model.schedule:PointFeed.feed", "sampling"),  # Massif's schedule and culling, point by point
+    ("agent.session.session:Session._give_trees", "sampling"),
+    ("agent.session.maltrec:MaltRecorder.sample", "sampling"),
     ("agent.session.storerec:StoreRecorder.record", "sampling"),
     ("agent.session.session:Session.sync_mappings", "sampling"),
     ("agent.session.sampled:SamplerLink.poll", "sampling"),

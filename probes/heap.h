@@ -100,6 +100,13 @@
 #ifndef HS_SCHED_RING_PAGES
 #define HS_SCHED_RING_PAGES 16   /* sched_points ring buffer: pages of 4 KiB (a power of two) */
 #endif
+/* Sampled mode: at most this many points past HS_CTL_SCHED_CULL_AT before the kernel wakes user space (exact
+ * mode: none). Its looks drain them, a second apart at most, and the guessed interval keeps them meanwhile to
+ * about --max-snapshots for each doubling of the time so far. Since the last drain at most --max-snapshots points
+ * reach the cull; the slack stops at HS_SCHED_WAKE_PENDING with them, as --max-snapshots=1000 (its most) does
+ * in exact mode, which leaves a burst the ring's other 365 while user space wakes. */
+#define HS_SCHED_SAMPLED_SLACK 256
+#define HS_SCHED_WAKE_PENDING 1000
 #ifndef HS_SNAP_RING_PAGES
 #define HS_SNAP_RING_PAGES 64    /* snap_log ring buffer: pages of 4 KiB (a power of two) */
 #endif
@@ -324,7 +331,8 @@ enum hs_event {
     HS_EV_LOADER = 2,     /* the dynamic loader changed the list of loaded objects (_dl_debug_state) */
     HS_EV_EXIT = 3,       /* the target called exit(): its mappings are about to go */
     HS_EV_SCHEDULE = 4,   /* the point count reached HS_CTL_SCHED_CULL_AT: user space should drain the points
-                           * and say the interval after its culling (stops the target only with time in B) */
+                           * and say the interval after its culling (stops the target only with time in B; in
+                           * sampled mode, which drains at its looks, only HS_SCHED_SAMPLED_SLACK points later) */
     HS_EV_PAGES = 5,      /* the page events' ring is a quarter full: user space should drain it (with
                            * HS_STOP_EVENTS the target stops from three quarters on, until it has) */
     HS_EV_SNAP_LOG = 6,   /* the snapshot log's ring is half full: user space should drain it (never stops) */
@@ -498,6 +506,7 @@ struct hs_global {
     __u64 sched_points;       /* points sent to sched_points (each numbered before it is submitted) */
     __u64 sched_lost;         /* points the ring buffer could not take (user space did not drain it in time) */
     __u64 sched_signalled;    /* the HS_CTL_SCHED_CULL_AT for which HS_EV_SCHEDULE was sent */
+    __u64 sched_wakes;        /* HS_EV_SCHEDULE sent (sampled mode: fewer than its cullings) */
     __u64 snap_records;       /* records sent to snap_log */
     __u64 snap_lost;          /* records snap_log could not take: the trees of the points before them are inexact */
     /* The target's slot in the program of its shape (written by user space before it attaches): the index of

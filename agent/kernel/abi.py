@@ -57,7 +57,10 @@ CTL_SCHED_JIFFY_NS = _CONTROL["HS_CTL_SCHED_JIFFY_NS"]
 EV_SCHEDULE = _EVENTS["HS_EV_SCHEDULE"]
 SCHED_PEAK = HEAP_H.enum("hs_sched_kind")["HS_SCHED_PEAK"]  # a point of Massif's peak snapshots
 SCHED_POINT = struct.Struct("<5Q")  # struct hs_sched_point: time, heap, extra, kind, epoch
-SCHED_RING_BYTES = 64 << 10  # the points' ring buffer (HS_SCHED_RING_PAGES): 1,300 points between two drains
+SCHED_RING_BYTES = 64 << 10  # the points' ring buffer (HS_SCHED_RING_PAGES): 1,365 points between two drains
+# Sampled mode's wake-up: that many points past a cull at most, and no more than HS_SCHED_WAKE_PENDING with them
+SCHED_SAMPLED_SLACK = HEAP_H.value("HS_SCHED_SAMPLED_SLACK")
+SCHED_WAKE_PENDING = HEAP_H.value("HS_SCHED_WAKE_PENDING")
 SNAP_RECORD = struct.Struct("<2Q2qQ")  # struct hs_snap_record: site, epoch, bytes, extra, allocs
 # The snapshot log's ring buffer (HS_SNAP_RING_PAGES): 21,000 records, a site's first change after each point;
 # the kernel wakes user space at half full. Sampled mode changes sites at its samples only (~2 a MiB allocated at

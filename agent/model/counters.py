@@ -51,6 +51,7 @@ class Counters:
     sched_points: int = 0  # the snapshot schedule's points sent
     sched_lost: int = 0  # points its ring buffer could not take
     sched_signalled: int = 0  # the point count at which the last cull was signalled
+    sched_wakes: int = 0  # wake-ups sent for the schedule's cullings (sampled mode: fewer than its cullings)
     snap_records: int = 0  # records sent to the snapshot log (a site's value before its first change after a point)
     snap_lost: int = 0  # records the snapshot log's ring could not take
 

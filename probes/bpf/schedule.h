@@ -111,18 +111,31 @@ static __always_inline u64 schedule_interval(struct hs_global *g, u64 unit_time)
     return guess > interval ? guess : interval;
 }
 
+/* Sampled mode's points past the cull before the wake-up: HS_SCHED_SAMPLED_SLACK, less what --max-snapshots
+ * over HS_SCHED_WAKE_PENDING - HS_SCHED_SAMPLED_SLACK takes (so 0 at 1,000). */
+static __always_inline u64 sampled_slack(struct hs_global *g)
+{
+    u64 max = control_word(g, HS_CTL_SCHED_MAX);
+    u64 room = max < HS_SCHED_WAKE_PENDING ? HS_SCHED_WAKE_PENDING - max : 0;
+    return room < HS_SCHED_SAMPLED_SLACK ? room : HS_SCHED_SAMPLED_SLACK;
+}
+
 /* After a point was sent (never before: user space, woken on the other CPU, must find the point that made the
  * series cull in the ring when it drains it): when the point count reached HS_CTL_SCHED_CULL_AT, wake user
  * space once; with HS_STOP_EVENTS and time in B (time stands still while the target does) also stop the target
- * until user space has set the new interval and due time, so the points are exactly Massif's. Never in sampled
- * mode: its points are estimates anyway, and production mode does not stop a target (the guessed interval
- * bridges the wait). */
+ * until user space has set the new interval and due time, so the points are exactly Massif's. Sampled mode never
+ * stops a target (its points are estimates anyway, and production mode does not stop one), and wakes user space
+ * only HS_SCHED_SAMPLED_SLACK points past the cull: its next look (a second away at most) drains and culls, the
+ * guessed interval bridging the wait. A new worker's series culls some ten times in its first seconds; each
+ * wake-up was a drain of its own. */
 static __always_inline void schedule_signal(void *ctx, struct hs_global *g)
 {
     u64 cull_at = control_word(g, HS_CTL_SCHED_CULL_AT);
-    if (!cull_at || HS_ONCE(g->sched_points) < cull_at || HS_ONCE(g->sched_signalled) == cull_at)
+    u64 wake_at = cull_at + (HS_SAMPLED ? sampled_slack(g) : 0);
+    if (!cull_at || HS_ONCE(g->sched_points) < wake_at || HS_ONCE(g->sched_signalled) == cull_at)
         return;
     g->sched_signalled = cull_at;
+    __sync_fetch_and_add(&g->sched_wakes, 1);
     if (HS_STOP_EVENTS && !HS_SCHED_NS && !HS_SAMPLED) {
         set_control(g, HS_CTL_STOPPED, HS_EV_SCHEDULE);
         bpf_send_signal(19 /* SIGSTOP */);

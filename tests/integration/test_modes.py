@@ -237,6 +237,25 @@ def test_the_default_budget_raises_the_rate_of_a_heavy_churn_and_its_estimate_ho
     assert abs(unbudgeted["allocated"] / unbudgeted["asked"] - 1) <= 0.10
 
 
+def test_sampled_mode_drains_the_schedule_at_its_looks(churn: Path, heapscope_cmd: list[str], tmp_path: Path) -> None:
+    """The defaults users get: sampled mode is not woken at each culling of the snapshot schedule; its looks
+    drain the points, and the kernel wakes the loop only HS_SCHED_SAMPLED_SLACK points past a cull. A steady
+    churn of 4 s culls again and again; no point is lost. Its twin in exact mode is woken at its cullings."""
+    run = churn_under_attach(churn, heapscope_cmd, tmp_path)
+    c, sc = run["summary"]["counters"], run["summary"]["schedule"]
+    print(f"sampled: points {c['sched_points']}, lost {c['sched_lost']}, wake-ups {c['sched_wakes']}, "
+          f"cullings {sc['cullings']}, kept {sc['kept']}")
+    assert sc["cullings"] >= 4 and c["sched_lost"] == 0 and 50 <= sc["kept"] <= 100, (c, sc)
+    assert c["sched_wakes"] <= 1, (c, sc)
+    exact = tmp_path / "exact"
+    exact.mkdir()
+    run = churn_under_attach(churn, heapscope_cmd, exact, "--mode=exact")
+    c, sc = run["summary"]["counters"], run["summary"]["schedule"]
+    print(f"exact: points {c['sched_points']}, lost {c['sched_lost']}, wake-ups {c['sched_wakes']}, "
+          f"cullings {sc['cullings']}, kept {sc['kept']}")
+    assert sc["cullings"] >= 4 and c["sched_lost"] == 0 and c["sched_wakes"] >= 2, (c, sc)
+
+
 def test_the_daemon_serves_and_stores_the_rate_in_force(churn: Path, heapscope_cmd: list[str], tmp_path: Path) -> None:
     """The daemon's defaults (sampled, the budget, the history): while the budget holds the churn's rate up, the
     metrics give the rate in force and its moves, and the history stores it with each snapshot."""

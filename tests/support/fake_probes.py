@@ -51,6 +51,8 @@ from agent.kernel.abi import (
     FN_KINDS,
     LOG2_BINS,
     SCHED_PEAK,
+    SCHED_SAMPLED_SLACK,
+    SCHED_WAKE_PENDING,
 )
 from agent.kernel.interface import LiveProbes, MaltSiteFields, ProbeSettings, SiteArray, UnwindMapping
 from agent.model.counters import Counters, PageCounters
@@ -404,10 +406,12 @@ class FakeProbes(LiveProbes):
         g = self.g
         self._points.append((t, g["heap"], g["extra"], kind, g["sched_points"]))
         g["sched_points"] += 1
-        cull_at = self._ctl(CTL_SCHED_CULL_AT)
-        if cull_at and g["sched_points"] >= cull_at and g["sched_signalled"] != cull_at:  # schedule_signal
+        cull_at, s = self._ctl(CTL_SCHED_CULL_AT), self.settings
+        slack = min(SCHED_SAMPLED_SLACK, max(0, SCHED_WAKE_PENDING - self._ctl(CTL_SCHED_MAX)))
+        wake_at = cull_at + (slack if s.sampled else 0)
+        if cull_at and g["sched_points"] >= wake_at and g["sched_signalled"] != cull_at:  # schedule_signal
             g["sched_signalled"] = cull_at
-            s = self.settings
+            g["sched_wakes"] += 1
             self._signal_event(EV_SCHEDULE, s.stop_events and not s.schedule_ns and not s.sampled)
 
     def _schedule_check(self, time_b: int) -> None:
