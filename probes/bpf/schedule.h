@@ -111,8 +111,8 @@ static __always_inline u64 schedule_interval(struct hs_global *g, u64 unit_time)
     return guess > interval ? guess : interval;
 }
 
-/* Sampled mode's points past the cull before the wake-up: HS_SCHED_SAMPLED_SLACK, less what --max-snapshots
- * over HS_SCHED_WAKE_PENDING - HS_SCHED_SAMPLED_SLACK takes (so 0 at 1,000). */
+/* Sampled mode's points past the cull before the wake-up: HS_SCHED_SAMPLED_SLACK, or HS_SCHED_WAKE_PENDING less
+ * --max-snapshots when that is fewer (256 up to --max-snapshots=744, none at 1,000). */
 static __always_inline u64 sampled_slack(struct hs_global *g)
 {
     u64 max = control_word(g, HS_CTL_SCHED_MAX);
