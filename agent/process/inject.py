@@ -756,8 +756,15 @@ def _holding_priority() -> Iterator[None]:
     go, and on cores the service keeps busy a thread of normal weight waited its turn in the middle of that. Under
     pgbench on two cores, a new backend was held stopped some 5 ms in all (about 3 ms with this and the polling of
     _Thread._wait), while it could hold the row lock every other client waited for. Without the right to raise it
-    (no CAP_SYS_NICE), as it was."""
+    (no CAP_SYS_NICE), as it was. A thread at the idle policy (sampled mode's looks, agent.session.priority) goes to
+    the normal one meanwhile: no nice level counts under SCHED_IDLE."""
     me = threading.get_native_id()
+    idle = os.sched_getscheduler(0) == os.SCHED_IDLE
+    if idle:
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except OSError:
+            idle = False  # left idle: nothing to give back
     own = os.getpriority(os.PRIO_PROCESS, me)
     before: int | None = own
     try:
@@ -770,6 +777,9 @@ def _holding_priority() -> Iterator[None]:
         if before is not None:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, me, before)
+        if idle:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
 def _on_safe_thread(

@@ -100,28 +100,33 @@ def test_a_seized_thread_is_held_at_a_raised_priority_and_the_priority_given_bac
     build: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While a thread of the target is seized, the injecting thread runs at HOLDING_NICE (on cores the service keeps
-    busy it does not wait its turn with the thread stopped); afterwards at its own nice again, whatever it was."""
+    busy it does not wait its turn with the thread stopped); afterwards at its own nice again, whatever it was. A
+    thread at the idle policy (sampled mode's looks, agent.session.priority) holds at the normal policy, and is
+    idle again afterwards."""
     require("root")
     conv = Conversation([str(build("attach_target.c"))])
     me = threading.get_native_id()
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
     judge = inject_module._verdict
 
     def watched(*args: object, **kw: object) -> object:
-        seen.append(os.getpriority(os.PRIO_PROCESS, me))  # the target's thread is stopped now
+        # the target's thread is stopped now
+        seen.append((os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, me)))
         return judge(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(inject_module, "_verdict", watched)
     own = os.getpriority(os.PRIO_PROCESS, me)
     try:
         conv.expect("ready")
-        for nice in (5, own):
+        for policy, nice in ((os.SCHED_OTHER, 5), (os.SCHED_IDLE, own), (os.SCHED_OTHER, own)):
+            os.sched_setscheduler(0, policy, os.sched_param(0))
             os.setpriority(os.PRIO_PROCESS, me, nice)
             rax, _ = call_function(conv.pid, "getpid")
             assert rax == conv.pid
-            assert seen[-1] == HOLDING_NICE
-            assert os.getpriority(os.PRIO_PROCESS, me) == nice
+            assert seen[-1] == (os.SCHED_OTHER, HOLDING_NICE), (policy, seen)
+            assert os.sched_getscheduler(0) == policy and os.getpriority(os.PRIO_PROCESS, me) == nice
     finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         os.setpriority(os.PRIO_PROCESS, me, own)
         conv.kill()
 
