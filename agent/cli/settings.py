@@ -180,14 +180,6 @@ def _add_mode_options(p: argparse.ArgumentParser, default: Mode) -> None:
         "total's highest point between looks (default no: any traced system call makes every process on the "
         "machine pay at every system call; the mapped total is read at each look); exact mode always traces them",
     )
-    m.add_argument(
-        "--analysis-priority",
-        choices=("idle", "normal"),
-        default=None,
-        help="sampled mode, attached targets: the scheduling policy of heapscope's reading of the kernel's counts "
-        "(default idle: SCHED_IDLE, any thread of the machine that wakes takes the CPU first; raised to normal "
-        "while the machine leaves it none, and counted); the probes and the sampler run in the target either way",
-    )
 
 
 def add_profile_options(p: argparse.ArgumentParser, mode: Mode = "exact") -> None:
@@ -452,8 +444,6 @@ def mode_from(ns: argparse.Namespace) -> ProfileMode:
                          "use --mode=exact")
     if ns.page_calls is not None and ns.mode != "sampled":
         raise UsageError("--page-calls applies to --mode=sampled: exact mode always traces the page calls")
-    if ns.analysis_priority is not None and ns.mode != "sampled":
-        raise UsageError("--analysis-priority applies to --mode=sampled: exact mode reads at the normal policy")
     return ProfileMode(ns.mode, DEFAULT_SAMPLE_RATE if ns.sample_rate is None else ns.sample_rate,
                        DEFAULT_MAX_SAMPLES if ns.max_samples is None else ns.max_samples)
 
@@ -481,7 +471,6 @@ def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> 
         malt=ns.malt == "yes" if daemon else "malt" in files,
         mode=mode_from(ns),
         page_calls=ns.page_calls == "yes",
-        idle_analysis=ns.analysis_priority != "normal",
         store=store_settings(ns) if ns.command != "serve" else None,  # serve's is under --output-dir (profiling._serve)
     )
 

@@ -58,8 +58,6 @@ class SamplingSummary:
     max_samples: int = 0  # the budget: samples a second (0: none)
     rate_in_force: int = 0  # the rate as the sampler last had it (rate, or more under the budget)
     rate_changes: int = 0  # times the budget moved the rate in force
-    analysis_priority: str = "normal"  # the looks' scheduling policy: idle, or normal (agent.session.priority)
-    priority_raises: int = 0  # times a machine without CPU to spare had the idle looks raised to normal
 
 
 @dataclass(frozen=True)
@@ -87,10 +85,6 @@ class ProfileSummary:
                 lines.append(f"the sampling budget ({sm.max_samples} samples a second) moved the rate "
                              f"{sm.rate_changes} times; one sample per {sm.rate_in_force} bytes at the end (each "
                              "sample weighted at the rate it was drawn at)")
-            if sm.priority_raises:
-                times = "once" if sm.priority_raises == 1 else f"{sm.priority_raises} times"
-                lines.append(f"heapscope's analysis ran at idle priority and was raised to normal {times}, when the "
-                             "machine left it no CPU")
             if sm.unseen_frees:
                 lines.append(f"{sm.unseen_frees} samples did not fit the sampler's address set: their frees "
                              "were not seen (those blocks stay in the estimate)")

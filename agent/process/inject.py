@@ -756,8 +756,9 @@ def _holding_priority() -> Iterator[None]:
     go, and on cores the service keeps busy a thread of normal weight waited its turn in the middle of that. Under
     pgbench on two cores, a new backend was held stopped some 5 ms in all (about 3 ms with this and the polling of
     _Thread._wait), while it could hold the row lock every other client waited for. Without the right to raise it
-    (no CAP_SYS_NICE), as it was. A thread at the idle policy (sampled mode's looks, agent.session.priority) goes to
-    the normal one meanwhile: no nice level counts under SCHED_IDLE."""
+    (no CAP_SYS_NICE), as it was. A heapscope started at the idle policy (systemd's CPUSchedulingPolicy=idle,
+    `chrt --idle 0`) holds at the normal one: no nice level counts under SCHED_IDLE, where a thread it seized would
+    wait for whatever CPU the machine leaves."""
     me = threading.get_native_id()
     idle = os.sched_getscheduler(0) == os.SCHED_IDLE
     if idle:

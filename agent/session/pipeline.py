@@ -44,7 +44,6 @@ from agent.process.inject import preflight_sampled
 from agent.process.procinfo import ResidentReader
 from agent.process.target import TargetProcess, launch
 from agent.session.pprof_context import pprof_context
-from agent.session.priority import AnalysisPriority
 from agent.session.sampled import SamplerLink, launch_sampled
 from agent.session.session import Session, SessionInfo
 from agent.session.storerec import StoreRecorder, StoreSettings, store_meta
@@ -82,7 +81,6 @@ class ProfileSettings:
     malt: bool = False  # keep MALT's statistics in the kernel (GET /malt, --malt-out-file)
     mode: ProfileMode = field(default_factory=ProfileMode)  # exact, or sampled (agent.session.sampled)
     page_calls: bool = False  # sampled mode: trace the page syscalls too (--page-calls=yes); exact mode always does
-    idle_analysis: bool = True  # an attached sampled target's looks at SCHED_IDLE (--analysis-priority, .priority)
     store: StoreSettings | None = None  # keep every sample's history on disk (--store), None: not kept
 
     def probe_settings(self, pid: int, launched: bool) -> ProbeSettings:
@@ -171,9 +169,6 @@ class Profile:
         self.mode: str = settings.mode.mode  # what /targets and the web page say
         self.sample_rate = settings.mode.period
         self._sampler: SamplerLink | None = None
-        # The looks' scheduling policy: idle for an attached sampled target (agent.session.priority), else normal.
-        self.priority = AnalysisPriority(settings.idle_analysis and settings.mode.sampled and not process.launched,
-                                         say)
         self._header = ProfileHeader(
             desc=(*settings.desc, *settings.mode.desc()),
             cmd=process.cmdline,
@@ -288,9 +283,8 @@ class Profile:
                     ready()
                     self._open_store(session)
                     # A history asked for more often than sampled mode's pace looks gets a look at each of its samples.
-                    with self.priority:
-                        session.run(self._alive_and_recording(session, resident), stop, s.sample_interval,
-                                    s.store_interval)
+                    session.run(self._alive_and_recording(session, resident), stop, s.sample_interval,
+                                s.store_interval)
                 finally:
                     if link is not None:
                         link.disarm()  # before the probes go: no sample without its probe
@@ -326,7 +320,6 @@ class Profile:
 
         def check() -> bool:
             nonlocal next_at, next_store
-            self.priority.turn()
             now = time.monotonic()
             if now >= next_at:
                 next_at = now + interval
@@ -508,6 +501,5 @@ class Profile:
             return summary
         st = link.statistics()
         sampling = SamplingSummary(link.rate, st.get("samples", 0), st.get("sampled_frees", 0), st.get("set_full", 0),
-                                   link.max_samples, link.rate_in_force, link.rate_changes, self.priority.label,
-                                   self.priority.watch.raises)
+                                   link.max_samples, link.rate_in_force, link.rate_changes)
         return replace(summary, counters=self._exact_counts(summary.counters), sampling=sampling)

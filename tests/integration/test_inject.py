@@ -101,8 +101,8 @@ def test_a_seized_thread_is_held_at_a_raised_priority_and_the_priority_given_bac
 ) -> None:
     """While a thread of the target is seized, the injecting thread runs at HOLDING_NICE (on cores the service keeps
     busy it does not wait its turn with the thread stopped); afterwards at its own nice again, whatever it was. A
-    thread at the idle policy (sampled mode's looks, agent.session.priority) holds at the normal policy, and is
-    idle again afterwards."""
+    thread at the idle policy (a heapscope started under `chrt --idle 0`) holds at the normal policy, and is idle
+    again afterwards."""
     require("root")
     conv = Conversation([str(build("attach_target.c"))])
     me = threading.get_native_id()
