@@ -214,8 +214,7 @@ def add_profile_options(p: argparse.ArgumentParser, mode: Mode = "exact") -> Non
         metavar="SECONDS",
         help="how often the kernel's counters are sampled for snapshots (default 0.05); a target that makes no "
         "call is looked at down to once a second, one that makes fewer than 1,000 a second down to five times; "
-        "sampled mode looks at any target 0.25 s after the first look, then 0.5 s, then once a second (or each "
-        "--store-interval if shorter)",
+        "sampled mode looks at any target once a second (or each --store-interval if shorter)",
     )
     h.add_argument(
         "--max-blocks",

@@ -90,7 +90,7 @@ class _NodeReadings:
 
 
 # Half a second: the node's free memory and swap move slowly, and a prefork server's new workers each read them at
-# their first looks (IdlePace.SAMPLED_FIRST_WAIT).
+# their first looks.
 _node = _NodeReadings(max_age=0.5)
 
 

@@ -92,13 +92,14 @@ class IdlePace:
     LIGHT_MAX = 0.2  # a light target's memory line keeps five points a second
     LIGHT_RATE = 1000.0  # calls a second
     QUIET_TICKS = 4  # quiet (or light) ticks at the full rate before the waits grow
-    # Sampled mode: a quarter second after the first look, then half a second, then once a second. A look costs the
-    # daemon 2-3 ms whatever it finds (the counters, the schedule's points, MALT's timelines, the history store, the
-    # maps), and a prefork server's worker that lives two seconds was looked at 8 times, 5 of them in its first
-    # 0.4 s: under ab, apache2's replaced workers made half of the daemon's looks. The kernel keeps each interval's
-    # peak and sums the samples between looks: the snapshots and MALT's figures lose nothing; the memory line keeps
-    # one point a second, and an ended process's last state is read at its exit whenever it comes.
-    SAMPLED_FIRST_WAIT = 0.25
+    # Sampled mode: once a second from the first look. A look costs the daemon 2-3 ms whatever it finds (the
+    # counters, the schedule's points, MALT's timelines, the history store, the maps), and a prefork server's
+    # replaced workers make most of its looks: under ab, apache2's workers live about three seconds, and a look a
+    # quarter and three quarters of a second into each life cost 8% of the daemon's CPU for them (bench/worker_cost.py)
+    # with nothing to show for it. The kernel keeps each interval's peak and sums the samples between looks: the
+    # snapshots and MALT's figures lose nothing; the memory line keeps one point a second, and an ended process's
+    # last state is read at its exit whenever it comes.
+    SAMPLED_FIRST_WAIT = 1.0
     SAMPLED_LIGHT_MAX = 1.0
     SAMPLED_QUIET_TICKS = 0
 
@@ -113,8 +114,8 @@ class IdlePace:
 
     @classmethod
     def sampled(cls, interval: float, at_most: float = math.inf) -> IdlePace:
-        """Sampled mode's pace: no target is busy, the first wait is longer, and the waits grow sooner and further
-        (SAMPLED_*), but never past `at_most` (the history's --store-interval: each of its samples is a look)."""
+        """Sampled mode's pace: no target is busy, and every wait is SAMPLED_FIRST_WAIT (a longer interval is kept),
+        but never past `at_most` (the history's --store-interval: each of its samples is a look)."""
         first, cap = min(cls.SAMPLED_FIRST_WAIT, at_most), min(cls.SAMPLED_LIGHT_MAX, at_most)
         return cls(max(interval, first), math.inf, cap, cls.SAMPLED_QUIET_TICKS)
 

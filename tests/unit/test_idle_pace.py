@@ -57,12 +57,12 @@ def test_a_quiet_target_waits_longer_than_a_light_one() -> None:
 
 
 def test_sampled_mode_looks_at_a_busy_target_as_at_a_light_one() -> None:
-    """Sampled mode (no light rate): however many calls the kernel counts, the first wait is a quarter second and
-    the waits grow from there to the sampled cap (once a second); a quiet target waits as long."""
+    """Sampled mode (no light rate): however many calls the kernel counts, every wait is a second, from the first
+    look on; a quiet target waits as long."""
     pace = IdlePace.sampled(0.05)
-    assert pace.interval == IdlePace.SAMPLED_FIRST_WAIT == 0.25
+    assert pace.interval == IdlePace.SAMPLED_FIRST_WAIT == IdlePace.SAMPLED_LIGHT_MAX == 1.0
     waits = [pace.active(1_000_000, 0.05) for _ in range(10)]
-    assert waits[:2] == [0.5, IdlePace.SAMPLED_LIGHT_MAX] and waits[-1] == 1.0 and pace.paced()
+    assert waits == [1.0] * 10 and pace.paced()
     assert max(pace.idle() for _ in range(20)) == IdlePace.IDLE_MAX
     assert IdlePace.sampled(2.0).active(1_000_000, 2.0) == 2.0  # a longer --sample-interval is kept
     exact = IdlePace(0.05)  # its twin on the default: the same calls keep the interval
@@ -79,20 +79,23 @@ def _looks(pace: IdlePace, life: float) -> list[float]:
     return times
 
 
-def test_a_sampled_worker_of_two_seconds_is_looked_at_four_times() -> None:
-    """A prefork server's worker that lives two seconds, busy throughout: sampled mode's looks, against the pace
-    it had before (first wait at the interval, down to twice a second: 8 looks, 5 of them in its first 0.4 s)
-    and the light pace of exact mode (capped at LIGHT_MAX)."""
-    assert _looks(IdlePace.sampled(0.05), 2.0) == [0.0, 0.25, 0.75, 1.75]
+def test_a_sampled_worker_of_three_seconds_is_looked_at_three_times() -> None:
+    """A prefork server's worker that lives three seconds (apache2's under ab), busy throughout: sampled mode's
+    looks, against the paces it had before: a quarter second, then half a second, then once a second (five looks,
+    two of them in its first 0.75 s); before that, the interval doubled from 0.05 s up to twice a second (nine,
+    five in its first 0.4 s); and the light pace of exact mode (capped at LIGHT_MAX)."""
+    assert _looks(IdlePace.sampled(0.05), 3.0) == [0.0, 1.0, 2.0]
+    quarter = IdlePace(0.25, math.inf, 1.0, 0)
+    assert _looks(quarter, 3.0) == [0.0, 0.25, 0.75, 1.75, 2.75]
     before = IdlePace(0.05, math.inf, 0.5, 1)
-    assert _looks(before, 2.0) == [0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.3, 1.8]
-    assert len(_looks(IdlePace(0.05, math.inf), 2.0)) == 15
+    assert _looks(before, 3.0) == [0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.3, 1.8, 2.3, 2.8]
+    assert len(_looks(IdlePace(0.05, math.inf), 3.0)) == 20
 
 
 def test_a_history_kept_more_often_than_sampled_mode_looks_gets_a_look_at_each_of_its_samples() -> None:
     """`at_most` (the pipeline gives --store-interval): a busy target's looks are never further apart; the default
     store interval (1 s) leaves the pace as it is."""
-    assert _looks(IdlePace.sampled(0.05, 0.5), 3.0) == [0.0, 0.25, 0.75, 1.25, 1.75, 2.25, 2.75]
+    assert _looks(IdlePace.sampled(0.05, 0.5), 3.0) == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
     assert _looks(IdlePace.sampled(0.05, 0.1), 0.5) == [0.0, 0.1, 0.2, 0.3, 0.4]
-    default = [0.0, 0.25, 0.75, 1.75, 2.75]
+    default = [0.0, 1.0, 2.0]
     assert _looks(IdlePace.sampled(0.05, 1.0), 3.0) == _looks(IdlePace.sampled(0.05), 3.0) == default
