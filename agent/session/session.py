@@ -95,13 +95,11 @@ class IdlePace:
     # Sampled mode: once a second from the first look. A look costs the daemon 2-3 ms whatever it finds (the
     # counters, the schedule's points, MALT's timelines, the history store, the maps), and a prefork server's
     # replaced workers make most of its looks: under ab, apache2's workers live about three seconds, and a look a
-    # quarter and three quarters of a second into each life cost 8% of the daemon's CPU for them (bench/worker_cost.py)
-    # with nothing to show for it. The kernel keeps each interval's peak and sums the samples between looks: the
-    # snapshots and MALT's figures lose nothing; the memory line keeps one point a second, and an ended process's
-    # last state is read at its exit whenever it comes.
-    SAMPLED_FIRST_WAIT = 1.0
-    SAMPLED_LIGHT_MAX = 1.0
-    SAMPLED_QUIET_TICKS = 0
+    # quarter and three quarters of a second into each life cost 8-10% of the daemon's CPU for them
+    # (bench/worker_cost.py) with nothing to show for it. The kernel keeps each interval's peak and sums the samples
+    # between looks: the snapshots and MALT's figures lose nothing; the memory line keeps one point a second, and an
+    # ended process's last state is read at its exit whenever it comes.
+    SAMPLED_WAIT = 1.0
 
     def __init__(self, interval: float, light_rate: float = LIGHT_RATE, light_max: float = LIGHT_MAX,
                  quiet_ticks: int = QUIET_TICKS) -> None:
@@ -114,10 +112,11 @@ class IdlePace:
 
     @classmethod
     def sampled(cls, interval: float, at_most: float = math.inf) -> IdlePace:
-        """Sampled mode's pace: no target is busy, and every wait is SAMPLED_FIRST_WAIT (a longer interval is kept),
-        but never past `at_most` (the history's --store-interval: each of its samples is a look)."""
-        first, cap = min(cls.SAMPLED_FIRST_WAIT, at_most), min(cls.SAMPLED_LIGHT_MAX, at_most)
-        return cls(max(interval, first), math.inf, cap, cls.SAMPLED_QUIET_TICKS)
+        """Sampled mode's pace: no target is busy, and every wait is SAMPLED_WAIT (a longer interval is kept), but
+        never past `at_most` (the history's --store-interval: each of its samples is a look). Every look counts as
+        paced (no quiet ticks): the next one is timed from it."""
+        wait = min(cls.SAMPLED_WAIT, at_most)
+        return cls(max(interval, wait), math.inf, wait, quiet_ticks=0)
 
     def idle(self) -> float:
         """Another quiet tick: the wait until the next look."""
@@ -596,7 +595,7 @@ class Session:
             if now >= next_sample:
                 # A target that did nothing since the last tick is not sampled (Massif takes no snapshot
                 # without an allocation either), and it is looked at less and less often, down to IDLE_MAX;
-                # a light one down to LIGHT_MAX, and in sampled mode any one down to SAMPLED_LIGHT_MAX (IdlePace).
+                # a light one down to LIGHT_MAX, and in sampled mode any one at SAMPLED_WAIT (IdlePace).
                 last, token = token, live.activity()
                 if token == last and not events:
                     next_sample = now + pace.idle()
