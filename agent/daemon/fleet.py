@@ -21,6 +21,7 @@ another process is a new process, and a restarted daemon finds the same identiti
 from __future__ import annotations
 
 import gc
+import math
 import os
 import queue
 import threading
@@ -43,7 +44,15 @@ from agent.kernel.procevents import ProcEvent, ProcEvents
 from agent.log import LOG
 from agent.model.cgroup import placement_of
 from agent.model.counters import Counters
-from agent.model.fleet import REFUSAL_REASONS, FleetStatus, Limits, Refusal, SelectorStatus, TargetOrigin
+from agent.model.fleet import (
+    FORGET_REASONS,
+    REFUSAL_REASONS,
+    FleetStatus,
+    Limits,
+    Refusal,
+    SelectorStatus,
+    TargetOrigin,
+)
 from agent.model.sampling import ProfileMode
 from agent.model.selector import ProcessFacts, Selector, first_match
 from agent.model.target import TargetState, TargetStatus
@@ -69,6 +78,10 @@ SWEEP_INTERVAL = 600.0
 # (a tenth of a second at 300 MB), and a fleet that detaches a target a second paid one a detach; one in 10 s was
 # still 1% of a core.
 TRIM_INTERVAL = 30.0
+# The same when only --max-exited let targets go: a server that replaces a worker a second forgets one a second, and a
+# pass every 30 s over a heap of 256 ended profiles took some 5 ms of CPU a second (apache2 under ab). What they
+# leave in cycles (some 180 KB a target there: 28 MB in two minutes) waits this long instead.
+CHURN_TRIM_INTERVAL = 120.0
 MAX_SELECTORS = 256
 
 Identity = tuple[int, int]  # (pid, start time)
@@ -79,6 +92,7 @@ class FleetConfig:
     selectors: tuple[Selector, ...] = ()
     limits: Limits = field(default_factory=Limits)
     keep_exited: float = 3600.0  # seconds an ended target stays in /targets
+    max_exited: int | None = 256  # ended targets kept in /targets at most, the oldest forgotten first; None: no limit
     output_max_age: float = 7 * 86400.0  # seconds an ended target's output files stay; 0: for good
     rescan_interval: float = 60.0  # /proc scans besides the kernel's events
     attach_workers: int = 2
@@ -154,12 +168,15 @@ class FleetManager(TargetManager):
         self._threads: list[threading.Thread] = []
         self._ev: ProcEvents | None = None
         self._watched: set[int] = set()
-        self._trim = False
-        self._next_trim = 0.0
+        self._trim = False  # targets were let go: a collection is due (TRIM_INTERVAL)
+        self._trim_churn = False  # only --max-exited let them go (CHURN_TRIM_INTERVAL)
+        self._trimmed_at = -math.inf
         self._next_sweep = 0.0  # monotonic time of the next sweep of ended histories and files (at the first chores)
         self._expired_segments = 0
         self._expired_histories = 0
         self._expired_outputs = 0
+        self._forgotten = dict.fromkeys(FORGET_REASONS, 0)
+        self._max_exited_said = False
 
     # ---- life cycle ----
 
@@ -259,6 +276,7 @@ class FleetManager(TargetManager):
                 expired_segments=self._expired_segments,
                 expired_histories=self._expired_histories,
                 expired_outputs=self._expired_outputs,
+                forgotten=dict(self._forgotten),
                 log_lines_lost=LOG.lost,
             )
 
@@ -361,15 +379,36 @@ class FleetManager(TargetManager):
             ended = sorted((t for t in held if t.state != "profiling"), key=lambda t: t.ended_at or 0.0)
             if not ended:
                 return refusal
-            self._forget(ended[0], f"to make room ({refusal.reason})")
+            self._forget(ended[0], "room", f"to make room ({refusal.reason})")
 
-    def _forget(self, t: Target, why: str) -> None:
+    def _forget(self, t: Target, reason: str, why: str | None) -> None:
+        """Drop an ended target from /targets (its files and history stay); `why` is said, None: counted only."""
         with self._lock:
             if self._targets.get(t.pid) is not t:
                 return
             del self._targets[t.pid]
-        self.config.say(f"forgot ended target {t.pid} ({t.command}) {why}")
-        self._trim = True
+        with self._flock:
+            self._forgotten[reason] += 1
+        if why is not None:
+            self.config.say(f"forgot ended target {t.pid} ({t.command}) {why}")
+        if reason == "count":
+            self._trim_churn = True
+        else:
+            self._trim = True
+
+    def _forget_beyond_max_exited(self, ended: list[Target]) -> None:
+        """--max-exited: a prefork server that replaces a worker a second would otherwise have the daemon hold
+        thousands of ended profiles (some 270 KB each) for --keep-exited. The oldest go first, said once, counted."""
+        limit = self.fleet.max_exited
+        if limit is None or len(ended) <= limit:
+            return
+        ended.sort(key=lambda t: t.ended_at or 0.0)
+        if not self._max_exited_said:
+            self._max_exited_said = True
+            self.config.say(f"more than {limit} ended targets: the oldest are forgotten as others end (--max-exited; "
+                            "their files and histories stay, counted in heapscope_targets_forgotten_total)")
+        for t in ended[: len(ended) - limit]:
+            self._forget(t, "count", None)
 
     # ---- the queue of selected processes ----
 
@@ -713,9 +752,10 @@ class FleetManager(TargetManager):
         """Ended targets: say why they ended and until when they stay; forget them at that time. Identities of
         processes that are gone are dropped from the remembered sets."""
         now = time.time()
-        if self._trim and time.monotonic() >= self._next_trim:  # targets were let go: give their memory back
-            self._trim = False
-            self._next_trim = time.monotonic() + TRIM_INTERVAL
+        since = time.monotonic() - self._trimmed_at
+        if (self._trim and since >= TRIM_INTERVAL) or (self._trim_churn and since >= CHURN_TRIM_INTERVAL):
+            self._trim = self._trim_churn = False  # targets were let go: give their memory back
+            self._trimmed_at = time.monotonic()
             # Sessions freeze the collector's objects at every sample (agent.session.session: full passes over a big
             # profile stalled requests); an ended target's cycles (its symbolizer's DWARF, its trees) were frozen
             # with the rest and would never be collected. One full pass per forgotten batch of targets.
@@ -726,6 +766,7 @@ class FleetManager(TargetManager):
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + SWEEP_INTERVAL
             self._sweep()
+        kept = []
         for t in self.targets():
             if t.state == "profiling" or not t.done.is_set():
                 continue
@@ -734,8 +775,12 @@ class FleetManager(TargetManager):
                 reason = o.end_reason or ("exited" if t.state == "exited" else "detached")
                 t.origin = replace(o, end_reason=reason, expires_at=(t.ended_at or now) + self.fleet.keep_exited)
                 self._unwatch(t.pid)
+                kept.append(t)
             elif now >= o.expires_at:
-                self._forget(t, f"{self.fleet.keep_exited:.0f} s after it ended (--keep-exited)")
+                self._forget(t, "age", f"{self.fleet.keep_exited:.0f} s after it ended (--keep-exited)")
+            else:
+                kept.append(t)
+        self._forget_beyond_max_exited(kept)
         if self._failed or self._released or self._refusal_said or self._waiting:
             alive = {(pid, st) for pid, st in ((i[0], start_time(i[0], self.proc)) for i in self._identities())}
             with self._flock:

@@ -113,6 +113,14 @@ def add_fleet_options(p: argparse.ArgumentParser) -> None:
         help="how long a target whose profile ended stays in /targets (default 3600)",
     )
     lim.add_argument(
+        "--max-exited",
+        type=int_at_least(0),
+        default=256,
+        metavar="N",
+        help="targets whose profile ended kept in /targets at most: beyond, the oldest is forgotten first, its files "
+        "and history kept (default 256; 0: no limit)",
+    )
+    lim.add_argument(
         "--output-max-age",
         type=age_or_zero,
         default="7d",
@@ -143,6 +151,7 @@ def fleet_config_from(ns: argparse.Namespace) -> FleetConfig:
             max_memory=getattr(ns, "max_memory", 0) or None,
         ),
         keep_exited=getattr(ns, "keep_exited", 3600.0),
+        max_exited=getattr(ns, "max_exited", 256) or None,
         output_max_age=getattr(ns, "output_max_age", 7 * 86400.0),
         rescan_interval=getattr(ns, "rescan_interval", 60.0),
     )

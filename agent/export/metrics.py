@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from agent.errors import HeapscopeError
 from agent.model.counters import Counters
-from agent.model.fleet import REFUSAL_REASONS, FleetStatus, TargetOrigin
+from agent.model.fleet import FORGET_REASONS, REFUSAL_REASONS, FleetStatus, TargetOrigin
 from agent.model.growth import DEFAULT_WINDOW_S, GrowthReport
 from agent.model.pages import PageTotals
 from agent.model.stored import StoreStatus
@@ -347,6 +347,15 @@ class FleetCollector(Collector):
             "--store-max-age.",
             value=f.expired_histories,
         )
+        forgotten = CounterMetricFamily(
+            "heapscope_targets_forgotten",
+            "Ended targets dropped from /targets (their files and histories stay): age (--keep-exited), count "
+            "(--max-exited), room (made at a limit).",
+            labels=("reason",),
+        )
+        for why in FORGET_REASONS:
+            forgotten.add_metric([why], f.forgotten.get(why, 0))
+        yield forgotten
         yield CounterMetricFamily(
             "heapscope_output_files_expired",
             "Output files of processes no longer profiled, deleted once older than --output-max-age.",

@@ -10,6 +10,8 @@ from agent.model.cgroup import CgroupPlacement
 
 RefusalReason = Literal["targets", "sites", "memory"]
 REFUSAL_REASONS: tuple[RefusalReason, ...] = ("targets", "sites", "memory")
+# Why an ended target left /targets: --keep-exited's time, --max-exited's count, or room made at a limit.
+FORGET_REASONS: tuple[str, ...] = ("age", "count", "room")
 EndReason = Literal["", "exited", "exec", "detached"]
 
 
@@ -86,4 +88,5 @@ class FleetStatus:
     expired_segments: int = 0  # history segments of processes no longer profiled, deleted at --store-max-age
     expired_histories: int = 0  # such processes' directories, deleted once empty
     expired_outputs: int = 0  # output files of processes no longer profiled, deleted at --output-max-age
+    forgotten: dict[str, int] = field(default_factory=dict)  # FORGET_REASONS -> ended targets forgotten since start
     log_lines_lost: int = 0  # lines of the daemon's log that could not be written (a closed pipe, a full disk)

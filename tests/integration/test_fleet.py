@@ -243,6 +243,36 @@ def test_services_started_after_the_daemon_are_found_and_marked(
         stop_daemon(d)
 
 
+def test_ended_targets_beyond_max_exited_are_forgotten_oldest_first(
+    heapscope_cmd: list[str], services: Services, tmp_path: Path
+) -> None:
+    """--max-exited: a prefork server that replaces a worker a second would have the daemon hold every ended
+    profile for --keep-exited. Beyond the limit the oldest ended target goes first, said once in the log and
+    counted; its files stay. (test_services_started_after_the_daemon_are_found_and_marked keeps its ended target
+    on the default, 256.)"""
+    d = start_daemon(heapscope_cmd, tmp_path, "--attach-comm", "^svc-churn$", "--max-exited", "2")
+    try:
+        ended: list[int] = []
+        for _ in range(4):
+            p = services.start("svc-churn")
+            wait_for(profiling(d, p.pid, heap=None), FOUND_WITHIN, f"svc-churn {p.pid} profiled")
+            p.terminate()
+            p.wait(10)
+            wait_for(lambda pid=p.pid: targets(d).get(pid, {}).get("state") != "profiling", 30, "its profile ended")
+            ended.append(p.pid)
+        wait_for(lambda: metric(d, "heapscope_targets_forgotten_total", reason="count") == 2, 10,
+                 "two ended targets forgotten beyond --max-exited 2")
+        held = targets(d)
+        assert [pid for pid in ended if pid in held] == ended[2:], (ended, sorted(held))
+        assert all(held[pid]["state"] == "exited" for pid in ended[2:])
+        assert metric(d, "heapscope_targets_forgotten_total", reason="age") == 0
+        for pid in ended:  # forgotten by the daemon, not by the disk
+            assert (tmp_path / "out" / f"massif.out.{pid}").is_file(), pid
+        assert d.stderr().count("--max-exited") == 1, d.stderr()
+    finally:
+        stop_daemon(d)
+
+
 @pytest.mark.parametrize("mode", ["exact", "sampled"])
 def test_a_prefork_parent_and_its_children_through_exit_restart_and_exec(
     heapscope_cmd: list[str], services: Services, tmp_path: Path, mode: str

@@ -190,7 +190,7 @@ def test_the_configmap_gives_the_daemon_its_limits_and_example_selectors(tmp_pat
     args, local = configmap_args(tmp_path)
     config = fleet_config_from(build_parser().parse_args(args))
     assert config.limits.max_targets == 32 and config.limits.max_memory == 900 << 20
-    assert config.keep_exited == 3600 and config.output_max_age == 7 * 86400
+    assert config.keep_exited == 3600 and config.max_exited == 256 and config.output_max_age == 7 * 86400
     examples = [ln.strip().removeprefix("# ") for ln in local.read_text().splitlines()
                 if ln.strip().startswith("# --attach-")]
     assert len(examples) >= 4

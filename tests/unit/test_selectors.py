@@ -124,15 +124,17 @@ def test_fleet_options_parse_into_selectors_and_limits(tmp_path: Path) -> None:
     args = tmp_path / "serve.args"  # the ConfigMap's form: one argument a line, read with @FILE
     args.write_text("--attach-comm=^nginx$\n--attach-cgroup=pod:" + UID + "\n--max-targets=5\n--max-memory=900M\n")
     ns = build_parser().parse_args(["serve", "--attach-cmdline", "gunicorn", f"@{args}", "--keep-exited", "30",
-                                      "--output-max-age", "12h"])
+                                      "--max-exited", "40", "--output-max-age", "12h"])
     config = fleet_config_from(ns)
     assert [(s.comm, s.cmdline, s.cgroup) for s in config.selectors] == [
         ("^nginx$", None, None), (None, "gunicorn", None), (None, None, f"pod:{UID}")
     ]
     assert config.limits == Limits(max_targets=5, max_sites=None, max_memory=900 << 20)
-    assert (config.keep_exited, config.output_max_age) == (30.0, 12 * 3600.0)
-    none = fleet_config_from(build_parser().parse_args(["serve", "--max-targets", "0"]))
+    assert (config.keep_exited, config.max_exited, config.output_max_age) == (30.0, 40, 12 * 3600.0)
+    none = fleet_config_from(build_parser().parse_args(["serve", "--max-targets", "0", "--max-exited", "0"]))
     assert none.limits == Limits() and none.selectors == () and none.output_max_age == 7 * 86400.0
+    assert none.max_exited is None
+    assert fleet_config_from(build_parser().parse_args(["serve"])).max_exited == 256  # the default users get
 
 
 def test_a_bad_selector_option_names_the_option() -> None:
