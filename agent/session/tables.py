@@ -4,17 +4,16 @@ to the kernel as the target maps new objects (--unwind=cfi)."""
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 import time
-from collections import OrderedDict
+import weakref
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from agent.kernel.interface import UnwindMapping
 from agent.model.maps import Mapping
 from agent.model.summary import UnwindSummary
-from agent.symbols.elf import ElfError, ElfObject, open_elf
+from agent.symbols.elf import ElfError, ElfObject, FileCache, open_elf
 from agent.symbols.unwind import UnwindTable
 
 
@@ -30,42 +29,46 @@ def rows_key(table: UnwindTable) -> str:
 class _Known(NamedTuple):
     """What a session needs of one object file to hand its table to the kernel."""
 
-    looked: float  # time.monotonic() of the load
     table: UnwindTable | None
     obj: ElfObject  # its segments, to place a mapping's file offset
     key: str  # rows_key(table), "" without a table
 
 
-# Daemon-wide, by the file's identity (device, inode, size, mtime) and the loader: each process of a fleet (a prefork
-# server's next worker, a pod of one image) reaches the same objects by a path of its own (/proc/PID/root/...), and
-# a server that replaces its workers would otherwise load each object's table again for every worker's life. Loaded
-# again after LOOK_AGAIN_SECONDS, as load_table looks again for a debug file installed since.
+# Daemon-wide, by the file (agent.symbols.elf.FileCache: its device, inode, size and mtime), one cache per loader:
+# each process of a fleet (a prefork server's next worker, a pod of one image) reaches the same objects by a path of
+# its own (/proc/PID/root/...), and a server that replaces its workers would otherwise load each object's table
+# again for every worker's life. Read again after 30 s, as load_table looks again for a debug file installed since;
+# 256 objects, as agent.symbols.unwind keeps as many tables.
 _LOOK_AGAIN_SECONDS = 30.0
-_KNOWN_LIMIT = 256  # objects kept, the least recently used going first (agent.symbols.unwind keeps as many tables)
-_known: OrderedDict[tuple[object, tuple[int, int, int, int]], _Known] = OrderedDict()
-_known_lock = threading.Lock()
+_KNOWN_LIMIT = 256
+Loader = Callable[[str], UnwindTable | None]  # object path -> its table (agent.symbols.unwind.load_table)
+_caches: weakref.WeakKeyDictionary[Loader, FileCache[_Known]] = weakref.WeakKeyDictionary()
+_caches_lock = threading.Lock()
 
 
-def _known_object(load: Callable[[str], UnwindTable | None], path: str) -> _Known:
-    st = os.stat(path)
-    ident = (load, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
-    now = time.monotonic()
-    with _known_lock:
-        known = _known.get(ident)
-        if known is not None and now - known.looked < _LOOK_AGAIN_SECONDS:
-            _known.move_to_end(ident)
-            return known
-    table = load(path)
-    known = _Known(now, table, open_elf(path), rows_key(table) if table is not None else "")
-    with _known_lock:
-        _known[ident] = known
-        while len(_known) > _KNOWN_LIMIT:
-            _known.popitem(last=False)
-    return known
+def _known_object(load: Loader, path: str) -> _Known:
+    with _caches_lock:
+        cache = _caches.get(load)
+        if cache is None:
+            cache = _caches[load] = _object_cache(weakref.ref(load))
+    return cache.get(path)
+
+
+def _object_cache(loader: weakref.ref[Loader]) -> FileCache[_Known]:
+    """The cache of one loader's objects, holding it weakly: its entry in _caches goes with it (a test's loader)."""
+
+    def read(path: str) -> _Known:
+        load = loader()
+        assert load is not None, "read only while _known_object's caller holds the loader"
+        table = load(path)
+        return _Known(table, open_elf(path), rows_key(table) if table is not None else "")
+
+    # A value serves every path to its file: only the place of a mapping's offset is read of its object.
+    return FileCache(read, lambda known, _path: known, _KNOWN_LIMIT, max_age=_LOOK_AGAIN_SECONDS)
 
 
 class UnwindTables:
-    def __init__(self, load: Callable[[str], UnwindTable | None]) -> None:
+    def __init__(self, load: Loader) -> None:
         self._load = load  # object path -> its table (agent.symbols.unwind.load_table: cached on disk)
         self._objects: dict[str, _Known] = {}  # object path -> what this session uses of it
         self._seconds: dict[str, float] = {}  # object path -> time to build or load its table

@@ -8,9 +8,11 @@ builds one Python object per symbol.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -322,7 +324,8 @@ class FileCache(Generic[T]):
     `at_path` makes what was read through one path into the value for another path to the same file (cheap: the
     value's own path changes, what was read is shared). A read that fails with one of `remembered` (a mapped file
     that is not ELF) is remembered too, while the file stays the same. `limit` bounds the files kept, the least
-    recently asked for going first; holders of a value keep it as long as they need it.
+    recently asked for going first; holders of a value keep it as long as they need it. `max_age`: a value read that
+    many seconds ago is read again (what it depends on besides the file may have changed: a debug file installed).
 
     A file is read by one thread at a time: a thread that asks for a file another is reading waits for that read
     (a prefork server's workers end together, and each one's profile asks for the same libraries at once)."""
@@ -333,12 +336,15 @@ class FileCache(Generic[T]):
         at_path: Callable[[T, str], T],
         limit: int = 512,
         remembered: tuple[type[Exception], ...] = (),
+        max_age: float = math.inf,
     ) -> None:
         self._read = read
         self._at_path = at_path
         self._limit = limit
         self._remembered = remembered
-        self._files: OrderedDict[_FileId, tuple[str, T | Exception]] = OrderedDict()  # -> (read through, value)
+        self._max_age = max_age
+        # -> (read through, value, time.monotonic() of the read)
+        self._files: OrderedDict[_FileId, tuple[str, T | Exception, float]] = OrderedDict()
         self._reading: dict[_FileId, threading.Event] = {}  # the files being read now: set when each read ends
         self._lock = threading.Lock()
 
@@ -348,9 +354,10 @@ class FileCache(Generic[T]):
         while True:
             with self._lock:
                 entry = self._files.get(fid)
-                if entry is not None:
+                if entry is not None and time.monotonic() - entry[2] < self._max_age:
                     self._files.move_to_end(fid)
                     break
+                entry = None
                 busy = self._reading.get(fid)
                 if busy is None:
                     mine = self._reading[fid] = threading.Event()
@@ -358,10 +365,11 @@ class FileCache(Generic[T]):
             busy.wait()  # another thread reads it: its value (or its error, if not remembered: read again)
         if entry is None:
             try:
+                started = time.monotonic()
                 try:
-                    entry = (path, self._read(path))
+                    entry = (path, self._read(path), started)
                 except self._remembered as exc:
-                    entry = (path, exc)
+                    entry = (path, exc, started)
                 with self._lock:
                     self._files[fid] = entry
                     while len(self._files) > self._limit:
@@ -370,7 +378,7 @@ class FileCache(Generic[T]):
                 with self._lock:
                     del self._reading[fid]
                 mine.set()
-        read_through, value = entry
+        read_through, value, _ = entry
         if isinstance(value, Exception):
             raise type(value)(str(value).replace(read_through, path))
         return value if read_through == path else self._at_path(value, path)

@@ -58,6 +58,25 @@ def test_a_file_is_read_once_while_it_stays_the_same_and_again_once_replaced(tmp
     assert len(reads) == 2
 
 
+def test_a_value_older_than_max_age_is_read_again(tmp_path: Path) -> None:
+    """What a value depends on besides its file (the unwind table's debug file, agent.session.tables) is looked at
+    again after max_age; before it, the file's value stands."""
+    f = tmp_path / "a"
+    f.write_text("one")
+    reads: list[str] = []
+
+    def read(path: str) -> str:
+        reads.append(path)
+        return Path(path).read_text()
+
+    cache: FileCache[str] = FileCache(read, lambda value, path: value, max_age=0.2)
+    assert cache.get(str(f)) == cache.get(str(f)) == "one"
+    assert reads == [str(f)]
+    time.sleep(0.25)
+    assert cache.get(str(f)) == "one" and reads == [str(f)] * 2
+    assert cache.get(str(f)) == "one" and reads == [str(f)] * 2
+
+
 def test_a_limit_drops_the_file_asked_for_least_recently(tmp_path: Path) -> None:
     paths = [str(tmp_path / str(i)) for i in range(3)]
     for p in paths:
