@@ -505,3 +505,38 @@ def test_a_sweep_without_an_age_or_a_store_does_nothing(tmp_path: Path) -> None:
     assert len(segment_paths(d)) == 1
     missing = retention.sweep_ended(tmp_path / "none", 1.0, busy=set(), now=now)
     assert (missing.segments_deleted, missing.errors) == (0, [])
+
+
+def test_a_quiet_targets_holds_encode_its_counters_once_and_write_what_a_full_encoding_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quiet target's looks are held snapshots of the same counters: their blocks are encoded once per stored
+    sample (and again when the peak in their info moves), and every held snapshot's bytes are those a full
+    encoding of it gives, at a checkpoint's turn too. The reader finds the last one held."""
+    from dataclasses import replace
+
+    from agent.store.segment import SegmentFile
+
+    bodies = []
+    body = SegmentFile._body
+    monkeypatch.setattr(SegmentFile, "_body", lambda self, *a: bodies.append(self.n_snapshots) or body(self, *a))
+    wl = Workload(n_sites=40, rate=0.5, new_sites_per_step=3, seed=5)
+    w = StoreWriter(tmp_path, META, sync=SyncPolicy("never"), checkpoint_every=3)
+    for sample, expected in wl.samples(7):
+        w.append(sample)
+        bodies.clear()
+        held = [replace(sample, wall_ns=sample.wall_ns + k * 100_000_000, time=sample.time + 100 * k, new_stacks={})
+                for k in range(1, 5)]
+        held[3] = replace(held[3], peak=None)  # a peak unlike the stored one's: its info says the peak moved
+        for h in held:
+            assert w.hold(h)
+            seg = w._segment
+            assert seg is not None
+            full, _ = seg.encode(writer_mod._info(h), w._state, [])
+            assert seg.path.read_bytes()[seg.offset:] == full
+        # the held ones: one body for the first three looks (besides encode's own above), one for the moved peak
+        assert bodies.count(seg.n_snapshots) == 4 + (2 if sample.peak is not None else 1)
+        with StoreReader(tmp_path) as reader:
+            refs = reader.snapshots()
+            assert refs[-1].wall_ns == held[-1].wall_ns and reader.load(refs[-1]).sites() == expected
+    w.close()
