@@ -259,6 +259,8 @@ class Profile:
                     session.start_ns, session.time_offset_b = self._clock
                 if link is not None:
                     session.before_exit = link.poll  # the sampler's exact counts at the target's exit()
+                    maps = session.maps  # a threadless sampler's scans for new code go by the session's maps
+                    link.code_version = lambda: maps.version
                 if s.malt:
                     from agent.session.maltrec import MaltRecorder
 

@@ -315,3 +315,59 @@ def test_the_per_thread_counts_are_read_once_a_tick_and_a_large_table_once_a_sec
     assert link.counts()["allocs"] == 2 * many.slots and many.reads == 2
     link._count_table(now=True)  # the disarm's
     assert many.reads == 3
+
+
+def test_a_threadless_sampler_reads_its_maps_for_new_code_only_when_the_sessions_maps_moved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A threadless sampler looks for new objects every NEW_CODE_EVERY; while the session's maps version stands
+    (the loader's events and the walks' unread code move it), nothing was loaded and the maps are not read. Once it
+    moves they are, and new code is scanned for; lazy slots due are scanned for whatever the version. Without a
+    session's version (a link of its own), the maps are read at every look as before."""
+    from agent.session import sampled
+    from agent.session.sampled import NEW_CODE_EVERY, SamplerLink
+
+    clock = [100.0]
+    monkeypatch.setattr(sampled.time, "monotonic", lambda: clock[0])
+    maps = [frozenset({(0x1000, 7)})]
+    version = [3]
+
+    class Control:
+        rescans = 0
+
+        def rescan(self) -> None:
+            self.rescans += 1
+
+    def link_with(versioned: bool) -> tuple[SamplerLink, list[int]]:
+        link = SamplerLink.__new__(SamplerLink)  # the link's bookkeeping alone: no process, no library
+        link._last_stats, link._lazy_wait = {}, NEW_CODE_EVERY
+        link.code_version = (lambda: version[0]) if versioned else None
+        reads: list[int] = []
+        link._code_now = lambda: reads.append(1) or maps[0]  # type: ignore[method-assign]
+        link._code = link._code_read()  # as the arm reads them
+        link._next_look = link._next_lazy = clock[0] + NEW_CODE_EVERY
+        return link, reads
+
+    def looks(link: SamplerLink, control: Control, n: int) -> None:
+        for _ in range(n):
+            clock[0] += NEW_CODE_EVERY
+            link._rescan_if_due(control)  # type: ignore[arg-type]
+
+    link, reads = link_with(versioned=True)
+    control = Control()
+    looks(link, control, 5)
+    assert (len(reads), control.rescans) == (1, 0)  # the arm's read only
+    version[0] += 1  # the session read its maps again (a data file mapped): no new code
+    looks(link, control, 2)
+    assert (len(reads), control.rescans) == (2, 0)
+    maps[0] = maps[0] | {(0x9000, 8)}  # dlopen: the loader's event moves the version
+    version[0] += 1
+    looks(link, control, 3)
+    assert (len(reads), control.rescans) == (3, 1)
+    link._last_stats = {"lazy_skipped": 2}  # slots left lazy: scanned again when due, the version standing
+    looks(link, control, 1)
+    assert (len(reads), control.rescans) == (4, 2)
+
+    plain, plain_reads = link_with(versioned=False)
+    looks(plain, Control(), 4)
+    assert len(plain_reads) == 5
