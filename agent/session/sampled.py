@@ -279,7 +279,7 @@ class SamplerLink:
         lazy_due = self._last_stats.get("lazy_skipped", 0) > 0 and now >= self._next_lazy
         seen = self._code_version_seen
         if not lazy_due and seen is not None and self.code_version is not None and self.code_version() == seen:
-            return  # nothing loaded since the last read: a postgres backend's maps read for nothing cost 0.25 ms
+            return  # nothing loaded since the last read (a read of a postgres backend's maps: some 0.1 ms for nothing)
         code = self._code_read()
         if code == self._code and not lazy_due:
             return
