@@ -82,7 +82,7 @@ class SegmentFile:
         self.last_peak: object = None  # the peak (as in snapinfo) of the last snapshot written
         self.torn = False  # a failed write may have left bytes past `offset`
         self.held_end = 0  # the end of a held (provisional) snapshot past `offset`, else 0
-        self._held: tuple[np.ndarray, tuple[int, bool], _Body] | None = None  # _held_body's last (state, key, body)
+        self._held: tuple[np.ndarray, bool, _Body] | None = None  # _held_body's last (state, peak moved, body)
         filemeta = {**meta.to_json(), "subversion": fmt.FORMAT_SUBVERSION, "segment": seq,
                     "checkpoint_every": checkpoint_every, **extra}
         head = fmt.MAGIC + fmt.json_block(fmt.K_FILEMETA, filemeta)
@@ -111,12 +111,12 @@ class SegmentFile:
         """A held snapshot's body: the last one held when nothing was committed since and the counters are the
         same array (a quiet target's looks differ only in their info), so that a quiet look costs the daemon
         its write, not the counters' encoding again (postgres's quiet processes under pgbench: 0.34 -> 0.15 ms)."""
-        key = (self.n_snapshots, info.get("peak") != self.last_peak)
-        cached = self._held
-        if cached is not None and cached[0] is state and cached[1] == key:
+        peak_moved = info.get("peak") != self.last_peak
+        cached = self._held  # dropped by each commit: what a body depends on besides these two changes only there
+        if cached is not None and cached[0] is state and cached[1] == peak_moved:
             return cached[2]
-        body = self._body(state, [], key[1])
-        self._held = (state, key, body)
+        body = self._body(state, [], peak_moved)
+        self._held = (state, peak_moved, body)
         return body
 
     def _body(self, state: np.ndarray, stacks: Sequence[Stack], peak_moved: bool) -> _Body:
