@@ -7,7 +7,7 @@ import abc
 import ctypes
 import mmap
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from agent.kernel.abi import MAX_SIZES, MAX_THREADS, PAGE_RING_BYTES, PENDING_SLOTS, SAMPLED_MAX_SIZES
@@ -244,6 +244,32 @@ class SiteReader(abc.ABC):
         gens = self.site_column("peak_gen", count)
         return [p if g == peak_gen else c for p, c, g in zip(at_peak, now, gens, strict=True)]
 
+    # ---- MALT's tables (settings.malt), read for its profile: the sites' own columns, and four tables
+    @abc.abstractmethod
+    def size_map(self) -> dict[int, int]: ...
+
+    @abc.abstractmethod
+    def realloc_jumps(self) -> dict[tuple[int, int], int]: ...
+
+    @abc.abstractmethod
+    def thread_stats(self) -> dict[tuple[int, int], tuple[int, int, int]]: ...
+
+    @abc.abstractmethod
+    def life_histogram(self) -> list[int]: ...
+
+    def malt_sites(self) -> dict[int, MaltSiteFields]:
+        """MALT's per-stack statistics (settings.malt), by site id: the sites with an allocation or a free."""
+        n = self.site_count()
+        names = [f.name for f in fields(MaltSiteFields)]
+        columns = [self.site_column(name, n) for name in names]
+        tot_n, free_count = self.site_column("tot_blocks", n), self.site_column("free_count", n)
+        out = {}
+        for key in range(n):
+            if tot_n[key] == 0 and free_count[key] == 0:
+                continue
+            out[key] = MaltSiteFields(**{name: column[key] for name, column in zip(names, columns, strict=True)})
+        return out
+
     def stacks(self, keys: Iterable[int]) -> dict[int, tuple[int, ...]]:
         """Return addresses behind site keys (innermost first). Read from the kernel once per site: they are
         written before the site's id is published, and never change."""
@@ -322,24 +348,9 @@ class LiveProbes(SiteReader):
     @abc.abstractmethod
     def set_site_flags(self, flags: Mapping[int, bool]) -> None: ...
 
-    # ---- MALT's statistics (settings.malt)
-    @abc.abstractmethod
-    def malt_sites(self) -> dict[int, MaltSiteFields]: ...
-
-    @abc.abstractmethod
-    def size_map(self) -> dict[int, int]: ...
-
-    @abc.abstractmethod
-    def realloc_jumps(self) -> dict[tuple[int, int], int]: ...
-
-    @abc.abstractmethod
-    def thread_stats(self) -> dict[tuple[int, int], tuple[int, int, int]]: ...
-
+    # ---- MALT's statistics (settings.malt; the profile's tables are SiteReader's)
     @abc.abstractmethod
     def size_histogram(self) -> list[int]: ...
-
-    @abc.abstractmethod
-    def life_histogram(self) -> list[int]: ...
 
     @abc.abstractmethod
     def take_window(self, heap_now: int) -> tuple[int, int]: ...

@@ -66,7 +66,7 @@ from agent.kernel.abi import (
 )
 from agent.kernel.arrays import MappedArray, MappedWords, SharedRows, mapped_prefix
 from agent.kernel.btf import kernel_offset
-from agent.kernel.interface import LiveProbes, MaltSiteFields, ProbeSettings, SiteArray, UnwindMapping, table_sizes
+from agent.kernel.interface import LiveProbes, ProbeSettings, SiteArray, UnwindMapping, table_sizes
 from agent.kernel.links import UPROBE_LINKS_ENV, link_uprobe, uprobe_links_supported
 from agent.kernel.loader import BCC_LOCK, load_bcc, program_text
 from agent.kernel.rings import RingReader
@@ -647,19 +647,6 @@ class HeapProbes(LiveProbes):
         if self._sites is None:
             raise HeapscopeError("probes are not loaded")
         return self._sites.view(count)
-
-    def malt_sites(self) -> dict[int, MaltSiteFields]:
-        """MALT's per-stack statistics (settings.malt), by site id."""
-        n = self.site_count()
-        names = [f.name for f in fields(MaltSiteFields)]
-        columns = [self.site_column(name, n) for name in names]
-        tot_n, free_count = self.site_column("tot_blocks", n), self.site_column("free_count", n)
-        out = {}
-        for key in range(n):
-            if tot_n[key] == 0 and free_count[key] == 0:
-                continue
-            out[key] = MaltSiteFields(**{name: column[key] for name, column in zip(names, columns, strict=True)})
-        return out
 
     def size_map(self) -> dict[int, int]:
         """Request size -> allocations: small sizes from their array, the others from the hash map."""

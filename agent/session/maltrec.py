@@ -1,5 +1,6 @@
 """MALT profile recording: samples the timelines while the target runs, and builds the profile from the
-kernel's statistics (agent.kernel.probes, HS_MALT) when it is asked for.
+kernel's statistics (agent.kernel.probes, HS_MALT) when it is asked for; once the target's profile has ended, from
+the copy taken of them (agent.kernel.frozen), the first time it is asked for.
 
 The kernel keeps everything exact that is per call (per-stack counts, sizes, lifetimes, sizeMap,
 reallocJump, per-thread counts and time, log2 histograms); only the timelines are sampled, at the session's
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from agent.kernel.abi import FN_KINDS, LOG2_BINS
-from agent.kernel.interface import LiveProbes
+from agent.kernel.interface import LiveProbes, SiteReader
 from agent.model.callcounts import ThreadCalls, merge_by_thread
 from agent.model.counters import Counters
 from agent.model.functions import BY_SYMBOL, malt_name_of_kind
@@ -59,6 +60,17 @@ if TYPE_CHECKING:
 TICKS_PER_SECOND = 1_000_000_000  # the kernel's clock: nanoseconds
 # Sampled mode: the figures of the MALT profile that are the sampler's exact counts (the per-thread call counts).
 EXACT_IN_SAMPLED = ("threads.stats.*.count", "threads.cntMemOps")
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """What the final profile is built from, and what could not wait for it: the time and date of the end, and
+    the objects whose files were there then (their global variables)."""
+
+    tables: SiteReader  # the probes' copy (agent.kernel.frozen), MALT's tables in it
+    ns: int
+    date: str
+    objects: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -117,6 +129,14 @@ class MaltRecorder:
         self.cached_at_start = getattr(vm, "cached", 0)
         # every tick: psutil's memory_info cost ten times its pread; the profile's own reader where it has one
         self._statm = resident or ResidentReader(pid)
+        self._ended: _Ended | None = None
+
+    def end(self, session: Session, tables: SiteReader) -> None:
+        """The profile has ended: its final MALT profile is built from `tables` (the probes' copy, MALT's tables
+        in it) when first asked, or never (most of a prefork server's replaced workers). Its stacks are
+        symbolized now, while the target's files can still be read."""
+        session.symbolize_new([*tables.used_sites(tables.site_count()), *_page_sites(session)])
+        self._ended = _Ended(tables, time.monotonic_ns(), time.strftime("%Y-%m-%d %H:%M"), _objects(session))
 
     def sample(self, c: Counters, mapped: int | None = None) -> None:
         """One point of the memory, system and bandwidth timelines, and the sizes allocated since the last.
@@ -156,8 +176,8 @@ class MaltRecorder:
         pages = session.pages
         if pages is None or not session.traces_page_calls:
             return [], {}
-        sites = sorted({site for site, _ in pages.calls if site > 0})
-        raw = self.probes.stacks(sites)
+        sites = _page_sites(session)
+        raw = self._tables().stacks(sites)
         session.symbolize_new(sites)
         stacks: list[MaltStack] = []
         functions: dict[str, int] = {}
@@ -173,8 +193,12 @@ class MaltRecorder:
             stacks.append(MaltStack(StackKey(tuple(ips[1:]), kind), stats, frames, stack_id=site))
         return stacks, functions
 
+    def _tables(self) -> SiteReader:
+        return self._ended.tables if self._ended is not None else self.probes
+
     def build(self, session: Session, c: Counters, probe_points: Sequence[ProbePoint], allocator: str) -> MaltProfile:
-        probes = self.probes
+        probes = self._tables()
+        ended = self._ended
         sites = probes.malt_sites()
         raw = probes.stacks(list(sites))
         session.symbolize_new(list(sites))
@@ -226,16 +250,14 @@ class MaltRecorder:
         # The kernel names the site that set each interval's maximum by id; MALT by its stack.
         memory.callsites = [keys.get(cs, cs) if isinstance(cs, int) else cs for cs in memory.callsites]
         mappings = session.maps.mappings
-        named = {m.path: m.name for m in sorted(mappings, key=lambda m: m.name)}  # a file once, not a segment
-        objects = {path: name for path, name in named.items() if os.path.isfile(path)}
-        runtime = time.monotonic_ns() - self.start_ns
+        runtime = (ended.ns if ended is not None else time.monotonic_ns()) - self.start_ns
         return MaltProfile(
             run=MaltRun(
                 exe=_exe_of(session),
                 command=session.info.cmd,
                 hostname=socket.gethostname(),
                 allocator=allocator,
-                date=time.strftime("%Y-%m-%d %H:%M"),
+                date=ended.date if ended is not None else time.strftime("%Y-%m-%d %H:%M"),
                 runtime=runtime,
             ),
             globals=MaltGlobals(
@@ -262,7 +284,7 @@ class MaltRecorder:
             mappings=mappings,
             size_map=probes.size_map(),
             realloc_jump=probes.realloc_jumps(),
-            global_variables=global_variables(objects),
+            global_variables=global_variables(ended.objects if ended is not None else _objects(session)),
             threads=list(threads.values()),
             memory_timeline=memory,
             system_timeline=self.system.series(),
@@ -285,6 +307,20 @@ def _exact_thread_counts(threads: dict[int, MaltThread], calls: Sequence[ThreadC
             exact[name] = exact.get(name, 0) + n
         for name in set(exact) | set(thread.stats):
             thread.stats.setdefault(name, ThreadFunctionStats()).count = exact.get(name, 0)
+
+
+def _page_sites(session: Session) -> list[int]:
+    """The sites of the page syscalls MALT shows (mmap and munmap), when they are traced."""
+    pages = session.pages
+    if pages is None or not session.traces_page_calls:
+        return []
+    return sorted({site for site, _ in pages.calls if site > 0})
+
+
+def _objects(session: Session) -> dict[str, str]:
+    """The target's mapped files that are there, by path, with the name each is shown by."""
+    named = {m.path: m.name for m in sorted(session.maps.mappings, key=lambda m: m.name)}  # a file, not a segment
+    return {path: name for path, name in named.items() if os.path.isfile(path)}
 
 
 def _exe_of(session: Session) -> str:

@@ -14,7 +14,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -39,7 +39,7 @@ from agent.model.stack import SiteCounts, Stack
 from agent.model.stored import StoreStatus
 from agent.model.summary import ProfileSummary, SamplingSummary
 from agent.model.target import ProfileHeader, SiteTotal, TargetState, top_sites
-from agent.process.discovery import HOOK_KINDS
+from agent.process.discovery import HOOK_KINDS, ProbePoint
 from agent.process.inject import preflight_sampled
 from agent.process.procinfo import ResidentReader
 from agent.process.target import TargetProcess, launch
@@ -185,7 +185,8 @@ class Profile:
         self.session: Session | None = None
         # Held by readers and by the swap to the frozen copy, so no read meets a half-closed BPF object.
         self.lock = threading.Lock()
-        self._malt_final: MaltDocument | None = None  # MALT's profile at the end, once the probes are closed
+        self._malt_final: MaltDocument | None = None  # MALT's profile of the end, built when first asked
+        self._alloc_points: Sequence[ProbePoint] | None = None  # the allocator's probe points, once ended
         self.memory = MemoryLine()  # mapped bytes and RSS beside the snapshots, for the web page's lines
         self.store: StoreRecorder | None = None  # the history store's writer, while the profile runs
         self._store_status = StoreStatus()  # what it did, kept once it is closed
@@ -298,15 +299,10 @@ class Profile:
                     finally:
                         self._close_store(session)  # the history's files are closed whatever happens
                     assert session.end_counters is not None
-                    if session.recorder is not None:  # built while the maps are open: readable after the end
-                        self._malt_final = MaltDocument(
-                            session.malt_profile(alloc_points, p.allocator.path),
-                            session.symbolizer.resolver(session.maps.mappings),
-                        )
-                        for problem in check_consistency(self._malt_final.profile):
-                            self.say(f"MALT profile inconsistent (concurrent updates in the kernel?): {problem}")
-                    frozen = FrozenProbes(probes, session.end_counters)
+                    # MALT's tables copied too: its final profile is built from them when first asked.
+                    frozen = FrozenProbes(probes, session.end_counters, malt=session.recorder is not None)
                     with self.lock:
+                        self._alloc_points = alloc_points
                         session.freeze(frozen)
         finally:
             p.abandon()  # a held program that never ran is ended; one released runs on
@@ -482,14 +478,20 @@ class Profile:
     def malt_document(self) -> MaltDocument:
         """MALT's whole profile: of now, or of the end for a target no longer profiled."""
         s = self._session()
-        if self._malt_final is not None:
-            return self._malt_final
         if s.recorder is None:
             raise TargetConflict("MALT statistics are off for this target (the daemon runs with --malt=no)")
-        points = s.live.points if s.live is not None else ()
         with self.lock:
+            if self._malt_final is not None:
+                return self._malt_final
+            ended = self._alloc_points
+            points = ended if ended is not None else s.live.points if s.live is not None else ()
             profile = s.malt_profile(points, self.process.allocator.path)
-        return MaltDocument(profile, s.symbolizer.resolver(s.maps.mappings))
+            doc = MaltDocument(profile, s.symbolizer.resolver(s.maps.mappings))
+            if ended is not None:  # the end's profile, once: the kernel no longer moves it
+                self._malt_final = doc
+                for problem in check_consistency(profile):
+                    self.say(f"MALT profile inconsistent (concurrent updates in the kernel?): {problem}")
+        return doc
 
     def summary(self) -> ProfileSummary:
         s = self._session()

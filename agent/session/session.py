@@ -60,12 +60,14 @@ _PEAK_OF = {"peak_bytes": "cur_bytes", "peak_extra": "cur_extra"}
 
 class Recorder(Protocol):
     """What the session asks of MALT's recorder (agent.session.maltrec): a sample at each tick, the profile
-    when asked."""
+    when asked, and to build the end's profile from the probes' copy."""
 
     def sample(self, c: Counters, mapped: int | None = None) -> None: ...
 
     def build(self, session: Session, c: Counters, probe_points: Sequence[ProbePoint], allocator: str) -> MaltProfile:
         ...
+
+    def end(self, session: Session, tables: SiteReader) -> None: ...
 
 
 _NO_COUNTERS = Counters()  # for `now` where the unit is the clock
@@ -683,8 +685,11 @@ class Session:
                 self._end_ignored = (peak_ign, ign)
 
     def freeze(self, copy: SiteReader) -> None:
-        """The probes are about to be unloaded: read `copy` of their maps from now on."""
+        """The probes are about to be unloaded: read `copy` of their maps from now on (and MALT's final profile
+        from it, when first asked)."""
         with self._lock:
+            if self.recorder is not None:
+                self.recorder.end(self, copy)
             self.probes = copy
             self.live = None
         if self._statm is not None:

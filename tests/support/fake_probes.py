@@ -54,7 +54,7 @@ from agent.kernel.abi import (
     SCHED_SAMPLED_SLACK,
     SCHED_WAKE_PENDING,
 )
-from agent.kernel.interface import LiveProbes, MaltSiteFields, ProbeSettings, SiteArray, UnwindMapping
+from agent.kernel.interface import LiveProbes, ProbeSettings, SiteArray, UnwindMapping
 from agent.model.counters import Counters, PageCounters
 from agent.model.maps import Mapping as ProcMapping
 from agent.model.options import MassifOptions, massif_slop, valgrind_alignment
@@ -69,7 +69,6 @@ from agent.symbols.symbolizer import Symbolizer
 SITE_FIELDS = {f.name: (i, f.type.startswith("__s")) for i, f in enumerate(HEAP_H.struct_fields("hs_site"))}
 FN = {name: number for number, name in FN_KINDS.items()}  # "malloc" -> HS_MALLOC ...
 SCHED_NORMAL = HEAP_H.enum("hs_sched_kind")["HS_SCHED_NORMAL"]
-MALT_FIELDS = tuple(f.name for f in fields(MaltSiteFields))
 # A path under which no process can be found: the session then reads no mappings (nothing to symbolize from).
 NO_PROC = "/dev/null"
 _WORD = (1 << 64) - 1
@@ -505,13 +504,6 @@ class FakeProbes(LiveProbes):
         self.site_flags.update(flags)
 
     # ---- LiveProbes: MALT's statistics ---------------------------------------------------------------
-
-    def malt_sites(self) -> dict[int, MaltSiteFields]:
-        return {
-            sid: MaltSiteFields(**{name: s[name] for name in MALT_FIELDS})
-            for sid, s in enumerate(self._sites[: self.site_count()])
-            if s["tot_blocks"] or s["free_count"]
-        }
 
     def size_map(self) -> dict[int, int]:
         return {size: n for size, n in self._sizes.items() if n}

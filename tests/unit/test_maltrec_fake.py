@@ -13,12 +13,14 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
 import pytest
 
 from agent.export.malt import profile_to_json
+from agent.kernel.frozen import FrozenProbes
 from agent.model.malt import CountMinMaxSum, MaltLeak, MaltProfile, StackKey, check_consistency
 from agent.model.options import MassifOptions
 from agent.session.maltrec import MaltRecorder
@@ -163,3 +165,24 @@ def test_timelines_are_the_ticks(run: Run) -> None:
     assert run.profile.size_over_time.points == {(t, log2_bin(size)): n for (t, size), n in sizes.items()}
     lives = {(16, 10): 1, (32, 10): 1, (4096, 30): 1}
     assert run.profile.lifetime_over_size.points == {(log2_bin(s), log2_bin(life)): n for (s, life), n in lives.items()}
+
+
+def test_the_ends_profile_is_built_from_the_probes_copy_when_first_asked(run: Run) -> None:
+    """Once the probes are frozen (the program about to be unloaded), MALT's profile of the end is built from the
+    copy of its tables alone, whenever it is first asked: the same profile as one built from the live maps."""
+    session, fake = run.session, run.fake
+    assert session.end_counters is not None
+    session.freeze(FrozenProbes(fake, session.end_counters, malt=True))
+
+    def unloaded(*_: object) -> None:
+        raise AssertionError("the probes are unloaded")
+
+    for name in ("_site_view", "_read_stack", "size_map", "realloc_jumps", "thread_stats", "life_histogram"):
+        setattr(fake, name, unloaded)
+    fake.advance(1_000)  # asked later: the run's length is still the end's
+    after = session.malt_profile((), "glibc")
+    assert after.run.runtime == run.profile.run.runtime
+    after = replace(after, run=replace(after.run, date=run.profile.run.date))  # to the minute: may have turned
+    resolve = session.symbolizer.resolver(session.maps.mappings)
+    assert profile_to_json(after, resolve=resolve) == profile_to_json(run.profile, resolve=resolve)
+    assert len(after.stacks) == 6 and after.size_map and after.threads and after.lifetime_over_size.points
