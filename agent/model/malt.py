@@ -257,8 +257,11 @@ class TimelineBinner:
             raise ValueError(f"sample at {time} is before the previous one or the start")
         self._last_time = time
         index = (time - self.start) // self.per_points
-        while index >= self.points:
-            self._double()
+        if index >= self.points:
+            # The width doubles as often as needed, in one pass over the intervals: a timeline that starts one tick
+            # wide reaches a run's seconds of nanoseconds in some 30 doublings, most of them at its first samples.
+            factor = 1 << ((index // self.points).bit_length())
+            self._widen(factor)
             index = (time - self.start) // self.per_points
         self._merge_into(index, list(values), callsite)
         if not self.bandwidth:
@@ -271,22 +274,35 @@ class TimelineBinner:
             self._bins[index] = values
             self._callsites[index] = callsite
             return
-        if self.bandwidth:
-            self._bins[index] = [a + b for a, b in zip(cur, values, strict=True)]
-            return
-        # The callsite is the one that raised the first field's maximum (the earlier one on a tie).
-        if values[0] > cur[0] or self._callsites[index] is None:
-            self._callsites[index] = callsite
-        self._bins[index] = [max(a, b) for a, b in zip(cur, values, strict=True)]
+        self._bins[index], self._callsites[index] = self._merged(cur, self._callsites[index], values, callsite)
 
-    def _double(self) -> None:
-        old_bins, old_sites = self._bins, self._callsites
+    def _merged(
+        self, cur: list[int], cur_site: StackKey | int | None, values: list[int], callsite: StackKey | int | None
+    ) -> tuple[list[int], StackKey | int | None]:
+        """An interval's values and callsite with a later sample's (or a later interval's) merged in."""
+        if self.bandwidth:
+            return [a + b for a, b in zip(cur, values, strict=True)], cur_site
+        # The callsite is the one that raised the first field's maximum (the earlier one on a tie).
+        site = callsite if values[0] > cur[0] or cur_site is None else cur_site
+        return [max(a, b) for a, b in zip(cur, values, strict=True)], site
+
+    def _widen(self, factor: int) -> None:
+        """Intervals `factor` (a power of two) times as wide: the width doubled as often, neighbours merged pairwise
+        each time (a merge keeps a callsite by the order it meets them in), going only over the intervals that
+        hold samples."""
+        bins = {i: (b, self._callsites[i]) for i, b in enumerate(self._bins) if b is not None}
+        while factor > 1:
+            factor //= 2
+            self.per_points *= 2
+            merged: dict[int, tuple[list[int], StackKey | int | None]] = {}
+            for i, (values, site) in bins.items():  # in time order
+                cur = merged.get(i // 2)
+                merged[i // 2] = (values, site) if cur is None else self._merged(*cur, values, site)
+            bins = merged
         self._bins = [None] * self.points
         self._callsites = [None] * self.points
-        self.per_points *= 2
-        for i, values in enumerate(old_bins):
-            if values is not None:
-                self._merge_into(i // 2, values, old_sites[i])
+        for i, (values, site) in bins.items():
+            self._bins[i], self._callsites[i] = values, site
 
     def series(self) -> TimelineSeries:
         """The timeline up to its last interval with a sample."""

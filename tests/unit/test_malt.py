@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -484,6 +485,27 @@ def test_timeline_rebins_by_doubling_for_any_run_length() -> None:
         # Each interval keeps its maximum: the last sample of the interval here.
         assert s.values[0] == (min(expect, n) - 1,)
         assert s.values[-1] == (n - 1,) and s.peak == (n - 1,)
+
+
+@pytest.mark.parametrize("bandwidth", [False, True])
+def test_timeline_widened_in_one_pass_is_the_timeline_doubled_as_often(bandwidth: bool) -> None:
+    """A sample far beyond the last interval widens them in one pass; the same samples with each doubling done
+    one at a time give the same intervals, maxima (or sums) and callsites, None callsites among them."""
+    rng = random.Random(7)
+    for _ in range(200):
+        samples, t = [], 0
+        for _ in range(rng.randrange(1, 60)):
+            t += rng.choice((0, 1, 3, rng.randrange(1, 50), rng.randrange(1, 5000)))
+            samples.append((t, [rng.randrange(5), rng.randrange(100)], rng.choice((None, rng.randrange(9)))))
+        one_pass = TimelineBinner(("a", "b"), points=8, start=0, bandwidth=bandwidth)
+        for time_, values, site in samples:
+            one_pass.push(time_, values, callsite=site)
+        stepwise = TimelineBinner(("a", "b"), points=8, start=0, bandwidth=bandwidth)
+        for time_, values, site in samples:
+            while time_ // stepwise.per_points >= stepwise.points:
+                stepwise._widen(2)
+            stepwise.push(time_, values, callsite=site)
+        assert one_pass.series() == stepwise.series(), samples
 
 
 def test_timeline_bandwidth_sums_and_keeps_totals() -> None:
