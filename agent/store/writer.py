@@ -13,6 +13,7 @@ call, so the next append can succeed once there is room.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import threading
 import time
@@ -101,10 +102,7 @@ class StoreWriter:
         self._state = np.zeros((N_FIELDS, 0), dtype=np.int64)  # counters last written, by site number
         self._lock = threading.Lock()
         self._dirty_since: float | None = None  # monotonic time of the oldest write not yet synced
-        self._last_sync = time.monotonic()
-        self._syncer: threading.Thread | None = None
-        self._closing = threading.Event()
-        self._wake = threading.Condition(self._lock)
+        self._sync_lock = threading.Lock()  # held through a sync by the process's syncer (close waits on it)
 
     # ---- appending ----------------------------------------------------------------------------------
 
@@ -233,17 +231,13 @@ class StoreWriter:
         policy = self.sync_policy
         now = time.monotonic()
         if policy.mode == "always":
-            self._sync(seg, now)
+            self._sync(seg)
         elif policy.mode == "interval" and self._dirty_since is None:
-            # Never in the caller's way: a thread syncs at most `interval` after the oldest unsynced write.
+            # Never in the caller's way: the process's syncer syncs at most `interval` after the oldest unsynced write.
             self._dirty_since = now
-            if self._syncer is None:
-                self._syncer = threading.Thread(target=self._sync_loop, name="store-sync", daemon=True)
-                self._syncer.start()
-            else:
-                self._wake.notify()
+            _syncer.dirty(self, now + policy.interval, policy.interval)
 
-    def _sync(self, seg: SegmentFile, now: float) -> None:
+    def _sync(self, seg: SegmentFile) -> None:
         try:
             seg.sync()
         except OSError as exc:
@@ -251,55 +245,46 @@ class StoreWriter:
             self.stats.last_error = f"store: cannot sync {seg.path}: {exc.strerror}"
             return
         self.stats.syncs += 1
-        self._last_sync = now
         self._dirty_since = None
 
-    def _sync_loop(self) -> None:
-        """Syncs what appends left unsynced at most `interval` after it was written, when no later append
-        does it first (samples may come less often than the interval, or stop)."""
-        interval = self.sync_policy.interval
-        with self._lock:
-            while not self._closing.is_set():
-                if self._dirty_since is None:
-                    self._wake.wait()
-                    continue
-                left = self._dirty_since + interval - time.monotonic()
-                if left > 0:
-                    self._wake.wait(left)
-                    continue
+    def sync_due(self) -> None:
+        """What appends left unsynced, forced to disk (by the process's syncer, when it is due). The sync runs
+        without the writer's lock (appends go on meanwhile), on a duplicate of the descriptor, which a rotation
+        closing the segment cannot pull away."""
+        with self._sync_lock:
+            with self._lock:
                 seg = self._segment
                 self._dirty_since = None
                 if seg is None:
-                    continue
-                # The sync runs without the lock (appends go on meanwhile), on a duplicate of the descriptor,
-                # which a rotation closing the segment cannot pull away.
-                started = time.monotonic()
-                fd = os.dup(seg.fd)
-                self._lock.release()
+                    return
                 try:
-                    os.fdatasync(fd)
-                    error = None
-                except OSError as exc:
-                    error = exc
-                finally:
-                    os.close(fd)
-                    self._lock.acquire()
+                    fd = os.dup(seg.fd)
+                except OSError as exc:  # out of descriptors: said as a failed sync, tried again at the next write
+                    self.stats.write_errors += 1
+                    self.stats.last_error = f"store: cannot sync {seg.path}: {exc.strerror}"
+                    return
+            try:
+                os.fdatasync(fd)
+                error = None
+            except OSError as exc:
+                error = exc
+            finally:
+                os.close(fd)
+            with self._lock:
                 if error is not None:
                     self.stats.write_errors += 1
                     self.stats.last_error = f"store: cannot sync {seg.path}: {error.strerror}"
                 else:
                     self.stats.syncs += 1
-                    self._last_sync = max(self._last_sync, started)
 
     def close(self) -> None:
+        _syncer.forget(self)
         with self._lock:
-            self._closing.set()
-            self._wake.notify_all()
             if self._segment is not None:
                 self._segment.close(sync=self.sync_policy.mode != "never")
                 self._segment = None
-        if self._syncer is not None:
-            self._syncer.join()
+        with self._sync_lock:  # a sync the syncer had begun is over: nothing of this writer's runs after close
+            pass
 
     def __enter__(self) -> StoreWriter:
         return self
@@ -318,6 +303,55 @@ class StoreWriter:
         self.stats.snapshots_thinned += done.snapshots_thinned
         if done.errors:
             self.stats.last_error = done.errors[-1]
+
+
+class _Syncer:
+    """One thread for every writer of the process, syncing each at most its interval after its oldest unsynced
+    write (SyncPolicy "interval"). A thread of each writer's own woke twice a second for a busy target, once when a
+    write left it unsynced and once when that was due, and a prefork server's every new worker started one more;
+    this one wakes when the earliest writer is due, and syncs with it those due within half their interval."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._due: dict[StoreWriter, tuple[float, float]] = {}  # writer -> (when its sync is due, its interval)
+        self._waits_until = math.inf  # the thread's wake-up time, while it waits
+        self._thread: threading.Thread | None = None
+
+    def dirty(self, writer: StoreWriter, due: float, interval: float) -> None:
+        """`writer` has written unsynced data: sync it by `due` (a writer already waiting keeps its earlier time)."""
+        with self._lock:
+            if writer in self._due:
+                return
+            self._due[writer] = (due, interval)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="store-sync", daemon=True)
+                self._thread.start()
+            elif due < self._waits_until:
+                self._wake.notify()
+
+    def forget(self, writer: StoreWriter) -> None:
+        with self._lock:
+            self._due.pop(writer, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                first = min((due for due, _ in self._due.values()), default=math.inf)
+                if first > now:
+                    self._waits_until = first
+                    self._wake.wait(None if first == math.inf else first - now)
+                    self._waits_until = math.inf
+                    continue
+                ready = [w for w, (due, interval) in self._due.items() if due - interval / 2 <= now]
+                for w in ready:
+                    del self._due[w]
+            for w in ready:
+                w.sync_due()
+
+
+_syncer = _Syncer()
 
 
 # A writer's first segment applies the retention to its directory only if it was not applied there in the last

@@ -332,6 +332,42 @@ def test_interval_sync_happens_without_further_appends(tmp_path: Path, monkeypat
     assert w.stats.syncs >= 1
 
 
+def test_one_thread_syncs_every_writer_in_its_interval_and_none_after_its_close(tmp_path: Path, monkeypatch) -> None:
+    """Writers with the interval policy share the process's one syncer thread: each is synced at most its interval
+    after its write (early by half of it at most), and a closed writer's data is synced by its close, never later."""
+    synced: dict[str, list[float]] = {}
+    real = os.fdatasync
+
+    def spy(fd: int) -> None:
+        real(fd)
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        synced.setdefault(Path(name).parent.name, []).append(time.monotonic())
+
+    monkeypatch.setattr(writer_mod.os, "fdatasync", spy)
+    interval = 0.4
+    writers = {f"w{i}": StoreWriter(tmp_path / f"w{i}", META, sync=SyncPolicy("interval", interval)) for i in range(6)}
+    written: dict[str, float] = {}
+    for name, w in writers.items():
+        w.append(next(Workload(n_sites=5).samples(1))[0])
+        written[name] = time.monotonic()
+        time.sleep(0.05)
+    closed = writers.pop("w5")
+    closed.close()
+    after_close = len(synced.get("w5", []))
+    deadline = time.monotonic() + 10
+    while set(synced) < set(writers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(2 * interval)
+    assert [t.name for t in threading.enumerate()].count("store-sync") == 1
+    for name in writers:
+        first = synced[name][0] - written[name]
+        assert interval / 2 - 0.05 <= first <= interval + 0.5, (name, first)  # 0.5: a busy machine's scheduling
+    assert len(synced.get("w5", [])) == after_close  # nothing of a closed writer's after its close
+    for w in writers.values():
+        w.close()
+    assert all(w.stats.syncs >= 1 and not w.stats.write_errors for w in writers.values())
+
+
 def test_residuals_are_zero_for_a_steady_single_size_site() -> None:
     prev = np.array([[10], [160], [4], [64], [6], [96], [48], [0], [0]], dtype=np.int64)
     new = np.array([[13], [208], [9], [144], [4], [64], [32], [0], [0]], dtype=np.int64)
