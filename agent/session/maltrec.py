@@ -64,8 +64,8 @@ EXACT_IN_SAMPLED = ("threads.stats.*.count", "threads.cntMemOps")
 
 @dataclass(frozen=True)
 class _Ended:
-    """What the final profile is built from, and what could not wait for it: the time and date of the end, and
-    the objects whose files were there then (their global variables)."""
+    """What a profile is built from, and what the end's could not wait for: the time and date of the end (or of
+    now), and the objects whose files were there then (their global variables)."""
 
     tables: SiteReader  # the probes' copy (agent.kernel.frozen), MALT's tables in it
     ns: int
@@ -136,7 +136,11 @@ class MaltRecorder:
         in it) when first asked, or never (most of a prefork server's replaced workers). Its stacks are
         symbolized now, while the target's files can still be read."""
         session.symbolize_new([*tables.used_sites(tables.site_count()), *_page_sites(session)])
-        self._ended = _Ended(tables, time.monotonic_ns(), time.strftime("%Y-%m-%d %H:%M"), _objects(session))
+        self._ended = self._as_of_now(session, tables)
+
+    @staticmethod
+    def _as_of_now(session: Session, tables: SiteReader) -> _Ended:
+        return _Ended(tables, time.monotonic_ns(), time.strftime("%Y-%m-%d %H:%M"), _objects(session))
 
     def sample(self, c: Counters, mapped: int | None = None) -> None:
         """One point of the memory, system and bandwidth timelines, and the sizes allocated since the last.
@@ -170,14 +174,14 @@ class MaltRecorder:
                 self.size_over_time.add_log2_bins(t, b, now - before)
         self._prev_sizes = sizes
 
-    def _page_stacks(self, session: Session) -> tuple[list[MaltStack], dict[str, int]]:
+    def _page_stacks(self, session: Session, tables: SiteReader) -> tuple[list[MaltStack], dict[str, int]]:
         """MALT's stacks of mmap and munmap calls, from the page syscalls (with each function's address: the
         system call's instruction in its libc wrapper, the innermost address of these stacks)."""
         pages = session.pages
         if pages is None or not session.traces_page_calls:
             return [], {}
         sites = _page_sites(session)
-        raw = self._tables().stacks(sites)
+        raw = tables.stacks(sites)
         session.symbolize_new(sites)
         stacks: list[MaltStack] = []
         functions: dict[str, int] = {}
@@ -193,12 +197,9 @@ class MaltRecorder:
             stacks.append(MaltStack(StackKey(tuple(ips[1:]), kind), stats, frames, stack_id=site))
         return stacks, functions
 
-    def _tables(self) -> SiteReader:
-        return self._ended.tables if self._ended is not None else self.probes
-
     def build(self, session: Session, c: Counters, probe_points: Sequence[ProbePoint], allocator: str) -> MaltProfile:
-        probes = self._tables()
-        ended = self._ended
+        end = self._ended or self._as_of_now(session, self.probes)  # the end's, once ended; else now's
+        probes = end.tables
         sites = probes.malt_sites()
         raw = probes.stacks(list(sites))
         session.symbolize_new(list(sites))
@@ -224,7 +225,7 @@ class MaltRecorder:
             if f.cur_blocks:
                 leaks.append(MaltLeak(key, f.cur_blocks, f.cur_bytes))
         leaks.sort(key=lambda lk: (-lk.memory, -lk.count))
-        page_stacks, page_functions = self._page_stacks(session)
+        page_stacks, page_functions = self._page_stacks(session, probes)
         stacks.extend(page_stacks)
         mmap_calls = [s.stats.mmap for s in page_stacks if s.key.function == "mmap"]
 
@@ -250,14 +251,14 @@ class MaltRecorder:
         # The kernel names the site that set each interval's maximum by id; MALT by its stack.
         memory.callsites = [keys.get(cs, cs) if isinstance(cs, int) else cs for cs in memory.callsites]
         mappings = session.maps.mappings
-        runtime = (ended.ns if ended is not None else time.monotonic_ns()) - self.start_ns
+        runtime = end.ns - self.start_ns
         return MaltProfile(
             run=MaltRun(
                 exe=_exe_of(session),
                 command=session.info.cmd,
                 hostname=socket.gethostname(),
                 allocator=allocator,
-                date=ended.date if ended is not None else time.strftime("%Y-%m-%d %H:%M"),
+                date=end.date,
                 runtime=runtime,
             ),
             globals=MaltGlobals(
@@ -284,7 +285,7 @@ class MaltRecorder:
             mappings=mappings,
             size_map=probes.size_map(),
             realloc_jump=probes.realloc_jumps(),
-            global_variables=global_variables(ended.objects if ended is not None else _objects(session)),
+            global_variables=global_variables(end.objects),
             threads=list(threads.values()),
             memory_timeline=memory,
             system_timeline=self.system.series(),

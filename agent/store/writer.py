@@ -241,8 +241,7 @@ class StoreWriter:
         try:
             seg.sync()
         except OSError as exc:
-            self.stats.write_errors += 1
-            self.stats.last_error = f"store: cannot sync {seg.path}: {exc.strerror}"
+            self._sync_failed(seg, exc)
             return
         self.stats.syncs += 1
         self._dirty_since = None
@@ -260,8 +259,7 @@ class StoreWriter:
                 try:
                     fd = os.dup(seg.fd)
                 except OSError as exc:  # out of descriptors: said as a failed sync, tried again at the next write
-                    self.stats.write_errors += 1
-                    self.stats.last_error = f"store: cannot sync {seg.path}: {exc.strerror}"
+                    self._sync_failed(seg, exc)
                     return
             try:
                 os.fdatasync(fd)
@@ -272,10 +270,13 @@ class StoreWriter:
                 os.close(fd)
             with self._lock:
                 if error is not None:
-                    self.stats.write_errors += 1
-                    self.stats.last_error = f"store: cannot sync {seg.path}: {error.strerror}"
+                    self._sync_failed(seg, error)
                 else:
                     self.stats.syncs += 1
+
+    def _sync_failed(self, seg: SegmentFile, exc: OSError) -> None:
+        self.stats.write_errors += 1
+        self.stats.last_error = f"store: cannot sync {seg.path}: {exc.strerror}"
 
     def close(self) -> None:
         _syncer.forget(self)
