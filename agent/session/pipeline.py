@@ -319,10 +319,13 @@ class Profile:
         def check() -> bool:
             nonlocal next_at, next_store
             now = time.monotonic()
-            if now >= next_at:
+            # Due a quarter of its interval early: sampled mode's looks come on a shared grid, each a little later
+            # or earlier in the line of the process's looks (Session.run), and a record due just after one would
+            # wait a whole look.
+            if now >= next_at - interval / 4:
                 next_at = now + interval
                 rss = self._record_memory(session, resident)
-                if self.store is not None and now >= next_store:
+                if self.store is not None and now >= next_store - store_every / 4:
                     # Behind after a slow write: the next sample is due an interval from now, none is crowded in.
                     next_store = max(next_store + store_every, now) if next_store else now + store_every
                     live = session.live

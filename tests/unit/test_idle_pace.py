@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from agent.session.session import IdlePace
+from agent.session.session import IdlePace, on_grid
 
 
 def test_quiet_ticks_keep_the_interval_then_the_wait_doubles_up_to_the_cap() -> None:
@@ -99,3 +99,14 @@ def test_a_history_kept_more_often_than_sampled_mode_looks_gets_a_look_at_each_o
     assert _looks(IdlePace.sampled(0.05, 0.1), 0.5) == [0.0, 0.1, 0.2, 0.3, 0.4]
     default = [0.0, 1.0, 2.0]
     assert _looks(IdlePace.sampled(0.05, 1.0), 3.0) == _looks(IdlePace.sampled(0.05), 3.0) == default
+
+
+def test_a_look_due_is_moved_to_the_nearest_instant_of_the_grid_after_now() -> None:
+    """on_grid: sampled mode's looks of every target fall on the same instants, the multiples of the pace's
+    interval on the monotonic clock; a look due just after one of them waits for it no longer than it would have,
+    give or take half an interval, and one overdue goes to the next instant to come."""
+    assert on_grid(10.3, 9.3, 1.0) == 10.0
+    assert on_grid(10.6, 9.6, 1.0) == 11.0
+    assert on_grid(5.0, 7.2, 1.0) == 8.0  # overdue: the next instant after now
+    assert on_grid(8.0, 8.0, 1.0) == 9.0  # never now
+    assert on_grid(1.26, 1.05, 0.25) == 1.25

@@ -9,12 +9,14 @@ new high).
 
 from __future__ import annotations
 
+import itertools
 import random
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -26,7 +28,7 @@ from agent.model.options import MassifOptions
 from agent.model.snapshot import SnapshotSeries
 from agent.model.stack import Frame
 from agent.model.tree import IndexedTree, Tree
-from agent.session.session import Session
+from agent.session.session import IdlePace, Session
 from tests.support.fake_probes import FakeCode, FakeProbes, fake_session, probe_settings
 
 if TYPE_CHECKING:
@@ -367,3 +369,55 @@ def test_the_fake_runs_without_root_and_without_bcc() -> None:
         "assert status == 0 and not loaded, (status, loaded)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)
+
+
+def test_sampled_looks_of_every_target_come_on_one_grid_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled mode: three targets' loops, each in its own thread as the daemon runs them and begun at different
+    instants, look at their targets on
+    the instants of one grid (multiples of the pace's interval on the monotonic clock), one look at a time for the
+    whole process (LOOKS), so that they run back to back."""
+    step = 0.1
+    monkeypatch.setattr(IdlePace, "SAMPLED_WAIT", step)
+    opts = MassifOptions(time_unit="B")
+    looks: list[tuple[int, float, float]] = []
+    record = threading.Lock()
+
+    def loop(n: int) -> None:
+        time.sleep(n * step / 3)  # attached at three phases of the step: without the grid, their looks keep them
+        fake, p = FakeProbes(replace(probe_settings(opts), sampled=True)), Program()
+        session = fake_session(fake, p.code, opts)
+        sample = session.sample
+
+        def timed() -> None:
+            start = time.monotonic()
+            sample()
+            time.sleep(0.003)  # a look that waits on the kernel lets the other threads run meanwhile
+            with record:
+                looks.append((n, start, time.monotonic()))
+
+        session.sample = timed  # type: ignore[method-assign]
+
+        def target() -> Iterator[None]:
+            end = time.monotonic() + 1.2
+            while time.monotonic() < end:
+                fake.malloc(p.f, 64)
+                time.sleep(0.002)
+                yield
+            fake.exit()
+
+        run(session, fake, target())
+
+    threads = [threading.Thread(target=loop, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    firsts = {n: min(start for m, start, _ in looks if m == n) for n in range(3)}  # each at its loop's start
+    later = sorted((start, end, n) for n, start, end in looks if start > firsts[n])
+    assert {n for _, _, n in later} == {0, 1, 2} and len(later) >= 3 * 8
+    overlaps = [(a, b) for a, b in itertools.pairwise(later) if b[0] < a[1]]
+    assert not overlaps, "two looks ran at once"
+    # Each look begins a little after an instant of the grid: the wake's lateness and the looks before it in line.
+    # (Off the grid, the loops' looks would keep the three phases they began at: a third of them at most this near.)
+    phase = sorted((start % step) for start, _, _ in later)
+    assert phase[3 * len(phase) // 4] < 0.3 * step, f"the looks are not on the grid: phases {phase}"
