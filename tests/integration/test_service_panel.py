@@ -1,9 +1,10 @@
 """Sampled mode on a panel of real servers from Debian's packages (issue 31), through the real daemon.
 
 Each service (tests/support/services.py: nginx, postgres, python3's http.server, memcached, redis, lighttpd, apache2
-with the prefork MPM and apache2 as Debian sets it up, with the event MPM, haproxy with Debian's chroot and without
-it) runs as its package runs it, on a free loopback port with its files in a temporary directory. For each one
-`heapscope serve` (sampled, its default) is given a selector for the service's main process, and must:
+with the prefork MPM and a worker replaced every 10,000 connections, apache2 as Debian sets it up, with the event MPM,
+and with the prefork MPM as Debian's mpm_prefork.conf sets it, haproxy with Debian's chroot and without it) runs as
+its package runs it, on a free loopback port with its files in a temporary directory. For each one `heapscope serve`
+(sampled, its default) is given a selector for the service's main process, and must:
 - profile every process of it (a master and its workers; the postmaster, its background processes and the backend
   of an open connection) in sampled mode, with the sampler armed in each (read from the sampler's own control block
   in the process);
@@ -14,8 +15,8 @@ it) runs as its package runs it, on a free loopback port with its files in a tem
   threadless one, haproxy's worker's, at its first sample under the next load), the processes run on, the service
   answers and its load tool runs without an error.
 nginx is also reloaded and has a worker killed, apache2 (prefork) has every worker replaced after its
-MaxConnectionsPerChild connections, and apache2-event is reloaded (`apachectl graceful`): the new workers are profiled
-too; postgres gets a new connection: its new backend is profiled too.
+MaxConnectionsPerChild connections, and apache2-event and apache2-prefork are reloaded (`apachectl graceful`): the new
+workers are profiled too; postgres gets a new connection: its new backend is profiled too.
 What must be armed and must survive are a service's steady processes (Service.steady_pids): not the ones it starts
 and ends by itself (postgres's autovacuum workers, the backends of pgbench's connections, which end a moment after
 pgbench), and apache2's workers once its pool has settled after a load.
@@ -38,7 +39,7 @@ from agent.model.sampling import DEFAULT_SAMPLE_RATE
 from tests.support.armed import allocated_bytes, sampler, sampler_state, threadless_armed
 from tests.support.capability import unavailable
 from tests.support.daemon import AUTH, Daemon, start_daemon, stop_daemon
-from tests.support.services import SERVICES, Apache, ApacheEvent, Nginx, Postgres, Service
+from tests.support.services import SERVICES, Apache, ApacheEvent, ApachePrefork, Nginx, Postgres, Service
 from tests.support.tracepoints import syscall_tracepoints
 from tests.support.wait import wait_for
 
@@ -201,7 +202,7 @@ def extras(d: Daemon, svc: Service) -> None:
     if isinstance(svc, Postgres):
         backend = svc.connect()
         wait_armed(d, svc, [backend], f"after a new connection (backend {backend})")
-    if isinstance(svc, ApacheEvent):  # no child ends for its connections' count: Debian's reload instead
+    if isinstance(svc, (ApacheEvent, ApachePrefork)):  # no child ends for its connections' count: a reload instead
         new = svc.reload()
         wait_armed(d, svc, [svc.main_pid, *new], "after a graceful restart (apachectl graceful)")
     elif isinstance(svc, Apache):

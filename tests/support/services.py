@@ -813,7 +813,7 @@ MaxConnectionsPerChild {self.MAX_CONNECTIONS_PER_CHILD}"""
         before: list[int] = []
         while True:
             now = self.workers_now()
-            if len(now) == self.workers and now == before:
+            if self.pool_whole(len(now)) and now == before:
                 return now
             if time.monotonic() > deadline:
                 raise ServiceError(f"apache2: the pool of {self.workers} workers did not settle (workers {now}): "
@@ -821,8 +821,25 @@ MaxConnectionsPerChild {self.MAX_CONNECTIONS_PER_CHILD}"""
             before = now
             time.sleep(self.MAINTENANCE_INTERVAL * 1.5)
 
+    def pool_whole(self, workers: int) -> bool:
+        """Whether a pool of this many workers is the one the configuration keeps when idle."""
+        return workers == self.workers
+
     def steady_pids(self) -> list[int]:
         return sorted([self.main_pid, *self.settled_workers()])
+
+    def reload(self) -> list[int]:
+        """`apachectl graceful`: new children, forked from the master, take the old ones' place. Returns them, once
+        the pool has settled."""
+        old = set(self.workers_now())
+        os.kill(self.main_pid, signal.SIGUSR1)
+        deadline = time.monotonic() + READY_TIMEOUT
+        while old & set(self.workers_now()):
+            if time.monotonic() > deadline:
+                raise ServiceError(f"apache2: children {sorted(old & set(self.workers_now()))} still there after a "
+                                   f"graceful restart: {self.log_tail()}")
+            time.sleep(0.1)
+        return self.settled_workers()
 
     def recycle_workers(self) -> list[int]:
         """Load until every worker has served its MaxConnectionsPerChild connections and been replaced by a new one
@@ -864,18 +881,31 @@ ThreadsPerChild 25
 MaxRequestWorkers 150
 MaxConnectionsPerChild {self.MAX_CONNECTIONS_PER_CHILD}"""
 
-    def reload(self) -> list[int]:
-        """`apachectl graceful`: new children, forked from the master, take the old ones' place. Returns them, once
-        the pool has settled."""
-        old = set(self.workers_now())
-        os.kill(self.main_pid, signal.SIGUSR1)
-        deadline = time.monotonic() + READY_TIMEOUT
-        while old & set(self.workers_now()):
-            if time.monotonic() > deadline:
-                raise ServiceError(f"apache2: children {sorted(old & set(self.workers_now()))} still there after a "
-                                   f"graceful restart: {self.log_tail()}")
-            time.sleep(0.1)
-        return self.settled_workers()
+
+class ApachePrefork(Apache):
+    """Apache with the prefork MPM as Debian's package sets it up when a site needs it (`a2dismod mpm_event;
+    a2enmod mpm_prefork`, as mod_php does): mods-available/mpm_prefork.conf's figures. MaxConnectionsPerChild 0: no
+    worker is replaced for the connections it served. The pool grows under ab's 8 connections (the master forks
+    while fewer than MinSpareServers are idle) and is trimmed back to MaxSpareServers after it, one a second. A
+    reload is `apachectl graceful`."""
+
+    name = "apache2-prefork"
+    MAX_CONNECTIONS_PER_CHILD = 0
+    MIN_SPARE, MAX_SPARE = 5, 10
+
+    def __init__(self) -> None:
+        super().__init__(workers=self.MIN_SPARE)
+
+    def mpm(self, modules: Path) -> str:
+        return f"""LoadModule mpm_prefork_module {modules}/mod_mpm_prefork.so
+StartServers {self.MIN_SPARE}
+MinSpareServers {self.MIN_SPARE}
+MaxSpareServers {self.MAX_SPARE}
+MaxRequestWorkers 150
+MaxConnectionsPerChild {self.MAX_CONNECTIONS_PER_CHILD}"""
+
+    def pool_whole(self, workers: int) -> bool:
+        return self.MIN_SPARE <= workers <= self.MAX_SPARE
 
 
 class HAProxy(Service):
@@ -955,5 +985,6 @@ class HAProxyNoChroot(HAProxy):
 
 SERVICES: dict[str, type[Service]] = {
     s.name: s
-    for s in (Nginx, Postgres, PythonHttp, Memcached, Redis, Lighttpd, Apache, ApacheEvent, HAProxy, HAProxyNoChroot)
+    for s in (Nginx, Postgres, PythonHttp, Memcached, Redis, Lighttpd, Apache, ApacheEvent, ApachePrefork, HAProxy,
+              HAProxyNoChroot)
 }
