@@ -638,7 +638,7 @@ class Session:
                     # At the interval the looks keep their cadence; a paced look counts from now.
                     next_sample = next_sample + interval if not (was_paced or pace.paced()) else now + wait
                 if sampled:
-                    next_sample = on_grid(next_sample, now, pace.interval)
+                    next_sample = on_grid(next_sample, now, interval)
                 going = alive()
         self._ended_ns = time.monotonic_ns()  # the final snapshot's time: not after the detach's seconds
 

@@ -39,7 +39,7 @@ from agent.model.sampling import DEFAULT_SAMPLE_RATE
 from tests.support.armed import allocated_bytes, sampler, sampler_state, threadless_armed
 from tests.support.capability import unavailable
 from tests.support.daemon import AUTH, Daemon, start_daemon, stop_daemon
-from tests.support.services import SERVICES, Apache, ApacheEvent, ApachePrefork, Nginx, Postgres, Service
+from tests.support.services import SERVICES, Apache, Nginx, Postgres, Service
 from tests.support.tracepoints import syscall_tracepoints
 from tests.support.wait import wait_for
 
@@ -202,7 +202,7 @@ def extras(d: Daemon, svc: Service) -> None:
     if isinstance(svc, Postgres):
         backend = svc.connect()
         wait_armed(d, svc, [backend], f"after a new connection (backend {backend})")
-    if isinstance(svc, (ApacheEvent, ApachePrefork)):  # no child ends for its connections' count: a reload instead
+    if isinstance(svc, Apache) and not svc.MAX_CONNECTIONS_PER_CHILD:  # no child ends for its connections' count
         new = svc.reload()
         wait_armed(d, svc, [svc.main_pid, *new], "after a graceful restart (apachectl graceful)")
     elif isinstance(svc, Apache):
