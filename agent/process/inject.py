@@ -65,6 +65,7 @@ from agent.process.procinfo import status_fields
 from agent.process.recent import RecentAnswers
 from agent.process.safepoint import RuleLookup, UnsafeRanges, Verdict, examine
 from agent.process.sampler import (
+    KEPT_SINGLE_SYMBOL,
     build_sampler,
     build_stub,
     libc_of_process,
@@ -608,13 +609,14 @@ class _Thread:
         return addr
 
     def run_detached(self, stub: Stub, syscall_at: int, function: int, arg0: int, arg1: int, error_function: int,
-                     extra: bytes = b"", thread: CallThread | None = None) -> Callable[[], tuple[int, int]]:
+                     extra: bytes = b"", thread: CallThread | None = None,
+                     keep_single: tuple[int, int] = (0, 0)) -> Callable[[], tuple[int, int]]:
         """Start function(arg0, arg1) on this thread through the stub, then let the thread go: the stub puts
         every register back and resumes the thread where it was, whether or not heapscope is still there.
         `extra` is copied into the stub's data and its address replaces an argument equal to -1. With `thread`,
         the call runs on a new thread, on a stack mapped here, while this one waits for it. Returns a
         function that waits for the call to finish and gives (result, error message address); it raises
-        NoCallThread where the new thread could not be made."""
+        NoCallThread where the new thread could not be made. `keep_single`: _keep_single's."""
         saved = self.regs()
         saved_x = self.xstate()
         if len(saved_x) > stub.xsave_room:
@@ -637,6 +639,8 @@ class _Thread:
                 "thread_attr_setstack": thread.attr_setstack if thread else 0,
                 "thread_stack": stack,
                 "thread_stack_size": CALL_THREAD_STACK if thread else 0,
+                "single_flag": keep_single[0] if thread else 0,
+                "single_mark": keep_single[1],
                 "saved_rflags": context[REG["eflags"]],
                 "saved_rip": context[REG["rip"]],
             }
@@ -893,13 +897,34 @@ def _syscall_instruction(pid: int, proc_root: str) -> int:
     return libc.start + at
 
 
-def _single_threaded(pid: int, proc_root: str) -> bool:
+def single_threaded(pid: int, proc_root: str) -> bool:
     """glibc's own view (__libc_single_threaded, glibc 2.32+), else the thread count."""
+    flag_at = _single_flag(pid, proc_root)
+    if flag_at is not None:
+        with contextlib.suppress(TargetError, OSError):
+            return read_memory(pid, flag_at, 1) != b"\0"
+    return len(os.listdir(f"{proc_root}/{pid}/task")) == 1
+
+
+def _single_flag(pid: int, proc_root: str) -> int | None:
+    """Where glibc (2.32+) keeps __libc_single_threaded in the process; None without it (musl, an older glibc)."""
     try:
-        flag_at = _libc_function(pid, "__libc_single_threaded", proc_root)
-        return read_memory(pid, flag_at, 1) != b"\0"
+        return _libc_function(pid, "__libc_single_threaded", proc_root)
     except (TargetError, OSError):
-        return len(os.listdir(f"{proc_root}/{pid}/task")) == 1
+        return None
+
+
+def _keep_single(pid: int, library: Path, single: bool, thread: CallThread | None, proc_root: str) -> tuple[int, int]:
+    """(&__libc_single_threaded, the library's hs_kept_single_threaded offset) for the injection stub, which puts
+    glibc's single-threaded flags back after joining the thread that loaded the library, where the program was
+    single-threaded and the library kept it so (no control thread: hs_sampler.c single_threaded_program); (0, 0)
+    where not asked: a program with threads, the loader on the program's own thread (no flag was cleared), no
+    glibc flag, a library without the mark."""
+    if not single or thread is None:
+        return 0, 0
+    found = open_elf(str(library)).find_symbol(KEPT_SINGLE_SYMBOL)
+    flag_at = _single_flag(pid, proc_root)
+    return (flag_at, found[0]) if found is not None and flag_at is not None else (0, 0)
 
 
 def _stub() -> Stub:
@@ -1011,7 +1036,7 @@ def inject(
     if mapped_base(pid, library) is not None:
         return Injection(pid, library, reused=True)
     preflight(pid, library, proc_root)
-    single = _single_threaded(pid, proc_root)
+    single = single_threaded(pid, proc_root)
     stub = _stub()
     ranges = unsafe_ranges(pid, proc_root, allocator)
     libc = _libc_mapping(read_map_lines(pid))
@@ -1036,7 +1061,9 @@ def inject(
     def start(t: _Thread) -> Callable[[], tuple[int, int]]:
         if by_folder:
             entered.append((t.tid, _enter_folder(t, syscall_at, str(library.parent))))
-        return t.run_detached(stub, syscall_at, dlopen_at, -1, RTLD_NOW | RTLD_NODELETE, dlerror_at, path, thread)
+        keep = _keep_single(pid, library, single, thread, proc_root)
+        return t.run_detached(stub, syscall_at, dlopen_at, -1, RTLD_NOW | RTLD_NODELETE, dlerror_at, path, thread,
+                              keep_single=keep)
 
     try:
         try:
@@ -1057,7 +1084,7 @@ def inject(
         msg = read_memory(pid, error, 512).split(b"\0", 1)[0].decode(errors="replace") if error else "?"
         raise TargetError(f"dlopen of the sampler failed in process {pid}: {msg}")
     # Single-threaded still (a threadless sampler's process): its libc keeps its fast paths.
-    single = single and not _single_threaded(pid, proc_root)
+    single = single and not single_threaded(pid, proc_root)
     return Injection(
         pid, library, False, t.tid, time.monotonic() - started, tried, [s for s, _ in t.deferred], single,
         memfd=memfd is not None, folder=by_folder,

@@ -13,7 +13,8 @@ parent was armed stays armed from its fork on, threadless, on the same lease (it
 heapscope takes a share of the parent's (HeldLeases), so that detaching the parent keeps its profiled children
 armed, and the pipe closes when the last of them lets go.
 
-A process that can start no thread (RLIMIT_NPROC, as haproxy's workers set it; a cgroup's pids.max) gets its
+A single-threaded process that heapscope's injection loads it into (kept single-threaded: glibc's fast paths), and
+a process that can start no thread (RLIMIT_NPROC, as haproxy's workers set it; a cgroup's pids.max), get their
 sampler threadless: each request is a call into it on one of the program's threads at a safe point, made by the
 caller's `call` (agent.process.inject.call_sampler), and its hooks watch the lease at each sample.
 """
@@ -374,6 +375,9 @@ def mend_probe_code(pid: int, library: Path) -> list[str]:
     return mended
 
 
+KEPT_SINGLE_SYMBOL = "hs_kept_single_threaded"  # set where the library kept a single-threaded process so
+
+
 def symbol_value(library: Path, name: str) -> int:
     found = open_elf(str(library)).find_symbol(name)
     if found is None:
@@ -497,6 +501,12 @@ class SamplerControl:
             raise TargetError(f"process {self.pid}: short read of the sampler's control block")
         values = struct.unpack(CONTROL_FORMAT, raw)
         return ControlState({name: v for (name, _), v in zip(CONTROL_FIELDS, values, strict=True)})
+
+    def kept_single(self) -> bool:
+        """The library kept a single-threaded process so (no control thread: hs_sampler.c
+        single_threaded_program); False for a library without the mark."""
+        found = open_elf(str(self.library)).find_symbol(KEPT_SINGLE_SYMBOL)
+        return found is not None and os.pread(self._mem, 4, self.base + found[0]) != bytes(4)
 
     def _write(self, name: str, value: int) -> None:
         fmt = "<" + dict(CONTROL_FIELDS)[name]

@@ -7,7 +7,8 @@ points, arming it once the kernel's probes are live, its exact call counts, and 
   main() until heapscope has armed it (HEAPSCOPE_SAMPLER_HOLD), and puts the environment back first, so the
   program's children see what they would have seen without heapscope.
 
-A process that can start no thread (haproxy's worker sets its RLIMIT_NPROC to 0) gets the sampler threadless: its
+A single-threaded process (kept so: its libc's single-threaded fast paths), and one that can start no thread
+(haproxy's worker sets its RLIMIT_NPROC to 0), get the sampler threadless: its
 requests are calls at safe points (agent.process.inject.call_sampler), and the objects it loads while armed are
 patched by such a call too, when its maps show a new file's code (the control thread's own poll elsewhere).
 
@@ -240,7 +241,9 @@ class SamplerLink:
                 self._lazy_wait = LAZY_RESCAN_MAX
                 self._next_lazy = time.monotonic() + LAZY_RESCAN_MAX
             else:
-                why = thread_limit(self.pid) or "it could start none"
+                why = thread_limit(self.pid) or (
+                    "it was single-threaded and is kept so: its libc keeps its single-threaded fast paths"
+                    if control.kept_single() else "it could start none")
                 self.say(f"sampler in {self.pid} runs without a thread of its own ({why}): it is armed, disarmed and "
                          "rescanned by calls at safe points, and its hooks watch heapscope's lease")
         with self._lock:

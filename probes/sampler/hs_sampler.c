@@ -19,7 +19,8 @@
  *   instead (every 50 ms while armed) and patches new objects.
  * - The lease: heapscope holds the only write end of a pipe (taken with pidfd_getfd). When heapscope exits,
  *   even by SIGKILL, the read end reports POLLHUP and the control thread disarms within one poll period.
- * - A process that can start no thread (RLIMIT_NPROC, a cgroup's pids.max) runs it threadless: heapscope makes
+ * - A single-threaded process that heapscope injects it into, and a process that can start no thread
+ *   (RLIMIT_NPROC, a cgroup's pids.max), run it threadless: heapscope makes
  *   each request by calling hs_sampler_call on one of the program's threads at a safe point (where the control
  *   thread would patch, so may it), and the hooks watch the lease at each sample: its loss makes them pass
  *   everything through (the slots are restored at the next disarm, by a heapscope that calls).
@@ -1465,7 +1466,46 @@ static void after_fork_in_child(void)
 
 static int start_control_thread(void);
 
-/* Idle with no control thread: the process may start none. */
+/* The process's threads, its 20th field in /proc/self/stat, read with no allocation; 0 when it cannot be read. */
+static long thread_count(void)
+{
+    char buf[1024];
+    int fd = (int)syscall(SYS_openat, AT_FDCWD, "/proc/self/stat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    long n = syscall(SYS_read, fd, buf, sizeof buf - 1);
+    syscall(SYS_close, fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')'); /* the end of the command's name, which may hold spaces */
+    if (!p)
+        return 0;
+    for (int field = 2; *p && field < 20; p++)
+        if (*p == ' ')
+            field++;
+    return strtol(p, NULL, 10);
+}
+
+/* A single-threaded program keeps its libc's single-threaded fast paths (glibc's malloc without its arena lock
+ * and atomics, system calls without the cancellation wrappers: some 3% of a prefork worker's requests, and its
+ * forked workers inherit the mode) only while it never gets a second thread: loaded into one by heapscope's
+ * injection (on a thread of its own, which it joins after), the sampler starts no control thread, and heapscope
+ * makes its requests by calls. A program that loads the library itself keeps the control thread. */
+#define HS_LOAD_THREAD "hs-load" /* the name of the thread heapscope's injection loads the library on */
+
+static int single_threaded_program(void)
+{
+    char name[16] = {0};
+    prctl(PR_GET_NAME, name, 0, 0, 0);
+    return strcmp(name, HS_LOAD_THREAD) == 0 && thread_count() == 2; /* the program's one thread, and this */
+}
+
+/* Set when the library kept a single-threaded program so: heapscope's injection stub reads it after joining the
+ * thread that loaded it, and only then puts glibc's single-threaded flags back. */
+EXPORT int hs_kept_single_threaded;
+
+/* Idle with no control thread: the process may start none, or is single-threaded and stays so. */
 static void become_threadless(void)
 {
     STORE(threadless, 1);
@@ -1487,6 +1527,11 @@ EXPORT int64_t hs_sampler_revive(void)
     if (new_lease() != 0)
         return -EAGAIN;
     forked = 0; /* it runs as in a process of its own now; a fork of this one is a child again */
+    if (thread_count() == 1) { /* a call of heapscope's on the child's one thread */
+        hs_kept_single_threaded = 1;
+        become_threadless();
+        return 1;
+    }
     if (start_control_thread() != 0) {
         become_threadless();
         return 1;
@@ -1553,8 +1598,12 @@ __attribute__((constructor)) static void hs_sampler_init(void)
     if (new_lease() != 0)
         { broken(); return; }
     pthread_atfork(NULL, NULL, after_fork_in_child);
-    if (start_control_thread() != 0)
+    if (single_threaded_program()) {
+        hs_kept_single_threaded = 1;
         become_threadless();
+    } else if (start_control_thread() != 0) {
+        become_threadless();
+    }
     else
         STORE(hs_control.state, HS_STATE_IDLE);
     hold_for_arming();

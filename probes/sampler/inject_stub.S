@@ -35,7 +35,7 @@ stub_entry:
     call    *thread_attr_setstack(%rip)
     lea     thread(%rip), %rdi      /* pthread_create(&thread, &thread_attr, call_function, NULL) */
     lea     thread_attr(%rip), %rsi
-    lea     call_function(%rip), %rdx
+    lea     thread_function(%rip), %rdx
     xor     %ecx, %ecx
     call    *thread_create(%rip)
     mov     %rax, create_error(%rip)
@@ -44,6 +44,22 @@ stub_entry:
     mov     thread(%rip), %rdi      /* pthread_join(thread, NULL) */
     xor     %esi, %esi
     call    *thread_join(%rip)
+    /* The program was single-threaded and the library loaded kept it so (its mark set: no control thread
+     * started): with the call's thread joined it is single-threaded again, and glibc's flags say so once more
+     * (pthread_create cleared them for good). This thread runs here, not in the program's code, and no other
+     * thread is left: nothing reads them meanwhile. */
+    mov     single_flag(%rip), %rax /* &__libc_single_threaded, 0: not asked */
+    test    %rax, %rax
+    jz      3f
+    mov     result(%rip), %rcx      /* dlopen's handle, a link_map: its first word is the library's base */
+    test    %rcx, %rcx
+    jz      3f
+    mov     (%rcx), %rcx
+    add     single_mark(%rip), %rcx /* the library's hs_kept_single_threaded */
+    cmpl    $0, (%rcx)
+    je      3f
+    movb    $1, (%rax)
+    movl    $0, %fs:0x18            /* x86-64 glibc's tcbhead_t.multiple_threads (its atomics' lock prefix) */
 3:
     mov     $11, %eax               /* munmap(thread_stack, thread_stack_size) */
     mov     thread_stack(%rip), %rdi
@@ -79,6 +95,15 @@ stub_entry:
     popfq
     mov     saved_rsp(%rip), %rsp
     jmp     *saved_rip(%rip)
+
+/* The call's own thread: named first, so that the library it loads knows heapscope's injection made it
+ * (hs_sampler.c single_threaded_program), then the call. */
+thread_function:
+    mov     $157, %eax              /* prctl(PR_SET_NAME, thread_name) */
+    mov     $15, %edi
+    lea     thread_name(%rip), %rsi
+    syscall
+    jmp     call_function
 
 /* function(arg0, arg1), and dlerror() in the same thread if it returned NULL; called with a 16-byte aligned
  * stack plus the return address, as pthread_create's start routine is. */
@@ -117,6 +142,9 @@ thread_stack:   .quad 0
 thread_stack_size: .quad 0
 thread:         .quad 0
 create_error:   .quad 0             /* pthread_create's answer */
+single_flag:    .quad 0             /* &__libc_single_threaded where the program was single-threaded, else 0 */
+single_mark:    .quad 0             /* hs_kept_single_threaded's offset in the library dlopen'ed */
+thread_name:    .ascii "hs-load\0"  /* the call's thread's name (hs_sampler.c HS_LOAD_THREAD) */
     .balign 16
 thread_attr:    .space 64           /* a pthread_attr_t (56 bytes on x86-64) */
 all_mask:       .quad -1

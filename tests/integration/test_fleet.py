@@ -375,7 +375,8 @@ def test_a_worker_forked_from_an_armed_parent_is_sampled_from_its_fork_with_no_s
         # The parent detached: the worker stays armed on the lease it shares, and is still counted.
         with d.client() as c:
             assert c.delete(f"/targets/{parent.pid}").status_code == 200
-        wait_for(lambda: sampler_state(parent.pid) == "idle", 30, "the parent's sampler disarmed")
+        # single-threaded, kept so: disarmed by a call, threadless
+        wait_for(lambda: sampler(parent.pid) == ("threadless", "requested"), 30, "the parent's sampler disarmed")
         calls = targets(d)[new]["heap"]["allocation_calls"]
         wait_for(lambda: targets(d)[new]["heap"]["allocation_calls"] > calls, 30, "the worker's calls after it")
         assert sampler_state(new) == "armed" and targets(d)[new]["state"] == "profiling"
@@ -459,7 +460,8 @@ def test_a_worker_forked_armed_and_not_profiled_is_disarmed_with_its_parent(
 
         with d.client() as c:
             assert c.delete(f"/targets/{parent.pid}").status_code == 200
-        wait_for(lambda: sampler_state(parent.pid) == "idle", 30, "the parent's sampler disarmed")
+        # single-threaded, kept so: disarmed by a call, threadless
+        wait_for(lambda: sampler(parent.pid) == ("threadless", "requested"), 30, "the parent's sampler disarmed")
         assert sampler(new) == ("threadless", "requested"), sampler_fields(new)
         assert f"sampler in {new}, forked armed by {parent.pid} and not profiled: disarmed with it" in d.stderr()
         assert services.running(parent.pid) and services.running(new)

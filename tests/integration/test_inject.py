@@ -16,7 +16,15 @@ import pytest
 
 from agent.errors import TargetError
 from agent.process import inject as inject_module
-from agent.process.inject import HOLDING_NICE, XSTATE_MAX, call_function, inject, load_stub
+from agent.process.inject import (
+    HOLDING_NICE,
+    XSTATE_MAX,
+    call_function,
+    call_sampler,
+    inject,
+    load_stub,
+    single_threaded,
+)
 from agent.process.sampler import SamplerControl, build_sampler, build_stub, mapped_base
 from tests.support.capability import require, unavailable
 from tests.support.conversation import Conversation
@@ -137,8 +145,11 @@ def test_sampled_bytes_per_site_via_injection(sampler_lib: Path, build: Callable
     def bring_in(pid: int) -> SamplerControl:
         done = inject(pid, sampler_lib)
         assert not done.reused and done.tid == pid  # the main thread, blocked in read(), was a safe point
-        assert done.was_single_threaded and done.warnings  # its threads start later: glibc saw one thread
-        return SamplerControl(pid, sampler_lib)
+        # Its threads start later: single-threaded, it is kept so (no control thread; the loader's thread joined,
+        # glibc's flags put back), and its sampler is armed by calls.
+        assert not done.was_single_threaded and not done.warnings
+        assert os.listdir(f"/proc/{pid}/task") == [str(pid)] and single_threaded(pid, "/proc")
+        return SamplerControl(pid, sampler_lib, call=lambda request, arg: call_sampler(pid, sampler_lib, request, arg))
 
     check_sites(run_sites(program, sampler_lib, tmp_path, bring_in, load_itself=False))
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agent.process.inject import single_threaded
 from agent.process.sampler import SamplerControl, build_sampler
 from agent.session.maltrec import EXACT_IN_SAMPLED
 from agent.store.reader import StoreReader
@@ -44,8 +45,8 @@ TIMEOUT = 60.0
 class Program(Conversation):
     """modes_sites in its `wait` form, driven line by line."""
 
-    def __init__(self, path: Path, scale: int = 1) -> None:
-        super().__init__([str(path), str(scale), "wait"])
+    def __init__(self, path: Path, scale: int = 1, threaded: bool = False) -> None:
+        super().__init__([str(path), str(scale), "wait", *(["threaded"] if threaded else [])])
         self.expect("ready")
 
     def go(self) -> None:
@@ -316,9 +317,10 @@ def test_run_is_exact_by_default_and_equals_massif(
 def test_sigkill_while_armed_leaves_the_target_at_full_speed(
     program: Path, heapscope_cmd: list[str], tmp_path: Path
 ) -> None:
-    """heapscope SIGKILLed while its sampler is armed: within a second the sampler has put every GOT slot back
-    (the target's malloc is libc's again, no hook in the way) by itself, and the program runs on unharmed."""
-    target = Program(program)
+    """heapscope SIGKILLed while its sampler is armed in a process with threads: within a second the sampler's
+    control thread has put every GOT slot back (the target's malloc is libc's again, no hook in the way) by itself,
+    and the program runs on unharmed."""
+    target = Program(program, threaded=True)
     try:
         attach = Attach([*heapscope_cmd, "attach", str(target.pid), "--sample-rate=4096"], tmp_path)
         attach.wait_for("sampler armed")
@@ -340,6 +342,34 @@ def test_sigkill_while_armed_leaves_the_target_at_full_speed(
         target.expect("allocated")
         truth = target.truth()
         assert truth["site_calloc"] == 1920000  # it computed what it always computes
+    finally:
+        target.kill()
+
+
+def test_sigkill_while_armed_in_a_single_threaded_target_lets_it_go_at_its_next_sample(
+    program: Path, heapscope_cmd: list[str], tmp_path: Path
+) -> None:
+    """The default target, single-threaded when heapscope attaches: kept so (no control thread; glibc's flag says
+    single-threaded again after the injection). heapscope SIGKILLed while armed: the program's first sample after
+    it sees the lease gone, and from then on the hooks pass everything through; the program computes what it
+    always computes, still with one thread before its own second one."""
+    target = Program(program)
+    try:
+        attach = Attach([*heapscope_cmd, "attach", str(target.pid), "--sample-rate=4096"], tmp_path)
+        attach.wait_for("sampler armed")
+        assert "it was single-threaded and is kept so" in attach.stderr
+        watcher = SamplerControl(target.pid, build_sampler())
+        st = watcher.read()
+        assert st.state == "armed" and st.threadless and st["slots_patched"] > 0, st.fields
+        assert os.listdir(f"/proc/{target.pid}/task") == [str(target.pid)] and single_threaded(target.pid, "/proc")
+        attach.end(signal.SIGKILL)
+        target.go()
+        target.expect("allocated")
+        st = watcher.read()
+        assert (st.state, st.disarm_reason) == ("threadless", "controller gone"), st.fields
+        watcher.close()
+        truth = target.truth()
+        assert truth["site_calloc"] == 1920000
     finally:
         target.kill()
 

@@ -1,6 +1,6 @@
 /* Known bytes per call site, for sampled mode's estimates and exact mode's Massif comparison.
  *
- * Usage: modes_sites [SCALE [wait]]. With `wait` it says "ready" and waits for a line on stdin before
+ * Usage: modes_sites [SCALE [wait [threaded]]]. With `wait` it says "ready" and waits for a line on stdin before
  * allocating (so heapscope can attach first), then says "allocated" and waits for another line before it
  * frees site_churn's blocks and exits; without it, it runs straight through.
  *
@@ -8,12 +8,14 @@
  * site_medium 2500*s blocks of 1000..1499 bytes (cycling, mean 1249.5), site_calloc 3000*s callocs of
  * 10 x 64 bytes, site_large 4*s blocks of 262144 bytes (at or above a rate of 262144: always sampled).
  * site_churn allocates and frees 20000*s blocks of 256 bytes along the way (none live at the end). A second
- * thread does site_medium's share, so hooks in two threads are exercised.
+ * thread does site_medium's share, so hooks in two threads are exercised. With `threaded` an idle thread is
+ * started before "ready": a process with threads when heapscope attaches.
  * Before exit it prints "site NAME BYTES" for each site's live bytes: the truth the tests compare with. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static long scale = 1;
 static void *keep[1 << 22];
@@ -94,11 +96,22 @@ static void wait_line(const char *say)
         exit(2);
 }
 
+static void *idle(void *arg)
+{
+    (void)arg;
+    for (;;)
+        pause();
+    return NULL;
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1)
         scale = atol(argv[1]);
     int waits = argc > 2 && strcmp(argv[2], "wait") == 0;
+    pthread_t idler;
+    if (argc > 3 && strcmp(argv[3], "threaded") == 0 && pthread_create(&idler, NULL, idle, NULL) != 0)
+        return 1;
     if (waits)
         wait_line("ready");
     void **medium = malloc(sizeof(void *) * 2500 * scale);
