@@ -914,13 +914,13 @@ def _single_flag(pid: int, proc_root: str) -> int | None:
         return None
 
 
-def _keep_single(pid: int, library: Path, single: bool, thread: CallThread | None, proc_root: str) -> tuple[int, int]:
+def _keep_single(pid: int, library: Path, single: bool, proc_root: str) -> tuple[int, int]:
     """(&__libc_single_threaded, the library's hs_kept_single_threaded offset) for the injection stub, which puts
     glibc's single-threaded flags back after joining the thread that loaded the library, where the program was
     single-threaded and the library kept it so (no control thread: hs_sampler.c single_threaded_program); (0, 0)
-    where not asked: a program with threads, the loader on the program's own thread (no flag was cleared), no
-    glibc flag, a library without the mark."""
-    if not single or thread is None:
+    where not asked: a program with threads, no glibc flag, a library without the mark. (The loader on the
+    program's own thread clears no flag: run_detached asks nothing then.)"""
+    if not single:
         return 0, 0
     found = open_elf(str(library)).find_symbol(KEPT_SINGLE_SYMBOL)
     flag_at = _single_flag(pid, proc_root)
@@ -1056,12 +1056,12 @@ def inject(
         path = b"/proc/self/fd/%d\0" % memfd
 
     thread = _call_thread(pid, proc_root)
+    keep = _keep_single(pid, library, single, proc_root)
     entered: list[tuple[int, int]] = []  # (thread, its working directory's descriptor) to put back
 
     def start(t: _Thread) -> Callable[[], tuple[int, int]]:
         if by_folder:
             entered.append((t.tid, _enter_folder(t, syscall_at, str(library.parent))))
-        keep = _keep_single(pid, library, single, thread, proc_root)
         return t.run_detached(stub, syscall_at, dlopen_at, -1, RTLD_NOW | RTLD_NODELETE, dlerror_at, path, thread,
                               keep_single=keep)
 

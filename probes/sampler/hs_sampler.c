@@ -1512,6 +1512,13 @@ static void become_threadless(void)
     STORE(hs_control.state, HS_STATE_THREADLESS);
 }
 
+/* Threadless, for a single-threaded process kept so (marked for the injection stub and heapscope's log). */
+static void stay_single_threaded(void)
+{
+    hs_kept_single_threaded = 1;
+    become_threadless();
+}
+
 /* A forked child (a prefork server's worker, a database's backend) has the library but no control thread.
  * heapscope brings it back by calling this through its injection, at a safe point of one of the child's
  * threads: a new lease, a new control thread (or, where the child may start none, threadless), idle until
@@ -1528,8 +1535,7 @@ EXPORT int64_t hs_sampler_revive(void)
         return -EAGAIN;
     forked = 0; /* it runs as in a process of its own now; a fork of this one is a child again */
     if (thread_count() == 1) { /* a call of heapscope's on the child's one thread */
-        hs_kept_single_threaded = 1;
-        become_threadless();
+        stay_single_threaded();
         return 1;
     }
     if (start_control_thread() != 0) {
@@ -1598,12 +1604,10 @@ __attribute__((constructor)) static void hs_sampler_init(void)
     if (new_lease() != 0)
         { broken(); return; }
     pthread_atfork(NULL, NULL, after_fork_in_child);
-    if (single_threaded_program()) {
-        hs_kept_single_threaded = 1;
+    if (single_threaded_program())
+        stay_single_threaded();
+    else if (start_control_thread() != 0)
         become_threadless();
-    } else if (start_control_thread() != 0) {
-        become_threadless();
-    }
     else
         STORE(hs_control.state, HS_STATE_IDLE);
     hold_for_arming();
