@@ -28,6 +28,7 @@ from agent.cli.settings import (
     massif_desc,
     settings_from,
     store_settings,
+    total_samples_from,
 )
 from agent.daemon.fleetopts import add_fleet_options, fleet_config_from
 from agent.errors import EnvironmentProblem, HeapscopeError, UsageError
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 class _Ctx:
     settings: ProfileSettings
     ns: argparse.Namespace
+    total_samples: int = 0  # a daemon's total of samples a second (--total-samples)
 
     def say(self, line: str) -> None:
         if not self.ns.quiet:
@@ -53,6 +55,7 @@ class _Ctx:
 
 def _context(ns: argparse.Namespace, own_args: Sequence[str], daemon: bool) -> _Ctx:
     ctx = _Ctx(settings_from(ns, massif_desc(own_args), daemon=daemon), ns)
+    ctx.total_samples = total_samples_from(ns, daemon)
     if ns.nice is not None:
         _set_nice(ns.nice)
     return ctx
@@ -338,6 +341,7 @@ def _serve(ctx: _Ctx, pids: Sequence[int] = (), program: Sequence[str] | None = 
         expand=expand_filename,
         say=ctx.say,
         summary_file=ctx.ns.summary_file,
+        total_samples=ctx.total_samples,
     )
     manager = FleetManager(config, fleet)
     app = create_app(settings, manager)

@@ -19,6 +19,7 @@ from agent.model.sampling import (
     DEFAULT_CAPACITY,
     DEFAULT_MAX_SAMPLES,
     DEFAULT_SAMPLE_RATE,
+    DEFAULT_TOTAL_SAMPLES_PER_CPU,
     MAX_MAX_SAMPLES,
     MAX_SAMPLE_RATE,
     MODES,
@@ -171,6 +172,15 @@ def _add_mode_options(p: argparse.ArgumentParser, default: Mode) -> None:
         help="sampled mode: the samples a second each process may take; above it its sampler raises the rate in "
         "force (the estimates stay unbiased, with fewer samples), and lowers it again, never below --sample-rate. "
         f"0: no budget (default {DEFAULT_MAX_SAMPLES}: about 1%% of a core)",
+    )
+    m.add_argument(
+        "--total-samples",
+        type=int_between(0, MAX_MAX_SAMPLES),
+        default=None,
+        metavar="N",
+        help="sampled mode, a daemon (serve, --http): the samples a second all its processes take together, shared "
+        "among them each second (a process wanting less keeps its rate; the busy ones share the rest, each within "
+        f"--max-samples). 0: no total (default {DEFAULT_TOTAL_SAMPLES_PER_CPU} a CPU: about 1%% of the machine)",
     )
     m.add_argument(
         "--page-calls",
@@ -438,6 +448,8 @@ def mode_from(ns: argparse.Namespace) -> ProfileMode:
         raise UsageError("--sample-rate applies to --mode=sampled")
     if ns.max_samples is not None and ns.mode != "sampled":
         raise UsageError("--max-samples applies to --mode=sampled")
+    if ns.total_samples is not None and ns.mode != "sampled":
+        raise UsageError("--total-samples applies to --mode=sampled")
     if ns.mode == "sampled" and ns.pages_as_heap:
         raise UsageError("--pages-as-heap=yes profiles mapped pages, which sampled mode does not sample; "
                          "use --mode=exact")
@@ -445,6 +457,19 @@ def mode_from(ns: argparse.Namespace) -> ProfileMode:
         raise UsageError("--page-calls applies to --mode=sampled: exact mode always traces the page calls")
     return ProfileMode(ns.mode, DEFAULT_SAMPLE_RATE if ns.sample_rate is None else ns.sample_rate,
                        DEFAULT_MAX_SAMPLES if ns.max_samples is None else ns.max_samples)
+
+
+def total_samples_from(ns: argparse.Namespace, daemon: bool) -> int:
+    """A daemon's total of samples a second (--total-samples; by default DEFAULT_TOTAL_SAMPLES_PER_CPU a CPU it
+    may run on); 0 without a daemon, where one process keeps its own budget."""
+    if not daemon:
+        if ns.total_samples is not None:
+            raise UsageError("--total-samples applies to a daemon (serve, or --http), which profiles several "
+                             "processes; one process has --max-samples")
+        return 0
+    if ns.total_samples is not None:
+        return int(ns.total_samples)
+    return DEFAULT_TOTAL_SAMPLES_PER_CPU * max(1, len(os.sched_getaffinity(0)))
 
 
 def settings_from(ns: argparse.Namespace, desc: Sequence[str], daemon: bool) -> ProfileSettings:

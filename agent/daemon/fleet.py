@@ -278,6 +278,9 @@ class FleetManager(TargetManager):
                 expired_outputs=self._expired_outputs,
                 forgotten=dict(self._forgotten),
                 log_lines_lost=LOG.lost,
+                total_samples=self.share.total,
+                sample_demand=round(self.share.demand, 1),
+                sample_share=self.share.held_level(),
             )
 
     def _current_selectors(self) -> list[Selector]:

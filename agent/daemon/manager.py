@@ -21,6 +21,7 @@ from pathlib import Path
 
 from agent.daemon import history
 from agent.daemon.monitor import run_monitor
+from agent.daemon.share import SampleShare
 from agent.errors import HeapscopeError, NoSuchTarget, TargetConflict, UsageError
 from agent.export.massif import render_snapshot
 from agent.model.fleet import TargetOrigin
@@ -32,6 +33,7 @@ from agent.model.target import PID_MAX, MonitorResult, TargetStatus
 from agent.process.procinfo import limit_malloc_arenas
 from agent.process.target import TargetProcess, attach_to
 from agent.session.pipeline import Profile, ProfileSettings, prepare_shared_rows
+from agent.session.sampled import SamplerLink
 
 # How long an attach may take (compiling the BPF program, reading symbols) before it is given up.
 ATTACH_TIMEOUT = 120.0
@@ -137,6 +139,7 @@ class DaemonConfig:
     expand: Callable[[str, int], str]
     say: Callable[[str], None] = field(default=_no_say)
     summary_file: str | None = None  # each target's end-of-run summary as JSON (--summary-file)
+    total_samples: int = 0  # samples a second all sampled targets take together (--total-samples; 0: no total)
 
 
 class TargetManager:
@@ -149,6 +152,8 @@ class TargetManager:
         self._attached = threading.Condition(self._lock)  # notified when an attach ends, well or not
         self._targets: dict[int, Target] = {}
         self._attaching: set[int] = set()
+        self.share = SampleShare(config.total_samples, config.say)
+        self._share_stop = threading.Event()
 
     # ---- life cycle ----
 
@@ -159,9 +164,18 @@ class TargetManager:
             raise HeapscopeError(f"cannot create the output directory {self.config.output_dir}: {exc}") from exc
         limit_malloc_arenas()  # before the targets' threads: each would otherwise keep an arena of its own
         prepare_shared_rows()  # the unwind rows every target shares: there from the start, never a target's leftover
+        if self.config.total_samples:
+            threading.Thread(target=self.share.run, args=(self._sampler_links, self._share_stop),
+                             name="heapscope-share", daemon=True).start()
+
+    def _sampler_links(self) -> list[SamplerLink]:
+        """The samplers of the targets profiled now (the total's share is theirs)."""
+        links = (t.sampler_link() for t in self.targets() if t.ended_at is None)
+        return [link for link in links if link is not None]
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """End every profile and write every target's files (SIGTERM comes here)."""
+        self._share_stop.set()
         targets = self.targets()
         for t in targets:
             t.stop.set()

@@ -50,6 +50,8 @@ class MetricsTarget(Protocol):
 
     def rate_in_force(self) -> tuple[int, int] | None: ...
 
+    def sample_budget(self) -> int | None: ...
+
     def top_sites(self, n: int) -> tuple[list[SiteTotal], SiteTotal]: ...
 
     def page_totals(self) -> PageTotals | None: ...
@@ -183,6 +185,12 @@ class HeapscopeCollector(Collector):
             "the sampling budget (--max-samples) has raised it (the estimates stay unbiased, from fewer samples).",
             labels=TARGET_LABELS,
         )
+        budget = GaugeMetricFamily(
+            "heapscope_sample_budget",
+            "Sampled mode: the samples a second the sampler may take now before its rate in force rises: "
+            "--max-samples, or its share of a daemon's --total-samples (0: no budget).",
+            labels=TARGET_LABELS,
+        )
         rate_moves = CounterMetricFamily(
             "heapscope_sample_rate_changes",
             "Sampled mode: how often the sampling budget has moved the rate in force.",
@@ -236,6 +244,7 @@ class HeapscopeCollector(Collector):
                 pages = t.page_totals()
                 store = t.store_status()
                 in_force = t.rate_in_force()
+                budget_now = t.sample_budget()
             except HeapscopeError:  # detached or gone between the listing and the read: leave it out
                 continue
             n_targets += 1
@@ -247,6 +256,8 @@ class HeapscopeCollector(Collector):
             if in_force is not None:
                 rate_now.add_metric(labels, in_force[0])
                 rate_moves.add_metric(labels, in_force[1])
+            if budget_now is not None:
+                budget.add_metric(labels, budget_now)
             for fam, (_, _, fld) in zip(gauges, _GAUGES, strict=True):
                 fam.add_metric(labels, max(getattr(c, fld), 0))
             for cfam, (_, _, fld) in zip(counters, _COUNTERS, strict=True):
@@ -275,6 +286,7 @@ class HeapscopeCollector(Collector):
         yield profile
         yield exited
         yield rate_now
+        yield budget
         yield rate_moves
         yield from gauges
         yield from counters
@@ -336,6 +348,22 @@ class FleetCollector(Collector):
             value=f.events_lost,
         )
         yield CounterMetricFamily("heapscope_proc_scans", "Scans of /proc for selected processes.", value=f.scans)
+        yield GaugeMetricFamily(
+            "heapscope_sampling_total",
+            "Sampled mode: the samples a second all targets may take together (--total-samples; 0: no total).",
+            value=f.total_samples,
+        )
+        yield GaugeMetricFamily(
+            "heapscope_sampling_demand",
+            "Sampled mode: the samples a second the targets would take together at their asked rates.",
+            value=f.sample_demand,
+        )
+        yield GaugeMetricFamily(
+            "heapscope_sampling_share",
+            "Sampled mode: the most samples a second each target may take while the targets' demand exceeds "
+            "the total (0: nobody held back).",
+            value=f.sample_share,
+        )
         yield CounterMetricFamily(
             "heapscope_store_expired_segments",
             "History segments of processes no longer profiled, deleted once older than --store-max-age.",

@@ -89,4 +89,7 @@ class FleetStatus:
     expired_histories: int = 0  # such processes' directories, deleted once empty
     expired_outputs: int = 0  # output files of processes no longer profiled, deleted at --output-max-age
     forgotten: dict[str, int] = field(default_factory=dict)  # FORGET_REASONS -> ended targets forgotten since start
+    total_samples: int = 0  # samples a second all sampled targets may take together (--total-samples; 0: none)
+    sample_demand: float = 0.0  # what they would take at their asked rates, samples a second, as last estimated
+    sample_share: int = 0  # the most each may take while their demand exceeds the total (0: nobody held back)
     log_lines_lost: int = 0  # lines of the daemon's log that could not be written (a closed pipe, a full disk)

@@ -29,6 +29,13 @@ MAX_SAMPLE_RATE = 1 << 40  # the sampler (probes/sampler/hs_sampler.c) refuses m
 # sample keeps the weight of the rate it was drawn at, so the estimates stay unbiased (JFR throttles so too).
 DEFAULT_MAX_SAMPLES = 500
 MAX_MAX_SAMPLES = 1 << 32
+# A daemon's total: the samples a second all its sampled targets take together (--total-samples), 500 a CPU by
+# default, so that a prefork server's forty workers cost what one process at its budget costs a CPU, not forty
+# times it. The daemon shares it max-min fairly (share_level) and moves each sampler's budget to the share.
+DEFAULT_TOTAL_SAMPLES_PER_CPU = 500
+# No target's share goes below this many samples a second: a busy worker among hundreds still shows its stacks
+# (the total is then exceeded, and said).
+MIN_SHARE = 10
 
 Mode = Literal["exact", "sampled"]
 MODES: tuple[Mode, ...] = ("exact", "sampled")
@@ -203,3 +210,28 @@ class PoissonSampler:
             return False
         self._remaining = self._draw()
         return size > 0
+
+
+def share_level(demands: Iterable[float], total: float) -> float | None:
+    """The level that shares `total` samples a second max-min fairly among targets that would take `demands`
+    (samples a second at their asked rates): each wanting less keeps what it wants, each other may take the level,
+    and together they take the total. None: together they want no more than the total (nobody is held back)."""
+    wants = sorted(max(0.0, d) for d in demands)
+    if sum(wants) <= total:
+        return None
+    left = float(total)
+    for i, want in enumerate(wants):
+        level = left / (len(wants) - i)
+        if want >= level:
+            return level
+        left -= want
+    raise AssertionError("the demands exceed the total, so some want at least the level")
+
+
+def share_budget(level: float | None, cap: int) -> int:
+    """A target's budget under a share's `level` (share_level) and the per-process `cap` (--max-samples, 0: none):
+    0 means no budget."""
+    if level is None:
+        return cap
+    share = max(MIN_SHARE, int(level))
+    return min(share, cap) if cap else share

@@ -104,6 +104,12 @@ COUNT_FIELDS = ("allocs", "frees", "alloc_bytes", "calloc", "realloc", "memalign
 COUNTS = struct.Struct(f"<{len(COUNT_FIELDS)}Q40x")
 
 
+def within_budget(budget: int, cap: int) -> bool:
+    """Whether a sampler's `budget` (samples a second, 0: none) keeps within `cap`: a forked child keeps the budget
+    its parent had when it was lower than the profile's (a daemon's share of its total), not a higher one."""
+    return budget == cap or (cap == 0 and budget > 0) or 0 < budget < cap
+
+
 def thread_calls_of(table: bytes) -> list[ThreadCalls]:
     """A count table (SamplerControl.count_table) as one ThreadCalls a slot."""
     return [ThreadCalls(**dict(zip(COUNT_FIELDS, values, strict=True))) for values in COUNTS.iter_unpack(table)]
@@ -508,6 +514,11 @@ class SamplerControl:
         found = open_elf(str(self.library)).find_symbol(KEPT_SINGLE_SYMBOL)
         return found is not None and os.pread(self._mem, 4, self.base + found[0]) != bytes(4)
 
+    def set_budget(self, max_samples: int) -> None:
+        """The budget of an armed sampler, moved: read at its next sample (its rate in force follows when its
+        window closes). A daemon shares its total among its targets so (agent.model.sampling.share_level)."""
+        self._write("max_samples", max_samples)
+
     def _write(self, name: str, value: int) -> None:
         fmt = "<" + dict(CONTROL_FIELDS)[name]
         os.pwrite(self._mem, struct.pack(fmt, value), self.address + OFFSETS[name])
@@ -565,10 +576,13 @@ class SamplerControl:
         st = self.wait_ready()
         if st.state == "armed" and st["forked_armed"] and self._share_lease(st):
             self.threadless = True
-            if st["sample_rate"] == rate and st["max_samples"] == max_samples:
+            if st["sample_rate"] == rate:
                 self.inherited = True
+                if not within_budget(st["max_samples"], max_samples):
+                    self.set_budget(max_samples)
+                    st = self.read()
                 return st
-            # Armed at its parent's rate or budget, not this profile's: armed again at this one.
+            # Armed at its parent's rate, not this profile's: armed again at this one.
             self._disarm_by_call()
             self._release_lease()
             return self._arm_threadless(rate, max_samples)

@@ -199,6 +199,15 @@ class Profile:
         link = self._sampler
         return link.describe() if link is not None else None
 
+    def sampler_link(self) -> SamplerLink | None:
+        """Sampled mode: the target's sampler (a daemon shares its total through it); None in exact mode."""
+        return self._sampler
+
+    def sample_budget(self) -> int | None:
+        """Sampled mode: the samples a second the sampler may take now (0: no budget); None in exact mode."""
+        link = self._sampler
+        return link.budget if link is not None else None
+
     def rate_in_force(self) -> tuple[int, int] | None:
         """Sampled mode: the sampler's rate in force and how often its budget has moved it, as last read at the
         profile's looks; None in exact mode."""

@@ -117,6 +117,9 @@ class SamplerLink:
         self.mode = mode
         self.rate = mode.rate
         self.max_samples = mode.max_samples
+        # The budget in force (samples a second, 0: none): the profile's, an inherited lower one (a forked child),
+        # or a daemon's share of its total (set_budget).
+        self.budget = mode.max_samples
         self._budget_said = False  # the first move of the rate in force is said; the rest show in the summary
         self.say = say
         self.libc = process.allocator.family if process.allocator.family == "musl" else "glibc"
@@ -208,7 +211,9 @@ class SamplerLink:
         """Which build of the sampler the target got, and how: "glibc build, memfd"; and the rate in force when
         the budget has moved it (as last read)."""
         in_force = self.rate_in_force
-        moved = f"; over its budget, one sample per {in_force} bytes now" if in_force > self.rate else ""
+        shared = f" ({self.budget} samples a second, its share of the daemon's total)" if (
+            self.budget != self.max_samples) else ""
+        moved = f"; over its budget{shared}, one sample per {in_force} bytes now" if in_force > self.rate else ""
         return f"{self.libc} build, {self.delivery}{moved}"
 
     # ---- arming ----------------------------------------------------------------------------------------
@@ -248,6 +253,7 @@ class SamplerLink:
                          "rescanned by calls at safe points, and its hooks watch heapscope's lease")
         with self._lock:
             self.control = control
+            self.budget = st["max_samples"]
         since = " since its fork (its parent's lease; disarmed and rescanned by calls)" if control.inherited else ""
         self.say(
             f"sampler armed in {self.pid}{since}: one sample per {self.rate} bytes on average"
@@ -384,7 +390,8 @@ class SamplerLink:
                     self._read_failed(exc)
                 else:
                     self._last_stats = {k: st[k] for k in self._STATS}
-                    if st["rate_changes"] and not self._budget_said:
+                    # Its own budget said; a daemon's share of its total is said once by the daemon.
+                    if st["rate_changes"] and not self._budget_said and self.budget == self.max_samples:
                         self._budget_said = True
                         self.say(f"sampler in {self.pid}: over its budget of {self.max_samples} samples a second, "
                                  f"its rate in force is now one sample per {st['rate_in_force']} bytes (the "
@@ -395,6 +402,25 @@ class SamplerLink:
                         self.say(f"sampler in {self.pid} disarmed itself ({st.disarm_reason}, armed "
                                  f"{st['arm_count']} times): its allocations are no longer sampled")
             return dict(self._last_stats)
+
+    def sampling(self) -> tuple[int, int] | None:
+        """(samples since arming, rate in force) read now, for a daemon that shares its total; None unless
+        armed."""
+        stats = self.statistics()
+        if self.control is None or not stats:
+            return None
+        return stats["samples"], max(stats["rate_in_force"], self.rate)
+
+    def set_budget(self, max_samples: int) -> None:
+        """Move the armed sampler's budget (SamplerControl.set_budget); a gone target is left as it was."""
+        with self._lock:
+            if self.control is None:
+                return
+            try:
+                self.control.set_budget(max_samples)
+            except OSError:
+                return  # gone: its end is the profile's to see
+            self.budget = max_samples
 
     # ---- letting go ------------------------------------------------------------------------------------
 

@@ -115,7 +115,6 @@ static __thread struct thread_state tls __attribute__((tls_model(HS_TLS_MODEL)))
 #define HS_MAX_RATE ((uint64_t)1 << 40) /* the most bytes between samples: agent/process/sampler.py MAX_RATE */
 static uint64_t sample_rate = 524288; /* the rate in force: asked_rate, or more under the budget */
 static uint64_t asked_rate = 524288;  /* the profile's rate: the budget never takes the rate below it */
-static uint64_t max_samples;          /* samples a second (0: no budget) */
 static uint64_t window_start_ns;      /* the budget's window: since when its samples are counted */
 static uint64_t window_samples;
 static int armed;
@@ -487,7 +486,7 @@ static void budget_start(void)
 
 static void budget_sample(void)
 {
-    uint64_t cap = LOAD(max_samples);
+    uint64_t cap = LOAD(hs_control.max_samples); /* read at each sample: a daemon moves it while armed */
     if (!cap)
         return;
     uint64_t taken = ADD(window_samples, 1) + 1;
@@ -1296,7 +1295,6 @@ static int64_t arm(uint64_t rate)
     STORE(hs_control.sample_rate, rate); /* the rate asked, also when armed by a call (a forked child reads it) */
     STORE(hs_control.rate_in_force, rate);
     STORE(hs_control.rate_changes, 0);
-    STORE(max_samples, LOAD(hs_control.max_samples));
     budget_start();
     pthread_mutex_lock(&patch_lock);
     STORE(armed, 1);

@@ -65,7 +65,8 @@ struct hs_sampler_control {
     uint64_t counts_address; /* struct hs_counts[counts_used]: exact per-thread counts since arming */
     uint64_t counts_used;
     uint64_t forked_armed; /* enum hs_forked: a child forked while armed, armed since its fork */
-    /* the sampling budget: written by heapscope before an arm, read at the arm */
+    /* the sampling budget: written by heapscope before an arm, and by a daemon that shares its total among its
+     * targets while armed; read at each sample */
     uint64_t max_samples; /* samples a second the process may take (0: no cap); the rate in force rises to keep it */
     /* written by the sampler */
     uint64_t rate_in_force; /* mean bytes between samples now: sample_rate, or more while the budget holds it up */

@@ -77,6 +77,7 @@ class FakeTarget:
     origin: TargetOrigin = field(default_factory=TargetOrigin)  # identity, cgroup, selector
     error: str | None = None  # why its profiling failed once attached
     in_force: tuple[int, int] | None = None  # sampled: the rate in force and the budget's moves (else the asked)
+    budget: int = 500  # sampled: the samples a second its sampler may take now
     _xt_seq: int = 0
 
     def header(self) -> ProfileHeader:
@@ -106,6 +107,9 @@ class FakeTarget:
         if self.mode != "sampled":
             return None
         return self.in_force if self.in_force is not None else (self.sample_rate, 0)
+
+    def sample_budget(self) -> int | None:
+        return self.budget if self.mode == "sampled" else None
 
     def page_totals(self) -> PageTotals | None:
         self._check()

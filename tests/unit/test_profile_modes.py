@@ -141,7 +141,7 @@ def test_metrics_info_series_per_target() -> None:
 
 
 def test_metrics_give_a_sampled_targets_rate_in_force() -> None:
-    raised = FakeTarget(pid=10, command="api", mode="sampled", sample_rate=524288, in_force=(2097152, 3))
+    raised = FakeTarget(pid=10, command="api", mode="sampled", sample_rate=524288, in_force=(2097152, 3), budget=40)
     asked = FakeTarget(pid=11, command="db", mode="sampled", sample_rate=524288)
     exact = FakeTarget(pid=20, command="worker")
     registry = CollectorRegistry(auto_describe=False)
@@ -154,6 +154,7 @@ def test_metrics_give_a_sampled_targets_rate_in_force() -> None:
 
     assert values("heapscope_sample_rate_in_force_bytes") == {"api": 2097152.0, "db": 524288.0}
     assert values("heapscope_sample_rate_changes_total") == {"api": 3.0, "db": 0.0}
+    assert values("heapscope_sample_budget") == {"api": 40.0, "db": 500.0}
 
 
 def test_api_attach_with_a_mode_and_switch() -> None:
