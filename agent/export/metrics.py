@@ -349,7 +349,7 @@ class FleetCollector(Collector):
         )
         yield CounterMetricFamily("heapscope_proc_scans", "Scans of /proc for selected processes.", value=f.scans)
         yield GaugeMetricFamily(
-            "heapscope_sampling_total",
+            "heapscope_sampling_limit",
             "Sampled mode: the samples a second all targets may take together (--total-samples; 0: no total).",
             value=f.total_samples,
         )

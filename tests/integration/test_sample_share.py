@@ -80,7 +80,7 @@ def test_busy_processes_share_the_default_total_and_their_samplers_follow(
                    _metric(text, "heapscope_sample_rate_in_force_bytes", p) > 10 * DEFAULT_SAMPLE_RATE for p in pids)
 
     text, pids, log = _share_run(churn, heapscope_cmd, tmp_path, shared)
-    assert _metric(text, "heapscope_sampling_total") == total
+    assert _metric(text, "heapscope_sampling_limit") == total
     demand = _metric(text, "heapscope_sampling_demand")
     assert demand > 2 * total, demand  # some 3,600 a second each at the asked rate
     assert 0.9 * share <= _metric(text, "heapscope_sampling_share") <= 1.1 * share
@@ -97,7 +97,7 @@ def test_busy_processes_share_the_default_total_and_their_samplers_follow(
         return all(_metric(text, "heapscope_sample_rate_changes_total", p) >= 1 for p in pids)
 
     text, pids, log = _share_run(churn, heapscope_cmd, own, own_budget, "--total-samples=0")
-    assert _metric(text, "heapscope_sampling_total") == 0 and _metric(text, "heapscope_sampling_share") == 0
+    assert _metric(text, "heapscope_sampling_limit") == 0 and _metric(text, "heapscope_sampling_share") == 0
     assert [_metric(text, "heapscope_sample_budget", p) for p in pids] == [DEFAULT_MAX_SAMPLES] * CHURNS
     own_rates = [_metric(text, "heapscope_sample_rate_in_force_bytes", p) for p in pids]
     print(f"total {total}, share {share}: rates in force {shared_rates}; own budgets: {own_rates}")
