@@ -55,7 +55,7 @@ class SamplingSummary:
     samples: int = 0  # allocations sampled
     sampled_frees: int = 0  # frees of sampled blocks
     unseen_frees: int = 0  # samples whose address did not fit the sampler's set: their frees are not seen
-    max_samples: int = 0  # the budget: samples a second (0: none)
+    max_samples: int = 0  # the budget at the end: samples a second (--max-samples, or a daemon's share; 0: none)
     rate_in_force: int = 0  # the rate as the sampler last had it (rate, or more under the budget)
     rate_changes: int = 0  # times the budget moved the rate in force
 

@@ -517,5 +517,5 @@ class Profile:
             return summary
         st = link.statistics()
         sampling = SamplingSummary(link.rate, st.get("samples", 0), st.get("sampled_frees", 0), st.get("set_full", 0),
-                                   link.max_samples, link.rate_in_force, link.rate_changes)
+                                   link.budget, link.rate_in_force, link.rate_changes)  # a daemon's share, if so
         return replace(summary, counters=self._exact_counts(summary.counters), sampling=sampling)
