@@ -2,17 +2,17 @@
 
 A sample costs the process that takes it some 10-20 us (docs/benchmarks.md), so the per-process budget
 (--max-samples) bounds one process's cost, not a prefork server's: forty busy workers under theirs take forty
-times it. Once a second the daemon reads each armed sampler's samples, estimates what it would take at its asked
-rate (the samples over the second, times its rate in force over the asked rate), and moves every budget to the
-max-min fair share of the total (agent.model.sampling.share_level): a process wanting less than its share keeps
-its asked rate, the busy ones share what is left. A sampler reads its budget at each sample; each sample keeps the
-weight of the rate it was drawn at, so the estimates stay unbiased, from fewer samples.
+times it. Once a second the daemon takes each armed sampler's samples as its profile's look last read them,
+estimates what it would take at its asked rate (the samples over the time between readings, times its rate in
+force over the asked rate), and moves every budget to the max-min fair share of the total
+(agent.model.sampling.share_level): a process wanting less than its share keeps its asked rate, the busy ones share
+what is left. A sampler reads its budget at each sample; each sample keeps the weight of the rate it was drawn at,
+so the estimates stay unbiased, from fewer samples.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -49,19 +49,19 @@ class SampleShare:
         self._seen: dict[SamplerLink, _Seen] = {}
         self._held = False  # whether the last tick held some back (said when it starts and ends)
 
-    def tick(self, links: Sequence[SamplerLink], now: float) -> None:
+    def tick(self, links: Sequence[SamplerLink]) -> None:
         seen: dict[SamplerLink, _Seen] = {}
         for link in links:
             reading = link.sampling()
             if reading is None:
                 continue
-            samples, in_force = reading
+            at, samples, in_force = reading
             before = self._seen.get(link)
             demand = before.demand if before is not None else None
-            if before is not None and now > before.at and samples >= before.samples:
-                latest = (samples - before.samples) / (now - before.at) * in_force / link.rate
+            if before is not None and at > before.at and samples >= before.samples:
+                latest = (samples - before.samples) / (at - before.at) * in_force / link.rate
                 demand = latest if demand is None else SMOOTH * latest + (1 - SMOOTH) * demand
-            seen[link] = _Seen(now, samples, demand)
+            seen[link] = _Seen(at, samples, demand)
         self._seen = seen
         demands = [s.demand or 0.0 for s in seen.values()]
         self.demand = sum(demands)
@@ -87,7 +87,7 @@ class SampleShare:
         failed = False
         while not stop.wait(SHARE_EVERY):
             try:
-                self.tick(links(), time.monotonic())
+                self.tick(links())
             except Exception as exc:  # one of heapscope's own faults: said once, the daemon goes on
                 if not failed:
                     failed = True

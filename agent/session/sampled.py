@@ -131,6 +131,7 @@ class SamplerLink:
         self._last_table: bytes | None = None  # the per-thread counts as last read (SamplerControl.count_table)
         self._read_at = 0.0  # when (time.monotonic)
         self._last_stats: dict[str, int] = {}
+        self._stats_at = 0.0  # when they were read (time.monotonic)
         self._lock = threading.Lock()
         self.arm_error: BaseException | None = None
         self.disarmed_itself: str | None = None  # why the sampler disarmed without being asked, once it has
@@ -390,6 +391,7 @@ class SamplerLink:
                     self._read_failed(exc)
                 else:
                     self._last_stats = {k: st[k] for k in self._STATS}
+                    self._stats_at = time.monotonic()
                     # Its own budget said; a daemon's share of its total is said once by the daemon.
                     if st["rate_changes"] and not self._budget_said and self.budget == self.max_samples:
                         self._budget_said = True
@@ -403,13 +405,14 @@ class SamplerLink:
                                  f"{st['arm_count']} times): its allocations are no longer sampled")
             return dict(self._last_stats)
 
-    def sampling(self) -> tuple[int, int] | None:
-        """(samples since arming, rate in force) read now, for a daemon that shares its total; None unless
-        armed."""
-        stats = self.statistics()
-        if self.control is None or not stats:
-            return None
-        return stats["samples"], max(stats["rate_in_force"], self.rate)
+    def sampling(self) -> tuple[float, int, int] | None:
+        """(when, samples since arming, rate in force) as the profile's looks last read them (once a second), for a
+        daemon that shares its total; None unless armed and read."""
+        with self._lock:
+            if self.control is None or not self._last_stats:
+                return None
+            stats, at = self._last_stats, self._stats_at
+        return at, stats["samples"], max(stats["rate_in_force"], self.rate)
 
     def set_budget(self, max_samples: int) -> None:
         """Move the armed sampler's budget (SamplerControl.set_budget); a gone target is left as it was."""

@@ -46,10 +46,11 @@ class Link:
     samples: int = 0
     in_force: int = 524288
     armed: bool = True
+    at: float = 0.0  # when its profile's look last read it
     writes: list[int] = field(default_factory=list)
 
-    def sampling(self) -> tuple[int, int] | None:
-        return (self.samples, self.in_force) if self.armed else None
+    def sampling(self) -> tuple[float, int, int] | None:
+        return (self.at, self.samples, self.in_force) if self.armed else None
 
     def set_budget(self, max_samples: int) -> None:
         self.writes.append(max_samples)
@@ -57,7 +58,20 @@ class Link:
 
 
 def _tick(share: SampleShare, links: list[Link], at: float) -> None:
-    share.tick(cast(list[SamplerLink], links), at)
+    """A tick after each link's look read it at `at`."""
+    for link in links:
+        link.at = at
+    share.tick(cast(list[SamplerLink], links))
+
+
+def _four_busy(share: SampleShare) -> list[Link]:
+    """Four samplers that took 1,000 samples each in the second between two ticks."""
+    links = [Link() for _ in range(4)]
+    _tick(share, links, 0.0)
+    for link in links:
+        link.samples += 1000
+    _tick(share, links, 1.0)
+    return links
 
 
 def test_busy_workers_share_the_total_and_an_idle_master_is_left_alone() -> None:
@@ -89,11 +103,7 @@ def test_busy_workers_share_the_total_and_an_idle_master_is_left_alone() -> None
 def test_the_budgets_come_back_when_the_demand_falls() -> None:
     said: list[str] = []
     share = SampleShare(1000, said.append)
-    links = [Link() for _ in range(4)]
-    _tick(share, links, 0.0)
-    for link in links:
-        link.samples += 1000
-    _tick(share, links, 1.0)
+    links = _four_busy(share)
     assert [link.budget for link in links] == [250] * 4
     for t in range(2, 8):  # quiet: 20 a second each, the smoothed demand falls below the total
         for link in links:
@@ -145,3 +155,13 @@ def test_a_forked_child_keeps_its_parents_share_but_not_a_budget_above_its_own()
     assert within_budget(100, 500) and within_budget(500, 500)
     assert not within_budget(800, 500) and not within_budget(0, 500)
     assert within_budget(100, 0) and within_budget(0, 0)
+
+
+def test_a_reading_not_taken_again_since_the_last_tick_keeps_its_demand() -> None:
+    """The share uses what the profile's look last read: a tick that comes before the next look sees the same
+    reading, and neither the demand nor the budgets move."""
+    share = SampleShare(1000, lambda _: None)
+    links = _four_busy(share)
+    assert share.demand == pytest.approx(4000) and [link.budget for link in links] == [250] * 4
+    share.tick(cast(list[SamplerLink], links))  # no look since: the same readings
+    assert share.demand == pytest.approx(4000) and all(link.writes == [250] for link in links)
