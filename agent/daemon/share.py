@@ -76,7 +76,7 @@ class SampleShare:
             if held:
                 self.say(f"sampling: {len(seen)} processes would take {self.demand:.0f} samples a second, more "
                          f"than the total of {self.total} (--total-samples): the busiest take at most "
-                         f"{share_budget(self.level, 0)} a second each, at a higher rate in force (the estimates "
+                         f"{self.held_level()} a second each, at a higher rate in force (the estimates "
                          "stay unbiased, from fewer samples)")
             else:
                 self.say(f"sampling: the processes take {self.demand:.0f} samples a second, within the total of "
